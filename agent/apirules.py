@@ -1,0 +1,268 @@
+"""The API server's validation rules for what the agent publishes (resource.k8s.io/v1, 1.37).
+
+Each check returns a list of human-readable problems (empty = valid), so the
+slice builder can drop exactly the offending value and say why, instead of
+having the whole slice rejected by the API server.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from agent.model import AttrValue, Version
+
+MAX_DEVICES_PER_SLICE = 128
+MAX_DEVICES_PER_SLICE_RESTRICTED = 64  # any taint, counter consumption or list attribute in the slice
+MAX_ATTRIBUTES_AND_CAPACITIES = 32
+MAX_ATTRIBUTE_VALUES = 48
+MAX_VALUE_LENGTH = 64
+MAX_TAINTS = 16
+MAX_POOL_NAME = 253
+MAX_DRIVER_NAME = 63
+MAX_ID_LENGTH = 32
+MAX_DOMAIN_LENGTH = 63
+MAX_VALID_VALUES = 10
+TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
+NODE_ALLOCATABLE_KEYS = re.compile(r"^(cpu|memory|ephemeral-storage|hugepages-[0-9A-Za-z.]+)$")
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_SEMVER = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
+)
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$")
+
+
+def dns_label_errors(value: str, max_len: int = 63) -> list[str]:
+    errs = []
+    if len(value) > max_len:
+        errs.append(f"must be no more than {max_len} characters")
+    if not _DNS_LABEL.match(value):
+        errs.append("must be a DNS label (lower-case alphanumerics and '-', starting and ending "
+                    "with an alphanumeric)")
+    return errs
+
+
+def dns_subdomain_errors(value: str, max_len: int = 253) -> list[str]:
+    errs = []
+    if len(value) > max_len:
+        errs.append(f"must be no more than {max_len} characters")
+    if not value or not all(_DNS_LABEL.match(part) for part in value.split(".")):
+        errs.append("must be a DNS subdomain (lower-case alphanumerics, '-' and '.')")
+    return errs
+
+
+def semver_errors(value: str) -> list[str]:
+    errs = []
+    if len(value) > MAX_VALUE_LENGTH:
+        errs.append(f"must be no more than {MAX_VALUE_LENGTH} characters")
+    if not _SEMVER.match(value):
+        errs.append("must be a semantic version (semver 2.0.0)")
+    return errs
+
+
+def normalize_version(text: str) -> str | None:
+    """`570.124.06` -> `570.124.6`, `12.8` -> `12.8.0`; None when it is not numeric dotted."""
+    parts = text.strip().split(".")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    nums = [str(int(p)) for p in parts] + ["0"] * (3 - len(parts))
+    return ".".join(nums)
+
+
+def qualified_name_errors(name: str) -> list[str]:
+    """Attribute and capacity names: `<C identifier>` or `<DNS subdomain>/<C identifier>`."""
+    domain, sep, ident = name.rpartition("/")
+    errs = []
+    if sep:
+        if not domain:
+            errs.append("has an empty domain")
+        else:
+            errs += [f"domain {e}" for e in dns_subdomain_errors(domain, MAX_DOMAIN_LENGTH)]
+    if len(ident) > MAX_ID_LENGTH:
+        errs.append(f"identifier must be no more than {MAX_ID_LENGTH} characters")
+    if not _C_IDENTIFIER.match(ident):
+        errs.append("identifier must be a C identifier")
+    return errs
+
+
+def label_key_errors(key: str) -> list[str]:
+    """Taint keys follow the label key rules."""
+    prefix, sep, name = key.rpartition("/")
+    errs = []
+    if sep:
+        errs += [f"prefix {e}" for e in dns_subdomain_errors(prefix)]
+    if len(name) > 63 or not _LABEL_NAME.match(name):
+        errs.append("name must be 63 characters or less, alphanumerics, '-', '_' or '.'")
+    return errs
+
+
+def label_value_errors(value: str) -> list[str]:
+    if len(value) > 63 or not _LABEL_VALUE.match(value):
+        return ["must be 63 characters or less, alphanumerics, '-', '_' or '.'"]
+    return []
+
+
+def attribute_value_errors(value: AttrValue) -> list[str]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            return ["int out of 64-bit range"]
+        return []
+    if isinstance(value, Version):
+        return semver_errors(value.value)
+    if isinstance(value, str):
+        if len(value) > MAX_VALUE_LENGTH:
+            return [f"string must be no more than {MAX_VALUE_LENGTH} characters (is {len(value)})"]
+        return []
+    return [f"unsupported value type {type(value).__name__}"]
+
+
+def quantity_errors(value: str) -> list[str]:
+    return [] if _QUANTITY.match(value) else [f"{value!r} is not a quantity"]
+
+
+def request_policy_errors(policy: Mapping[str, Any]) -> list[str]:
+    errs = []
+    unknown = set(policy) - {"default", "validValues", "validRange"}
+    if unknown:
+        errs.append(f"unknown requestPolicy fields {sorted(unknown)}")
+    if "validValues" in policy and "validRange" in policy:
+        errs.append("validValues and validRange are mutually exclusive")
+    values = policy.get("validValues") or []
+    if len(values) > MAX_VALID_VALUES:
+        errs.append(f"at most {MAX_VALID_VALUES} validValues")
+    for v in values:
+        errs += quantity_errors(str(v))
+    rng = policy.get("validRange")
+    if rng is not None:
+        if "min" not in rng:
+            errs.append("validRange needs min")
+        for k in ("min", "max", "step"):
+            if k in rng:
+                errs += quantity_errors(str(rng[k]))
+    if "default" in policy:
+        errs += quantity_errors(str(policy["default"]))
+    return errs
+
+
+def taint_errors(taint: Mapping[str, Any]) -> list[str]:
+    errs = [f"key {e}" for e in label_key_errors(str(taint.get("key", "")))]
+    if taint.get("value"):
+        errs += [f"value {e}" for e in label_value_errors(str(taint["value"]))]
+    if taint.get("effect") not in TAINT_EFFECTS:
+        errs.append(f"effect must be one of {', '.join(TAINT_EFFECTS)}")
+    return errs
+
+
+def pool_name_errors(name: str) -> list[str]:
+    errs = []
+    if len(name) > MAX_POOL_NAME:
+        errs.append(f"must be no more than {MAX_POOL_NAME} characters")
+    for part in name.split("/"):
+        if dns_subdomain_errors(part):
+            errs.append("each '/'-separated part must be a DNS subdomain")
+            break
+    return errs
+
+
+def device_limit(devices: list[Mapping[str, Any]]) -> int:
+    """How many devices a slice holding `devices` may have."""
+    restricted = any(
+        d.get("taints") or d.get("consumesCounters")
+        or any(len(a) == 1 and next(iter(a)) in ("ints", "bools", "strings", "versions")
+               for a in (d.get("attributes") or {}).values())
+        for d in devices
+    )
+    return MAX_DEVICES_PER_SLICE_RESTRICTED if restricted else MAX_DEVICES_PER_SLICE
+
+
+def slice_errors(obj: Mapping[str, Any]) -> list[str]:
+    """Whole-object check of a ResourceSlice as the agent emits it; empty when the API would accept it."""
+    spec = obj.get("spec") or {}
+    errs: list[str] = []
+    errs += [f"spec.driver {e}" for e in dns_subdomain_errors(str(spec.get("driver", "")), MAX_DRIVER_NAME)]
+    pool = spec.get("pool") or {}
+    errs += [f"spec.pool.name {e}" for e in pool_name_errors(str(pool.get("name", "")))]
+    if not isinstance(pool.get("generation"), int) or pool["generation"] < 0:
+        errs.append("spec.pool.generation must be a non-negative int")
+    if not isinstance(pool.get("resourceSliceCount"), int) or pool["resourceSliceCount"] < 1:
+        errs.append("spec.pool.resourceSliceCount must be >= 1")
+    devices = spec.get("devices") or []
+    if devices and spec.get("sharedCounters"):
+        errs.append("spec.devices and spec.sharedCounters are mutually exclusive")
+    if len(devices) > (limit := device_limit(devices)):
+        errs.append(f"spec.devices has {len(devices)} entries, more than {limit}")
+    seen: set[str] = set()
+    for i, dev in enumerate(devices):
+        where = f"spec.devices[{i}]"
+        name = str(dev.get("name", ""))
+        if name in seen:
+            errs.append(f"{where}.name {name!r} is duplicated")
+        seen.add(name)
+        errs += [f"{where}.name {e}" for e in dns_label_errors(name)]
+        errs += [f"{where}: {e}" for e in device_wire_errors(dev)]
+    return errs
+
+
+def device_wire_errors(dev: Mapping[str, Any]) -> list[str]:
+    errs: list[str] = []
+    attrs = dev.get("attributes") or {}
+    caps = dev.get("capacity") or {}
+    if len(attrs) + len(caps) > MAX_ATTRIBUTES_AND_CAPACITIES:
+        errs.append(f"{len(attrs) + len(caps)} attributes and capacities, more than "
+                    f"{MAX_ATTRIBUTES_AND_CAPACITIES}")
+    n_values = 0
+    for key, wire in attrs.items():
+        errs += [f"attribute {key!r} name {e}" for e in qualified_name_errors(key)]
+        if not isinstance(wire, Mapping) or len(wire) != 1:
+            errs.append(f"attribute {key!r} must set exactly one value")
+            continue
+        (kind, value), = wire.items()
+        if kind in ("ints", "bools", "strings", "versions"):
+            n_values += len(value)
+            continue
+        n_values += 1
+        if kind == "version":
+            errs += [f"attribute {key!r} {e}" for e in semver_errors(str(value))]
+        elif kind == "string":
+            if not isinstance(value, str) or len(value) > MAX_VALUE_LENGTH:
+                errs.append(f"attribute {key!r} string must be no more than {MAX_VALUE_LENGTH} characters")
+        elif kind == "int":
+            if not isinstance(value, int) or isinstance(value, bool):
+                errs.append(f"attribute {key!r} int must be an integer")
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                errs.append(f"attribute {key!r} bool must be a boolean")
+        else:
+            errs.append(f"attribute {key!r} has unknown value type {kind!r}")
+    if n_values > MAX_ATTRIBUTE_VALUES:
+        errs.append(f"{n_values} attribute values, more than {MAX_ATTRIBUTE_VALUES}")
+    for key, cap in caps.items():
+        errs += [f"capacity {key!r} name {e}" for e in qualified_name_errors(key)]
+        errs += [f"capacity {key!r} {e}" for e in quantity_errors(str(cap.get("value", "")))]
+        if cap.get("requestPolicy"):
+            errs += [f"capacity {key!r} {e}" for e in request_policy_errors(cap["requestPolicy"])]
+    taints = dev.get("taints") or []
+    if len(taints) > MAX_TAINTS:
+        errs.append(f"{len(taints)} taints, more than {MAX_TAINTS}")
+    for t in taints:
+        errs += [f"taint {t.get('key')!r} {e}" for e in taint_errors(t)]
+    for key, res in (dev.get("nodeAllocatableResources") or {}).items():
+        if not NODE_ALLOCATABLE_KEYS.match(key):
+            errs.append(f"nodeAllocatableResources key {key!r} is not a node-allocatable resource")
+        mapping = (res or {}).get("mapping") or {}
+        if bool(mapping.get("capacityKey")) == bool(mapping.get("deviceMultiplier")):
+            errs.append(f"nodeAllocatableResources[{key!r}].mapping needs exactly one of capacityKey "
+                        "and deviceMultiplier")
+        if mapping.get("capacityKey") and mapping["capacityKey"] not in caps:
+            errs.append(f"nodeAllocatableResources[{key!r}] maps unknown capacity "
+                        f"{mapping['capacityKey']!r}")
+    return errs

@@ -1,0 +1,245 @@
+"""One frozen settings object, built from command-line flags and environment variables.
+
+Every setting is a flag and an environment variable (the flag wins). The table
+`OPTIONS` is the single source: argparse, `--help` and README are made from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+UNIX_PATH_MAX = 108  # sun_path, including the terminating NUL
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Option:
+    dest: str
+    flag: str
+    env: str
+    default: Any
+    help: str
+    kind: type = str
+    metavar: str | None = None
+
+
+def _default_state_dir() -> str:
+    if os.geteuid() == 0:
+        return "/var/lib/dra-agent"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "dra-agent")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("driver_name", "--driver-name", "DRA_DRIVER_NAME", "dra.example.com",
+           "DRA driver name (a DNS subdomain); also the CDI vendor"),
+    Option("node_name", "--node-name", "NODE_NAME", None,
+           "this node's name (default: the host name)"),
+    Option("nvml", "--nvml", "DRA_NVML", "auto",
+           "GPU discovery: auto (real NVML if it loads), real, or sim[:PROFILE]", metavar="MODE"),
+    Option("kubelet_dir", "--kubelet-dir", "DRA_KUBELET_DIR", "/var/lib/kubelet",
+           "kubelet root: sockets under plugins/ and plugins_registry/", metavar="DIR"),
+    Option("cdi_dir", "--cdi-dir", "DRA_CDI_DIR", "/var/run/cdi",
+           "directory for the per-claim CDI specs (dynamic CDI dir)", metavar="DIR"),
+    Option("static_cdi_dir", "--static-cdi-dir", "DRA_STATIC_CDI_DIR", "/etc/cdi",
+           "static CDI dir, searched (with --cdi-dir) for the NVIDIA toolkit's GPU specs", metavar="DIR"),
+    Option("state_dir", "--state-dir", "DRA_STATE_DIR", None,
+           "durable per-claim records (default /var/lib/dra-agent as root, else ~/.local/state/dra-agent)",
+           metavar="DIR"),
+    Option("sysfs_root", "--sysfs-root", "DRA_SYSFS_ROOT", "/sys", "sysfs mount point", metavar="DIR"),
+    Option("dev_root", "--dev-root", "DRA_DEV_ROOT", "/dev",
+           "host directory holding the device nodes (nvidia*, vfio)", metavar="DIR"),
+    Option("kubeconfig", "--kubeconfig", "KUBECONFIG", None,
+           "kubeconfig file (default: in-cluster config, then ~/.kube/config)", metavar="FILE"),
+    Option("offline", "--offline", "DRA_OFFLINE", None,
+           "talk to no API server: slices to DIR/resourceslices, claims from DIR/resourceclaims",
+           metavar="DIR"),
+    Option("offline_fallback", "--offline-fallback", "DRA_OFFLINE_FALLBACK", None,
+           "like --offline DIR, but only when no cluster is configured, reachable and knows this node",
+           metavar="DIR"),
+    Option("nic_include", "--nic-include", "DRA_NIC_INCLUDE", "",
+           "comma-separated interface-name globs to publish even if virtual", metavar="GLOBS"),
+    Option("nic_exclude", "--nic-exclude", "DRA_NIC_EXCLUDE", "",
+           "comma-separated interface-name globs never to publish", metavar="GLOBS"),
+    Option("rescan_interval", "--rescan-interval", "DRA_RESCAN_INTERVAL", 60.0,
+           "seconds between NVML and sysfs rescans", kind=float, metavar="SECONDS"),
+    Option("netlink_debounce", "--netlink-debounce", "DRA_NETLINK_DEBOUNCE", 0.5,
+           "seconds to wait after a netlink event before rescanning NICs", kind=float, metavar="SECONDS"),
+    Option("rolling_update_pod_uid", "--rolling-update-pod-uid", "DRA_ROLLING_UPDATE_POD_UID", "",
+           "this agent pod's UID: use per-pod socket names so two agents can overlap", metavar="UID"),
+    Option("claim_fetch_concurrency", "--claim-fetch-concurrency", "DRA_CLAIM_FETCH_CONCURRENCY", 16,
+           "ResourceClaim GETs in flight at once", kind=int, metavar="N"),
+    Option("api_timeout", "--api-timeout", "DRA_API_TIMEOUT", 10.0,
+           "seconds for one API server request", kind=float, metavar="SECONDS"),
+    Option("log_format", "--log-format", "DRA_LOG_FORMAT", "auto",
+           "auto (text on a terminal, else JSON), json or text", metavar="FORMAT"),
+    Option("log_level", "--log-level", "DRA_LOG_LEVEL", "info", "debug, info, warning or error",
+           metavar="LEVEL"),
+)
+
+
+@dataclass(frozen=True)
+class NvmlMode:
+    kind: str  # auto | real | sim
+    profile: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> NvmlMode:
+        kind, _, profile = text.partition(":")
+        if kind not in ("auto", "real", "sim") or (profile and kind != "sim"):
+            raise ConfigError(f"--nvml must be auto, real or sim[:PROFILE], not {text!r}")
+        if kind == "sim":
+            return cls("sim", profile or "dgx-h100")
+        return cls(kind)
+
+    def __str__(self) -> str:
+        return f"sim:{self.profile}" if self.kind == "sim" else self.kind
+
+
+def _globs(text: str) -> tuple[str, ...]:
+    return tuple(g.strip() for g in text.split(",") if g.strip())
+
+
+@dataclass(frozen=True)
+class Settings:
+    driver_name: str = "dra.example.com"
+    node_name: str = field(default_factory=socket.gethostname)
+    nvml: NvmlMode = NvmlMode("auto")
+    kubelet_dir: Path = Path("/var/lib/kubelet")
+    cdi_dir: Path = Path("/var/run/cdi")
+    static_cdi_dir: Path = Path("/etc/cdi")
+    state_dir: Path = field(default_factory=lambda: Path(_default_state_dir()))
+    sysfs_root: Path = Path("/sys")
+    dev_root: Path = Path("/dev")
+    kubeconfig: Path | None = None
+    offline: Path | None = None
+    offline_fallback: Path | None = None
+    nic_include: tuple[str, ...] = ()
+    nic_exclude: tuple[str, ...] = ()
+    rescan_interval: float = 60.0
+    netlink_debounce: float = 0.5
+    rolling_update_pod_uid: str = ""
+    claim_fetch_concurrency: int = 16
+    api_timeout: float = 10.0
+    log_format: str = "auto"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        from agent.apirules import dns_subdomain_errors
+
+        if errs := dns_subdomain_errors(self.driver_name, max_len=63):
+            raise ConfigError(f"--driver-name {self.driver_name!r}: {'; '.join(errs)}")
+        if not self.node_name:
+            raise ConfigError("--node-name is empty")
+        if self.log_format not in ("auto", "json", "text"):
+            raise ConfigError(f"--log-format must be auto, json or text, not {self.log_format!r}")
+        if self.rescan_interval <= 0 or self.netlink_debounce < 0:
+            raise ConfigError("--rescan-interval must be > 0 and --netlink-debounce >= 0")
+        if self.claim_fetch_concurrency < 1:
+            raise ConfigError("--claim-fetch-concurrency must be >= 1")
+
+    # Paths the kubelet and the runtime know about.
+    @property
+    def plugin_dir(self) -> Path:
+        return self.kubelet_dir / "plugins" / self.driver_name
+
+    @property
+    def registry_dir(self) -> Path:
+        return self.kubelet_dir / "plugins_registry"
+
+    @property
+    def metadata_dir(self) -> Path:
+        return self.plugin_dir / "dra-device-metadata"
+
+    @property
+    def dra_socket(self) -> Path:
+        if not self.rolling_update_pod_uid:
+            return self.plugin_dir / "dra.sock"
+        return _fit_socket(self.plugin_dir, f"dra-{self.rolling_update_pod_uid}.sock",
+                           self.rolling_update_pod_uid, "dra-")
+
+    @property
+    def registration_socket(self) -> Path:
+        if not self.rolling_update_pod_uid:
+            return self.registry_dir / f"{self.driver_name}-reg.sock"
+        uid = self.rolling_update_pod_uid
+        return _fit_socket(self.registry_dir, f"{self.driver_name}-{uid}-reg.sock", uid,
+                           f"{self.driver_name}-", "-reg")
+
+    @property
+    def claims_state_dir(self) -> Path:
+        return self.state_dir / "claims"
+
+    @property
+    def cdi_vendor(self) -> str:
+        return self.driver_name
+
+
+def _fit_socket(directory: Path, name: str, uid: str, prefix: str, suffix: str = "") -> Path:
+    """Keep a socket path under the unix limit, hashing the pod UID when it would not fit."""
+    path = directory / name
+    if len(os.fsencode(str(path))) < UNIX_PATH_MAX:
+        return path
+    digest = hashlib.sha256(uid.encode()).hexdigest()[:16]
+    path = directory / f"{prefix}{digest}{suffix}.sock"
+    if len(os.fsencode(str(path))) >= UNIX_PATH_MAX:
+        raise ConfigError(f"socket path {path} is longer than {UNIX_PATH_MAX - 1} bytes")
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("settings (each also an environment variable)")
+    for opt in OPTIONS:
+        group.add_argument(opt.flag, dest=opt.dest, default=None, metavar=opt.metavar,
+                           help=f"{opt.help} [${opt.env}]" + (
+                               f" (default: {opt.default})" if opt.default not in (None, "") else ""))
+
+
+def settings_from(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
+                  **overrides: Any) -> Settings:
+    """Flags beat environment beats defaults; `overrides` (for tests) beat everything."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        raw = getattr(args, opt.dest, None) if args is not None else None
+        if raw is None:
+            raw = env.get(opt.env) or None
+        if raw is None:
+            continue
+        try:
+            values[opt.dest] = opt.kind(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{opt.flag} / ${opt.env}: {raw!r} is not a valid {opt.kind.__name__}") from exc
+    values.update(overrides)
+    return build_settings(values)
+
+
+def build_settings(values: Mapping[str, Any]) -> Settings:
+    kw: dict[str, Any] = {}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key == "nvml" and isinstance(value, str):
+            value = NvmlMode.parse(value)
+        elif key in ("nic_include", "nic_exclude") and isinstance(value, str):
+            value = _globs(value)
+        elif key in ("kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root", "dev_root",
+                     "kubeconfig", "offline", "offline_fallback") and not isinstance(value, Path):
+            value = Path(os.path.abspath(os.path.expanduser(str(value))))
+        kw[key] = value
+    return Settings(**kw)
+
+
+def describe(settings: Settings) -> Sequence[tuple[str, str]]:
+    """(flag, value) pairs for the first log lines."""
+    return [(opt.flag, str(getattr(settings, opt.dest))) for opt in OPTIONS]

@@ -1,0 +1,138 @@
+"""Plain records that discovery produces and the rest of the agent consumes.
+
+A `Device` carries two kinds of facts: what is published in the ResourceSlice
+(`attributes`, `capacity`, `taints`, ...) and what only this node needs to
+prepare it (`node`: device nodes, interface name, addresses). Inventory
+modules build them; nothing else creates devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+NUMA_NODE = "resource.kubernetes.io/numaNode"
+
+
+@dataclass(frozen=True, slots=True)
+class Version:
+    """A semantic version attribute value (published as `{"version": ...}`)."""
+
+    value: str
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AttrValue = bool | int | str | Version
+
+
+def attribute_wire(value: AttrValue) -> dict[str, Any]:
+    """The API's one-of form: `{"string": "x"}`, `{"int": 3}`, `{"bool": true}`, `{"version": "1.2.3"}`."""
+    if isinstance(value, bool):
+        return {"bool": value}
+    if isinstance(value, int):
+        return {"int": value}
+    if isinstance(value, Version):
+        return {"version": value.value}
+    if isinstance(value, str):
+        return {"string": value}
+    raise TypeError(f"unsupported attribute value {value!r}")
+
+
+def attribute_from_wire(wire: Mapping[str, Any]) -> AttrValue:
+    (key, value), = wire.items()
+    if key == "version":
+        return Version(value)
+    return value  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """A capacity: `value` is a canonical Kubernetes quantity string."""
+
+    value: str
+    request_policy: Mapping[str, Any] | None = None
+
+    def wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"value": self.value}
+        if self.request_policy:
+            out["requestPolicy"] = dict(self.request_policy)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    effect: str  # None | NoSchedule | NoExecute
+    value: str = ""
+    time_added: str = ""  # RFC 3339, kept stable while the taint lasts
+
+    def wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key, "effect": self.effect}
+        if self.value:
+            out["value"] = self.value
+        if self.time_added:
+            out["timeAdded"] = self.time_added
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceNode:
+    """A device node a container needs: `path` inside, `host_path` on this node."""
+
+    path: str
+    host_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    """What prepare needs about a device that the slice does not carry."""
+
+    device_nodes: tuple[DeviceNode, ...] = ()
+    gpu_uuid: str = ""
+    gpu_index: int = -1
+    interface: str = ""
+    mac: str = ""
+    ips: tuple[str, ...] = ()  # CIDR, IPv4 first
+    cpus: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class Device:
+    name: str
+    kind: str  # gpu | nic | cpu | memory
+    attributes: dict[str, AttrValue] = field(default_factory=dict)
+    capacity: dict[str, Capacity] = field(default_factory=dict)
+    taints: list[Taint] = field(default_factory=list)
+    allow_multiple_allocations: bool = False
+    node_allocatable: dict[str, Any] | None = None
+    node: NodeFacts = field(default_factory=NodeFacts)
+
+    def wire(self) -> dict[str, Any]:
+        """The device as it appears in `ResourceSlice.spec.devices[]`."""
+        out: dict[str, Any] = {"name": self.name}
+        if self.attributes:
+            out["attributes"] = {k: attribute_wire(v) for k, v in sorted(self.attributes.items())}
+        if self.capacity:
+            out["capacity"] = {k: c.wire() for k, c in sorted(self.capacity.items())}
+        if self.taints:
+            out["taints"] = [t.wire() for t in self.taints]
+        if self.allow_multiple_allocations:
+            out["allowMultipleAllocations"] = True
+        if self.node_allocatable:
+            out["nodeAllocatableResources"] = self.node_allocatable
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """`{name, kind, attributes, capacity}` for `dra-agent devices -o json`."""
+        wire = self.wire()
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "attributes": wire.get("attributes", {}),
+            "capacity": wire.get("capacity", {}),
+        }
