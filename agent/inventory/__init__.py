@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,8 +51,12 @@ class Snapshot:
 class Inventory:
     """The node's current devices, kept by kind so one source can be rescanned alone."""
 
-    def __init__(self, sources: Iterable[Source]) -> None:
+    def __init__(self, sources: Iterable[Source],
+                 refine: Callable[[Device], Device | None] | None = None) -> None:
         self.sources = list(sources)
+        # Applied to every scanned device (the daemon drops what the API server would reject, so
+        # slices, metadata files and the CLI all show the same device).
+        self.refine = refine
         self._by_kind: dict[str, ScanResult] = {}
         self._index: dict[str, Device] = {}
         self._changed = asyncio.Event()
@@ -81,6 +85,9 @@ class Inventory:
         wanted = set(kinds) if kinds is not None else None
         chosen = [s for s in self.sources if wanted is None or s.kind in wanted]
         results = await asyncio.gather(*(asyncio.to_thread(_scan_one, s) for s in chosen))
+        if self.refine is not None:
+            for result in results:
+                result.devices = [d for d in map(self.refine, result.devices) if d is not None]
         changed = False
         for source, result in zip(chosen, results, strict=True):
             before = self._by_kind.get(source.kind)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, AttrValue
 
-BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-_ROOT = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}$")
+BDF = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\Z")
+_ROOT = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}\Z")
 
 
 def normalize_bus_id(text: str) -> str:
@@ -119,8 +119,7 @@ def nvidia_display_functions(sysfs_root: Path) -> list[str]:
     except OSError:
         return out
     for name in entries:
-        if read_text(base / name / "vendor") == "0x10de" and (read_text(base / name / "class") or "").startswith(
-            "0x03"
-        ):
+        is_display = (read_text(base / name / "class") or "").startswith("0x03")
+        if is_display and read_text(base / name / "vendor") == "0x10de":
             out.append(name)
     return out

@@ -1,0 +1,308 @@
+"""NVIDIA GPUs through NVML: one device per GPU, named by its minor number.
+
+The source holds either the real `pynvml` module or a `SimulatedNvml` and calls
+the same functions on both. In auto mode a node that shows NVIDIA hardware but
+whose NVML does not initialize is an error, never a quiet switch to the
+simulation: publishing made-up GPUs on a real GPU node would be worse than
+publishing none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pynvml
+
+from agent import quantity
+from agent.apirules import normalize_version
+from agent.config import Settings
+from agent.inventory import DiscoveryError, ScanResult
+from agent.inventory.nvml_profiles import ProfileError, error_name
+from agent.inventory.nvml_sim import SimulatedNvml
+from agent.inventory.pci import normalize_bus_id, nvidia_display_functions, pci_function
+from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, NodeFacts, Version
+
+log = logging.getLogger(__name__)
+
+SIM_DIR = "nvml-sim"
+SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+
+BRANDS = {
+    pynvml.NVML_BRAND_QUADRO: "Quadro",
+    pynvml.NVML_BRAND_TESLA: "Tesla",
+    pynvml.NVML_BRAND_NVS: "NVS",
+    pynvml.NVML_BRAND_GRID: "GRID",
+    pynvml.NVML_BRAND_GEFORCE: "GeForce",
+    pynvml.NVML_BRAND_TITAN: "Titan",
+    pynvml.NVML_BRAND_NVIDIA_VAPPS: "NVIDIA Virtual Applications",
+    pynvml.NVML_BRAND_NVIDIA_VPC: "NVIDIA Virtual PC",
+    pynvml.NVML_BRAND_NVIDIA_VCS: "NVIDIA Virtual Compute Server",
+    pynvml.NVML_BRAND_NVIDIA_VWS: "NVIDIA RTX Virtual Workstation",
+    pynvml.NVML_BRAND_NVIDIA_CLOUD_GAMING: "NVIDIA Cloud Gaming",
+    pynvml.NVML_BRAND_QUADRO_RTX: "Quadro RTX",
+    pynvml.NVML_BRAND_NVIDIA_RTX: "NVIDIA RTX",
+    pynvml.NVML_BRAND_NVIDIA: "NVIDIA",
+    pynvml.NVML_BRAND_GEFORCE_RTX: "GeForce RTX",
+    pynvml.NVML_BRAND_TITAN_RTX: "Titan RTX",
+}
+ARCHITECTURES = {
+    pynvml.NVML_DEVICE_ARCH_KEPLER: "Kepler",
+    pynvml.NVML_DEVICE_ARCH_MAXWELL: "Maxwell",
+    pynvml.NVML_DEVICE_ARCH_PASCAL: "Pascal",
+    pynvml.NVML_DEVICE_ARCH_VOLTA: "Volta",
+    pynvml.NVML_DEVICE_ARCH_TURING: "Turing",
+    pynvml.NVML_DEVICE_ARCH_AMPERE: "Ampere",
+    pynvml.NVML_DEVICE_ARCH_ADA: "Ada Lovelace",
+    pynvml.NVML_DEVICE_ARCH_HOPPER: "Hopper",
+    pynvml.NVML_DEVICE_ARCH_BLACKWELL: "Blackwell",
+}
+# Answers that mean "this GPU or driver has no such thing", not "this GPU is broken".
+_ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+
+def describe_error(exc: pynvml.NVMLError) -> str:
+    """`GPU is lost (NVML_ERROR_GPU_IS_LOST)`: the library's words and the code's name."""
+    return f"{exc} ({error_name(exc.value)})"
+
+
+class _GpuFailed(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class GpuSource:
+    kind = "gpu"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.nvml: Any = None  # the pynvml module, a SimulatedNvml, or None (no GPUs)
+        self.sysfs_root: Path = settings.sysfs_root
+        self.dev_root: Path = settings.dev_root
+        self._initialized = False
+        self._minors: dict[int, int] = {}  # NVML index -> minor, to name a GPU that stops answering
+        self._reported: dict[str, str] = {}  # problems already logged, logged again only when they change
+
+    def open(self) -> None:
+        mode = self.settings.nvml
+        if mode.kind == "sim":
+            self._open_sim(mode.profile)
+        elif mode.kind == "real":
+            try:
+                pynvml.nvmlInit()
+            except pynvml.NVMLError as exc:
+                raise DiscoveryError(f"--nvml real: NVML did not initialize: {describe_error(exc)}") from exc
+            self.nvml = pynvml
+        else:
+            self._open_auto()
+        self._initialized = self.nvml is not None
+
+    def _open_sim(self, profile: str) -> None:
+        try:
+            sim = SimulatedNvml.from_profile(profile)
+        except ProfileError as exc:
+            raise DiscoveryError(f"--nvml sim:{profile}: {exc}") from exc
+        root = self.settings.state_dir / SIM_DIR
+        try:
+            sim.materialize(root)
+        except OSError as exc:
+            raise DiscoveryError(f"--nvml sim:{profile}: cannot write the simulated hardware under "
+                                 f"{root}: {exc}") from exc
+        try:
+            sim.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise DiscoveryError(f"--nvml sim:{profile}: NVML did not initialize: "
+                                 f"{describe_error(exc)}") from exc
+        self.nvml = sim
+        self.sysfs_root = root / "sys"
+        self.dev_root = root / "dev"
+        log.info("simulated NVML: profile %s, %d GPUs, hardware under %s", sim.profile.name,
+                 len(sim.profile.gpus), root)
+
+    def _open_auto(self) -> None:
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            found = self._nvidia_hardware()
+            if found:
+                raise DiscoveryError(
+                    f"NVIDIA hardware is present ({', '.join(found)}) but NVML did not initialize: "
+                    f"{describe_error(exc)}; make the driver's libnvidia-ml.so.1 loadable, or pass "
+                    "--nvml sim to publish simulated GPUs instead") from exc
+            log.info("no NVIDIA GPUs on this node (NVML: %s); publishing none", describe_error(exc))
+            return
+        self.nvml = pynvml
+
+    def _nvidia_hardware(self) -> list[str]:
+        found = []
+        ctl = self.settings.dev_root / "nvidiactl"
+        if ctl.exists():
+            found.append(str(ctl))
+        functions = nvidia_display_functions(self.settings.sysfs_root)
+        if functions:
+            found.append(f"NVIDIA display functions {', '.join(functions)} in {self.settings.sysfs_root}")
+        return found
+
+    def close(self) -> None:
+        if not self._initialized:
+            return
+        self._initialized = False
+        try:
+            self.nvml.nvmlShutdown()
+        except pynvml.NVMLError as exc:
+            log.warning("nvmlShutdown failed: %s", describe_error(exc))
+
+    def scan(self) -> ScanResult:
+        if self.nvml is None:
+            return ScanResult()
+        common = self._driver_attributes()
+        try:
+            count = self.nvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as exc:
+            return ScanResult(failed={"<gpu>": f"nvmlDeviceGetCount failed: {describe_error(exc)}"})
+        result = ScanResult()
+        for index in range(count):
+            try:
+                result.devices.append(self._describe(index, common))
+            except _GpuFailed as failure:
+                minor = self._minors.get(index)
+                key = f"gpu-{minor}" if minor is not None else f"gpu index {index}"
+                result.failed[key] = failure.message
+        self._log_failures(result.failed)
+        return result
+
+    def _log_failures(self, failed: dict[str, str]) -> None:
+        for key, why in sorted(failed.items()):
+            if self._reported.get(key) != why:
+                log.warning("GPU %s is not published: %s", key, why)
+        for key in sorted(set(self._reported) - set(failed)):
+            if not key.startswith("<"):
+                log.info("GPU %s answers again", key)
+        self._reported = {**{k: v for k, v in self._reported.items() if k.startswith("<")}, **failed}
+
+    def _driver_attributes(self) -> dict[str, AttrValue]:
+        attrs: dict[str, AttrValue] = {}
+        driver = self._system_call("nvmlSystemGetDriverVersion")
+        if driver is not None:
+            self._put_version(attrs, "driverVersion", str(driver))
+        cuda = self._system_call("nvmlSystemGetCudaDriverVersion")
+        if cuda is not None:
+            # NVML packs the CUDA version as major * 1000 + minor * 10.
+            self._put_version(attrs, "cudaDriverVersion", f"{int(cuda) // 1000}.{int(cuda) % 1000 // 10}")
+        return attrs
+
+    def _put_version(self, attrs: dict[str, AttrValue], name: str, text: str) -> None:
+        version = normalize_version(text)
+        if version is None:
+            self._note(f"<{name}>", f"{name} {text!r} is not a dotted numeric version; attribute omitted")
+        else:
+            attrs[name] = Version(version)
+
+    def _system_call(self, function: str) -> Any:
+        try:
+            value = getattr(self.nvml, function)()
+        except pynvml.NVMLError as exc:
+            self._note(f"<{function}>", f"{function} failed: {describe_error(exc)}; attribute omitted")
+            return None
+        self._reported.pop(f"<{function}>", None)
+        return value
+
+    def _note(self, key: str, message: str) -> None:
+        if self._reported.get(key) != message:
+            log.warning("%s", message)
+            self._reported[key] = message
+
+    def _call(self, function: str, *args: Any) -> Any:
+        try:
+            return getattr(self.nvml, function)(*args)
+        except pynvml.NVMLError as exc:
+            raise _GpuFailed(f"{function} failed: {describe_error(exc)}") from exc
+
+    def _optional(self, function: str, handle: Any) -> Any:
+        try:
+            return getattr(self.nvml, function)(handle)
+        except pynvml.NVMLError as exc:
+            if exc.value in _ABSENT:
+                return None
+            raise _GpuFailed(f"{function} failed: {describe_error(exc)}") from exc
+
+    def _describe(self, index: int, common: dict[str, AttrValue]) -> Device:
+        handle = self._call("nvmlDeviceGetHandleByIndex", index)
+        minor = int(self._call("nvmlDeviceGetMinorNumber", handle))
+        self._minors[index] = minor
+        uuid = str(self._call("nvmlDeviceGetUUID", handle))
+        product = str(self._call("nvmlDeviceGetName", handle))
+        pci_info = self._call("nvmlDeviceGetPciInfo", handle)
+        raw_bus = pci_info.busId.decode(errors="replace") if isinstance(pci_info.busId, bytes) \
+            else str(pci_info.busId)
+        try:
+            bus_id = normalize_bus_id(raw_bus)
+        except ValueError as exc:
+            raise _GpuFailed(f"nvmlDeviceGetPciInfo gave an unusable bus ID: {exc}") from exc
+        memory = int(self._call("nvmlDeviceGetMemoryInfo", handle).total)
+
+        attrs: dict[str, AttrValue] = {"type": "gpu", "uuid": uuid, "index": index, "minor": minor,
+                                       "productName": product}
+        brand = self._optional("nvmlDeviceGetBrand", handle)
+        if brand in BRANDS:
+            attrs["brand"] = BRANDS[brand]
+        arch = self._optional("nvmlDeviceGetArchitecture", handle)
+        if arch in ARCHITECTURES:
+            attrs["architecture"] = ARCHITECTURES[arch]
+        cc = self._optional("nvmlDeviceGetCudaComputeCapability", handle)
+        if cc is not None:
+            attrs["cudaComputeCapability"] = Version(f"{int(cc[0])}.{int(cc[1])}.0")
+        attrs.update(common)
+        mig = self._optional("nvmlDeviceGetMigMode", handle)
+        attrs["migCapable"] = mig is not None
+        attrs["migEnabled"] = mig is not None and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+
+        function = pci_function(self.sysfs_root, bus_id)
+        if function is not None:
+            attrs.update(function.standard_attributes())
+        else:
+            attrs[PCI_BUS_ID] = bus_id
+            numa = self._optional("nvmlDeviceGetNumaNodeId", handle)
+            if numa is not None and int(numa) >= 0:
+                attrs[NUMA_NODE] = int(numa)
+
+        nodes = [DeviceNode(f"/dev/nvidia{minor}", str(self.dev_root / f"nvidia{minor}"))]
+        nodes += [DeviceNode(f"/dev/{name}", str(self.dev_root / name)) for name in SHARED_NODES]
+        return Device(
+            name=f"gpu-{minor}",
+            kind="gpu",
+            attributes=attrs,
+            capacity={"memory": Capacity(quantity.binary(memory))},
+            node=NodeFacts(device_nodes=tuple(nodes), gpu_uuid=uuid, gpu_index=index),
+        )
+
+
+def probe() -> str:
+    """`real` when the NVML library loads and initializes here, else `sim`."""
+    try:
+        pynvml.nvmlInit()
+    except (pynvml.NVMLError, OSError):
+        return "sim"
+    with contextlib.suppress(pynvml.NVMLError):
+        pynvml.nvmlShutdown()
+    return "real"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agent.inventory.gpus",
+                                     description="NVIDIA GPU discovery helpers")
+    parser.add_argument("--probe", action="store_true", required=True,
+                        help="print `real` if the NVML library loads and initializes, else `sim`")
+    parser.parse_args(argv)
+    print(probe())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

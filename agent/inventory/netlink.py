@@ -1,0 +1,125 @@
+"""Links and addresses as plain records, from rtnetlink messages (pyroute2).
+
+Both the NIC scan (a dump) and the event watcher (multicast messages) read the
+same message types, so the decoding lives here once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkDumpInterrupted
+
+log = logging.getLogger(__name__)
+
+IFF_UP = 0x1
+IFF_LOWER_UP = 0x10000
+IFA_F_DADFAILED = 0x08
+IFA_F_TENTATIVE = 0x40
+RT_SCOPE_UNIVERSE = 0
+# ifi_change of a link the kernel has just registered (rtmsg_ifinfo(..., ~0U, ...)).
+CHANGE_NEW_LINK = 0xFFFFFFFF
+
+_DUMP_ATTEMPTS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    index: int
+    ifname: str
+    mac: str  # current hardware address, "" when the link has none (or all zeros)
+    perm_mac: str  # permanent address (IFLA_PERM_ADDRESS), "" when the kernel does not say
+    mtu: int
+    admin_up: bool
+    carrier: bool
+    kind: str  # IFLA_INFO_KIND: set by software links (veth, bridge, ...), "" for hardware
+
+    @property
+    def link_up(self) -> bool:
+        return self.admin_up and self.carrier
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    index: int
+    family: int  # socket.AF_INET or socket.AF_INET6
+    cidr: str  # "10.0.0.5/24", "fd00::5/64"
+    scope: int
+    flags: int
+
+    @property
+    def usable_global(self) -> bool:
+        """Global scope, and not an IPv6 address still in (or failed) duplicate address detection."""
+        return self.scope == RT_SCOPE_UNIVERSE and not self.flags & (IFA_F_TENTATIVE | IFA_F_DADFAILED)
+
+
+def _hwaddr(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        return ""
+    text = value.lower()
+    return "" if all(c in "0:" for c in text) else text
+
+
+def link_of(msg: Any) -> Link:
+    """A Link from an RTM_NEWLINK / RTM_DELLINK message."""
+    flags = int(msg["flags"])
+    carrier = msg.get_attr("IFLA_CARRIER")
+    info = msg.get_attr("IFLA_LINKINFO")
+    kind = info.get_attr("IFLA_INFO_KIND") if info is not None else None
+    return Link(
+        index=int(msg["index"]),
+        ifname=msg.get_attr("IFLA_IFNAME") or "",
+        mac=_hwaddr(msg.get_attr("IFLA_ADDRESS")),
+        perm_mac=_hwaddr(msg.get_attr("IFLA_PERM_ADDRESS")),
+        mtu=int(msg.get_attr("IFLA_MTU") or 0),
+        admin_up=bool(flags & IFF_UP),
+        # Kernels without IFLA_CARRIER still report carrier as IFF_LOWER_UP.
+        carrier=bool(carrier) if carrier is not None else bool(flags & IFF_LOWER_UP),
+        kind=kind or "",
+    )
+
+
+def address_of(msg: Any) -> Address | None:
+    """An Address from an RTM_NEWADDR / RTM_DELADDR message; None for families other than IP."""
+    family = int(msg["family"])
+    if family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    # On point-to-point links IFA_ADDRESS is the peer; IFA_LOCAL is always our own address.
+    addr = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
+    if not addr:
+        return None
+    flags = msg.get_attr("IFA_FLAGS")  # 32 bits; the header field holds only the low 8
+    return Address(
+        index=int(msg["index"]),
+        family=family,
+        cidr=str(ipaddress.ip_interface(f"{addr}/{int(msg['prefixlen'])}")),
+        scope=int(msg["scope"]),
+        flags=int(flags if flags is not None else msg["flags"]),
+    )
+
+
+def dump() -> tuple[list[Link], dict[int, list[Address]]]:
+    """All links of this network namespace (by index) and their addresses (by link index).
+
+    The kernel interrupts a dump when the table changes under it; a fresh dump
+    is then the only consistent answer.
+    """
+    for attempt in range(1, _DUMP_ATTEMPTS + 1):
+        try:
+            with IPRoute() as ipr:
+                links = [link_of(m) for m in ipr.get_links()]
+                addresses: dict[int, list[Address]] = defaultdict(list)
+                for m in ipr.get_addr():
+                    if (a := address_of(m)) is not None:
+                        addresses[a.index].append(a)
+            links.sort(key=lambda link: link.index)
+            return links, dict(addresses)
+        except NetlinkDumpInterrupted:
+            log.debug("netlink dump interrupted (attempt %d), retrying", attempt)
+    raise NetlinkDumpInterrupted()

@@ -1,0 +1,253 @@
+"""Machine descriptions for the simulated NVML: the builtin profiles and the JSON loader.
+
+The schema is documented in `agent.inventory.nvml_sim`. Parsing is strict (an
+unknown key or function name is an error) so that a misspelt fault in a profile
+fails loudly instead of silently injecting nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pynvml
+
+from agent.inventory.pci import normalize_bus_id
+
+# The per-GPU calls the simulation answers; faults may name any of them.
+DEVICE_FUNCTIONS = frozenset({
+    "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByPciBusId",
+    "nvmlDeviceGetIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMinorNumber",
+    "nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetBrand",
+    "nvmlDeviceGetArchitecture", "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetNumaNodeId",
+})
+SYSTEM_FUNCTIONS = frozenset({
+    "nvmlInit", "nvmlInitWithFlags", "nvmlShutdown", "nvmlSystemGetDriverVersion",
+    "nvmlSystemGetCudaDriverVersion", "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetNVMLVersion",
+    "nvmlDeviceGetCount",
+})
+
+_GPU_KEYS = frozenset({
+    "name", "busId", "memoryTotal", "numaNode", "nvmlNumaNode", "uuid", "minor", "pcieRoot", "brand",
+    "architecture", "computeCapability", "migMode", "pciDeviceId", "pciSubSystemId", "inSysfs", "lost",
+    "errors",
+})
+_TOP_KEYS = frozenset({"driverVersion", "cudaDriverVersion", "errors", "defaults", "gpus"})
+
+
+class ProfileError(ValueError):
+    """A simulated-NVML profile that cannot be used, with what is wrong in it."""
+
+
+@dataclass(frozen=True)
+class SimGpu:
+    name: str
+    bus_id: str  # canonical `0000:18:00.0`
+    memory_total: int
+    uuid: str
+    minor: int
+    pcie_root: str  # `pci0000:17`
+    numa_node: int = -1  # what sysfs says; -1 = no affinity
+    nvml_numa_node: int | None = None  # None: nvmlDeviceGetNumaNodeId is NOT_SUPPORTED
+    brand: int = pynvml.NVML_BRAND_NVIDIA
+    architecture: int = pynvml.NVML_DEVICE_ARCH_UNKNOWN
+    compute_capability: tuple[int, int] | None = None
+    mig_mode: tuple[int, int] | None = None  # None: not MIG capable
+    pci_device_id: int = 0x000010DE  # (device << 16) | vendor, as NVML packs it
+    pci_subsystem_id: int = 0
+    in_sysfs: bool = True
+    lost: bool = False
+    errors: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def nvml_bus_id(self) -> bytes:
+        """The bus ID as NVML spells it: 8-digit domain, upper-case hex."""
+        domain, bus, rest = self.bus_id.split(":")
+        return f"{int(domain, 16):08X}:{bus.upper()}:{rest.upper()}".encode()
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    name: str
+    driver_version: str
+    cuda_driver_version: int
+    gpus: tuple[SimGpu, ...]
+    errors: Mapping[str, int] = field(default_factory=dict)
+
+
+def error_code(value: object, where: str) -> int:
+    """An NVML error code from `15`, `"NVML_ERROR_GPU_IS_LOST"` or `"GPU_IS_LOST"`."""
+    code: object = value
+    if isinstance(value, str):
+        name = value if value.startswith("NVML_ERROR_") else f"NVML_ERROR_{value}"
+        code = getattr(pynvml, name, None)
+    if isinstance(code, bool) or not isinstance(code, int) or code not in pynvml.NVMLError._valClassMapping:
+        raise ProfileError(f"{where}: {value!r} is not an NVML error code")
+    return code
+
+
+def error_name(code: int) -> str:
+    """`15` -> `NVML_ERROR_GPU_IS_LOST` (or the number when NVML has no name for it)."""
+    for name in dir(pynvml):
+        if name.startswith("NVML_ERROR_") and getattr(pynvml, name) == code:
+            return name
+    return str(code)
+
+
+def _faults(raw: object, allowed: frozenset[str], where: str) -> dict[str, int]:
+    if not isinstance(raw, Mapping):
+        raise ProfileError(f"{where}: errors must be an object of NVML function name -> error code")
+    out = {}
+    for fn, code in raw.items():
+        if fn not in allowed:
+            raise ProfileError(f"{where}: errors names {fn!r}, which is not one of {sorted(allowed)}")
+        out[fn] = error_code(code, f"{where}.errors.{fn}")
+    return out
+
+
+def _constant(value: object, prefix: str, where: str) -> int:
+    if isinstance(value, str):
+        found = getattr(pynvml, value if value.startswith(prefix) else prefix + value.upper(), None)
+        if isinstance(found, int):
+            return found
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ProfileError(f"{where}: {value!r} is not an integer or a {prefix}* constant")
+
+
+def _int(value: object, where: str) -> int:
+    if isinstance(value, str):
+        try:
+            return int(value, 0)
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ProfileError(f"{where}: {value!r} is not an integer")
+
+
+def _pair(value: object, where: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ProfileError(f"{where}: must be [a, b] or null")
+    return _int(value[0], where), _int(value[1], where)
+
+
+def derived_uuid(profile: str, index: int) -> str:
+    """A stable GPU UUID for the index-th GPU of a profile (same machine, same UUIDs)."""
+    h = hashlib.sha256(f"nvml-sim/{profile}/{index}".encode()).hexdigest()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def _gpu(profile: str, index: int, raw: Mapping[str, Any]) -> SimGpu:
+    where = f"gpus[{index}]"
+    unknown = set(raw) - _GPU_KEYS
+    if unknown:
+        raise ProfileError(f"{where}: unknown keys {sorted(unknown)}")
+    for key in ("name", "busId", "memoryTotal"):
+        if key not in raw:
+            raise ProfileError(f"{where}: {key} is required")
+    try:
+        bus_id = normalize_bus_id(str(raw["busId"]))
+    except ValueError as exc:
+        raise ProfileError(f"{where}.busId: {exc}") from None
+    domain, bus, _ = bus_id.split(":")
+    # By default each GPU sits alone behind a root port on the bus just above its own.
+    root = raw.get("pcieRoot") or f"pci{domain}:{max(int(bus, 16) - 1, 0):02x}"
+    nvml_numa = raw.get("nvmlNumaNode")
+    return SimGpu(
+        name=str(raw["name"]),
+        bus_id=bus_id,
+        memory_total=_int(raw["memoryTotal"], f"{where}.memoryTotal"),
+        uuid=str(raw.get("uuid") or derived_uuid(profile, index)),
+        minor=_int(raw.get("minor", index), f"{where}.minor"),
+        pcie_root=str(root),
+        numa_node=_int(raw.get("numaNode", -1), f"{where}.numaNode"),
+        nvml_numa_node=None if nvml_numa is None else _int(nvml_numa, f"{where}.nvmlNumaNode"),
+        brand=_constant(raw.get("brand", pynvml.NVML_BRAND_NVIDIA), "NVML_BRAND_", f"{where}.brand"),
+        architecture=_constant(raw.get("architecture", pynvml.NVML_DEVICE_ARCH_UNKNOWN), "NVML_DEVICE_ARCH_",
+                               f"{where}.architecture"),
+        compute_capability=_pair(raw.get("computeCapability"), f"{where}.computeCapability"),
+        mig_mode=_pair(raw.get("migMode"), f"{where}.migMode"),
+        pci_device_id=_int(raw.get("pciDeviceId", 0x000010DE), f"{where}.pciDeviceId"),
+        pci_subsystem_id=_int(raw.get("pciSubSystemId", 0), f"{where}.pciSubSystemId"),
+        in_sysfs=bool(raw.get("inSysfs", True)),
+        lost=bool(raw.get("lost", False)),
+        errors=_faults(raw.get("errors", {}), DEVICE_FUNCTIONS, where),
+    )
+
+
+def parse_profile(name: str, raw: object) -> SimProfile:
+    if not isinstance(raw, Mapping):
+        raise ProfileError("a profile must be a JSON object")
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise ProfileError(f"unknown keys {sorted(unknown)}")
+    defaults = raw.get("defaults", {})
+    gpus_raw = raw.get("gpus", [])
+    if not isinstance(defaults, Mapping) or not isinstance(gpus_raw, list):
+        raise ProfileError("defaults must be an object and gpus a list")
+    gpus = []
+    for i, g in enumerate(gpus_raw):
+        if not isinstance(g, Mapping):
+            raise ProfileError(f"gpus[{i}] must be an object")
+        gpus.append(_gpu(name, i, {**defaults, **g}))
+    for attr, key in (("bus_id", "busId"), ("minor", "minor"), ("uuid", "uuid")):
+        values = [getattr(g, attr) for g in gpus]
+        dupes = sorted({str(v) for v in values if values.count(v) > 1})
+        if dupes:
+            raise ProfileError(f"two GPUs share {key} {', '.join(dupes)}")
+    return SimProfile(
+        name=name,
+        driver_version=str(raw.get("driverVersion", "570.124.06")),
+        cuda_driver_version=_int(raw.get("cudaDriverVersion", 12080), "cudaDriverVersion"),
+        gpus=tuple(gpus),
+        errors=_faults(raw.get("errors", {}), SYSTEM_FUNCTIONS | DEVICE_FUNCTIONS, "profile"),
+    )
+
+
+_DGX_H100: dict[str, Any] = {
+    "driverVersion": "570.124.06",
+    "cudaDriverVersion": 12080,
+    "defaults": {
+        "name": "NVIDIA H100 80GB HBM3",
+        "memoryTotal": 85520809984,
+        "brand": "NVML_BRAND_NVIDIA",
+        "architecture": "NVML_DEVICE_ARCH_HOPPER",
+        "computeCapability": [9, 0],
+        "migMode": [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE],
+        "pciDeviceId": 0x233010DE,  # 10de:2330, H100 SXM5 80GB
+        "pciSubSystemId": 0x16C110DE,
+    },
+    "gpus": [
+        {"busId": f"0000:{bus}:00.0", "numaNode": numa}
+        for bus, numa in (("18", 0), ("2a", 0), ("3a", 0), ("5d", 0),
+                          ("9a", 1), ("ab", 1), ("ba", 1), ("db", 1))
+    ],
+}
+
+BUILTIN: dict[str, dict[str, Any]] = {"dgx-h100": _DGX_H100}
+
+
+def load_profile(spec: str) -> SimProfile:
+    """A builtin profile by name, or a JSON file by path."""
+    if spec in BUILTIN:
+        return parse_profile(spec, BUILTIN[spec])
+    path = Path(spec)
+    if not path.is_file():
+        raise ProfileError(f"{spec!r} is neither a builtin profile ({', '.join(sorted(BUILTIN))}) "
+                           "nor a JSON file")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+    try:
+        return parse_profile(path.stem, raw)
+    except ProfileError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
