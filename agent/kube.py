@@ -1,0 +1,203 @@
+"""The Kubernetes connection: finding a config, reading our Node, and telling errors apart.
+
+Callers retry what `is_retryable` says is transient (server errors, throttling,
+timeouts, a connection that failed) and report everything else at once: a 403
+from missing RBAC will not heal by itself, a 503 from a restarting API server will.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import lightkube
+import yaml
+from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig
+from lightkube.core.exceptions import ApiError, ConfigError
+from lightkube.resources.core_v1 import Node
+
+from agent.config import Settings
+
+log = logging.getLogger(__name__)
+
+NODE_ALLOCATABLE_FEATURE = "DRANodeAllocatableResources"
+FIELD_MANAGER = "dra-agent"
+
+
+class NodeNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    name: str
+    uid: str = ""
+    declared_features: frozenset[str] = frozenset()
+
+    @property
+    def node_allocatable(self) -> bool:
+        """Whether the API server will accept node-allocatable fields in our slices."""
+        return NODE_ALLOCATABLE_FEATURE in self.declared_features
+
+
+# -- connecting ---------------------------------------------------------------------------------
+
+def _in_cluster(service_account: Path) -> KubeConfig | None:
+    if not os.environ.get("KUBERNETES_SERVICE_HOST") or not os.environ.get("KUBERNETES_SERVICE_PORT"):
+        return None
+    if not (service_account / "token").is_file():
+        return None
+    return KubeConfig.from_service_account(service_account)
+
+
+def find_config(settings: Settings, *, service_account: Path = Path(SERVICE_ACCOUNT),
+                home: Path | None = None) -> tuple[KubeConfig | None, str]:
+    """The config to use and where it came from, or None and why there is none.
+
+    An explicitly named kubeconfig (flag or $KUBECONFIG) that cannot be loaded is an
+    error, not a reason to quietly talk to some other cluster.
+    """
+    if settings.kubeconfig is not None:
+        return KubeConfig.from_file(settings.kubeconfig), f"kubeconfig {settings.kubeconfig}"
+    config = _in_cluster(service_account)
+    if config is not None:
+        return config, f"in-cluster service account {service_account}"
+    default = (home if home is not None else Path(os.path.expanduser("~"))) / ".kube" / "config"
+    if default.is_file():
+        return KubeConfig.from_file(default), f"kubeconfig {default}"
+    return None, (f"no cluster configured: not in a pod ({service_account} or $KUBERNETES_SERVICE_HOST "
+                  f"missing), no --kubeconfig / $KUBECONFIG, no {default}")
+
+
+async def connect(settings: Settings, *, service_account: Path = Path(SERVICE_ACCOUNT),
+                  home: Path | None = None) -> tuple[lightkube.AsyncClient | None, str]:
+    """A client for the configured cluster (not yet contacted), or None and the reason."""
+    try:
+        config, source = await asyncio.to_thread(find_config, settings, service_account=service_account,
+                                                 home=home)
+    except (ConfigError, OSError, KeyError, ValueError, yaml.YAMLError) as exc:
+        return None, f"cluster config unusable: {exc}"
+    if config is None:
+        return None, source
+    try:
+        client = lightkube.AsyncClient(config, timeout=httpx2.Timeout(settings.api_timeout),
+                                       field_manager=FIELD_MANAGER)
+    except (ConfigError, OSError, KeyError, ValueError, AssertionError) as exc:
+        # lightkube asserts on a context without a user.
+        return None, f"cluster config from {source} unusable: {exc or type(exc).__name__}"
+    log.info("Kubernetes API from %s: %s", source, client.config.cluster.server)
+    return client, source
+
+
+# -- the Node -----------------------------------------------------------------------------------
+
+async def read_node(client: lightkube.AsyncClient, name: str) -> NodeInfo:
+    try:
+        node = await client.get(Node, name)
+    except ApiError as exc:
+        if status_code(exc) == 404:
+            raise NodeNotFound(f"Node {name!r} does not exist in the cluster") from exc
+        raise
+    uid = (node.metadata.uid if node.metadata else None) or ""
+    features = (node.status.declaredFeatures if node.status else None) or []
+    return NodeInfo(name=name, uid=uid, declared_features=frozenset(features))
+
+
+def read_offline_node(directory: Path, name: str) -> NodeInfo:
+    """This node as described by `DIR/node.yaml`, if there is one (offline mode)."""
+    path = Path(directory) / "node.yaml"
+    try:
+        doc = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except FileNotFoundError:
+        return NodeInfo(name=name)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return NodeInfo(name=name)
+    if not isinstance(doc, dict):
+        log.warning("ignoring %s: not a Node object", path)
+        return NodeInfo(name=name)
+    meta = doc.get("metadata") or {}
+    if meta.get("name") not in (None, name):
+        log.warning("ignoring %s: it describes node %r, this is %r", path, meta.get("name"), name)
+        return NodeInfo(name=name)
+    features = (doc.get("status") or {}).get("declaredFeatures") or []
+    return NodeInfo(name=name, uid=str(meta.get("uid") or ""),
+                    declared_features=frozenset(str(f) for f in features))
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+def status_code(exc: BaseException) -> int | None:
+    """The HTTP status of an API answer; None when no answer came."""
+    if isinstance(exc, ApiError) and exc.status is not None and exc.status.code:
+        return int(exc.status.code)
+    if isinstance(exc, httpx2.HTTPStatusError):
+        return exc.response.status_code
+    return None
+
+
+def is_retryable(exc: BaseException) -> bool:
+    code = status_code(exc)
+    if code is not None:
+        return code >= 500 or code == 429
+    return isinstance(exc, httpx2.TransportError | TimeoutError | ConnectionError)
+
+
+def is_conflict(exc: BaseException) -> bool:
+    return status_code(exc) == 409
+
+
+def is_not_found(exc: BaseException) -> bool:
+    return status_code(exc) == 404
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """The server's Retry-After (seconds) on a 429/503, if it sent one."""
+    if not isinstance(exc, httpx2.HTTPStatusError):
+        return None
+    try:
+        return max(0.0, float(exc.response.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
+
+
+def describe(exc: BaseException) -> str:
+    """One line for logs and error messages."""
+    code = status_code(exc)
+    if code is not None:
+        message = ""
+        if isinstance(exc, ApiError) and exc.status is not None:
+            message = exc.status.message or exc.status.reason or ""
+        return f"HTTP {code}" + (f": {message}" if message else "")
+    if isinstance(exc, httpx2.TimeoutException | TimeoutError):
+        return f"timed out ({type(exc).__name__})"
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if isinstance(exc, httpx2.TransportError) else text
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential backoff with jitter, so agents on many nodes do not retry in step."""
+
+    initial: float = 0.5
+    maximum: float = 15.0
+    factor: float = 2.0
+    attempts: int = 6  # tries in all, the first included
+
+    def delay(self, failures: int, exc: BaseException | None = None) -> float:
+        """Seconds to wait after the `failures`-th failure in a row (1-based)."""
+        ceiling = min(self.maximum, self.initial * self.factor ** max(0, failures - 1))
+        wait = random.uniform(ceiling / 2, ceiling)
+        hint = retry_after(exc) if exc is not None else None
+        return min(self.maximum, max(wait, hint)) if hint is not None else wait
+
+
+def plain(obj: Any) -> dict[str, Any]:
+    """A lightkube model as the JSON dict the API sent or will be sent."""
+    return obj.to_dict()  # type: ignore[no-any-return]

@@ -1,0 +1,446 @@
+"""Publishing ResourceSlices: to the API emulator over real HTTP, and to the offline directory."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+import yaml
+from kubeapi import RESOURCE_SLICES, KubeApi
+
+from agent import kube
+from agent.config import Settings
+from agent.kube import Backoff, NodeInfo, NodeNotFound, connect, read_node, read_offline_node
+from agent.model import Device, Taint
+from agent.publisher import ApiPublisher, DirectoryPublisher, PublishError, PublishLoop
+from agent.slices import NodeRef, build_slices
+
+DRIVER = "dra.example.com"
+NODE = "node-a"
+NODE_UID = "0d0c0b0a-1111-4222-8333-444455556666"
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+FAST = Backoff(initial=0.01, maximum=0.05, attempts=4)
+
+
+def nics(n: int, **attrs: Any) -> list[Device]:
+    return [Device(name=f"nic-{i:03d}", kind="nic",
+                   attributes={"type": "nic", "ifName": f"ens{i}", "mtu": 1500, **attrs}) for i in range(n)]
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(driver_name=DRIVER, node_name=NODE, state_dir=tmp_path / "state")
+
+
+@pytest.fixture
+async def publisher(kube_api: KubeApi, settings: Settings) -> ApiPublisher:
+    kube_api.add_node(NODE, uid=NODE_UID)
+    node = await read_node(kube_api.client(), NODE)
+    return ApiPublisher(kube_api.client(timeout=1.0), settings, node, backoff=FAST)
+
+
+def ours(api: KubeApi) -> list[dict[str, Any]]:
+    return [s for s in api.items(RESOURCE_SLICES) if s["spec"]["nodeName"] == NODE]
+
+
+def generations(api: KubeApi) -> set[int]:
+    return {s["spec"]["pool"]["generation"] for s in ours(api)}
+
+
+def methods(api: KubeApi) -> list[str]:
+    return [f"{r.method} {r.status}" for r in api.since_mark()]
+
+
+async def eventually(check: Callable[[], bool], what: str) -> None:
+    """Poll a condition the code under test reaches on its own (bounded, not timed)."""
+    for _ in range(1000):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+# -- API server ---------------------------------------------------------------------------------
+
+async def test_first_publish_creates_the_pool(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    kube_api.mark()
+    result = await publisher.sync(nics(300))
+    assert (result.generation, result.slices, result.devices) == (1, 3, 300)
+    assert len(result.created) == 3 and result.updated == [] and result.deleted == []
+    stored = ours(kube_api)
+    assert sorted(s["metadata"]["name"] for s in stored) == sorted(result.created)
+    for obj in stored:
+        assert obj["metadata"]["name"].startswith(f"{DRIVER}-{NODE}-")
+        assert obj["metadata"]["ownerReferences"] == [
+            {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": NODE_UID, "controller": True}]
+        assert obj["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 3}
+    assert sorted(d["name"] for s in stored for d in s["spec"]["devices"]) == [d.name for d in nics(300)]
+    listing = kube_api.since_mark()[0]
+    assert (listing.method, listing.path) == ("GET", SLICES)
+    assert sorted(listing.params["fieldSelector"].split(",")) == [
+        f"spec.driver={DRIVER}", f"spec.nodeName={NODE}"]
+    assert methods(kube_api) == ["GET 200", "POST 201", "POST 201", "POST 201"]
+
+
+async def test_unchanged_inventory_writes_nothing(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    await publisher.sync(nics(300))
+    kube_api.mark()
+    result = await publisher.sync(nics(300))
+    assert not result.changed and result.generation == 1
+    assert kube_api.writes() == []
+    assert methods(kube_api) == ["GET 200"]
+
+
+async def test_a_change_updates_only_the_slice_holding_it(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    await publisher.sync(nics(300))
+    devices = nics(300)
+    devices[290].attributes["mtu"] = 9000  # in the last slice, of 44: still within 64 with a taint
+    devices[290].taints = [Taint(key=f"{DRIVER}/link-down", effect="NoSchedule")]
+    kube_api.mark()
+    result = await publisher.sync(devices)
+    assert result.generation == 1 and result.created == [] and result.deleted == []
+    assert len(result.updated) == 1
+    (put,) = kube_api.writes()
+    assert put.method == "PUT" and put.path == f"{SLICES}/{result.updated[0]}"
+    assert put.body["metadata"]["resourceVersion"]  # a conditional write
+    changed = kube_api.get(RESOURCE_SLICES, result.updated[0])
+    assert changed is not None
+    dev = next(d for d in changed["spec"]["devices"] if d["name"] == "nic-290")
+    assert dev["attributes"]["mtu"] == {"int": 9000} and dev["taints"][0]["key"] == f"{DRIVER}/link-down"
+    assert dev["taints"][0]["timeAdded"]  # stamped by the server
+    assert generations(kube_api) == {1}
+    # The stamp is the server's, not a difference: the same inventory again writes nothing.
+    kube_api.mark()
+    assert not (await publisher.sync(devices)).changed
+    assert kube_api.writes() == []
+
+
+async def test_a_shrink_bumps_the_generation_and_deletes_after_writing(
+        kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    await publisher.sync(nics(300))
+    kube_api.mark()
+    result = await publisher.sync(nics(100))
+    assert result.generation == 2 and len(result.updated) == 1 and len(result.deleted) == 2
+    assert [s["spec"]["pool"] for s in ours(kube_api)] == [
+        {"name": NODE, "generation": 2, "resourceSliceCount": 1}]
+    writes = [r.method for r in kube_api.writes()]
+    assert writes == ["PUT", "DELETE", "DELETE"]
+
+
+async def test_growth_reuses_and_creates(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    await publisher.sync(nics(10))
+    result = await publisher.sync(nics(200))
+    assert result.generation == 2 and len(result.updated) == 1 and len(result.created) == 1
+    assert generations(kube_api) == {2} and len(ours(kube_api)) == 2
+
+
+async def test_conflict_is_re_read_and_retried(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    await publisher.sync(nics(10))
+    fault = kube_api.fail("PUT", f"{SLICES}/*", status=409)
+    kube_api.mark()
+    result = await publisher.sync(nics(10, mtu=9000))
+    assert fault.hits == 1 and len(result.updated) == 1
+    assert methods(kube_api) == ["GET 200", "PUT 409", "GET 200", "PUT 200"]
+    assert all(d["attributes"]["mtu"] == {"int": 9000} for s in ours(kube_api) for d in s["spec"]["devices"])
+
+
+async def test_a_stale_resource_version_is_a_real_conflict(
+        kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    await publisher.sync(nics(10))
+    # Someone else writes the slice between our read and our write: the LIST is answered, then the
+    # other writer moves the resourceVersion on, and our PUT carries the old one.
+    gate = kube_api.hold("PUT", f"{SLICES}/*")
+    sync = asyncio.create_task(publisher.sync(nics(10, mtu=9000)))
+    await eventually(lambda: kube_api.emulator.in_flight == 1, "the PUT reached the server")
+    (name,) = [s["metadata"]["name"] for s in ours(kube_api)]
+    other = kube_api.get(RESOURCE_SLICES, name)
+    assert other is not None
+    other["spec"]["devices"][0]["attributes"]["mtu"] = {"int": 1}
+    kube_api.add(other)
+    kube_api.emulator.faults.clear()
+    gate.set()
+    result = await sync
+    assert len(result.updated) == 1
+    statuses = [r.status for r in kube_api.requests if r.method == "PUT"]
+    assert statuses == [409, 200]
+    assert all(d["attributes"]["mtu"] == {"int": 9000} for s in ours(kube_api) for d in s["spec"]["devices"])
+
+
+async def test_server_errors_are_retried(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    kube_api.fail("GET", SLICES, status=503)
+    kube_api.fail("POST", SLICES, times=2, status=500)
+    kube_api.fail("POST", SLICES, status=429, headers={"Retry-After": "0"})
+    kube_api.mark()
+    result = await publisher.sync(nics(10))
+    assert len(result.created) == 1
+    assert methods(kube_api) == ["GET 503", "GET 200", "POST 500", "POST 500", "POST 429", "POST 201"]
+    assert len(ours(kube_api)) == 1
+
+
+async def test_a_request_that_hangs_times_out_and_is_retried(
+        kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    kube_api.hang("GET", SLICES, seconds=3.0)  # the client gives up after 1 s
+    result = await publisher.sync(nics(10))
+    assert len(result.created) == 1 and len(ours(kube_api)) == 1
+
+
+async def test_a_lasting_failure_is_a_clear_error(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    kube_api.fail("POST", SLICES, times=100, status=500)
+    with pytest.raises(PublishError, match=r"node node-a .*creating a ResourceSlice: HTTP 500.*4 tries"):
+        await publisher.sync(nics(10))
+    assert [r.status for r in kube_api.requests if r.method == "POST"] == [500] * FAST.attempts
+
+
+async def test_a_refusal_is_not_retried(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    kube_api.fail("POST", SLICES, times=100, status=403)
+    with pytest.raises(PublishError, match="HTTP 403"):
+        await publisher.sync(nics(10))
+    assert [r.status for r in kube_api.requests if r.method == "POST"] == [403]
+
+
+@pytest.mark.parametrize("server_filters", [True, False])
+async def test_slices_of_other_nodes_and_drivers_are_left_alone(
+        kube_api: KubeApi, publisher: ApiPublisher, server_filters: bool) -> None:
+    kube_api.emulator.ignore_field_selectors = not server_filters
+    for node, driver in (("node-b", DRIVER), (NODE, "other.example.com")):
+        for obj in build_slices(nics(3), driver=driver, node=node):
+            obj["metadata"]["name"] = f"{driver}-{node}-x"
+            kube_api.add(obj)
+    await publisher.sync(nics(5))
+    await publisher.sync(nics(1))
+    names = {s["metadata"]["name"] for s in kube_api.items(RESOURCE_SLICES)}
+    assert {f"{DRIVER}-node-b-x", f"other.example.com-{NODE}-x"} <= names
+    assert len(names) == 3
+
+
+async def test_a_dropped_value_is_reported_once_not_on_every_sync(
+        kube_api: KubeApi, publisher: ApiPublisher, caplog: pytest.LogCaptureFixture) -> None:
+    devices = nics(3)
+    devices[1].attributes["ifName"] = "x" * 65
+    with caplog.at_level(logging.WARNING, logger="agent.slices"):
+        for _ in range(3):
+            result = await publisher.sync(devices)
+            assert len(result.dropped) == 1 and "nic-001" in result.dropped[0]
+    assert [r.getMessage() for r in caplog.records if "nic-001" in r.getMessage()] == [
+        f"not published: {result.dropped[0]}"]
+    (obj,) = ours(kube_api)
+    assert "ifName" not in obj["spec"]["devices"][1]["attributes"]
+
+
+async def test_a_node_without_uid_gets_no_owner(kube_api: KubeApi, settings: Settings) -> None:
+    publisher = ApiPublisher(kube_api.client(), settings, NodeInfo(NODE), backoff=FAST)
+    await publisher.sync(nics(2))
+    (obj,) = ours(kube_api)
+    assert "ownerReferences" not in obj["metadata"]
+
+
+# -- the keep-published loop --------------------------------------------------------------------
+
+async def test_the_loop_survives_an_api_outage_and_catches_up(
+        kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    await kube_api.stop()
+    loop = PublishLoop(publisher, verify_interval=3600, backoff=Backoff(initial=0.01, maximum=0.05))
+    loop.update(nics(20))
+    task = asyncio.create_task(loop.run())
+    try:
+        await eventually(lambda: loop.failures >= 3, "failed syncs while the API is down")
+        assert not task.done() and "ConnectError" in loop.last_error and not loop.up_to_date
+        await kube_api.start()
+        result = await asyncio.wait_for(loop.wait_published(), 30)
+        assert len(result.created) == 1 and loop.failures == 0 and loop.last_error == ""
+        assert len(ours(kube_api)) == 1
+
+        loop.update(nics(300))
+        result = await asyncio.wait_for(loop.wait_published(), 30)
+        assert result.slices == 3 and generations(kube_api) == {2}
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_the_loop_puts_back_what_someone_deleted(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    loop = PublishLoop(publisher, verify_interval=0.02, backoff=FAST)
+    loop.update(nics(5))
+    task = asyncio.create_task(loop.run())
+    try:
+        await asyncio.wait_for(loop.wait_published(), 30)
+        (obj,) = ours(kube_api)
+        kube_api.remove(RESOURCE_SLICES, obj["metadata"]["name"])
+        await eventually(lambda: len(ours(kube_api)) == 1, "the slice is back")
+        assert ours(kube_api)[0]["metadata"]["name"] != obj["metadata"]["name"]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+# -- the Node and the connection ----------------------------------------------------------------
+
+async def test_read_node(kube_api: KubeApi) -> None:
+    kube_api.add_node(NODE, uid=NODE_UID, declared_features=["DRANodeAllocatableResources", "Other"])
+    info = await read_node(kube_api.client(), NODE)
+    assert info == NodeInfo(NODE, NODE_UID, frozenset({"DRANodeAllocatableResources", "Other"}))
+    assert info.node_allocatable
+    with pytest.raises(NodeNotFound, match="node-z"):
+        await read_node(kube_api.client(), "node-z")
+
+
+async def test_errors_are_classified(kube_api: KubeApi) -> None:
+    client = kube_api.client(timeout=0.5)
+    kube_api.add_node(NODE)
+    seen: dict[int | str, BaseException] = {}
+    for status in (500, 429, 409, 403):
+        kube_api.fail("GET", f"/api/v1/nodes/{NODE}", status=status)
+        with pytest.raises(Exception) as info:
+            await read_node(client, NODE)
+        seen[status] = info.value
+    with pytest.raises(NodeNotFound) as missing:
+        await read_node(client, "nope")
+    seen[404] = missing.value.__cause__  # type: ignore[assignment]
+    await kube_api.stop()
+    with pytest.raises(Exception) as down:
+        await read_node(client, NODE)
+    seen["down"] = down.value
+    assert {k for k, e in seen.items() if kube.is_retryable(e)} == {500, 429, "down"}
+    assert [k for k, e in seen.items() if kube.is_conflict(e)] == [409]
+    assert [k for k, e in seen.items() if kube.is_not_found(e)] == [404]
+    assert kube.describe(seen[500]) == "HTTP 500: injected fault"
+
+
+async def test_connect_with_a_kubeconfig(kube_api: KubeApi, tmp_path: Path) -> None:
+    kube_api.add_node(NODE, uid=NODE_UID)
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": kube_api.url}}],
+        "users": [{"name": "emu", "user": {"token": "t"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu"}}]}))
+    settings = Settings(node_name=NODE, kubeconfig=config, state_dir=tmp_path, api_timeout=2.5)
+    client, source = await connect(settings, service_account=tmp_path / "no-sa", home=tmp_path)
+    assert client is not None and str(config) in source
+    try:
+        assert (await read_node(client, NODE)).uid == NODE_UID
+    finally:
+        await client.close()
+
+
+async def test_connect_without_any_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    settings = Settings(node_name=NODE, state_dir=tmp_path)
+    client, reason = await connect(settings, service_account=tmp_path / "no-sa", home=tmp_path)
+    assert client is None and "no cluster configured" in reason
+    # A kubeconfig that was asked for and is not there is a problem to report, not "no config".
+    named = Settings(node_name=NODE, state_dir=tmp_path, kubeconfig=tmp_path / "missing")
+    client, reason = await connect(named, service_account=tmp_path / "no-sa", home=tmp_path)
+    assert client is None and "unusable" in reason and "missing" in reason
+
+
+async def test_connect_prefers_the_service_account_over_home(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    (sa / "token").write_text("tok")
+    (sa / "namespace").write_text("dra-system")
+    (sa / "ca.crt").write_text("not a certificate")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    (tmp_path / ".kube").mkdir()
+    (tmp_path / ".kube" / "config").write_text("{}")
+    settings = Settings(node_name=NODE, state_dir=tmp_path)
+    config, source = kube.find_config(settings, service_account=sa, home=tmp_path)
+    assert config is not None and "in-cluster" in source
+    assert config.get().cluster.server == "https://10.96.0.1:443"
+    # A CA that cannot be loaded makes the config unusable: a reason, not a crash.
+    client, reason = await connect(settings, service_account=sa, home=tmp_path)
+    assert client is None and "unusable" in reason
+
+
+def test_read_offline_node(tmp_path: Path) -> None:
+    assert read_offline_node(tmp_path, NODE) == NodeInfo(NODE)
+    (tmp_path / "node.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "uid": NODE_UID},
+        "status": {"declaredFeatures": ["DRANodeAllocatableResources"]}}))
+    assert read_offline_node(tmp_path, NODE) == NodeInfo(NODE, NODE_UID,
+                                                        frozenset({"DRANodeAllocatableResources"}))
+    assert read_offline_node(tmp_path, "node-b") == NodeInfo("node-b")  # describes another node
+
+
+# -- offline directory --------------------------------------------------------------------------
+
+def slice_files(root: Path) -> dict[str, dict[str, Any]]:
+    return {p.name: yaml.safe_load(p.read_text()) for p in sorted((root / "resourceslices").glob("*.yaml"))}
+
+
+def identities(root: Path) -> dict[str, tuple[int, int]]:
+    """Inode and mtime of each file: a rewrite (atomic, so a new inode) changes both."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (root / "resourceslices").iterdir()}
+
+
+async def test_directory_files_hold_exactly_what_would_be_posted(tmp_path: Path, settings: Settings) -> None:
+    pub = DirectoryPublisher(tmp_path, settings, NodeInfo(NODE, NODE_UID))
+    result = await pub.sync(nics(300))
+    assert result.generation == 1 and len(result.created) == 3
+    files = slice_files(tmp_path)
+    assert list(files) == [f"{DRIVER}-{NODE}-{i}.yaml" for i in range(3)]
+    assert list(files.values()) == build_slices(nics(300), driver=DRIVER, node=NODE,
+                                                owner=NodeRef(NODE, NODE_UID))
+    assert [n for n in os.listdir(tmp_path / "resourceslices") if n.startswith(".")] == []
+
+
+async def test_directory_unchanged_is_not_rewritten(tmp_path: Path, settings: Settings) -> None:
+    pub = DirectoryPublisher(tmp_path, settings, NodeInfo(NODE, NODE_UID))
+    await pub.sync(nics(300))
+    before = identities(tmp_path)
+    result = await pub.sync(nics(300))
+    assert not result.changed
+    after = identities(tmp_path)
+    assert after == before
+
+    devices = nics(300)
+    devices[0].attributes["mtu"] = 9000
+    result = await pub.sync(devices)
+    assert result.updated == [f"{DRIVER}-{NODE}-0"] and result.generation == 1
+    changed = identities(tmp_path)
+    assert {n for n in changed if changed[n] != before[n]} == {f"{DRIVER}-{NODE}-0.yaml"}
+
+
+async def test_directory_stale_files_are_removed(tmp_path: Path, settings: Settings) -> None:
+    pub = DirectoryPublisher(tmp_path, settings, NodeInfo(NODE))
+    await pub.sync(nics(300))
+    foreign = tmp_path / "resourceslices" / f"{DRIVER}-node-b-0.yaml"
+    foreign.write_text("kept: true\n")
+    result = await pub.sync(nics(5))
+    assert result.generation == 2 and sorted(result.deleted) == [f"{DRIVER}-{NODE}-1", f"{DRIVER}-{NODE}-2"]
+    files = slice_files(tmp_path)
+    assert sorted(files) == [f"{DRIVER}-{NODE}-0.yaml", f"{DRIVER}-node-b-0.yaml"]
+    assert files[f"{DRIVER}-{NODE}-0.yaml"]["spec"]["pool"] == {
+        "name": NODE, "generation": 2, "resourceSliceCount": 1}
+    result = await pub.sync([])
+    assert result.deleted == [f"{DRIVER}-{NODE}-0"] and list(slice_files(tmp_path)) == [foreign.name]
+
+
+async def test_directory_a_broken_file_is_rewritten(tmp_path: Path, settings: Settings) -> None:
+    pub = DirectoryPublisher(tmp_path, settings, NodeInfo(NODE))
+    await pub.sync(nics(300))
+    path = tmp_path / "resourceslices" / f"{DRIVER}-{NODE}-1.yaml"
+    path.write_text("{ not yaml")
+    result = await pub.sync(nics(300))
+    assert result.changed and result.generation == 2
+    expected = build_slices(nics(300), driver=DRIVER, node=NODE, generation=2)
+    assert list(slice_files(tmp_path).values()) == expected
+
+
+async def test_emulator_rejects_a_slice_the_schema_rejects(kube_api: KubeApi) -> None:
+    obj = build_slices(nics(1), driver=DRIVER, node=NODE)[0]
+    obj["spec"]["devices"][0]["basic"] = {}  # the v1beta1 shape, gone in v1
+    async with httpx2.AsyncClient(base_url=kube_api.url) as http:
+        answer = await http.post(SLICES, json=obj)
+    assert answer.status_code == 422 and "basic" in answer.json()["message"]
+    assert kube_api.items(RESOURCE_SLICES) == []
