@@ -1,0 +1,95 @@
+"""The device metadata file (the Downward API for devices) and where it lives.
+
+One file per claim request with devices, a JSON stream of the same content in
+each API version, newest first, so a reader takes the first object whose
+apiVersion it knows (KubeVirt 1.9 reads v1alpha1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import orjson
+
+from agent.model import Device, attribute_wire
+
+API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
+CONTAINER_ROOT = PurePosixPath("/var/run/kubernetes.io/dra-device-attributes")
+POD_CLAIM_NAME = "resource.kubernetes.io/pod-claim-name"
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatedDevice:
+    """One allocation result of a claim, matched to the device it names."""
+
+    request: str  # as in the result: `req` or `req/sub`
+    pool: str
+    device: Device
+    share_id: str = ""
+
+
+def host_dir(metadata_root: Path, namespace: str, name: str) -> Path:
+    return metadata_root / f"{namespace}_{name}"
+
+
+def host_file(metadata_root: Path, namespace: str, name: str, base_request: str) -> Path:
+    return host_dir(metadata_root, namespace, name) / base_request / "metadata.json"
+
+
+def container_file(driver: str, claim_name: str, base_request: str, pod_claim_name: str = "") -> str:
+    if pod_claim_name:
+        parent = CONTAINER_ROOT / "resourceclaimtemplates" / pod_claim_name
+    else:
+        parent = CONTAINER_ROOT / "resourceclaims" / claim_name
+    return str(parent / base_request / f"{driver}-metadata.json")
+
+
+def network_data(device: Device) -> dict[str, Any] | None:
+    facts = device.node
+    if device.kind != "nic" or not facts.interface:
+        return None
+    out: dict[str, Any] = {"interfaceName": facts.interface}
+    if facts.ips:
+        out["ips"] = list(facts.ips)
+    if facts.mac:
+        out["hardwareAddress"] = facts.mac
+    return out
+
+
+def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: str, generation: int,
+           devices: Sequence[AllocatedDevice]) -> bytes:
+    """The file content for the devices of one base request (all results sharing it)."""
+    requests: dict[str, list[dict[str, Any]]] = {}
+    for alloc in devices:
+        entry: dict[str, Any] = {
+            "driver": driver,
+            "pool": alloc.pool,
+            "name": alloc.device.name,
+            "attributes": {k: attribute_wire(v) for k, v in sorted(alloc.device.attributes.items())},
+        }
+        if (net := network_data(alloc.device)) is not None:
+            entry["networkData"] = net
+        requests.setdefault(alloc.request, []).append(entry)
+    body: dict[str, Any] = {
+        "kind": "DeviceMetadata",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid, "generation": generation},
+    }
+    if pod_claim_name:
+        body["podClaimName"] = pod_claim_name
+    body["requests"] = [{"name": req, "devices": devs} for req, devs in requests.items()]
+    return b"".join(orjson.dumps({"apiVersion": api, **body}) + b"\n" for api in API_VERSIONS)
+
+
+def parse_stream(data: bytes) -> list[dict[str, Any]]:
+    """The objects of a metadata file, in order (for readers and checks)."""
+    return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def group_by_base_request(devices: Iterable[AllocatedDevice]) -> dict[str, list[AllocatedDevice]]:
+    out: dict[str, list[AllocatedDevice]] = {}
+    for alloc in devices:
+        out.setdefault(alloc.request.split("/", 1)[0], []).append(alloc)
+    return out

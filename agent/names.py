@@ -1,0 +1,69 @@
+"""Validation of the names and UIDs that arrive from the kubelet and from claims.
+
+Everything here runs before any of these strings becomes part of a path, so
+a hostile or malformed claim can never make the agent write outside its roots.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from agent.apirules import dns_label_errors, dns_subdomain_errors
+
+_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+
+
+class InvalidName(ValueError):
+    pass
+
+
+def _show(value: str) -> str:
+    shown = value if len(value) <= 80 else value[:77] + "..."
+    return repr(shown)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRef:
+    """A claim as the kubelet names it."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"claim {_plain(self.namespace)}/{_plain(self.name)} ({_plain(self.uid)})"
+
+
+def _plain(value: str) -> str:
+    """The value as is when it is short and printable, else a clipped repr (logs stay one line)."""
+    if len(value) <= 253 and value.isprintable():
+        return value
+    return _show(value)
+
+
+def check_uid(uid: str) -> None:
+    if not _UID.match(uid):
+        raise InvalidName(f"claim UID {_show(uid)} is not a UID (lower-case 8-4-4-4-12 hex)")
+
+
+def check_claim_ref(ref: ClaimRef) -> None:
+    if errs := dns_label_errors(ref.namespace):
+        raise InvalidName(f"claim namespace {_show(ref.namespace)} {errs[-1]}")
+    if errs := dns_subdomain_errors(ref.name):
+        raise InvalidName(f"claim name {_show(ref.name)} {errs[-1]}")
+    check_uid(ref.uid)
+
+
+def base_request(request: str) -> str:
+    """`req/sub` -> `req` (the name the kubelet and the metadata paths use)."""
+    return request.split("/", 1)[0]
+
+
+def check_request(request: str) -> None:
+    parts = request.split("/")
+    if len(parts) > 2:
+        raise InvalidName(f"request name {_show(request)} has more than one '/'")
+    for part in parts:
+        if errs := dns_label_errors(part):
+            raise InvalidName(f"request name {_show(request)} {errs[-1]}")

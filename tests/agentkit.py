@@ -1,0 +1,148 @@
+"""Building blocks for tests of the prepare path: settings in temporary roots, a node with
+simulated GPUs and hand-made NICs/CPUs, and claims written where the offline source reads them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agent.claims import DirectoryClaimSource
+from agent.config import NvmlMode, Settings, build_settings
+from agent.daemon import PublishedForm
+from agent.inventory import Inventory, ScanResult
+from agent.inventory.gpus import GpuSource
+from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Device, NodeFacts
+from agent.prepare import PrepareEngine
+from agent.state import ClaimStore
+
+DRIVER = "dra.example.com"
+NODE = "node-a"
+
+
+def roots(tmp: Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "driver_name": DRIVER, "node_name": NODE, "nvml": "sim", "kubelet_dir": tmp / "kubelet",
+        "cdi_dir": tmp / "cdi", "static_cdi_dir": tmp / "cdi-static", "state_dir": tmp / "state",
+        "dev_root": tmp / "dev", "offline": tmp / "offline",
+    }
+    values.update(overrides)
+    return build_settings(values)
+
+
+class StaticSource:
+    """A discovery source with fixed devices (for kinds the test does not need real hardware for)."""
+
+    def __init__(self, kind: str, devices: Sequence[Device]) -> None:
+        self.kind = kind
+        self.devices = list(devices)
+
+    def open(self) -> None:
+        pass
+
+    def scan(self) -> ScanResult:
+        return ScanResult(devices=list(self.devices))
+
+    def close(self) -> None:
+        pass
+
+
+def nic(name: str = "nic-0000-3b-00-0", ifname: str = "ens1f0", mac: str = "02:00:00:00:00:01",
+        ips: Sequence[str] = ("10.0.0.5/24",)) -> Device:
+    attrs: dict[str, Any] = {"type": "nic", "ifName": ifname, "macAddress": mac, "mtu": 9000, "linkUp": True,
+                             PCI_BUS_ID: "0000:3b:00.0", PCIE_ROOT: "pci0000:3a", NUMA_NODE: 0}
+    if ips:
+        attrs["ipv4"] = ips[0]
+    return Device(name=name, kind="nic", attributes=attrs,
+                  node=NodeFacts(interface=ifname, mac=mac, ips=tuple(ips)))
+
+
+def cpu(node: int = 0, cpus: Iterable[int] = range(0, 8)) -> Device:
+    from agent.model import Capacity
+
+    ids = tuple(cpus)
+    return Device(name=f"cpu-numa{node}", kind="cpu", attributes={"type": "cpu", NUMA_NODE: node},
+                  capacity={"cpus": Capacity(str(len(ids)))}, node=NodeFacts(cpus=ids))
+
+
+@dataclass
+class Node:
+    settings: Settings
+    inventory: Inventory
+    engine: PrepareEngine
+    nic_source: StaticSource
+
+    @property
+    def claims_dir(self) -> Path:
+        assert self.settings.offline is not None
+        return self.settings.offline / "resourceclaims"
+
+
+async def make_node(tmp: Path, nics: Sequence[Device] = (), cpus: Sequence[Device] = (),
+                    **overrides: Any) -> Node:
+    settings = roots(tmp, **overrides)
+    nic_source = StaticSource("nic", list(nics) or [nic()])
+    sources: list[Any] = [nic_source, StaticSource("cpu", cpus)]
+    if settings.nvml != NvmlMode("auto"):
+        sources.insert(0, GpuSource(settings))
+    inventory = Inventory(sources, refine=PublishedForm())
+    inventory.open()
+    await inventory.scan()
+    assert settings.offline is not None
+    store = ClaimStore(settings.claims_state_dir)
+    store.ensure()
+    engine = PrepareEngine(settings, inventory, DirectoryClaimSource(settings.offline), store)
+    return Node(settings, inventory, engine, nic_source)
+
+
+def claim(name: str, uid: str, results: Sequence[dict[str, Any]], *, namespace: str = "default",
+          annotations: dict[str, str] | None = None, config: Sequence[dict[str, Any]] = (),
+          allocated: bool = True) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        "spec": {"devices": {"requests": [{"name": r["request"].split("/")[0]} for r in results]}},
+    }
+    if annotations:
+        obj["metadata"]["annotations"] = annotations
+    if allocated:
+        obj["status"] = {"allocation": {"devices": {"results": list(results), "config": list(config)}}}
+    return obj
+
+
+def result(device: str, request: str = "req", *, driver: str = DRIVER, pool: str = NODE,
+           **extra: Any) -> dict[str, Any]:
+    return {"request": request, "driver": driver, "pool": pool, "device": device, **extra}
+
+
+def write_claim(claims_dir: Path, obj: dict[str, Any]) -> Path:
+    meta = obj["metadata"]
+    path = claims_dir / meta["namespace"] / f"{meta['name']}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(obj))
+    return path
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under root (relative path -> content), for 'nothing changed' assertions."""
+    out: dict[str, bytes] = {}
+    if not root.exists():
+        return out
+    for parent, _dirs, files in os.walk(root):
+        for name in files:
+            p = Path(parent) / name
+            if p.is_file() and not p.is_symlink():
+                out[str(p.relative_to(root))] = p.read_bytes()
+    return out
+
+
+def written_files(settings: Settings) -> dict[str, bytes]:
+    """All files the prepare path may write: CDI dir, plugin dir, records."""
+    out: dict[str, bytes] = {}
+    for root in (settings.cdi_dir, settings.plugin_dir, settings.claims_state_dir):
+        out.update({f"{root}/{k}": v for k, v in tree(root).items()})
+    return out

@@ -1,0 +1,94 @@
+"""Per-claim records: round trip, durability format, and refusing damaged files."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from agent.state import ClaimRecord, ClaimStore, FileRecord, RecordError, decode, encode
+
+UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"
+
+
+def record(uid: str = UID) -> ClaimRecord:
+    return ClaimRecord(
+        uid=uid, namespace="ns", name="claim", pod_claim_name="gpu",
+        devices=[{"request": "gpu", "pool": "node-a", "device": "gpu-0",
+                  "cdiDeviceIds": ["dra.example.com/claim=x-gpu-0"]}],
+        files=[FileRecord("/tmp/x.json", b'{"a": 1}\n', 0o644)], dirs=["/tmp/d"], prepared_at=12.5)
+
+
+def test_round_trip_keeps_every_field():
+    rec = record()
+    back = decode(encode(rec))
+    assert back == rec
+
+
+def test_header_names_format_version_checksum_and_length():
+    data = encode(record())
+    header = data.split(b"\n", 1)[0].split(b" ")
+    assert header[0] == b"DRAREC" and header[1] == b"1"
+    assert int(header[3]) == len(data.split(b"\n", 1)[1])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "version", "garbage", "empty"])
+def test_damaged_records_are_refused(damage):
+    data = encode(record())
+    if damage == "truncate":
+        data = data[:-5]
+    elif damage == "flip":
+        i = len(data) - 10
+        data = data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+    elif damage == "version":
+        data = data.replace(b"DRAREC 1 ", b"DRAREC 9 ", 1)
+    elif damage == "garbage":
+        data = b"hello world\n{}"
+    else:
+        data = b""
+    with pytest.raises(RecordError):
+        decode(data)
+
+
+def test_store_writes_0600_and_loads_back(tmp_path):
+    store = ClaimStore(tmp_path / "claims")
+    store.ensure()
+    store.write(record())
+    path = store.path(UID)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(store.directory).st_mode) == 0o700
+    records, problems = store.load_all()
+    assert problems == [] and records[UID] == record()
+    assert store.delete(UID) is True and store.delete(UID) is False
+
+
+def test_load_sets_nothing_damaged_in_place_and_drops_temp_files(tmp_path):
+    store = ClaimStore(tmp_path)
+    store.ensure()
+    store.write(record())
+    other = "11111111-2222-4333-8444-555555555555"
+    (tmp_path / f"{other}.rec").write_bytes(encode(record(other))[:-3])
+    (tmp_path / f".{UID}.rec.tmp-abcd").write_bytes(b"half")
+    (tmp_path / "not-a-uid.rec").write_bytes(encode(record()))
+    records, problems = store.load_all()
+    assert list(records) == [UID]
+    assert sorted(name for name, _ in problems) == sorted([f"{other}.rec", "not-a-uid.rec"])
+    assert not (tmp_path / f".{UID}.rec.tmp-abcd").exists()
+    moved = store.quarantine(f"{other}.rec")
+    assert moved.name.endswith(".corrupt") and not (tmp_path / f"{other}.rec").exists()
+
+
+def test_record_named_for_another_uid_is_refused(tmp_path):
+    store = ClaimStore(tmp_path)
+    store.ensure()
+    other = "11111111-2222-4333-8444-555555555555"
+    (tmp_path / f"{other}.rec").write_bytes(encode(record(UID)))
+    records, problems = store.load_all()
+    assert records == {} and "names UID" in problems[0][1]
+
+
+@pytest.mark.parametrize("uid", ["../../etc/passwd", "", "A" * 36, UID.upper(), UID + "\x00"])
+def test_store_refuses_paths_from_bad_uids(tmp_path, uid):
+    with pytest.raises(ValueError):
+        ClaimStore(tmp_path).path(uid)
