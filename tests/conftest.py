@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +36,14 @@ def need_command(*names: str) -> None:
     missing = [n for n in names if shutil.which(n) is None]
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (Debian packages; .ci/run installs them)")
+
+# The Kubernetes API emulator's `kube_api` fixture, for every test that talks to an API server.
+pytest_plugins = ("kubeapi",)
+
+
+@pytest.fixture
+def short_tmp():
+    """A temporary directory with a short path: unix socket paths must stay under 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

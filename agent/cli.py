@@ -1,0 +1,234 @@
+"""`dra-agent`: the daemon and the node debug CLI.
+
+    dra-agent run                      the agent (what the DaemonSet runs)
+    dra-agent devices [-o table|json|yaml]
+    dra-agent slices [-o yaml|json]    the exact ResourceSlices that would be published
+    dra-agent claims [-o table|json]   claims prepared on this node (from the state dir)
+    dra-agent kubelet info|prepare|unprepare|health
+    dra-agent cdi validate [DIR...]
+
+Every command accepts the same settings as `run` (flags or environment variables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import orjson
+import yaml
+
+from agent import config
+
+
+def _dump(obj: Any, fmt: str) -> str:
+    if fmt == "json":
+        return orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode()
+    docs = obj if isinstance(obj, list) and obj and all(isinstance(o, dict) and "kind" in o for o in obj) else None
+    if docs is not None:
+        return yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True)
+    return yaml.safe_dump(obj, sort_keys=False)
+
+
+def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+# -- commands ---------------------------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent import daemon
+
+    return asyncio.run(daemon.run(settings))
+
+
+def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent import daemon
+
+    devices, failed = asyncio.run(daemon.discover_once(settings))
+    if args.output == "table":
+        rows = []
+        for d in devices:
+            attrs = d.attributes
+            summary = ", ".join(f"{k}={attrs[k]}" for k in ("productName", "ifName", "ipv4", "socket")
+                                if k in attrs)
+            rows.append((d.name, d.kind, ",".join(f"{k}={c.value}" for k, c in sorted(d.capacity.items())),
+                         str(attrs.get("resource.kubernetes.io/pciBusID", "")),
+                         str(attrs.get("resource.kubernetes.io/numaNode", "")), summary))
+        print(_table(rows, ("NAME", "KIND", "CAPACITY", "PCI BUS ID", "NUMA", "DETAILS")))
+        for name, why in sorted(failed.items()):
+            print(f"not published: {name}: {why}", file=sys.stderr)
+    else:
+        print(_dump([d.summary() for d in devices], args.output))
+    return 0
+
+
+def cmd_slices(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent import daemon
+
+    print(_dump(asyncio.run(daemon.render_slices(settings)), args.output))
+    return 0
+
+
+def cmd_claims(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent.state import ClaimStore
+
+    records, problems = ClaimStore(settings.claims_state_dir).load_all()
+    ordered = sorted(records.values(), key=lambda r: (r.namespace, r.name))
+    if args.output == "json":
+        print(_dump([{
+            "namespace": r.namespace, "name": r.name, "uid": r.uid, "podClaimName": r.pod_claim_name,
+            "devices": r.devices, "files": [f.path for f in r.files], "preparedAt": r.prepared_at,
+        } for r in ordered], "json"))
+    else:
+        rows = [(f"{r.namespace}/{r.name}", r.uid, ",".join(d["device"] for d in r.devices),
+                 " ".join(i for d in r.devices for i in d["cdiDeviceIds"])) for r in ordered]
+        print(_table(rows, ("CLAIM", "UID", "DEVICES", "CDI DEVICE IDS")))
+        if args.files:
+            for r in ordered:
+                print(f"\n{r.namespace}/{r.name}:")
+                for f in r.files:
+                    print(f"  {f.path}")
+    for name, why in problems:
+        print(f"unreadable record {name}: {why}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def cmd_kubelet(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent import kubelet_client as kc
+    from agent.claims import ClaimNotFound, ClaimSourceError
+    from agent.connection import StartupError
+
+    try:
+        return asyncio.run(_kubelet(args, settings, kc))
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    except (ClaimNotFound, ClaimSourceError, StartupError) as exc:
+        print(f"error: {exc} (give --uid, or the agent's --offline DIR / cluster settings)", file=sys.stderr)
+        return 2
+
+
+async def _kubelet(args: argparse.Namespace, settings: config.Settings, kc: Any) -> int:
+    if args.action == "info":
+        info = await kc.get_info(settings.registration_socket)
+        print(f"type:      {info.type}\nname:      {info.name}\nendpoint:  {info.endpoint}\n"
+              f"versions:  {', '.join(info.supported_versions)}")
+        return 0
+    if args.action == "health":
+        async for response in kc.watch_health(settings.dra_socket, args.api or "v1"):
+            print(_dump(kc.to_dict(response), "json"), flush=True)
+            if args.once:
+                break
+        return 0
+    ref = await _claim_ref(args, settings)
+    async with kc.DRAClient(settings.dra_socket, args.api or "v1") as client:
+        call = client.prepare if args.action == "prepare" else client.unprepare
+        response = await call([ref])
+    out = kc.to_dict(response)
+    print(_dump(out, "json"))
+    return 1 if any(c.get("error") for c in out.get("claims", {}).values()) else 0
+
+
+async def _claim_ref(args: argparse.Namespace, settings: config.Settings) -> Any:
+    from agent.names import ClaimRef
+
+    namespace, sep, name = args.claim.partition("/")
+    if not sep:
+        raise SystemExit("claim must be NAMESPACE/NAME")
+    uid = args.uid
+    if not uid:
+        from agent import daemon
+
+        claim = await daemon.fetch_claim(settings, namespace, name)
+        uid = (claim.get("metadata") or {}).get("uid", "")
+    return ClaimRef(namespace, name, uid)
+
+
+def cmd_cdi(args: argparse.Namespace, settings: config.Settings) -> int:
+    from cdi.validate import format_report, validate_dirs
+
+    dirs = [Path(d) for d in args.dirs] or [settings.static_cdi_dir, settings.cdi_dir]
+    report = validate_dirs(dirs)
+    print(format_report(report))
+    return 0 if report.ok else 1
+
+
+# -- parser -----------------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dra-agent", description="Kubernetes DRA node agent")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, fn: Any) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        config.add_arguments(sp)
+        return sp
+
+    command("run", "run the agent", cmd_run)
+    sp = command("devices", "discover and show this node's devices", cmd_devices)
+    sp.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
+    sp = command("slices", "show the ResourceSlices that would be published", cmd_slices)
+    sp.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
+    sp = command("claims", "show the claims prepared on this node", cmd_claims)
+    sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    sp.add_argument("--files", action="store_true", help="also list each claim's files")
+
+    kp = sub.add_parser("kubelet", help="call the running agent like the kubelet does")
+    ksub = kp.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, help in (("info", "GetInfo on the registration socket (1 s timeout)"),
+                         ("prepare", "NodePrepareResources for one claim"),
+                         ("unprepare", "NodeUnprepareResources for one claim"),
+                         ("health", "follow the device health stream")):
+        ap = ksub.add_parser(action, help=help, description=help)
+        ap.set_defaults(fn=cmd_kubelet)
+        config.add_arguments(ap)
+        if action in ("prepare", "unprepare"):
+            ap.add_argument("claim", metavar="NAMESPACE/NAME")
+            ap.add_argument("--uid", default="", help="claim UID (default: read from the claim source)")
+            ap.add_argument("--api", choices=("v1", "v1beta1"), default="v1")
+        if action == "health":
+            ap.add_argument("--api", choices=("v1", "v1alpha1"), default="v1")
+            ap.add_argument("--once", action="store_true", help="print the first list and exit")
+
+    cp = sub.add_parser("cdi", help="CDI spec tools")
+    csub = cp.add_subparsers(dest="action", required=True, metavar="ACTION")
+    vp = csub.add_parser("validate", help="strictly check the CDI specs in DIRs (default: the CDI dirs)")
+    vp.set_defaults(fn=cmd_cdi)
+    vp.add_argument("dirs", nargs="*", metavar="DIR")
+    config.add_arguments(vp)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        settings = config.settings_from(args)
+    except config.ConfigError as exc:
+        print(f"dra-agent: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "run":
+        from agent import log
+
+        log.setup(settings.log_format, settings.log_level)
+    else:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.fn(args, settings) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

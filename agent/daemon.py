@@ -1,0 +1,252 @@
+"""The running agent: discovery, publishing, the kubelet's sockets, and keeping it all current.
+
+Start-up order (DESIGN "How data flows" 1): connect -> open discovery -> first
+scan and state recovery (concurrently) -> DRA socket -> registration socket ->
+background work (publishing, rescans, netlink events, health). SIGTERM stops the
+servers and removes the sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import time
+from typing import Any
+
+from agent import config as config_mod
+from agent import slices
+from agent.config import Settings
+from agent.connection import Connection, StartupError, connect, wait_for_node
+from agent.health import HealthTracker
+from agent.inventory import DiscoveryError, Inventory, Source
+from agent.inventory.cpus import CpuSource
+from agent.inventory.gpus import GpuSource
+from agent.inventory.memory import MemorySource
+from agent.inventory.netwatch import NetlinkWatcher, debounced
+from agent.inventory.nics import NicSource
+from agent.kube import NodeInfo
+from agent.model import Device
+from agent.prepare import PrepareEngine
+from agent.publisher import PublishLoop
+from agent.recovery import recover
+from agent.server import Servers
+from agent.state import ClaimStore
+
+log = logging.getLogger(__name__)
+
+
+def build_sources(settings: Settings) -> list[Source]:
+    return [GpuSource(settings), NicSource(settings), CpuSource(settings), MemorySource(settings)]
+
+
+class PublishedForm:
+    """Reduces a scanned device to what the API server accepts, so slices, metadata files and the
+    CLI all show the same device. Each problem is logged once, not on every rescan."""
+
+    def __init__(self) -> None:
+        self._reported: set[str] = set()
+
+    def __call__(self, device: Device) -> Device | None:
+        out, problems = published_form(device)
+        for message in problems:
+            if message not in self._reported:
+                self._reported.add(message)
+                log.warning("not published: %s", message)
+        return out
+
+
+def published_form(device: Device) -> tuple[Device | None, list[str]]:
+    """The device without what the API server would reject, and what was removed."""
+    wire, problems = slices.sanitize_device(device)
+    if wire is None:
+        return None, problems
+    attrs, caps = wire.get("attributes", {}), wire.get("capacity", {})
+    if len(attrs) == len(device.attributes) and len(caps) == len(device.capacity):
+        return device, problems
+    return dataclasses.replace(
+        device,
+        attributes={k: v for k, v in device.attributes.items() if k in attrs},
+        capacity={k: v for k, v in device.capacity.items() if k in caps},
+    ), problems
+
+
+def set_node_allocatable(inventory: Inventory, node: NodeInfo | None) -> None:
+    enabled = bool(node and node.node_allocatable)
+    for source in inventory.sources:
+        if hasattr(source, "node_allocatable"):
+            source.node_allocatable = enabled
+
+
+class Agent:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.inventory = Inventory(build_sources(settings), refine=PublishedForm())
+        self.store = ClaimStore(settings.claims_state_dir)
+        self.tracker = HealthTracker(pool=settings.node_name)
+        self.conn: Connection | None = None
+        self.engine: PrepareEngine | None = None
+        self.servers: Servers | None = None
+        self.publish: PublishLoop | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._devices: dict[str, Device] = {}
+
+    async def start(self) -> None:
+        s = self.settings
+        started = time.monotonic()
+        self.conn = await connect(s)
+        log.info("mode: %s (%s)", self.conn.mode, self.conn.reason)
+        await asyncio.to_thread(self.inventory.open)
+        set_node_allocatable(self.inventory, self.conn.node)
+        _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(recover, s, self.store))
+        log.info("state: %s", report.summary())
+        self.engine = PrepareEngine(s, self.inventory, self.conn.claim_source(s), self.store)
+        for record in report.records.values():
+            self.engine.adopt(record)
+        self._devices = self.inventory.snapshot().devices
+        await self.tracker.update(self.inventory.snapshot())
+        self.servers = Servers(s, self.engine, self.tracker)
+        await self.servers.start_dra()
+        await self.servers.start_registration()
+        log.info("ready in %.2fs: %d devices, %d prepared claims", time.monotonic() - started,
+                 len(self._devices), len(self.engine.records))
+        self._spawn(self._publishing(), "publish")
+        self._spawn(self._rescans(), "rescan")
+        self._spawn(self._netlink_events(), "netlink")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    @staticmethod
+    def _task_done(task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s died", task.get_name(), exc_info=task.exception())
+
+    async def _publishing(self) -> None:
+        assert self.conn is not None
+        node = self.conn.node
+        if node is None:
+            node = await wait_for_node(self.conn, self.settings.node_name)
+            set_node_allocatable(self.inventory, node)
+            await self.inventory.scan(["cpu", "memory"])
+        self.publish = PublishLoop(self.conn.publisher(self.settings, node),
+                                   verify_interval=max(self.settings.rescan_interval, 60.0))
+        self.publish.update(self.inventory.devices())
+        await self.publish.run()
+
+    async def _rescans(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.rescan_interval)
+            if await self.inventory.scan():
+                await self._changed()
+
+    async def _netlink_events(self) -> None:
+        try:
+            watcher = NetlinkWatcher()
+            await watcher.start()
+        except Exception as exc:
+            log.warning("no netlink events (%s): NICs are rescanned every %.0fs only", exc,
+                        self.settings.rescan_interval)
+            return
+        try:
+            async for _ in debounced(watcher.events(), self.settings.netlink_debounce):
+                if await self.inventory.scan(["nic"]):
+                    await self._changed()
+        finally:
+            await watcher.close()
+
+    async def _changed(self) -> None:
+        snapshot = self.inventory.snapshot()
+        changed = {name for name, dev in snapshot.devices.items() if self._devices.get(name) != dev}
+        self._devices = snapshot.devices
+        if self.publish is not None:
+            self.publish.update(self.inventory.devices())
+        await self.tracker.update(snapshot)
+        if changed and self.engine is not None:
+            await self.engine.refresh_devices(changed)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.servers is not None:
+            await self.servers.stop()
+        await asyncio.to_thread(self.inventory.close)
+        if self.conn is not None:
+            await self.conn.close()
+
+
+async def run(settings: Settings) -> int:
+    for flag, value in config_mod.describe(settings):
+        log.debug("setting %s = %s", flag, value)
+    log.info("dra-agent starting: driver %s, node %s, nvml %s", settings.driver_name, settings.node_name,
+             settings.nvml)
+    agent = Agent(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.start()
+    except (DiscoveryError, StartupError, OSError, RuntimeError) as exc:
+        log.error("cannot start: %s", exc)
+        await agent.stop()
+        return 1
+    await stop.wait()
+    log.info("stopping")
+    await agent.stop()
+    return 0
+
+
+# -- one-shot helpers for the CLI -------------------------------------------------------------------
+
+async def _inventory_once(settings: Settings, node: NodeInfo | None) -> Inventory:
+    inventory = Inventory(build_sources(settings), refine=PublishedForm())
+    await asyncio.to_thread(inventory.open)
+    try:
+        set_node_allocatable(inventory, node)
+        await inventory.scan()
+    finally:
+        await asyncio.to_thread(inventory.close)
+    return inventory
+
+
+async def _node_for_cli(settings: Settings) -> tuple[Connection | None, NodeInfo]:
+    try:
+        conn = await connect(settings)
+    except StartupError as exc:
+        log.warning("%s: showing what this node would publish without cluster information", exc)
+        return None, NodeInfo(name=settings.node_name)
+    return conn, conn.node or NodeInfo(name=settings.node_name)
+
+
+async def discover_once(settings: Settings) -> tuple[list[Device], dict[str, str]]:
+    conn, node = await _node_for_cli(settings)
+    if conn is not None:
+        await conn.close()
+    inventory = await _inventory_once(settings, node)
+    return inventory.devices(), inventory.snapshot().failed
+
+
+async def render_slices(settings: Settings) -> list[dict[str, Any]]:
+    conn, node = await _node_for_cli(settings)
+    if conn is not None:
+        await conn.close()
+    inventory = await _inventory_once(settings, node)
+    owner = slices.NodeRef(name=node.name, uid=node.uid) if node.uid else None
+    return slices.build_slices(inventory.devices(), driver=settings.driver_name, node=settings.node_name,
+                               owner=owner)
+
+
+async def fetch_claim(settings: Settings, namespace: str, name: str) -> dict[str, Any]:
+    conn = await connect(settings)
+    try:
+        return dict(await conn.claim_source(settings).get(namespace, name))
+    finally:
+        await conn.close()

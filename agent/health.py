@@ -1,0 +1,92 @@
+"""Device health as the kubelet's health stream reports it.
+
+HEALTHY: the device is in the inventory and answering. UNHEALTHY: discovery
+knows it by name but could not read it (an NVML call failing, a GPU that fell
+off the bus), or it was seen before and is gone now. Watchers get the complete
+list on connect, on every change, and at least every `interval` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from agent.inventory import Snapshot
+
+HEALTHY = "HEALTHY"
+UNHEALTHY = "UNHEALTHY"
+MAX_MESSAGE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceHealth:
+    device: str
+    status: str
+    message: str
+    since: int  # unix seconds of the last change of status or message
+
+
+def _clip(message: str) -> str:
+    data = message.encode()
+    if len(data) <= MAX_MESSAGE:
+        return message
+    return data[: MAX_MESSAGE - 3].decode(errors="ignore") + "..."
+
+
+class HealthTracker:
+    def __init__(self, pool: str, interval: float = 30.0, timeout_seconds: int = 90) -> None:
+        self.pool = pool
+        self.interval = interval
+        self.timeout_seconds = timeout_seconds
+        self._state: dict[str, DeviceHealth] = {}
+        self._version = 0
+        self._changed = asyncio.Condition()
+
+    def current(self) -> list[DeviceHealth]:
+        return [self._state[k] for k in sorted(self._state)]
+
+    async def update(self, snapshot: Snapshot) -> bool:
+        """Fold in a new inventory snapshot; True (and watchers woken) when anything changed."""
+        now = int(time.time())
+        new: dict[str, DeviceHealth] = {}
+        for name in snapshot.devices:
+            new[name] = self._keep(name, HEALTHY, "", now)
+        for name, why in snapshot.failed.items():
+            if name.startswith("<") or name in new:
+                continue  # a whole source failing has no device name; its devices go missing below
+            new[name] = self._keep(name, UNHEALTHY, _clip(why), now)
+        for name, old in self._state.items():
+            if name not in new:
+                msg = old.message if old.status == UNHEALTHY else "device is no longer found on this node"
+                new[name] = self._keep(name, UNHEALTHY, msg, now)
+        if new == self._state:
+            return False
+        self._state = new
+        async with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+        return True
+
+    def _keep(self, name: str, status: str, message: str, now: int) -> DeviceHealth:
+        old = self._state.get(name)
+        if old is not None and old.status == status and old.message == message:
+            return old
+        return DeviceHealth(name, status, message, now)
+
+    def _newer_than(self, version: int) -> Callable[[], bool]:
+        return lambda: self._version != version
+
+    async def watch(self) -> AsyncIterator[list[DeviceHealth]]:
+        """The full list now, then on every change and at least every `interval` seconds."""
+        seen = -1
+        while True:
+            async with self._changed:
+                if seen == self._version:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait_for(self._newer_than(seen)), self.interval)
+                seen = self._version
+                devices = self.current()
+            yield devices

@@ -1,0 +1,96 @@
+"""A client that calls the agent's sockets the way the kubelet does.
+
+Used by `dra-agent kubelet ...` for a person at the node, by the tests as the
+kubelet stand-in, and by the benchmark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from agent.names import ClaimRef
+from agent.pb import (
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
+    health_v1_pb2,
+    health_v1_pb2_grpc,
+    health_v1alpha1_pb2,
+    health_v1alpha1_pb2_grpc,
+    registration_pb2,
+    registration_pb2_grpc,
+)
+
+GET_INFO_TIMEOUT = 1.0  # the kubelet's
+PREPARE_TIMEOUT = 45.0  # the kubelet's
+
+_DRA = {"v1": (dra_v1_pb2, dra_v1_pb2_grpc), "v1beta1": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc)}
+_HEALTH = {"v1": (health_v1_pb2, health_v1_pb2_grpc), "v1alpha1": (health_v1alpha1_pb2, health_v1alpha1_pb2_grpc)}
+
+
+def channel(socket: Path) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(f"unix://{socket}")
+
+
+def to_dict(message: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+async def get_info(socket: Path, timeout: float = GET_INFO_TIMEOUT) -> Any:
+    async with channel(socket) as ch:
+        stub = registration_pb2_grpc.RegistrationStub(ch)
+        return await stub.GetInfo(registration_pb2.InfoRequest(), timeout=timeout)
+
+
+async def notify_registration(socket: Path, registered: bool, error: str = "") -> None:
+    async with channel(socket) as ch:
+        stub = registration_pb2_grpc.RegistrationStub(ch)
+        await stub.NotifyRegistrationStatus(
+            registration_pb2.RegistrationStatus(plugin_registered=registered, error=error), timeout=5)
+
+
+class DRAClient:
+    """A long-lived connection to the DRA socket (one channel, like the kubelet's)."""
+
+    def __init__(self, socket: Path, api: str = "v1") -> None:
+        if api not in _DRA:
+            raise ValueError(f"api must be one of {', '.join(_DRA)}")
+        self.pb, grpc_mod = _DRA[api]
+        self._channel = channel(socket)
+        self._stub = grpc_mod.DRAPluginStub(self._channel)
+
+    async def __aenter__(self) -> DRAClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _claims(self, refs: Sequence[ClaimRef]) -> list[Any]:
+        return [self.pb.Claim(namespace=r.namespace, name=r.name, uid=r.uid) for r in refs]
+
+    async def prepare(self, refs: Sequence[ClaimRef], timeout: float = PREPARE_TIMEOUT) -> Any:
+        return await self._stub.NodePrepareResources(
+            self.pb.NodePrepareResourcesRequest(claims=self._claims(refs)), timeout=timeout)
+
+    async def unprepare(self, refs: Sequence[ClaimRef], timeout: float = PREPARE_TIMEOUT) -> Any:
+        return await self._stub.NodeUnprepareResources(
+            self.pb.NodeUnprepareResourcesRequest(claims=self._claims(refs)), timeout=timeout)
+
+
+async def watch_health(socket: Path, api: str = "v1") -> AsyncIterator[Any]:
+    if api not in _HEALTH:
+        raise ValueError(f"api must be one of {', '.join(_HEALTH)}")
+    pb, grpc_mod = _HEALTH[api]
+    async with channel(socket) as ch:
+        stub = grpc_mod.DRAResourceHealthStub(ch)
+        async for response in stub.NodeWatchResources(pb.NodeWatchResourcesRequest()):
+            yield response

@@ -1,0 +1,227 @@
+"""The gRPC servers the kubelet talks to, on unix sockets.
+
+- registration (`plugins_registry/<driver>-reg.sock`): GetInfo, NotifyRegistrationStatus;
+- DRA v1 + v1beta1 and health v1 + v1alpha1 on `plugins/<driver>/dra.sock`.
+
+Registration runs on its own server so GetInfo (1 s kubelet timeout) never
+queues behind prepares. Handlers never let an exception out as a traceback:
+errors are per claim, in the response.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from agent.config import UNIX_PATH_MAX, Settings
+from agent.health import HealthTracker
+from agent.names import ClaimRef, base_request
+from agent.pb import (
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
+    health_v1_pb2,
+    health_v1_pb2_grpc,
+    health_v1alpha1_pb2,
+    health_v1alpha1_pb2_grpc,
+    registration_pb2,
+    registration_pb2_grpc,
+)
+from agent.prepare import PrepareEngine
+
+log = logging.getLogger(__name__)
+
+PLUGIN_TYPE = "DRAPlugin"
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
+
+
+class RegistrationState:
+    """What the kubelet last told us about our registration (for logs, health and metrics)."""
+
+    def __init__(self) -> None:
+        self.registered: bool | None = None
+        self.error = ""
+        self.updated_at = 0.0
+        self.info_calls = 0
+
+
+class Registration(registration_pb2_grpc.RegistrationServicer):
+    def __init__(self, settings: Settings, state: RegistrationState) -> None:
+        self.info = registration_pb2.PluginInfo(
+            type=PLUGIN_TYPE, name=settings.driver_name, endpoint=str(settings.dra_socket),
+            supported_versions=list(SUPPORTED_VERSIONS))
+        self.state = state
+
+    async def GetInfo(self, request: Any, context: Any) -> Any:
+        self.state.info_calls += 1
+        return self.info
+
+    async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
+        self.state.registered = request.plugin_registered
+        self.state.error = request.error
+        self.state.updated_at = time.time()
+        if request.plugin_registered:
+            log.info("the kubelet registered the plugin")
+        else:
+            log.error("THE KUBELET REJECTED THE PLUGIN REGISTRATION: %s", request.error or "(no reason given)")
+        return registration_pb2.RegistrationStatusResponse()
+
+
+def _refs(request: Any) -> list[ClaimRef]:
+    return [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
+
+
+class _DRA:
+    """One implementation behind both API versions; `pb` is the version's message module."""
+
+    def __init__(self, engine: PrepareEngine, pb: Any, with_share_id: bool) -> None:
+        self.engine = engine
+        self.pb = pb
+        self.with_share_id = with_share_id
+
+    async def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        refs = _refs(request)
+        response = self.pb.NodePrepareResourcesResponse()
+        try:
+            results = await self.engine.prepare(refs)
+        except Exception as exc:  # the engine reports per claim; this is a last line of defence
+            log.exception("NodePrepareResources failed")
+            results = {r.uid: _error_result(f"internal error: {exc!r}") for r in refs}
+        for uid, result in results.items():
+            entry = response.claims[uid]
+            if result.error:
+                entry.error = result.error
+                continue
+            for d in result.devices:
+                dev = entry.devices.add(request_names=[base_request(d["request"])], pool_name=d["pool"],
+                                        device_name=d["device"], cdi_device_ids=d["cdiDeviceIds"])
+                if self.with_share_id and d.get("shareId"):
+                    dev.share_id = d["shareId"]
+        return response
+
+    async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        refs = _refs(request)
+        response = self.pb.NodeUnprepareResourcesResponse()
+        try:
+            results = await self.engine.unprepare(refs)
+        except Exception as exc:
+            log.exception("NodeUnprepareResources failed")
+            results = {r.uid: f"internal error: {exc!r}" for r in refs}
+        for uid, error in results.items():
+            response.claims[uid].error = error
+        return response
+
+
+def _error_result(message: str) -> Any:
+    from agent.prepare import PrepareResult
+
+    return PrepareResult(error=message)
+
+
+class DRAv1(_DRA, dra_v1_pb2_grpc.DRAPluginServicer):
+    def __init__(self, engine: PrepareEngine) -> None:
+        super().__init__(engine, dra_v1_pb2, with_share_id=True)
+
+
+class DRAv1beta1(_DRA, dra_v1beta1_pb2_grpc.DRAPluginServicer):
+    def __init__(self, engine: PrepareEngine) -> None:
+        super().__init__(engine, dra_v1beta1_pb2, with_share_id=False)
+
+
+class _Health:
+    def __init__(self, tracker: HealthTracker, pb: Any) -> None:
+        self.tracker = tracker
+        self.pb = pb
+
+    async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        status = {"HEALTHY": self.pb.HEALTHY, "UNHEALTHY": self.pb.UNHEALTHY}
+        async for devices in self.tracker.watch():
+            now = int(time.time())
+            yield self.pb.NodeWatchResourcesResponse(devices=[
+                self.pb.DeviceHealth(
+                    device=self.pb.DeviceIdentifier(pool_name=self.tracker.pool, device_name=d.device),
+                    health=status.get(d.status, self.pb.UNKNOWN), last_updated_time=now,
+                    health_check_timeout_seconds=self.tracker.timeout_seconds, message=d.message)
+                for d in devices])
+
+
+class Healthv1(_Health, health_v1_pb2_grpc.DRAResourceHealthServicer):
+    def __init__(self, tracker: HealthTracker) -> None:
+        super().__init__(tracker, health_v1_pb2)
+
+
+class Healthv1alpha1(_Health, health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
+    def __init__(self, tracker: HealthTracker) -> None:
+        super().__init__(tracker, health_v1alpha1_pb2)
+
+
+def remove_stale_socket(path: Path) -> None:
+    """Remove a socket left by an earlier run; refuse to remove anything that is not a socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise RuntimeError(f"{path} exists and is not a socket: refusing to replace it")
+    os.unlink(path)
+
+
+async def _start(server: grpc.aio.Server, path: Path) -> None:
+    if len(os.fsencode(str(path))) >= UNIX_PATH_MAX:
+        raise RuntimeError(f"socket path {path} is {len(os.fsencode(str(path)))} bytes, over the unix limit of "
+                           f"{UNIX_PATH_MAX - 1}: use a shorter --kubelet-dir")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_socket(path)
+    # The kubelet runs as root: nobody else may connect. Bind under a restrictive umask so the
+    # socket never exists with wider permissions, even for an instant.
+    old = os.umask(0o177)
+    try:
+        if server.add_insecure_port(f"unix://{path}") == 0:
+            raise RuntimeError(f"cannot listen on {path}")
+        await server.start()
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+
+
+class Servers:
+    def __init__(self, settings: Settings, engine: PrepareEngine, tracker: HealthTracker) -> None:
+        self.settings = settings
+        self.registration_state = RegistrationState()
+        self._listening: list[tuple[grpc.aio.Server, Path]] = []
+        options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+        self.registration = grpc.aio.server(options=options)
+        registration_pb2_grpc.add_RegistrationServicer_to_server(
+            Registration(settings, self.registration_state), self.registration)
+        self.dra = grpc.aio.server(options=options)
+        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DRAv1(engine), self.dra)
+        dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DRAv1beta1(engine), self.dra)
+        health_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(Healthv1(tracker), self.dra)
+        health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(Healthv1alpha1(tracker), self.dra)
+
+    async def start_dra(self) -> None:
+        await _start(self.dra, self.settings.dra_socket)
+        self._listening.append((self.dra, self.settings.dra_socket))
+        log.info("DRA service listening on %s", self.settings.dra_socket)
+
+    async def start_registration(self) -> None:
+        await _start(self.registration, self.settings.registration_socket)
+        self._listening.append((self.registration, self.settings.registration_socket))
+        log.info("registration service listening on %s", self.settings.registration_socket)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        # Registration first: the kubelet stops sending work before the DRA socket goes away.
+        for server, path in reversed(self._listening):
+            await server.stop(grace)
+            with contextlib.suppress(OSError, RuntimeError):
+                remove_stale_socket(path)
+        self._listening.clear()

@@ -1,0 +1,134 @@
+"""The CLI as a person at the node uses it, and README's quickstart: the agent as a process,
+seeded from examples/, driven with `dra-agent kubelet ...` from a second process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from agent.config import OPTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dra-agent {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def run_env(short_tmp):
+    return {
+        "DRA_KUBELET_DIR": str(short_tmp / "kubelet"), "DRA_CDI_DIR": str(short_tmp / "cdi"),
+        "DRA_STATIC_CDI_DIR": str(short_tmp / "cdi-static"), "DRA_STATE_DIR": str(short_tmp / "state"),
+        "DRA_OFFLINE": str(short_tmp / "offline"), "DRA_NVML": "sim", "NODE_NAME": "node-cli",
+        "DRA_LOG_FORMAT": "json",
+    }
+
+
+@pytest.fixture
+def agent_process(run_env, short_tmp):
+    seeded = subprocess.run([sys.executable, str(ROOT / "examples" / "seed.py"), str(short_tmp)],
+                            capture_output=True, text=True, env={**os.environ, **run_env}, cwd=ROOT, timeout=60)
+    assert seeded.returncode == 0, seeded.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "run"], env={**os.environ, **run_env}, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    reg = Path(run_env["DRA_KUBELET_DIR"]) / "plugins_registry" / "dra.example.com-reg.sock"
+    deadline = time.monotonic() + 60
+    while not reg.exists():
+        if proc.poll() is not None:
+            raise AssertionError(proc.communicate())
+        assert time.monotonic() < deadline, "agent did not start"
+        time.sleep(0.05)
+    yield proc
+    proc.terminate()
+    proc.communicate(timeout=30)
+
+
+def test_devices_json_lists_the_simulated_gpus_in_api_form(run_env):
+    out = json.loads(cli("devices", "-o", "json", env=run_env).stdout)
+    gpus = [d for d in out if d["kind"] == "gpu"]
+    assert [g["name"] for g in gpus] == [f"gpu-{i}" for i in range(8)]
+    for d in out:
+        assert set(d) == {"name", "kind", "attributes", "capacity"}
+        for value in d["attributes"].values():
+            assert len(value) == 1 and next(iter(value)) in ("string", "int", "bool", "version")
+    assert gpus[0]["attributes"]["productName"] == {"string": "NVIDIA H100 80GB HBM3"}
+    assert gpus[0]["attributes"]["driverVersion"] == {"version": "570.124.6"}
+    assert gpus[0]["capacity"]["memory"] == {"value": "81559Mi"}
+    table = cli("devices", env=run_env).stdout
+    assert table.splitlines()[0].split()[:2] == ["NAME", "KIND"] and "gpu-7" in table
+
+
+def test_slices_are_valid_resourceslices(run_env):
+    docs = [d for d in yaml.safe_load_all(cli("slices", env=run_env).stdout) if d]
+    assert docs and all(d["apiVersion"] == "resource.k8s.io/v1" and d["kind"] == "ResourceSlice" for d in docs)
+    for d in docs:
+        kubernetes_validate.validate(d, "1.37.0", strict=True)
+        assert d["spec"]["nodeName"] == "node-cli" and d["spec"]["pool"]["name"] == "node-cli"
+    names = [dev["name"] for d in docs for dev in d["spec"]["devices"]]
+    assert {f"gpu-{i}" for i in range(8)} <= set(names)
+    as_json = json.loads(cli("slices", "-o", "json", env=run_env).stdout)
+    assert as_json == docs
+
+
+def test_quickstart_prepare_inspect_unprepare(agent_process, run_env):
+    info = cli("kubelet", "info", env=run_env).stdout
+    assert "DRAPlugin" in info and "v1.DRAPlugin, v1beta1.DRAPlugin" in info
+    for claim in ("gpu-one", "gpu-eight", "trainer-0-gpu-7x2kq", "cuda-app-extended-resources-9fz4d"):
+        out = json.loads(cli("kubelet", "prepare", f"default/{claim}", env=run_env).stdout)
+        (entry,) = out["claims"].values()
+        assert "error" not in entry and entry["devices"], out
+    listed = cli("claims", env=run_env).stdout
+    assert "default/gpu-eight" in listed and "gpu-0,gpu-1,gpu-2" in listed
+    records = json.loads(cli("claims", "-o", "json", env=run_env).stdout)
+    assert {r["name"] for r in records} >= {"gpu-one", "gpu-eight"}
+    spec_dir = Path(run_env["DRA_CDI_DIR"])
+    assert cli("cdi", "validate", str(spec_dir), env=run_env).returncode == 0
+    eight = next(r for r in records if r["name"] == "gpu-eight")
+    spec = json.loads((spec_dir / f"dra.example.com-claim_{eight['uid']}.json").read_text())
+    assert all("NCCL_DEBUG=INFO" in d["containerEdits"]["env"] for d in spec["devices"])
+    v1beta1 = json.loads(cli("kubelet", "unprepare", "default/gpu-one", "--api", "v1beta1", env=run_env).stdout)
+    assert all("error" not in e for e in v1beta1["claims"].values())
+    health = json.loads(cli("kubelet", "health", "--once", env=run_env).stdout)
+    assert {d["device"]["device_name"] for d in health["devices"]} >= {f"gpu-{i}" for i in range(8)}
+    slices = list((Path(run_env["DRA_OFFLINE"]) / "resourceslices").glob("*.yaml"))
+    assert slices, "the running agent publishes offline"
+
+
+def test_prepare_of_a_missing_claim_says_why(agent_process, run_env):
+    proc = cli("kubelet", "prepare", "default/nope", env=run_env, check=False)
+    assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+def test_kubelet_info_without_an_agent_fails_clearly(run_env):
+    proc = cli("kubelet", "info", env=run_env, check=False)
+    assert proc.returncode == 2 and "UNAVAILABLE" in proc.stderr
+
+
+def test_bad_settings_are_refused_before_anything_starts(run_env):
+    proc = cli("devices", "--driver-name", "Not_A_DNS_Name", env=run_env, check=False)
+    assert proc.returncode == 2 and "--driver-name" in proc.stderr
+    proc = cli("devices", "--nvml", "fake", env=run_env, check=False)
+    assert proc.returncode == 2 and "--nvml" in proc.stderr
+
+
+def test_readme_documents_every_setting_with_its_environment_variable():
+    readme = (ROOT / "README.md").read_text()
+    for opt in OPTIONS:
+        assert re.search(rf"\| `{re.escape(opt.flag)}` \| `{re.escape(opt.env)}` \|", readme), opt.flag
+    help_text = cli("run", "--help").stdout
+    for opt in OPTIONS:
+        assert opt.flag in help_text and f"${opt.env}" in help_text
