@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +76,15 @@ class ApiClaimSource:
 class DirectoryClaimSource:
     """`DIR/resourceclaims/<namespace>/<name>.yaml` (YAML or JSON content)."""
 
+    CACHE_SIZE = 4096
+
     def __init__(self, directory: Path) -> None:
         self.root = Path(directory) / "resourceclaims"
+        # Parsed claims by path, valid while the file's (inode, mtime, size) stay the same: the
+        # kubelet asks for the same claims again and again, and parsing YAML is the slow part.
+        self._cache: OrderedDict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._root_real: str | None = None  # reads run in several worker threads at once
 
     async def get(self, namespace: str, name: str) -> dict[str, Any]:
         return await asyncio.to_thread(self.read, namespace, name)
@@ -86,20 +95,45 @@ class DirectoryClaimSource:
                 raise ClaimSourceError(f"claim {namespace!r}/{name!r}: not a valid namespace and name")
         path = self.root / namespace / f"{name}.yaml"
         # A symlink may still point anywhere: the file read must lie under the root.
-        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        real, root = os.path.realpath(path), self._real_root()
         if os.path.commonpath([real, root]) != root:
             raise ClaimSourceError(f"claim {namespace}/{name}: {path} leads outside {self.root}")
         return path
 
     def read(self, namespace: str, name: str) -> dict[str, Any]:
+        """The claim (shared with later callers: treat it as read-only)."""
         path = self.path_of(namespace, name)
         try:
-            text = path.read_bytes()
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                key = (st.st_ino, st.st_mtime_ns, st.st_size)
+                with self._cache_lock:
+                    cached = self._cache.get(path)
+                    if cached is not None and cached[0] == key:
+                        self._cache.move_to_end(path)
+                        return cached[1]
+                text = f.read()
         except FileNotFoundError as exc:
+            with self._cache_lock:
+                self._cache.pop(path, None)
             raise ClaimNotFound(f"ResourceClaim {namespace}/{name} not found "
                                 f"({path} does not exist)") from exc
         except OSError as exc:
             raise ClaimSourceError(f"ResourceClaim {namespace}/{name}: cannot read {path}: {exc}") from exc
+        doc = self._parse(namespace, name, path, text)
+        with self._cache_lock:
+            self._cache[path] = (key, doc)
+            if len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return doc
+
+    def _real_root(self) -> str:
+        if self._root_real is None or not os.path.isdir(self._root_real):
+            self._root_real = os.path.realpath(self.root)
+        return self._root_real
+
+    @staticmethod
+    def _parse(namespace: str, name: str, path: Path, text: bytes) -> dict[str, Any]:
         try:
             doc = yaml.load(text, Loader=_LOADER)
         except yaml.YAMLError as exc:

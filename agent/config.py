@@ -7,6 +7,7 @@ Every setting is a flag and an environment variable (the flag wins). The table
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import socket
@@ -150,26 +151,26 @@ class Settings:
             raise ConfigError("--claim-fetch-concurrency must be >= 1")
 
     # Paths the kubelet and the runtime know about.
-    @property
+    @functools.cached_property
     def plugin_dir(self) -> Path:
         return self.kubelet_dir / "plugins" / self.driver_name
 
-    @property
+    @functools.cached_property
     def registry_dir(self) -> Path:
         return self.kubelet_dir / "plugins_registry"
 
-    @property
+    @functools.cached_property
     def metadata_dir(self) -> Path:
         return self.plugin_dir / "dra-device-metadata"
 
-    @property
+    @functools.cached_property
     def dra_socket(self) -> Path:
         if not self.rolling_update_pod_uid:
             return self.plugin_dir / "dra.sock"
         return _fit_socket(self.plugin_dir, f"dra-{self.rolling_update_pod_uid}.sock",
                            self.rolling_update_pod_uid, "dra-")
 
-    @property
+    @functools.cached_property
     def registration_socket(self) -> Path:
         if not self.rolling_update_pod_uid:
             return self.registry_dir / f"{self.driver_name}-reg.sock"
@@ -177,11 +178,11 @@ class Settings:
         return _fit_socket(self.registry_dir, f"{self.driver_name}-{uid}-reg.sock", uid,
                            f"{self.driver_name}-", "-reg")
 
-    @property
+    @functools.cached_property
     def claims_state_dir(self) -> Path:
         return self.state_dir / "claims"
 
-    @property
+    @functools.cached_property
     def cdi_vendor(self) -> str:
         return self.driver_name
 

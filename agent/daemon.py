@@ -153,6 +153,10 @@ class Agent:
                         self.settings.rescan_interval)
             return
         try:
+            # The first scan ran before the socket was subscribed: a change in between has no event.
+            if await self.inventory.scan(["nic"]):
+                await self._changed()
+            log.info("watching netlink link and address events")
             async for _ in debounced(watcher.events(), self.settings.netlink_debounce):
                 if await self.inventory.scan(["nic"]):
                     await self._changed()

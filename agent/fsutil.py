@@ -15,8 +15,12 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = Fal
     directory never picks it up. `durable` adds fsync of the file and of the
     directory: only the per-claim record pays for that.
     """
-    directory = path.parent
-    tmp = directory / f".{path.name}.tmp-{secrets.token_hex(4)}"
+    commit(write_temp(path, data, mode, durable), path, durable)
+
+
+def write_temp(path: Path, data: bytes, mode: int = 0o644, durable: bool = False) -> Path:
+    """The first half of an atomic write: a complete temp file beside `path` (fsync'd if durable)."""
+    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         view = memoryview(data)
@@ -32,6 +36,11 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = Fal
             os.unlink(tmp)
         raise
     os.close(fd)
+    return tmp
+
+
+def commit(tmp: Path, path: Path, durable: bool = False) -> None:
+    """The second half: rename the temp file into place (and make the rename durable)."""
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -39,7 +48,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = Fal
             os.unlink(tmp)
         raise
     if durable:
-        fsync_dir(directory)
+        fsync_dir(path.parent)
 
 
 def fsync_dir(directory: Path) -> None:

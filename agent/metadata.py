@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,7 +17,7 @@ import orjson
 from agent.model import Device, attribute_wire
 
 API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
-CONTAINER_ROOT = PurePosixPath("/var/run/kubernetes.io/dra-device-attributes")
+CONTAINER_ROOT = "/var/run/kubernetes.io/dra-device-attributes"
 POD_CLAIM_NAME = "resource.kubernetes.io/pod-claim-name"
 
 
@@ -41,10 +41,10 @@ def host_file(metadata_root: Path, namespace: str, name: str, base_request: str)
 
 def container_file(driver: str, claim_name: str, base_request: str, pod_claim_name: str = "") -> str:
     if pod_claim_name:
-        parent = CONTAINER_ROOT / "resourceclaimtemplates" / pod_claim_name
+        parent = f"{CONTAINER_ROOT}/resourceclaimtemplates/{pod_claim_name}"
     else:
-        parent = CONTAINER_ROOT / "resourceclaims" / claim_name
-    return str(parent / base_request / f"{driver}-metadata.json")
+        parent = f"{CONTAINER_ROOT}/resourceclaims/{claim_name}"
+    return f"{parent}/{base_request}/{driver}-metadata.json"
 
 
 def network_data(device: Device) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class PrepareEngine:
         # claim was deleted and re-created under the same name before the old one was unprepared.
         self._dir_owners: dict[str, set[str]] = {}
         self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
+        self._records_io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="dra-record")
         self._claim_locks = KeyedLocks()
         self._device_locks = KeyedLocks()
 
@@ -196,6 +198,9 @@ class PrepareEngine:
                              new.generation)
         return updated
 
+    def close(self) -> None:
+        self._records_io.shutdown(wait=True)
+
     def _failed(self, op: str, ref: ClaimRef, why: str, started: float) -> PrepareResult:
         message = f"{ref}: {why}"
         log.warning("%s failed: %s", op, message, extra={
@@ -252,6 +257,9 @@ class PrepareEngine:
                     raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                         f"on the host ({node.host_path})")
         record = self.plan(alloc)
+        # The record's fsync (the slow part) overlaps with writing the claim's files; the record
+        # only becomes the record (rename) once every file is in place.
+        staged = self._records_io.submit(self.store.stage, record)
         written: list[Path] = []
         created_dirs = [Path(d) for d in record.dirs if not os.path.isdir(d)]
         try:
@@ -261,8 +269,10 @@ class PrepareEngine:
                 atomic_write(path, f.content, f.mode)
                 written.append(path)
                 failpoints.hit(_step(path, self.settings))
-            self.store.write(record)
+            self.store.commit(record.uid, staged.result())
         except BaseException:
+            with contextlib.suppress(BaseException):
+                unlink_quiet(staged.result())
             for path in reversed(written):
                 unlink_quiet(path)
             for d in created_dirs:

@@ -3,14 +3,19 @@
 Where the toolkit has generated a spec, a prepared GPU also gets the toolkit's
 device ID, so the runtime injects the driver libraries and hooks exactly as the
 toolkit defines them instead of the agent re-deriving them. The directories are
-re-read only when their modification time changes (a spec written, renamed or
-removed), and each spec only when its own (mtime, size) changes.
+re-read when their modification time changes (a spec written, renamed or
+removed), and each spec only when its own (mtime, size) changes. The agent's own
+per-claim specs change the dynamic directory on every prepare, so a directory is
+listed at most once per `min_interval` seconds: a prepare never pays for listing
+thousands of claim specs.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from pathlib import Path
 
 import orjson
@@ -22,8 +27,11 @@ KIND = "nvidia.com/gpu"
 
 
 class ToolkitSpecs:
-    def __init__(self, directories: list[Path], skip_prefixes: tuple[str, ...] = ()) -> None:
+    def __init__(self, directories: list[Path], skip_prefixes: tuple[str, ...] = (),
+                 min_interval: float = 2.0) -> None:
         self.directories = directories
+        self.min_interval = min_interval
+        self._scanned_at = -math.inf
         self.skip_prefixes = skip_prefixes  # our own per-claim specs: never the toolkit's
         self._dir_stamp: tuple[tuple[str, int], ...] | None = None
         self._files: dict[Path, tuple[tuple[int, int], frozenset[str]]] = {}
@@ -45,9 +53,10 @@ class ToolkitSpecs:
                 stamp.append((str(d), os.stat(d).st_mtime_ns))
             except OSError:
                 stamp.append((str(d), -1))
-        if tuple(stamp) == self._dir_stamp:
+        if tuple(stamp) == self._dir_stamp or time.monotonic() - self._scanned_at < self.min_interval:
             return
         self._dir_stamp = tuple(stamp)
+        self._scanned_at = time.monotonic()
         files: dict[Path, tuple[tuple[int, int], frozenset[str]]] = {}
         for d in self.directories:
             try:
