@@ -132,7 +132,8 @@ class Agent:
         if node is None:
             node = await wait_for_node(self.conn, self.settings.node_name)
             set_node_allocatable(self.inventory, node)
-            await self.inventory.scan(["cpu", "memory"])
+            if await self.inventory.scan(["cpu", "memory"]):
+                await self._changed()
         self.publish = PublishLoop(self.conn.publisher(self.settings, node),
                                    verify_interval=max(self.settings.rescan_interval, 60.0))
         self.publish.update(self.inventory.devices())

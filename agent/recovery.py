@@ -50,7 +50,7 @@ def recover(settings: Settings, store: ClaimStore) -> RecoveryReport:
     """Blocking: run in a worker thread."""
     report = RecoveryReport()
     store.ensure()
-    records, problems = store.load_all()
+    records, problems = store.load_all(clean=True)
     for name, why in problems:
         log.error("claim record %s is unreadable (%s): setting it aside; its files will be removed", name, why)
         try:
@@ -109,15 +109,6 @@ def _remove_orphan_specs(settings: Settings, records: dict[str, ClaimRecord]) ->
         m = pattern.match(name)
         if m and (m.group("a") or m.group("b")) not in records and unlink_quiet(path):
             removed.append(str(path))
-    return removed
-
-
-def _remove_temp_files(claim_dir: Path) -> list[str]:
-    removed = []
-    for parent, _dirs, files in os.walk(claim_dir):
-        for name in files:
-            if is_temp_name(name) and unlink_quiet(Path(parent) / name):
-                removed.append(os.path.join(parent, name))
     return removed
 
 

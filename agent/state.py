@@ -157,8 +157,11 @@ class ClaimStore:
         # files are repaired and the kubelet's repeated unprepare removes them.
         return unlink_quiet(self.path(uid))
 
-    def load_all(self) -> tuple[dict[str, ClaimRecord], list[tuple[str, str]]]:
-        """All readable records, and (file name, problem) for those that are not."""
+    def load_all(self, clean: bool = False) -> tuple[dict[str, ClaimRecord], list[tuple[str, str]]]:
+        """All readable records, and (file name, problem) for those that are not.
+
+        `clean` (start-up only, before any prepare can run) also removes temp files of record
+        writes that never reached their rename; a reader beside a running agent must not."""
         records: dict[str, ClaimRecord] = {}
         problems: list[tuple[str, str]] = []
         try:
@@ -168,7 +171,8 @@ class ClaimStore:
         for name in names:
             path = self.directory / name
             if is_temp_name(name):
-                unlink_quiet(path)  # a write that never reached its rename
+                if clean:
+                    unlink_quiet(path)
                 continue
             if not name.endswith(SUFFIX):
                 continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -50,16 +50,12 @@ def write_kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
-async def eventually(probe: Callable[[], Awaitable[T | None]] | Callable[[], T | None], what: str,
-                     limit: float = WAIT) -> T:
+async def eventually(probe: Callable[[], T | None], what: str, limit: float = WAIT) -> T:
     """Poll `probe` until it returns something truthy; fail naming `what` if it never does."""
     deadline = time.monotonic() + limit
     while True:
-        value = probe()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value  # type: ignore[return-value]
+        if value := probe():
+            return value
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not within {limit:g} s")
         await asyncio.sleep(0.05)

@@ -72,6 +72,8 @@ def test_load_sets_nothing_damaged_in_place_and_drops_temp_files(tmp_path):
     (tmp_path / f".{UID}.rec.tmp-abcd").write_bytes(b"half")
     (tmp_path / "not-a-uid.rec").write_bytes(encode(record()))
     records, problems = store.load_all()
+    assert (tmp_path / f".{UID}.rec.tmp-abcd").exists()  # a reader beside a running agent touches nothing
+    records, problems = store.load_all(clean=True)
     assert list(records) == [UID]
     assert sorted(name for name, _ in problems) == sorted([f"{other}.rec", "not-a-uid.rec"])
     assert not (tmp_path / f".{UID}.rec.tmp-abcd").exists()
