@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from agent import config as config_mod
@@ -195,6 +196,9 @@ async def run(settings: Settings) -> int:
     agent = Agent(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Worker threads mostly wait on the disk: enough of them that 16+ claims in flight are not
+    # queued behind the default pool's handful (cores + 4).
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra-io"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:

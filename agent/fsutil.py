@@ -27,7 +27,7 @@ def write_temp(path: Path, data: bytes, mode: int = 0o644, durable: bool = False
         while view:
             view = view[os.write(fd, view):]
         if os.fstat(fd).st_mode & 0o7777 != mode:
-            os.fchmod(fd, mode)  # the umask may have narrowed it
+            os.fchmod(fd, mode)  # the umask narrowed it
         if durable:
             os.fsync(fd)
     except BaseException:
@@ -76,10 +76,11 @@ def makedirs(path: Path, mode: int = 0o755) -> None:
     """Create `path` and its parents with `mode`, whatever the umask."""
     missing = []
     p = path
-    while not p.exists():
+    while not os.path.isdir(p):
         missing.append(p)
         p = p.parent
     for d in reversed(missing):
         with contextlib.suppress(FileExistsError):
             os.mkdir(d, mode)
-            os.chmod(d, mode)
+            if os.stat(d).st_mode & 0o7777 != mode:
+                os.chmod(d, mode)  # the umask narrowed it

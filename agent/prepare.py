@@ -14,9 +14,9 @@ import dataclasses
 import logging
 import os
 import shutil
+import threading
 import time
-from collections.abc import AsyncIterator, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,41 @@ class KeyedLocks:
                     self._locks[key] = (lock, users - 1)
 
 
+class DeviceLocks:
+    """Thread locks by device name, held by the worker thread doing a claim's side effects, so a
+    claim costs one worker-thread hop; dropped again when nobody holds or waits for them."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, keys: Iterable[str]) -> Iterator[None]:
+        ordered = sorted(set(keys))  # one global order: no deadlock between claims sharing devices
+        with self._guard:
+            locks = []
+            for key in ordered:
+                lock, users = self._locks.get(key) or (threading.Lock(), 0)
+                self._locks[key] = (lock, users + 1)
+                locks.append(lock)
+        acquired: list[threading.Lock] = []
+        try:
+            for lock in locks:
+                lock.acquire()
+                acquired.append(lock)
+            yield
+        finally:
+            for lock in reversed(acquired):
+                lock.release()
+            with self._guard:
+                for key in ordered:
+                    lock, users = self._locks[key]
+                    if users == 1:
+                        del self._locks[key]
+                    else:
+                        self._locks[key] = (lock, users - 1)
+
+
 class PrepareEngine:
     def __init__(self, settings: Settings, inventory: Inventory, claims: Any, store: ClaimStore,
                  toolkit: ToolkitSpecs | None = None) -> None:
@@ -86,9 +121,8 @@ class PrepareEngine:
         # claim was deleted and re-created under the same name before the old one was unprepared.
         self._dir_owners: dict[str, set[str]] = {}
         self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
-        self._records_io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="dra-record")
         self._claim_locks = KeyedLocks()
-        self._device_locks = KeyedLocks()
+        self._device_locks = DeviceLocks()
 
     # -- kubelet entry points -------------------------------------------------------------------
 
@@ -117,11 +151,12 @@ class PrepareEngine:
                                             f"{record.namespace}/{record.name}", started)
                     log.debug("%s already prepared", ref)
                     return PrepareResult(devices=record.devices)
-                claim = await self.claims.get(ref.namespace, ref.name)
-                alloc = parse_claim(claim, ref, driver=self.settings.driver_name,
-                                    pool=self.settings.node_name, lookup=self.inventory.get)
-                async with self._device_locks.hold(a.device.name for a in alloc.devices):
-                    record = await asyncio.to_thread(self._apply, alloc)
+                read = getattr(self.claims, "read", None)
+                if read is None:  # the API server: an async GET, then the rest in one hop
+                    claim = await self.claims.get(ref.namespace, ref.name)
+                    record = await asyncio.to_thread(self._prepare_blocking, ref, lambda _ns, _n: claim)
+                else:  # a local source reads in the same worker thread as the side effects
+                    record = await asyncio.to_thread(self._prepare_blocking, ref, read)
                 self.adopt(record)
         except (ClaimError, ClaimNotFound, ClaimSourceError, InvalidName, PrepareFailed) as exc:
             return self._failed("prepare", ref, str(exc), started)
@@ -147,8 +182,7 @@ class PrepareEngine:
                     log.debug("%s is not prepared: nothing to undo", ref)
                     return ""
                 shared = {d for d in record.dirs if self._dir_owners.get(d, set()) - {ref.uid}}
-                async with self._device_locks.hold(d["device"] for d in record.devices):
-                    await asyncio.to_thread(self._undo, record, shared)
+                await asyncio.to_thread(self._undo, record, shared)
                 self.forget(ref.uid)
         except Exception as exc:
             log.exception("unprepare of %s failed", ref)
@@ -197,9 +231,6 @@ class PrepareEngine:
                     log.info("metadata of claim %s/%s updated (generation %d)", new.namespace, new.name,
                              new.generation)
         return updated
-
-    def close(self) -> None:
-        self._records_io.shutdown(wait=True)
 
     def _failed(self, op: str, ref: ClaimRef, why: str, started: float) -> PrepareResult:
         message = f"{ref}: {why}"
@@ -250,6 +281,13 @@ class PrepareEngine:
                            pod_claim_name=alloc.pod_claim_name, devices=devices, files=files, dirs=dirs,
                            prepared_at=time.time(), generation=generation)
 
+    def _prepare_blocking(self, ref: ClaimRef, read: Callable[[str, str], Mapping[str, Any]]) -> ClaimRecord:
+        claim = read(ref.namespace, ref.name)
+        alloc = parse_claim(claim, ref, driver=self.settings.driver_name, pool=self.settings.node_name,
+                            lookup=self.inventory.get)
+        with self._device_locks.hold(a.device.name for a in alloc.devices):
+            return self._apply(alloc)
+
     def _apply(self, alloc: Allocation) -> ClaimRecord:
         for a in alloc.devices:
             for node in a.device.node.device_nodes:
@@ -257,9 +295,6 @@ class PrepareEngine:
                     raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                         f"on the host ({node.host_path})")
         record = self.plan(alloc)
-        # The record's fsync (the slow part) overlaps with writing the claim's files; the record
-        # only becomes the record (rename) once every file is in place.
-        staged = self._records_io.submit(self.store.stage, record)
         written: list[Path] = []
         created_dirs = [Path(d) for d in record.dirs if not os.path.isdir(d)]
         try:
@@ -269,10 +304,8 @@ class PrepareEngine:
                 atomic_write(path, f.content, f.mode)
                 written.append(path)
                 failpoints.hit(_step(path, self.settings))
-            self.store.commit(record.uid, staged.result())
+            self.store.write(record)
         except BaseException:
-            with contextlib.suppress(BaseException):
-                unlink_quiet(staged.result())
             for path in reversed(written):
                 unlink_quiet(path)
             for d in created_dirs:
@@ -310,6 +343,10 @@ class PrepareEngine:
         return new
 
     def _undo(self, record: ClaimRecord, shared_dirs: set[str]) -> None:
+        with self._device_locks.hold(d["device"] for d in record.devices):
+            self._undo_locked(record, shared_dirs)
+
+    def _undo_locked(self, record: ClaimRecord, shared_dirs: set[str]) -> None:
         # Reverse order of prepare: the record goes first, so a crash from here on leaves only
         # files no record owns, which the next start removes.
         self.store.delete(record.uid)

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from agent.fsutil import atomic_write, commit, is_temp_name, makedirs, unlink_quiet, write_temp
+from agent.fsutil import atomic_write, is_temp_name, makedirs, unlink_quiet
 from agent.names import InvalidName, check_uid
 
 log = logging.getLogger(__name__)
@@ -142,15 +142,6 @@ class ClaimStore:
 
     def write(self, record: ClaimRecord) -> None:
         atomic_write(self.path(record.uid), encode(record), mode=0o600, durable=True)
-
-    def stage(self, record: ClaimRecord) -> Path:
-        """The record written and fsync'd under a temp name: the slow half of `write`, which can run
-        while the claim's other files are written. Nothing reads a staged record."""
-        return write_temp(self.path(record.uid), encode(record), mode=0o600, durable=True)
-
-    def commit(self, uid: str, staged: Path) -> None:
-        """Make a staged record the claim's record (rename + directory fsync)."""
-        commit(staged, self.path(uid), durable=True)
 
     def delete(self, uid: str) -> bool:
         # No fsync: if the unlink is lost in a crash, the record comes back, its

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pynvml
@@ -85,14 +86,15 @@ async def test_one_entry_per_claim_and_errors_are_per_claim(agent):
 
 
 async def test_get_info_answers_within_the_kubelets_1s_while_50_prepares_are_in_flight(agent):
-    slow = agent.engine.claims
-    real_get = slow.get
+    source = agent.engine.claims
+    real_read = source.read
 
-    async def slow_get(namespace, name):
-        await asyncio.sleep(3)
-        return await real_get(namespace, name)
+    def slow_read(namespace, name):  # a claim source that takes its time, in the worker threads
+        time.sleep(2)
+        return real_read(namespace, name)
 
-    slow.get = slow_get
+    source.read = slow_read
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=64))
     refs = []
     for i in range(50):
         uid = f"4c2d8e00-0000-4000-8000-{i:012d}"

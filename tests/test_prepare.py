@@ -193,8 +193,8 @@ async def test_repeated_prepare_returns_the_record_without_new_side_effects(node
 async def test_concurrent_prepare_of_one_claim_has_one_set_of_side_effects(node, monkeypatch):
     write_claim(node.claims_dir, claim("c", UID1, [result("gpu-0"), result("gpu-1")]))
     writes = []
-    real_stage = node.engine.store.stage
-    monkeypatch.setattr(node.engine.store, "stage", lambda rec: (writes.append(rec.uid), real_stage(rec))[1])
+    real_write = node.engine.store.write
+    monkeypatch.setattr(node.engine.store, "write", lambda rec: (writes.append(rec.uid), real_write(rec)))
     a, b = await asyncio.gather(node.engine.prepare([ref("c", UID1)]), node.engine.prepare([ref("c", UID1)]))
     assert a[UID1].devices == b[UID1].devices and a[UID1].error == ""
     assert writes == [UID1]
