@@ -36,7 +36,7 @@ from agent.pb import (
     registration_pb2,
     registration_pb2_grpc,
 )
-from agent.prepare import PrepareEngine
+from agent.prepare import PrepareEngine, PrepareResult
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class _DRA:
             results = await self.engine.prepare(refs)
         except Exception as exc:  # the engine reports per claim; this is a last line of defence
             log.exception("NodePrepareResources failed")
-            results = {r.uid: _error_result(f"internal error: {exc!r}") for r in refs}
+            results = {r.uid: PrepareResult(error=f"internal error: {exc!r}") for r in refs}
         for uid, result in results.items():
             entry = response.claims[uid]
             if result.error:
@@ -119,12 +119,6 @@ class _DRA:
         for uid, error in results.items():
             response.claims[uid].error = error
         return response
-
-
-def _error_result(message: str) -> Any:
-    from agent.prepare import PrepareResult
-
-    return PrepareResult(error=message)
 
 
 class DRAv1(_DRA, dra_v1_pb2_grpc.DRAPluginServicer):
