@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from agent import quantity
-from agent.config import Settings
 from agent.inventory import ScanResult
-from agent.inventory.numa import cpu_package, cpu_siblings, node_cpus, numa_nodes, online_cpus
+from agent.inventory.numa import NodeResourceSource, cpu_package, cpu_siblings, node_cpus, numa_nodes, online_cpus
 from agent.model import NUMA_NODE, AttrValue, Capacity, Device, NodeFacts
 
 
@@ -20,20 +19,8 @@ def cpu_node_allocatable() -> dict[str, Any]:
     return {"cpu": {"mapping": {"capacityKey": "cpus", "capacityMultiplier": "1"}}}
 
 
-class CpuSource:
+class CpuSource(NodeResourceSource):
     kind = "cpu"
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        # Set by the daemon when the Node declares DRANodeAllocatableResources; the API server
-        # rejects the consumable-capacity and node-allocatable fields otherwise.
-        self.node_allocatable: bool = False
-
-    def open(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     def scan(self) -> ScanResult:
         root = self.settings.sysfs_root

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from agent import quantity
-from agent.config import Settings
 from agent.inventory import ScanResult
-from agent.inventory.numa import is_host_sysfs, node_memory, numa_nodes, system_memory
+from agent.inventory.numa import NodeResourceSource, is_host_sysfs, node_memory, numa_nodes, system_memory
 from agent.model import NUMA_NODE, Capacity, Device
 
 
@@ -20,19 +19,8 @@ def memory_node_allocatable() -> dict[str, Any]:
     return {"memory": {"mapping": {"capacityKey": "memory", "capacityMultiplier": "1"}}}
 
 
-class MemorySource:
+class MemorySource(NodeResourceSource):
     kind = "memory"
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        # See CpuSource.node_allocatable.
-        self.node_allocatable: bool = False
-
-    def open(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     def scan(self) -> ScanResult:
         root = self.settings.sysfs_root

@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+from agent.config import Settings
 from agent.inventory.pci import read_text
 
 _NODE_DIR = re.compile(r"^node(\d+)$")
@@ -109,3 +110,22 @@ def cpu_siblings(sysfs_root: Path, cpu: int) -> set[int]:
         return set(parse_cpulist(text)) | {cpu} if text else {cpu}
     except ValueError:
         return {cpu}
+
+
+class NodeResourceSource:
+    """What the CPU and memory sources share: sysfs only, nothing to open, and the
+    node-allocatable switch."""
+
+    kind = ""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        # Set by the daemon when the Node declares DRANodeAllocatableResources; the API server
+        # rejects the consumable-capacity and node-allocatable fields otherwise.
+        self.node_allocatable: bool = False
+
+    def open(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
