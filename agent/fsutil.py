@@ -15,33 +15,19 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = Fal
     directory never picks it up. `durable` adds fsync of the file and of the
     directory: only the per-claim record pays for that.
     """
-    commit(write_temp(path, data, mode, durable), path, durable)
-
-
-def write_temp(path: Path, data: bytes, mode: int = 0o644, durable: bool = False) -> Path:
-    """The first half of an atomic write: a complete temp file beside `path` (fsync'd if durable)."""
     tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        if os.fstat(fd).st_mode & 0o7777 != mode:
-            os.fchmod(fd, mode)  # the umask narrowed it
-        if durable:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)
-    return tmp
-
-
-def commit(tmp: Path, path: Path, durable: bool = False) -> None:
-    """The second half: rename the temp file into place (and make the rename durable)."""
-    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if os.fstat(fd).st_mode & 0o7777 != mode:
+                os.fchmod(fd, mode)  # the umask narrowed it
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from agent import cdispecs, failpoints, metadata
 from agent.allocation import Allocation, ClaimError, parse_claim
 from agent.claims import ClaimNotFound, ClaimSourceError
@@ -32,6 +30,7 @@ from agent.inventory import Inventory
 from agent.names import ClaimRef, InvalidName, base_request, check_claim_ref
 from agent.state import ClaimRecord, ClaimStore, FileRecord
 from agent.toolkit import ToolkitSpecs
+from cdi.store import encode_spec
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +248,7 @@ class PrepareEngine:
         vendor = s.cdi_vendor
         files: list[FileRecord] = []
         spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, alloc.config_env)
-        files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), _json(spec)))
+        files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec)))
         devices: list[dict[str, Any]] = []
         first_of_request: set[str] = set()
         for a in alloc.devices:
@@ -275,7 +274,7 @@ class PrepareEngine:
             container = metadata.container_file(s.driver_name, ref.name, base, alloc.pod_claim_name)
             mspec = cdispecs.metadata_spec(vendor, ref.uid, base, str(host), container)
             files.append(FileRecord(str(s.cdi_dir / cdispecs.metadata_spec_name(vendor, ref.uid, base)),
-                                    _json(mspec)))
+                                    encode_spec(mspec)))
         dirs = [str(metadata.host_dir(s.metadata_dir, ref.namespace, ref.name))] if alloc.devices else []
         return ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
                            pod_claim_name=alloc.pod_claim_name, devices=devices, files=files, dirs=dirs,
@@ -366,7 +365,3 @@ def _step(path: Path, settings: Settings) -> str:
     if path.parent == settings.cdi_dir:
         return "after-metadata-spec" if f"_{cdispecs.METADATA_CLASS}_" in path.name else "after-claim-spec"
     return "after-metadata-file"
-
-
-def _json(obj: Any) -> bytes:
-    return orjson.dumps(obj, option=orjson.OPT_INDENT_2) + b"\n"
