@@ -53,7 +53,7 @@ def cmd_run(args: argparse.Namespace, settings: config.Settings) -> int:
 def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
     from agent import daemon
 
-    devices, failed = asyncio.run(daemon.discover_once(settings))
+    devices, not_published = asyncio.run(daemon.discover_once(settings))
     if args.output == "table":
         rows = []
         for d in devices:
@@ -64,8 +64,8 @@ def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
                          str(attrs.get("resource.kubernetes.io/pciBusID", "")),
                          str(attrs.get("resource.kubernetes.io/numaNode", "")), summary))
         print(_table(rows, ("NAME", "KIND", "CAPACITY", "PCI BUS ID", "NUMA", "DETAILS")))
-        for name, why in sorted(failed.items()):
-            print(f"not published: {name}: {why}", file=sys.stderr)
+        for line in not_published:
+            print(f"not published: {line}", file=sys.stderr)
     else:
         print(_dump([d.summary() for d in devices], args.output))
     return 0

@@ -142,7 +142,11 @@ class Agent:
 
     async def _rescans(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.rescan_interval)
+            due = time.monotonic() + self.settings.rescan_interval
+            # Between periodic rescans, a source whose scan failed is retried on its backoff.
+            while (left := due - time.monotonic()) > 0:
+                if (retry := await self.inventory.wait_retry(left)) and await self.inventory.scan(retry):
+                    await self._changed()
             if await self.inventory.scan():
                 await self._changed()
 
@@ -235,12 +239,13 @@ async def _node_for_cli(settings: Settings) -> tuple[Connection | None, NodeInfo
     return conn, conn.node or NodeInfo(name=settings.node_name)
 
 
-async def discover_once(settings: Settings) -> tuple[list[Device], dict[str, str]]:
+async def discover_once(settings: Settings) -> tuple[list[Device], list[str]]:
+    """The devices this node would publish, and one line for each thing discovery could not read."""
     conn, node = await _node_for_cli(settings)
     if conn is not None:
         await conn.close()
     inventory = await _inventory_once(settings, node)
-    return inventory.devices(), inventory.snapshot().failed
+    return inventory.devices(), inventory.snapshot().not_published()
 
 
 async def render_slices(settings: Settings) -> list[dict[str, Any]]:

@@ -2,7 +2,12 @@
 
 HEALTHY: the device is in the inventory and answering. UNHEALTHY: discovery
 knows it by name but could not read it (an NVML call failing, a GPU that fell
-off the bus), or it was seen before and is gone now. Watchers get the complete
+off the bus), or it was seen before and is gone now. UNKNOWN: the device is
+still published from its source's last good scan, but that source has failed
+for longer than the inventory's bound (`agent.inventory.STALE_AFTER`).
+Only device names are ever reported: failures that name no device (an
+interface that cannot be identified, a GPU without a minor number) are the
+inventory's `problems`, not devices of the pool. Watchers get the complete
 list on connect, on every change, and at least every `interval` seconds.
 """
 
@@ -18,6 +23,7 @@ from agent.inventory import Snapshot
 
 HEALTHY = "HEALTHY"
 UNHEALTHY = "UNHEALTHY"
+UNKNOWN = "UNKNOWN"
 MAX_MESSAGE = 1024
 
 
@@ -53,11 +59,13 @@ class HealthTracker:
         now = int(time.time())
         new: dict[str, DeviceHealth] = {}
         for name in snapshot.devices:
-            new[name] = self._keep(name, HEALTHY, "", now)
-        for name, why in snapshot.failed.items():
-            if name.startswith("<") or name in new:
-                continue  # a whole source failing has no device name; its devices go missing below
-            new[name] = self._keep(name, UNHEALTHY, _clip(why), now)
+            if (why := snapshot.unknown.get(name)) is not None:
+                new[name] = self._keep(name, UNKNOWN, _clip(why), now)
+            else:
+                new[name] = self._keep(name, HEALTHY, "", now)
+        for failure in snapshot.failed_devices:
+            if failure.device not in new:
+                new[failure.device] = self._keep(failure.device, UNHEALTHY, _clip(failure.reason), now)
         for name, old in self._state.items():
             if name not in new:
                 msg = old.message if old.status == UNHEALTHY else "device is no longer found on this node"

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from agent.config import UNIX_PATH_MAX, Settings
-from agent.health import HealthTracker
+from agent.health import HEALTHY, UNHEALTHY, UNKNOWN, HealthTracker
 from agent.names import ClaimRef, base_request
 from agent.pb import (
     dra_v1_pb2,
@@ -137,7 +137,7 @@ class _Health:
         self.pb = pb
 
     async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        status = {"HEALTHY": self.pb.HEALTHY, "UNHEALTHY": self.pb.UNHEALTHY}
+        status = {HEALTHY: self.pb.HEALTHY, UNHEALTHY: self.pb.UNHEALTHY, UNKNOWN: self.pb.UNKNOWN}
         async for devices in self.tracker.watch():
             now = int(time.time())
             yield self.pb.NodeWatchResourcesResponse(devices=[

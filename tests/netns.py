@@ -134,7 +134,8 @@ print(json.dumps({
     "devices": [dict(d.summary(), node={"interface": d.node.interface, "mac": d.node.mac,
                                         "ips": list(d.node.ips)}, wire=d.wire())
                 for d in result.devices],
-    "failed": result.failed,
+    "failed_devices": {f.device: f.reason for f in result.failed_devices},
+    "problems": {p.what: p.reason for p in result.problems},
 }))
 """
 
@@ -142,7 +143,8 @@ print(json.dumps({
 @dataclass
 class Scan:
     devices: list[dict[str, Any]]
-    failed: dict[str, str]
+    failed_devices: dict[str, str]  # device name -> why it could not be read
+    problems: dict[str, str]  # what failed, naming no device ("interface x") -> why
 
     @property
     def by_name(self) -> dict[str, dict[str, Any]]:
@@ -161,7 +163,7 @@ class Scan:
 def discover(ns: NetNS, **settings: Any) -> Scan:
     """NIC discovery with these settings, run inside the namespace."""
     out = json.loads(ns.python(DISCOVER, json.dumps(settings)))
-    scan = Scan(out["devices"], out["failed"])
+    scan = Scan(out["devices"], out["failed_devices"], out["problems"])
     for dev in scan.devices:
         assert device_wire_errors(dev["wire"]) == [], dev  # the API server would accept every one
     return scan

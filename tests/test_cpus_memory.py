@@ -78,7 +78,7 @@ def test_parse_cpulist() -> None:
 
 def test_cpu_devices_per_numa_node(tmp_path: Path) -> None:
     result = CpuSource(settings(build_sysfs(tmp_path))).scan()
-    assert result.failed == {}
+    assert result.failed_devices == [] and result.problems == []
     got = {d.name: (d.kind, d.attributes, d.capacity, d.node) for d in result.devices}
     assert got == {
         "cpu-numa0": ("cpu", {"type": "cpu", NUMA_NODE: 0, "socket": 0, "smt": True},
@@ -97,7 +97,7 @@ def test_cpu_devices_per_numa_node(tmp_path: Path) -> None:
 
 def test_memory_devices_per_numa_node(tmp_path: Path) -> None:
     result = MemorySource(settings(build_sysfs(tmp_path))).scan()
-    assert result.failed == {}
+    assert result.failed_devices == [] and result.problems == []
     assert {d.name: (d.kind, d.attributes, d.capacity) for d in result.devices} == {
         "memory-numa0": ("memory", {"type": "memory", NUMA_NODE: 0}, {"memory": Capacity("64Gi")}),
         "memory-numa1": ("memory", {"type": "memory", NUMA_NODE: 1}, {"memory": Capacity("64Gi")}),
@@ -149,7 +149,8 @@ def test_unreadable_cpulist_fails_only_that_node(tmp_path: Path) -> None:
     (sysfs / "devices" / "system" / "node" / "node1" / "cpulist").write_text("garbage\n")
     result = CpuSource(settings(sysfs)).scan()
     assert [d.name for d in result.devices] == ["cpu-numa0", "cpu-numa3"]
-    assert result.failed.keys() == {"cpu-numa1"} and "garbage" in result.failed["cpu-numa1"]
+    [failure] = result.failed_devices
+    assert failure.device == "cpu-numa1" and "garbage" in failure.reason
 
 
 def test_online_file_missing_falls_back_to_per_cpu_flags(tmp_path: Path) -> None:

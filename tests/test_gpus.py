@@ -19,7 +19,7 @@ from conftest import need_root
 
 from agent import apirules
 from agent.config import NvmlMode, Settings
-from agent.inventory import DiscoveryError, Inventory
+from agent.inventory import DeviceFailure, DiscoveryError, Inventory, ScanError, ScanResult, SourceProblem
 from agent.inventory.gpus import GpuSource, probe
 from agent.inventory.nvml_profiles import DEVICE_FUNCTIONS, SYSTEM_FUNCTIONS, load_profile
 from agent.inventory.nvml_sim import SimulatedNvml, materialize
@@ -61,7 +61,7 @@ def nvml_is_real() -> bool:
 
 def test_dgx_h100_publishes_every_fact(dgx: GpuSource, tmp_path: Path) -> None:
     result = dgx.scan()
-    assert result.failed == {}
+    assert result.failed_devices == [] and result.problems == []
     assert [d.name for d in result.devices] == [f"gpu-{i}" for i in range(8)]
     sim_root = tmp_path / "state" / "nvml-sim"
     uuids = set()
@@ -166,12 +166,14 @@ def test_failing_gpu_is_skipped_and_named(dgx: GpuSource, caplog: pytest.LogCapt
     with caplog.at_level(logging.WARNING, logger="agent.inventory.gpus"):
         result = dgx.scan()
     assert [d.name for d in result.devices] == [f"gpu-{i}" for i in (0, 1, 3, 4, 5, 6, 7)]
-    assert result.failed == {"gpu-2": "nvmlDeviceGetMemoryInfo failed: Unknown Error (NVML_ERROR_UNKNOWN)"}
+    assert result.failed_devices == [
+        DeviceFailure("gpu-2", "nvmlDeviceGetMemoryInfo failed: Unknown Error (NVML_ERROR_UNKNOWN)")]
+    assert result.problems == []
     lines = [r.getMessage() for r in caplog.records]
     assert any("gpu-2" in line and "Unknown Error" in line for line in lines), lines
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="agent.inventory.gpus"):
-        assert dgx.scan().failed.keys() == {"gpu-2"}
+        assert [f.device for f in dgx.scan().failed_devices] == ["gpu-2"]
         assert not any("gpu-2" in r.getMessage() for r in caplog.records)  # said once, not every rescan
         dgx.nvml.clear_errors()
         assert len(dgx.scan().devices) == 8
@@ -183,10 +185,11 @@ def test_gpu_lost_after_publishing_keeps_its_name(dgx: GpuSource) -> None:
     dgx.nvml.lose(5)
     result = dgx.scan()
     assert "gpu-5" not in {d.name for d in result.devices} and len(result.devices) == 7
-    assert "GPU is lost" in result.failed["gpu-5"]
+    [failure] = result.failed_devices
+    assert failure.device == "gpu-5" and "GPU is lost" in failure.reason
 
 
-def test_gpu_lost_from_the_start_is_named_by_index(tmp_path: Path) -> None:
+def test_gpu_lost_from_the_start_is_a_problem_not_a_device(tmp_path: Path) -> None:
     profile = tmp_path / "lost.json"
     profile.write_text(json.dumps({"gpus": [
         {"name": "NVIDIA A100-SXM4-80GB", "busId": "0000:07:00.0", "memoryTotal": 85899345920},
@@ -196,8 +199,10 @@ def test_gpu_lost_from_the_start_is_named_by_index(tmp_path: Path) -> None:
     result = source.scan()
     source.close()
     assert [d.name for d in result.devices] == ["gpu-0"]
-    assert result.failed == {
-        "gpu index 1": "nvmlDeviceGetHandleByIndex failed: GPU is lost (NVML_ERROR_GPU_IS_LOST)"}
+    # It never said its minor number: there is no device name to report it under.
+    assert result.failed_devices == []
+    assert result.problems == [SourceProblem(
+        "GPU at NVML index 1", "nvmlDeviceGetHandleByIndex failed: GPU is lost (NVML_ERROR_GPU_IS_LOST)")]
 
 
 def test_json_profile_with_faults(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -231,8 +236,8 @@ def test_json_profile_with_faults(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     assert second.attributes[PCI_BUS_ID] == "0000:c1:00.0" and second.attributes[NUMA_NODE] == 1
     assert PCIE_ROOT not in second.attributes
     assert second.capacity["memory"] == Capacity("46068Mi")
-    assert result.failed == {
-        "gpu-2": "nvmlDeviceGetUUID failed: Corrupted infoROM (NVML_ERROR_CORRUPTED_INFOROM)"}
+    assert result.failed_devices == [
+        DeviceFailure("gpu-2", "nvmlDeviceGetUUID failed: Corrupted infoROM (NVML_ERROR_CORRUPTED_INFOROM)")]
     assert any("nvmlSystemGetDriverVersion" in r.getMessage() for r in caplog.records)
     for dev in result.devices:
         assert apirules.device_wire_errors(dev.wire()) == []
@@ -263,8 +268,9 @@ def test_unknown_profile_name(tmp_path: Path) -> None:
 
 def test_device_count_failing_fails_the_source(dgx: GpuSource) -> None:
     dgx.nvml.inject_error(None, "nvmlDeviceGetCount", "UNKNOWN")
-    result = dgx.scan()
-    assert result.devices == [] and result.failed.keys() == {"<gpu>"}
+    # A failure of the whole scan, not an empty result: the inventory keeps the GPUs it has.
+    with pytest.raises(ScanError, match="nvmlDeviceGetCount failed"):
+        dgx.scan()
 
 
 def test_inventory_runs_the_source(tmp_path: Path) -> None:
@@ -376,7 +382,7 @@ def test_auto_without_nvidia_hardware_publishes_nothing(tmp_path: Path,
     source = GpuSource(settings)
     with caplog.at_level(logging.INFO, logger="agent.inventory.gpus"):
         source.open()
-    assert source.scan().devices == [] and source.scan().failed == {}
+    assert source.scan() == ScanResult()
     assert any("no NVIDIA GPUs" in r.getMessage() for r in caplog.records)
     source.close()
     assert not (tmp_path / "state" / "nvml-sim").exists()  # never a quiet switch to the simulation

@@ -168,7 +168,7 @@ def test_sriov_pf_vf_rdma_and_ports_from_sysfs(ns: NetNS, tmp_path: Path) -> Non
 
     scan = discover(ns, sysfs_root=str(fake.root), nic_include=HW)
 
-    assert scan.failed == {}
+    assert scan.failed_devices == {} and scan.problems == {}
     assert {d["node"]["interface"]: d["name"] for d in scan.devices} == {
         "pf0": "nic-0000-3b-00-0",
         "vf0": "nic-0000-3b-00-2",
@@ -239,13 +239,16 @@ def test_one_bad_nic_does_not_stop_the_others(ns: NetNS, tmp_path: Path) -> None
     scan = discover(ns, sysfs_root=str(fake.root), nic_include=HW + ",gone0,moved0,dup0")
 
     assert sorted(scan.by_ifname) == ["p0", "pf0", "vf0"]
-    assert set(scan.failed) == {"nic-0000-5e-00-0-p1", "gone0", "moved0", "dup0"}
-    assert "p1" in scan.failed["nic-0000-5e-00-0-p1"] and "speed" in scan.failed["nic-0000-5e-00-0-p1"]
-    assert "does not exist" in scan.failed["gone0"]
-    assert "renamed" in scan.failed["moved0"]
+    # Only a link with a device name is a failed device; the others name no device of the pool.
+    assert set(scan.failed_devices) == {"nic-0000-5e-00-0-p1"}
+    assert "p1" in scan.failed_devices["nic-0000-5e-00-0-p1"]
+    assert "speed" in scan.failed_devices["nic-0000-5e-00-0-p1"]
+    assert set(scan.problems) == {"interface gone0", "interface moved0", "interface dup0"}
+    assert "does not exist" in scan.problems["interface gone0"]
+    assert "renamed" in scan.problems["interface moved0"]
     # The older link keeps the name; the newer one is reported, not silently dropped.
     assert scan.by_name["nic-0000-3b-00-0"]["node"]["interface"] == "pf0"
-    assert "nic-0000-3b-00-0" in scan.failed["dup0"] and "pf0" in scan.failed["dup0"]
+    assert "nic-0000-3b-00-0" in scan.problems["interface dup0"] and "pf0" in scan.problems["interface dup0"]
 
 
 # -- the host's own NIC ------------------------------------------------------
@@ -277,8 +280,9 @@ def test_host_pci_nic_matches_sysfs() -> None:
     by_ifname = {d.node.interface: d for d in scan.devices}
     for ifname, (bus_id, root, numa) in nics.items():
         dev = by_ifname.get(ifname)
-        if dev is None and any(ifname in why for why in scan.failed.values()):
-            pytest.fail(f"{ifname} not published: {scan.failed}")
+        reported = [*scan.failed_devices, *scan.problems]
+        if dev is None and any(ifname in str(item) for item in reported):
+            pytest.fail(f"{ifname} not published: {reported}")
         assert dev is not None, f"PCI interface {ifname} ({bus_id}) not published"
         assert dev.name.startswith(pci_device_name(bus_id, 0))
         assert dev.attributes[PCI] == bus_id

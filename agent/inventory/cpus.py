@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent import quantity
-from agent.inventory import ScanResult
+from agent.inventory import DeviceFailure, ScanResult
 from agent.inventory.numa import NodeResourceSource, cpu_package, cpu_siblings, node_cpus, numa_nodes, online_cpus
 from agent.model import NUMA_NODE, AttrValue, Capacity, Device, NodeFacts
 
@@ -35,7 +35,7 @@ class CpuSource(NodeResourceSource):
                 try:
                     groups[node] = [c for c in node_cpus(root, node) if c in online]
                 except ValueError as exc:
-                    result.failed[f"cpu-numa{node}"] = str(exc)
+                    result.failed_devices.append(DeviceFailure(f"cpu-numa{node}", str(exc)))
         for node, cpus in sorted(groups.items()):
             if cpus:
                 result.devices.append(self._device(node, cpus, online))

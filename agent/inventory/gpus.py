@@ -22,7 +22,7 @@ import pynvml
 from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
-from agent.inventory import DiscoveryError, ScanResult
+from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult, SourceProblem
 from agent.inventory.nvml_profiles import ProfileError, error_name
 from agent.inventory.nvml_sim import SimulatedNvml
 from agent.inventory.pci import normalize_bus_id, nvidia_display_functions, pci_function
@@ -165,25 +165,30 @@ class GpuSource:
         try:
             count = self.nvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as exc:
-            return ScanResult(failed={"<gpu>": f"nvmlDeviceGetCount failed: {describe_error(exc)}"})
+            # Not a statement about any GPU: the inventory keeps the ones it has and retries.
+            raise ScanError(f"nvmlDeviceGetCount failed: {describe_error(exc)}") from exc
         result = ScanResult()
         for index in range(count):
             try:
                 result.devices.append(self._describe(index, common))
             except _GpuFailed as failure:
                 minor = self._minors.get(index)
-                key = f"gpu-{minor}" if minor is not None else f"gpu index {index}"
-                result.failed[key] = failure.message
-        self._log_failures(result.failed)
+                if minor is not None:
+                    result.failed_devices.append(DeviceFailure(f"gpu-{minor}", failure.message))
+                else:
+                    # It never said its minor number, so it has no name it would be published under.
+                    result.problems.append(SourceProblem(f"GPU at NVML index {index}", failure.message))
+        self._log_failures(result)
         return result
 
-    def _log_failures(self, failed: dict[str, str]) -> None:
+    def _log_failures(self, result: ScanResult) -> None:
+        failed = {f.device: f.reason for f in result.failed_devices} | {p.what: p.reason for p in result.problems}
         for key, why in sorted(failed.items()):
             if self._reported.get(key) != why:
-                log.warning("GPU %s is not published: %s", key, why)
+                log.warning("%s is not published: %s", key, why)
         for key in sorted(set(self._reported) - set(failed)):
             if not key.startswith("<"):
-                log.info("GPU %s answers again", key)
+                log.info("%s answers again", key)
         self._reported = {**{k: v for k, v in self._reported.items() if k.startswith("<")}, **failed}
 
     def _driver_attributes(self) -> dict[str, AttrValue]:

@@ -9,12 +9,15 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkDumpInterrupted
+
+from agent.inventory import ScanError
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,7 @@ RT_SCOPE_UNIVERSE = 0
 CHANGE_NEW_LINK = 0xFFFFFFFF
 
 _DUMP_ATTEMPTS = 5
+_DUMP_PAUSE = 0.01  # seconds, times the attempt number, between interrupted dumps
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,18 +112,29 @@ def dump() -> tuple[list[Link], dict[int, list[Address]]]:
     """All links of this network namespace (by index) and their addresses (by link index).
 
     The kernel interrupts a dump when the table changes under it; a fresh dump
-    is then the only consistent answer.
+    is then the only consistent answer. ScanError when every attempt was
+    interrupted: the inventory then keeps the NICs of its last good scan.
     """
-    for attempt in range(1, _DUMP_ATTEMPTS + 1):
+    attempt = 1
+    while True:
         try:
-            with IPRoute() as ipr:
-                links = [link_of(m) for m in ipr.get_links()]
-                addresses: dict[int, list[Address]] = defaultdict(list)
-                for m in ipr.get_addr():
-                    if (a := address_of(m)) is not None:
-                        addresses[a.index].append(a)
-            links.sort(key=lambda link: link.index)
-            return links, dict(addresses)
-        except NetlinkDumpInterrupted:
+            return _dump_once()
+        except NetlinkDumpInterrupted as exc:
+            if attempt == _DUMP_ATTEMPTS:
+                raise ScanError(f"the netlink dump was interrupted {attempt} times in a row (links or "
+                                "addresses changing faster than they can be listed)") from exc
             log.debug("netlink dump interrupted (attempt %d), retrying", attempt)
-    raise NetlinkDumpInterrupted()
+            # A burst of changes is usually over in milliseconds: let it pass before dumping again.
+            time.sleep(_DUMP_PAUSE * attempt)
+            attempt += 1
+
+
+def _dump_once() -> tuple[list[Link], dict[int, list[Address]]]:
+    with IPRoute() as ipr:
+        links = [link_of(m) for m in ipr.get_links()]
+        addresses: dict[int, list[Address]] = defaultdict(list)
+        for m in ipr.get_addr():
+            if (a := address_of(m)) is not None:
+                addresses[a.index].append(a)
+    links.sort(key=lambda link: link.index)
+    return links, dict(addresses)

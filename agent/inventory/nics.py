@@ -20,7 +20,7 @@ from pathlib import Path
 
 from agent.apirules import attribute_value_errors
 from agent.config import Settings
-from agent.inventory import ScanResult
+from agent.inventory import DeviceFailure, ScanResult, SourceProblem
 from agent.inventory.netlink import Address, Link, dump
 from agent.inventory.pci import PciFunction, pci_function_of
 from agent.model import AttrValue, Device, NodeFacts
@@ -50,7 +50,9 @@ class _Picked:
     """Which links a scan publishes, and the ones it could not."""
 
     devices: list[Device] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
+    failed_devices: list[DeviceFailure] = field(default_factory=list)
+    # Links that failed before they had a device name (or whose name another link holds).
+    problems: list[SourceProblem] = field(default_factory=list)
     owners: dict[str, str] = field(default_factory=dict)  # device name -> ifname
 
 
@@ -119,25 +121,27 @@ class NicSource:
         picked = _Picked()
         for link in links:  # by index: on a name collision the older link keeps the name
             self._consider(link, addresses.get(link.index, []), picked)
-        return ScanResult(devices=picked.devices, failed=picked.failed)
+        return ScanResult(devices=picked.devices, failed_devices=picked.failed_devices,
+                          problems=picked.problems)
 
     def _consider(self, link: Link, addresses: list[Address], picked: _Picked) -> None:
         try:
             ident = self._identify(link)
         except NicUnreadable as exc:
-            picked.failed[link.ifname] = f"interface {link.ifname}: {exc}"
+            picked.problems.append(SourceProblem(f"interface {link.ifname}", str(exc)))
             return
         if ident is None:
             return
         if (owner := picked.owners.get(ident.name)) is not None:
-            why = f"interface {link.ifname}: device name {ident.name} is already taken by {owner}"
-            log.warning("nic not published: %s", why)
-            picked.failed[link.ifname] = why
+            # The device under that name is published (through the older link): this link is
+            # the problem, not the device.
+            picked.problems.append(SourceProblem(f"interface {link.ifname}",
+                                                 f"device name {ident.name} is already taken by {owner}"))
             return
         try:
             device = self._device(link, ident, addresses)
         except NicUnreadable as exc:
-            picked.failed[ident.name] = f"interface {link.ifname}: {exc}"
+            picked.failed_devices.append(DeviceFailure(ident.name, f"interface {link.ifname}: {exc}"))
             return
         picked.owners[ident.name] = link.ifname
         picked.devices.append(device)

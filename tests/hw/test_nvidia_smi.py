@@ -49,7 +49,7 @@ def nvidia_smi() -> list[dict[str, str]]:
 def test_discovery_matches_nvidia_smi(real_gpus: GpuSource, capsys: pytest.CaptureFixture[str]) -> None:
     result = real_gpus.scan()
     smi = nvidia_smi()
-    assert result.failed == {}, result.failed
+    assert result.failed_devices == [] and result.problems == [], (result.failed_devices, result.problems)
     assert smi, "nvidia-smi lists no GPU although NVML initialized"
     by_uuid = {d.attributes["uuid"]: d for d in result.devices}
     assert sorted(by_uuid) == sorted(row["uuid"] for row in smi)
