@@ -2,7 +2,10 @@
 
 Strict by design: anything that does not match this driver and node, or opaque
 configuration the agent does not understand, is a precise error for that claim,
-found before anything is written.
+found before anything is written. The claim may come from a file anyone on the
+node can edit, so its shape is checked field by field as it is read: a list
+where an object belongs, a number where a name belongs or a null anywhere is a
+`ClaimError` naming the field's path, never an exception from deep inside.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.apirules import dns_label_errors
+from agent.errors import ClaimFailure
 from agent.metadata import POD_CLAIM_NAME, AllocatedDevice
 from agent.model import Device
 from agent.names import ClaimRef, InvalidName, base_request, check_request
@@ -22,8 +26,11 @@ CONFIG_FIELDS = {"apiVersion", "kind", "env"}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 MAX_ENV_VALUE = 4096
 
+_RESULTS = "status.allocation.devices.results"
+_CONFIG = "status.allocation.devices.config"
 
-class ClaimError(ValueError):
+
+class ClaimError(ClaimFailure, ValueError):
     """Why a claim cannot be prepared here (the message goes to the kubelet)."""
 
 
@@ -39,45 +46,116 @@ def config_api_version(driver: str) -> str:
     return f"{driver}/v1alpha1"
 
 
+# -- typed access to a decoded JSON/YAML document ---------------------------------------------------
+
+def _kind(value: object) -> str:
+    """A value's type in the words of the document it came from (YAML/JSON), for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "object"
+    return type(value).__name__  # `true` reads as bool, not as the int it subclasses
+
+
+def _key(key: object) -> str:
+    """A map key (annotation, env name) as it appears in a field path: quoted, clipped."""
+    text = key if isinstance(key, str) else str(key)
+    return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
+def _value(value: object) -> str:
+    """A value the claim holds, for a message: its repr, clipped (it may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _object(value: object, path: str) -> Mapping[Any, Any]:
+    """An optional object: absent or null is empty (as the API server treats null)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ClaimError(f"{path} must be an object, not {_kind(value)}")
+    return value
+
+
+def _list(value: object, path: str) -> list[Any]:
+    """An optional list: absent or null is empty."""
+    if value is None:
+        return []
+    # A string is iterable too: without this check `requests: gpu` would mean ["g", "p", "u"].
+    if not isinstance(value, list):
+        raise ClaimError(f"{path} must be a list, not {_kind(value)}")
+    return value
+
+
+def _string(obj: Mapping[Any, Any], key: str, path: str, *, default: str | None = None) -> str:
+    """A string field; `default` is used when it is absent or null, else it is required."""
+    value = obj.get(key)
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, str):
+        raise ClaimError(f"{path}.{key} must be a string, not {_kind(value)}")
+    return value
+
+
+# -- the claim ---------------------------------------------------------------------------------------
+
 def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: str,
                 lookup: Callable[[str], Device | None]) -> Allocation:
-    meta = claim.get("metadata") or {}
-    if meta.get("namespace", ref.namespace) != ref.namespace or meta.get("name") != ref.name:
-        raise ClaimError(f"the claim source returned {meta.get('namespace')}/{meta.get('name')}, "
-                         f"not {ref.namespace}/{ref.name}")
-    if meta.get("uid") != ref.uid:
-        raise ClaimError(f"UID mismatch: the claim has UID {meta.get('uid')!r}, the kubelet asked for "
+    if not isinstance(claim, Mapping):
+        raise ClaimError(f"the claim must be an object, not {_kind(claim)}")
+    meta = _object(claim.get("metadata"), "metadata")
+    namespace = _string(meta, "namespace", "metadata", default=ref.namespace)
+    name = meta.get("name")
+    if name is not None and not isinstance(name, str):
+        raise ClaimError(f"metadata.name must be a string, not {_kind(name)}")
+    if namespace != ref.namespace or name != ref.name:
+        raise ClaimError(f"the claim source returned {namespace}/{name}, not {ref.namespace}/{ref.name}")
+    uid = meta.get("uid")
+    if uid is not None and not isinstance(uid, str):
+        raise ClaimError(f"metadata.uid must be a string, not {_kind(uid)}")
+    if uid != ref.uid:
+        raise ClaimError(f"UID mismatch: the claim has UID {_value(uid)}, the kubelet asked for "
                          f"{ref.uid} (deleted and re-created?)")
     if meta.get("deletionTimestamp"):
         raise ClaimError("the claim is being deleted")
-    allocation = (claim.get("status") or {}).get("allocation")
-    if not allocation:
-        raise ClaimError("the claim is not allocated")
-    device_alloc = allocation.get("devices") or {}
-    pod_claim_name = str((meta.get("annotations") or {}).get(POD_CLAIM_NAME, ""))
+    annotations = _object(meta.get("annotations"), "metadata.annotations")
+    annotated = annotations.get(POD_CLAIM_NAME)
+    if annotated is not None and not isinstance(annotated, str):
+        raise ClaimError(f"metadata.annotations[{_key(POD_CLAIM_NAME)}] must be a string, "
+                         f"not {_kind(annotated)}")
+    pod_claim_name: str = annotated or ""
     if pod_claim_name:
         _check_name("pod claim name", pod_claim_name)
+
+    status = _object(claim.get("status"), "status")
+    allocation = _object(status.get("allocation"), "status.allocation")
+    if not allocation:
+        raise ClaimError("the claim is not allocated")
+    device_alloc = _object(allocation.get("devices"), "status.allocation.devices")
     out = Allocation(ref=ref, pod_claim_name=pod_claim_name)
-    for i, result in enumerate(device_alloc.get("results") or []):
+    for i, result in enumerate(_list(device_alloc.get("results"), _RESULTS)):
+        path = f"{_RESULTS}[{i}]"
         if not isinstance(result, Mapping):
-            raise ClaimError(f"allocation result #{i} is not an object")
-        if result.get("driver") != driver:
+            raise ClaimError(f"{path} must be an object, not {_kind(result)}")
+        if _string(result, "driver", path) != driver:
             continue
-        request = str(result.get("request", ""))
-        name = str(result.get("device", ""))
+        request = _string(result, "request", path)
+        device_name = _string(result, "device", path)
+        result_pool = _string(result, "pool", path)
+        share_id = _string(result, "shareID", path, default="")
         try:
             check_request(request)
         except InvalidName as exc:
             raise ClaimError(str(exc)) from None
-        if result.get("pool") != pool:
-            raise ClaimError(f"device {name} of pool {result.get('pool')!r} is not on this node "
+        if result_pool != pool:
+            raise ClaimError(f"device {device_name} of pool {result_pool!r} is not on this node "
                              f"(pool {pool!r})")
-        device = lookup(name)
+        device = lookup(device_name)
         if device is None:
-            raise ClaimError(f"device {name} is not on this node")
-        out.devices.append(AllocatedDevice(request=request, pool=pool, device=device,
-                                           share_id=str(result.get("shareID") or "")))
-    _apply_configs(out, device_alloc.get("config") or [], driver)
+            raise ClaimError(f"device {device_name} is not on this node")
+        out.devices.append(AllocatedDevice(request=request, pool=pool, device=device, share_id=share_id))
+    _apply_configs(out, _list(device_alloc.get("config"), _CONFIG), driver)
     return out
 
 
@@ -86,48 +164,70 @@ def _check_name(what: str, value: str) -> None:
         raise ClaimError(f"{what} {value[:80]!r} is not a DNS label") from None
 
 
+@dataclass(frozen=True, slots=True)
+class _Config:
+    index: int
+    from_class: bool
+    requests: list[str]
+    parameters: object
+
+
 def _apply_configs(out: Allocation, configs: list[Any], driver: str) -> None:
-    # Class configuration first, then the claim's own: later entries win.
-    ordered = sorted(enumerate(configs), key=lambda ic: (0 if _source(ic[1]) == "FromClass" else 1, ic[0]))
-    for i, config in ordered:
-        opaque = (config or {}).get("opaque") if isinstance(config, Mapping) else None
-        if not opaque or opaque.get("driver") != driver:
+    # Every entry is checked before any is applied, so a malformed entry is reported whatever
+    # its position, and the order below cannot hide it.
+    ours: list[_Config] = []
+    for i, config in enumerate(configs):
+        path = f"{_CONFIG}[{i}]"
+        if not isinstance(config, Mapping):
+            raise ClaimError(f"{path} must be an object, not {_kind(config)}")
+        source = _string(config, "source", path, default="")
+        requests = _list(config.get("requests"), f"{path}.requests")
+        for j, request in enumerate(requests):
+            if not isinstance(request, str):
+                raise ClaimError(f"{path}.requests[{j}] must be a string, not {_kind(request)}")
+        # A config entry without `opaque` is one this agent has no use for (the API may add kinds).
+        opaque = _object(config.get("opaque"), f"{path}.opaque")
+        if not opaque or _string(opaque, "driver", f"{path}.opaque") != driver:
             continue
-        env = decode_config(opaque.get("parameters"), driver, where=f"opaque configuration #{i}")
-        requests = list(config.get("requests") or [])
+        ours.append(_Config(i, source == "FromClass", requests, opaque.get("parameters")))
+    # Class configuration first, then the claim's own: later entries win.
+    ours.sort(key=lambda c: (not c.from_class, c.index))
+    for c in ours:
+        env = decode_config(c.parameters, driver, where=f"{_CONFIG}[{c.index}].opaque.parameters")
         for alloc in out.devices:
-            if not requests or alloc.request in requests or base_request(alloc.request) in requests:
+            if not c.requests or alloc.request in c.requests or base_request(alloc.request) in c.requests:
                 out.config_env.setdefault(alloc.device.name, {}).update(env)
 
 
-def _source(config: Any) -> str:
-    return str(config.get("source", "")) if isinstance(config, Mapping) else ""
-
-
-def decode_config(params: Any, driver: str, where: str = "opaque configuration") -> dict[str, str]:
-    """Strictly decode `{"apiVersion": "<driver>/v1alpha1", "kind": "DeviceConfig", "env": {...}}`."""
+def decode_config(params: Any, driver: str, where: str = "parameters") -> dict[str, str]:
+    """Strictly decode `{"apiVersion": "<driver>/v1alpha1", "kind": "DeviceConfig", "env": {...}}`;
+    `where` is the path of `params` in the claim, for messages."""
     if not isinstance(params, Mapping):
-        raise ClaimError(f"{where}: parameters must be an object")
-    unknown = sorted(set(params) - CONFIG_FIELDS)
+        raise ClaimError(f"{where} must be an object, not {_kind(params)}")
+    # Keys of a YAML document need not be strings: compare and sort them as text.
+    unknown = sorted(str(k) for k in params if k not in CONFIG_FIELDS)
     if unknown:
-        raise ClaimError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
+        shown = ", ".join(_key(k) for k in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+        raise ClaimError(f"{where}: unknown field(s) {shown}")
     if params.get("apiVersion") != config_api_version(driver):
-        raise ClaimError(f"{where}: apiVersion must be {config_api_version(driver)!r}, "
-                         f"not {params.get('apiVersion')!r}")
+        raise ClaimError(f"{where}.apiVersion must be {config_api_version(driver)!r}, "
+                         f"not {_value(params.get('apiVersion'))}")
     if params.get("kind") != CONFIG_KIND:
-        raise ClaimError(f"{where}: kind must be {CONFIG_KIND!r}, not {params.get('kind')!r}")
-    env = params.get("env", {})
+        raise ClaimError(f"{where}.kind must be {CONFIG_KIND!r}, not {_value(params.get('kind'))}")
+    env = params.get("env")
+    if env is None:
+        return {}
     if not isinstance(env, Mapping):
-        raise ClaimError(f"{where}: env must be an object of strings")
+        raise ClaimError(f"{where}.env must be an object of strings, not {_kind(env)}")
     out: dict[str, str] = {}
     for key, value in env.items():
         if not isinstance(key, str) or not _ENV_NAME.match(key):
-            raise ClaimError(f"{where}: env name {str(key)[:80]!r} is not a valid variable name")
+            raise ClaimError(f"{where}.env: name {_key(key)} is not a valid variable name")
         if key.startswith("DRA_"):
-            raise ClaimError(f"{where}: env name {key!r}: the DRA_ prefix is reserved for the driver")
+            raise ClaimError(f"{where}.env: name {key!r}: the DRA_ prefix is reserved for the driver")
         if not isinstance(value, str):
-            raise ClaimError(f"{where}: env {key!r} must be a string")
+            raise ClaimError(f"{where}.env[{_key(key)}] must be a string, not {_kind(value)}")
         if len(value) > MAX_ENV_VALUE or "\x00" in value:
-            raise ClaimError(f"{where}: env {key!r} is longer than {MAX_ENV_VALUE} characters or has NUL")
+            raise ClaimError(f"{where}.env[{_key(key)}] is longer than {MAX_ENV_VALUE} characters or has NUL")
         out[key] = value
     return out
