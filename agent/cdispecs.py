@@ -2,31 +2,56 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.metadata import AllocatedDevice
 from agent.model import PCI_BUS_ID
+from cdi.atomic import TEMP_MARK, is_temp_name
+from cdi.names import qualified_name
 from cdi.spec import minimum_version
+from cdi.store import check_filename, transient_spec_name
 
 CLAIM_CLASS = "claim"
 METADATA_CLASS = "metadata"
+_UID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 
 def claim_spec_name(vendor: str, uid: str) -> str:
-    return f"{vendor}-{CLAIM_CLASS}_{uid}.json"
+    return transient_spec_name(vendor, CLAIM_CLASS, uid)
 
 
 def metadata_spec_name(vendor: str, uid: str, base_request: str) -> str:
-    return f"{vendor}_{METADATA_CLASS}_{uid}_{base_request}.json"
+    # `<vendor>_metadata_<uid>_<request>.json`: the name the device metadata contract gives.
+    name = f"{vendor}_{METADATA_CLASS}_{uid}_{base_request}.json"
+    check_filename(name)
+    return name
+
+
+@functools.lru_cache(maxsize=8)
+def _owned_spec_pattern(vendor: str) -> re.Pattern[str]:
+    v = re.escape(vendor)
+    return re.compile(rf"(?:{v}-{CLAIM_CLASS}_(?P<a>{_UID})\.json"
+                      rf"|{v}_{METADATA_CLASS}_(?P<b>{_UID})_[a-z0-9-]+\.json)")
+
+
+def claim_uid_of_spec(name: str, vendor: str) -> str | None:
+    """The claim UID in the file name of one of the agent's per-claim specs, or of a temp file of
+    one (an interrupted write); None for any other file. Ownership is never a guess."""
+    if is_temp_name(name):
+        name = name[1: name.index(TEMP_MARK)]
+    m = _owned_spec_pattern(vendor).fullmatch(name)
+    return (m.group("a") or m.group("b")) if m else None
 
 
 def claim_device_id(vendor: str, uid: str, device: str) -> str:
-    return f"{vendor}/{CLAIM_CLASS}={uid}-{device}"
+    return qualified_name(vendor, CLAIM_CLASS, f"{uid}-{device}")
 
 
 def metadata_device_id(vendor: str, uid: str, base_request: str) -> str:
-    return f"{vendor}/{METADATA_CLASS}={uid}_{base_request}"
+    return qualified_name(vendor, METADATA_CLASS, f"{uid}_{base_request}")
 
 
 def env_prefix(device_name: str) -> str:

@@ -1,10 +1,12 @@
 """Where prepare reads ResourceClaims: the API server, or a directory when offline.
 
-Both answer `await get(namespace, name)` with the claim as a plain JSON dict,
-raise ClaimNotFound when there is no such claim, and ClaimSourceError when the
-claim cannot be read now. The API source answers within a deadline well under
-the kubelet's 45 s, so the kubelet gets a per-claim error, not a timeout of the
-whole call.
+Both are a `ClaimSource`: `await get(namespace, name)` answers with the claim as a
+plain JSON dict, raises ClaimNotFound when there is no such claim, and
+ClaimSourceError when the claim cannot be read now. A source that reads local
+files is also a `LocalClaimSource`, whose blocking `read` the prepare engine
+calls in the worker thread that writes the claim's files (one thread hop).
+The API source answers within a deadline well under the kubelet's 45 s, so the
+kubelet gets a per-claim error, not a timeout of the whole call.
 """
 
 from __future__ import annotations
@@ -14,28 +16,40 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightkube
 import yaml
 from lightkube.resources.resource_v1 import ResourceClaim
 
 from agent import kube
+from agent.errors import ClaimFailure
 from agent.kube import Backoff
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE = 30.0
+NAME_MAX = 255  # bytes in one file name
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-class ClaimNotFound(Exception):
+class ClaimNotFound(ClaimFailure):
     pass
 
 
-class ClaimSourceError(Exception):
+class ClaimSourceError(ClaimFailure):
     pass
+
+
+class ClaimSource(Protocol):
+    async def get(self, namespace: str, name: str) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class LocalClaimSource(ClaimSource, Protocol):
+    def read(self, namespace: str, name: str) -> Mapping[str, Any]: ...
 
 
 class ApiClaimSource:
@@ -74,7 +88,12 @@ class ApiClaimSource:
 
 
 class DirectoryClaimSource:
-    """`DIR/resourceclaims/<namespace>/<name>.yaml` (YAML or JSON content)."""
+    """`DIR/resourceclaims/<namespace>/<name>.yaml` (YAML or JSON content).
+
+    A claim name may be 253 bytes, so `<name>.yaml` can exceed the 255-byte limit of a file
+    name: such a claim may be stored under any `*.yaml` name in its namespace directory, and
+    is found by the name inside the object.
+    """
 
     CACHE_SIZE = 4096
 
@@ -94,6 +113,8 @@ class DirectoryClaimSource:
             if not part or part in (".", "..") or "/" in part or "\0" in part or os.sep in part:
                 raise ClaimSourceError(f"claim {namespace!r}/{name!r}: not a valid namespace and name")
         path = self.root / namespace / f"{name}.yaml"
+        if len(os.fsencode(path.name)) > NAME_MAX:
+            path = self._find_by_name(namespace, name)
         # A symlink may still point anywhere: the file read must lie under the root.
         real, root = os.path.realpath(path), self._real_root()
         if os.path.commonpath([real, root]) != root:
@@ -102,7 +123,9 @@ class DirectoryClaimSource:
 
     def read(self, namespace: str, name: str) -> dict[str, Any]:
         """The claim (shared with later callers: treat it as read-only)."""
-        path = self.path_of(namespace, name)
+        return self.read_path(namespace, name, self.path_of(namespace, name))
+
+    def read_path(self, namespace: str, name: str, path: Path) -> dict[str, Any]:
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -126,6 +149,24 @@ class DirectoryClaimSource:
             if len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
         return doc
+
+    def _find_by_name(self, namespace: str, name: str) -> Path:
+        directory = self.root / namespace
+        try:
+            entries = sorted(e for e in os.listdir(directory) if e.endswith(".yaml"))
+        except OSError:
+            entries = []
+        for entry in entries:
+            path = directory / entry
+            try:
+                doc = self.read_path(namespace, name, path)
+            except ClaimFailure:
+                continue
+            meta = doc.get("metadata")
+            if isinstance(meta, Mapping) and meta.get("name") == name:
+                return path
+        raise ClaimNotFound(f"ResourceClaim {namespace}/{name} not found (the name is too long for a "
+                            f"file of its own, and no *.yaml file in {directory} holds it)")
 
     def _real_root(self) -> str:
         if self._root_real is None or not os.path.isdir(self._root_real):

@@ -86,11 +86,12 @@ def cmd_claims(args: argparse.Namespace, settings: config.Settings) -> int:
     if args.output == "json":
         print(_dump([{
             "namespace": r.namespace, "name": r.name, "uid": r.uid, "podClaimName": r.pod_claim_name,
-            "devices": r.devices, "files": [f.path for f in r.files], "preparedAt": r.prepared_at,
+            "devices": [d.to_json() for d in r.devices], "files": [f.path for f in r.files],
+            "preparedAt": r.prepared_at,
         } for r in ordered], "json"))
     else:
-        rows = [(f"{r.namespace}/{r.name}", r.uid, ",".join(d["device"] for d in r.devices),
-                 " ".join(i for d in r.devices for i in d["cdiDeviceIds"])) for r in ordered]
+        rows = [(f"{r.namespace}/{r.name}", r.uid, ",".join(d.device for d in r.devices),
+                 " ".join(i for d in r.devices for i in d.cdi_device_ids)) for r in ordered]
         print(_table(rows, ("CLAIM", "UID", "DEVICES", "CDI DEVICE IDS")))
         if args.files:
             for r in ordered:

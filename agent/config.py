@@ -79,6 +79,9 @@ OPTIONS: tuple[Option, ...] = (
            "seconds to wait after a netlink event before rescanning NICs", kind=float, metavar="SECONDS"),
     Option("rolling_update_pod_uid", "--rolling-update-pod-uid", "DRA_ROLLING_UPDATE_POD_UID", "",
            "this agent pod's UID: use per-pod socket names so two agents can overlap", metavar="UID"),
+    Option("allow_unsafe_roots", "--allow-unsafe-roots", "DRA_ALLOW_UNSAFE_ROOTS", False,
+           "start even when a directory the agent writes below is writable by others or owned by "
+           "another user (true/false)", kind=bool, metavar="BOOL"),
     Option("claim_fetch_concurrency", "--claim-fetch-concurrency", "DRA_CLAIM_FETCH_CONCURRENCY", 16,
            "ResourceClaim GETs in flight at once", kind=int, metavar="N"),
     Option("api_timeout", "--api-timeout", "DRA_API_TIMEOUT", 10.0,
@@ -131,6 +134,7 @@ class Settings:
     rescan_interval: float = 60.0
     netlink_debounce: float = 0.5
     rolling_update_pod_uid: str = ""
+    allow_unsafe_roots: bool = False
     claim_fetch_concurrency: int = 16
     api_timeout: float = 10.0
     log_format: str = "auto"
@@ -207,6 +211,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                f" (default: {opt.default})" if opt.default not in (None, "") else ""))
 
 
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
+
+
 def settings_from(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
                   **overrides: Any) -> Settings:
     """Flags beat environment beats defaults; `overrides` (for tests) beat everything."""
@@ -219,7 +232,7 @@ def settings_from(args: argparse.Namespace | None = None, env: Mapping[str, str]
         if raw is None:
             continue
         try:
-            values[opt.dest] = opt.kind(raw)
+            values[opt.dest] = parse_bool(raw) if opt.kind is bool else opt.kind(raw)
         except ValueError as exc:
             raise ConfigError(f"{opt.flag} / ${opt.env}: {raw!r} is not a valid {opt.kind.__name__}") from exc
     values.update(overrides)

@@ -12,12 +12,11 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import lightkube
 
 from agent import kube
-from agent.claims import ApiClaimSource, DirectoryClaimSource
+from agent.claims import ApiClaimSource, ClaimSource, DirectoryClaimSource
 from agent.config import Settings
 from agent.kube import NodeInfo
 from agent.publisher import ApiPublisher, DirectoryPublisher, Publisher
@@ -42,7 +41,7 @@ class Connection:
     def mode(self) -> str:
         return f"offline ({self.offline})" if self.offline else "cluster"
 
-    def claim_source(self, settings: Settings) -> Any:
+    def claim_source(self, settings: Settings) -> ClaimSource:
         if self.offline is not None:
             return DirectoryClaimSource(self.offline)
         assert self.client is not None

@@ -21,6 +21,7 @@ from agent import config as config_mod
 from agent import slices
 from agent.config import Settings
 from agent.connection import Connection, StartupError, connect, wait_for_node
+from agent.fsutil import UnsafeRoot, check_root, makedirs
 from agent.health import HealthTracker
 from agent.inventory import DiscoveryError, Inventory, Source
 from agent.inventory.cpus import CpuSource
@@ -74,6 +75,24 @@ def published_form(device: Device) -> tuple[Device | None, list[str]]:
     ), problems
 
 
+def prepare_roots(settings: Settings) -> None:
+    """Create the directories the agent writes below, and refuse to start on one that another user
+    could plant links or files in (unless --allow-unsafe-roots): the agent never follows a link
+    below its roots, but it must also trust the roots themselves."""
+    roots = [("state directory", settings.state_dir, 0o700), ("records directory", settings.claims_state_dir, 0o700),
+             ("CDI directory", settings.cdi_dir, 0o755), ("plugin directory", settings.plugin_dir, 0o755),
+             ("metadata directory", settings.metadata_dir, 0o755),
+             ("plugin registry directory", settings.registry_dir, 0o755)]
+    for what, path, mode in roots:
+        makedirs(path, mode)
+        try:
+            check_root(path, what)
+        except UnsafeRoot as exc:
+            if not settings.allow_unsafe_roots:
+                raise StartupError(f"{exc}: refusing to start (--allow-unsafe-roots overrides)") from None
+            log.warning("%s (allowed by --allow-unsafe-roots)", exc)
+
+
 def set_node_allocatable(inventory: Inventory, node: NodeInfo | None) -> None:
     enabled = bool(node and node.node_allocatable)
     for source in inventory.sources:
@@ -93,19 +112,19 @@ class Agent:
         self.publish: PublishLoop | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._devices: dict[str, Device] = {}
+        self.refreshed = asyncio.Event()  # the start-up refresh of prepared claims is done
 
     async def start(self) -> None:
         s = self.settings
         started = time.monotonic()
         self.conn = await connect(s)
         log.info("mode: %s (%s)", self.conn.mode, self.conn.reason)
+        await asyncio.to_thread(prepare_roots, s)
         await asyncio.to_thread(self.inventory.open)
         set_node_allocatable(self.inventory, self.conn.node)
-        _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(recover, s, self.store))
-        log.info("state: %s", report.summary())
         self.engine = PrepareEngine(s, self.inventory, self.conn.claim_source(s), self.store)
-        for record in report.records.values():
-            self.engine.adopt(record)
+        _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(recover, self.engine))
+        log.info("state: %s", report.summary())
         self._devices = self.inventory.snapshot().devices
         await self.tracker.update(self.inventory.snapshot())
         self.servers = Servers(s, self.engine, self.tracker)
@@ -113,9 +132,20 @@ class Agent:
         await self.servers.start_registration()
         log.info("ready in %.2fs: %d devices, %d prepared claims", time.monotonic() - started,
                  len(self._devices), len(self.engine.records))
+        self._spawn(self._refresh_prepared(), "refresh")
         self._spawn(self._publishing(), "publish")
         self._spawn(self._rescans(), "rescan")
         self._spawn(self._netlink_events(), "netlink")
+
+    async def _refresh_prepared(self) -> None:
+        """Devices may have changed while no agent was running (a NIC got its IP): bring every
+        prepared claim's metadata up to date with the first scan. In the background, so the
+        kubelet is served at once; each claim is refreshed under its own lock."""
+        assert self.engine is not None
+        updated = await self.engine.refresh_claims(sorted(self.engine.records))
+        if updated:
+            log.info("metadata of %d prepared claims brought up to date after the start", updated)
+        self.refreshed.set()
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)

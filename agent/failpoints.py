@@ -1,38 +1,79 @@
-"""Named points in the prepare path where tests can inject a crash.
+"""Named points in the claim operations where tests inject a crash, an error or a delay.
 
-`DRA_AGENT_FAILPOINTS="metadata-file=kill,record=raise"` makes the process die
-(SIGKILL, as in a power cut or OOM kill) or raise at those steps, so the crash
-tests exercise the same binary that runs in production. Unset, `hit()` is a
-dictionary lookup.
+`DRA_AGENT_FAILPOINTS="after-metadata-file=kill,after-record=raise"` makes the process
+die (SIGKILL, as in a power cut or an OOM kill) or raise at those steps, and
+`after-claim-spec=sleep:0.5` makes it pause there (a slow disk, a kubelet deadline
+passing mid-prepare). `*@7=kill` kills the process at the 7th step reached, whichever
+it is: the crash suite (`make stress`) draws that number at random. The crash tests
+thus exercise the same code that runs in production. Unset, `hit()` is one lookup.
+
+The steps: prepare `after-claim-spec`, `after-metadata-file`, `after-metadata-spec`,
+`after-record`; unprepare `unprepare-after-record`, `unprepare-after-file`; metadata
+refresh `refresh-after-record`, `refresh-after-metadata-file`.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import threading
+import time
 
 _ACTIONS: dict[str, str] = {}
+_NTH: dict[int, str] = {}  # `*@N`: the action at the N-th step reached, counted from configure()
+_counter = itertools.count(1)
+_count_lock = threading.Lock()
 
 
 class FailpointError(RuntimeError):
     pass
 
 
+def _check_action(item: str, action: str) -> None:
+    if action in ("kill", "raise"):
+        return
+    if action.startswith("sleep:"):
+        try:
+            if float(action[len("sleep:"):]) >= 0:
+                return
+        except ValueError:
+            pass
+    raise ValueError(f"failpoint {item!r}: action must be kill, raise or sleep:SECONDS")
+
+
 def configure(spec: str) -> None:
+    global _counter
     _ACTIONS.clear()
+    _NTH.clear()
+    _counter = itertools.count(1)
     for item in filter(None, (p.strip() for p in spec.split(","))):
         name, _, action = item.partition("=")
-        if action not in ("kill", "raise"):
-            raise ValueError(f"failpoint {item!r}: action must be kill or raise")
-        _ACTIONS[name] = action
+        _check_action(item, action)
+        if name.startswith("*@"):
+            try:
+                _NTH[int(name[2:])] = action
+            except ValueError:
+                raise ValueError(f"failpoint {item!r}: *@ takes a step number") from None
+        else:
+            _ACTIONS[name] = action
 
 
 def hit(name: str) -> None:
+    if not _ACTIONS and not _NTH:
+        return
     action = _ACTIONS.get(name)
+    if _NTH:
+        with _count_lock:
+            n = next(_counter)
+        action = _NTH.get(n, action)
     if action is None:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action.startswith("sleep:"):
+        time.sleep(float(action[len("sleep:"):]))
+        return
     raise FailpointError(f"failpoint {name}")
 
 

@@ -1,52 +1,46 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""Files under the agent's roots: atomic writes, and no symbolic link followed below a root.
+
+A root (the CDI directory, the metadata directory, the records directory) is a
+setting the operator chose; everything below it is the agent's own, and is
+reached one component at a time with `O_NOFOLLOW` relative to the parent's file
+descriptor. A link planted where the agent will create a directory therefore
+makes the operation fail (`UnsafePath`) instead of writing outside the root, and
+removing a claim's files removes a planted link itself, never what it points to.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import secrets
+import shutil
+import stat
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from cdi.atomic import is_temp_name, write_at
+
+__all__ = ["Root", "UnsafePath", "UnsafeRoot", "atomic_write", "check_root", "is_temp_name", "makedirs",
+           "unlink_quiet"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+class UnsafePath(OSError):
+    """A link, or something that is not a directory, where the agent expected its own directory."""
+
+
+class UnsafeRoot(RuntimeError):
+    """A root the agent must not trust (writable by others, owned by someone else)."""
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = False) -> None:
-    """Write `data` to `path` through a temp file in the same directory and a rename.
-
-    The temp name ends in neither .json nor .yaml, so a CDI runtime scanning the
-    directory never picks it up. `durable` adds fsync of the file and of the
-    directory: only the per-claim record pays for that.
-    """
-    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    """Atomically write `path` in a directory that is not below one of the agent's roots."""
+    fd = os.open(path.parent, _DIR_FLAGS)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            if os.fstat(fd).st_mode & 0o7777 != mode:
-                os.fchmod(fd, mode)  # the umask narrowed it
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
+        write_at(fd, path.name, data, mode, durable)
     finally:
         os.close(fd)
-
-
-def is_temp_name(name: str) -> bool:
-    return name.startswith(".") and ".tmp-" in name
 
 
 def unlink_quiet(path: Path) -> bool:
@@ -70,3 +64,127 @@ def makedirs(path: Path, mode: int = 0o755) -> None:
             os.mkdir(d, mode)
             if os.stat(d).st_mode & 0o7777 != mode:
                 os.chmod(d, mode)  # the umask narrowed it
+
+
+def check_root(path: Path, what: str) -> None:
+    """Refuse a root that another user could plant files or links in, or that someone else owns."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeRoot(f"{what} {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeRoot(f"{what} {path} is owned by uid {st.st_uid}, not by the agent's user "
+                         f"(uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise UnsafeRoot(f"{what} {path} is writable by group or others (mode {st.st_mode & 0o7777:04o})")
+
+
+class Root:
+    """A directory the agent owns. Paths given to its methods must lie below it."""
+
+    def __init__(self, path: Path, dir_mode: int = 0o755) -> None:
+        self.path = Path(path)
+        self.dir_mode = dir_mode
+        self._prefix = str(self.path) + os.sep
+
+    def __repr__(self) -> str:
+        return f"Root({str(self.path)!r})"
+
+    def contains(self, path: str | Path) -> bool:
+        return str(path).startswith(self._prefix)
+
+    def parts(self, path: str | Path) -> list[str]:
+        text = str(path)
+        if not text.startswith(self._prefix):
+            raise UnsafePath(errno.EINVAL, f"{text} is not below {self.path}")
+        parts = text[len(self._prefix):].split(os.sep)
+        if any(p in ("", ".", "..") for p in parts):
+            raise UnsafePath(errno.EINVAL, f"{text}: not a plain path below {self.path}")
+        return parts
+
+    def ensure(self) -> None:
+        makedirs(self.path, self.dir_mode)
+
+    @contextlib.contextmanager
+    def directory(self, parts: Sequence[str], create: bool) -> Iterator[int]:
+        """An open descriptor of the directory `root/parts...`, each component opened without
+        following links; FileNotFoundError when it is missing and `create` is false."""
+        if create:
+            self.ensure()
+        fd = os.open(self.path, _DIR_FLAGS)
+        try:
+            for i, part in enumerate(parts):
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, self.dir_mode, dir_fd=fd)
+                try:
+                    child = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        where = os.path.join(self.path, *parts[: i + 1])
+                        raise UnsafePath(exc.errno, f"{where} is a symbolic link or not a directory: "
+                                                    "the agent never follows links below its roots") from None
+                    raise
+                os.close(fd)
+                fd = child
+                if create and os.fstat(fd).st_mode & 0o7777 != self.dir_mode:
+                    os.fchmod(fd, self.dir_mode)  # the umask narrowed it
+            yield fd
+        finally:
+            os.close(fd)
+
+    def write(self, path: str | Path, data: bytes, mode: int = 0o644, durable: bool = False) -> None:
+        *dirs, name = self.parts(path)
+        with self.directory(dirs, create=True) as fd:
+            write_at(fd, name, data, mode, durable)
+
+    def read(self, path: str | Path) -> bytes:
+        *dirs, name = self.parts(path)
+        with self.directory(dirs, create=False) as dfd:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
+    def unlink(self, path: str | Path, durable: bool = False) -> bool:
+        """Remove a file (or a link, never its target); True if it was there."""
+        *dirs, name = self.parts(path)
+        try:
+            with self.directory(dirs, create=False) as fd:
+                os.unlink(name, dir_fd=fd)
+                if durable:
+                    os.fsync(fd)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def remove_tree(self, path: str | Path) -> bool:
+        """Remove a directory and all below it; a link in its place is removed itself."""
+        *dirs, name = self.parts(path)
+        try:
+            with self.directory(dirs, create=False) as fd:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(name, dir_fd=fd)  # fd-based: immune to links swapped in below
+                else:
+                    os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def listdir(self, parts: Sequence[str] = ()) -> list[str]:
+        try:
+            with self.directory(parts, create=False) as fd:
+                return os.listdir(fd)
+        except FileNotFoundError:
+            return []
+
+    def remove_empty_dirs(self, path: str | Path, stop: int = 0) -> None:
+        """Remove `path` and then its parents while they are empty, keeping the first `stop` components."""
+        parts = self.parts(path)
+        while len(parts) > stop:
+            *dirs, name = parts
+            try:
+                with self.directory(dirs, create=False) as fd:
+                    os.rmdir(name, dir_fd=fd)
+            except OSError:
+                return
+            parts = dirs

@@ -31,12 +31,14 @@ class AllocatedDevice:
     share_id: str = ""
 
 
-def host_dir(metadata_root: Path, namespace: str, name: str) -> Path:
-    return metadata_root / f"{namespace}_{name}"
+def host_dir(metadata_root: Path, uid: str) -> Path:
+    """Keyed by the claim's UID: a claim deleted and re-created under the same name while the old
+    one is still prepared gets files of its own, and any valid name fits (a UID is 36 bytes)."""
+    return metadata_root / uid
 
 
-def host_file(metadata_root: Path, namespace: str, name: str, base_request: str) -> Path:
-    return host_dir(metadata_root, namespace, name) / base_request / "metadata.json"
+def host_file(metadata_root: Path, uid: str, base_request: str) -> Path:
+    return host_dir(metadata_root, uid) / base_request / "metadata.json"
 
 
 def container_file(driver: str, claim_name: str, base_request: str, pod_claim_name: str = "") -> str:

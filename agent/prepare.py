@@ -1,9 +1,23 @@
 """The prepare/unprepare engine: claim -> devices -> CDI specs + metadata files -> durable record.
 
-Claims are independent: a lock per claim UID and a lock per device, never one
-global lock, so the claims of one kubelet call (and of concurrent calls) are
-prepared in parallel. All file I/O of one claim happens in a single worker
-thread hop; the record, written last, is the only fsync.
+Every operation on a claim runs whole in one worker thread, holding the claim's
+locks (`agent.locks`: this process, then every agent on the node) and then its
+devices' locks. The thread also updates the engine's bookkeeping before it
+lets go of the locks, so a kubelet call cancelled at its deadline cannot lose
+track of a claim: the thread finishes, and the next call for that claim waits
+for it and sees its result.
+
+The durable record (`agent.state`) is the truth. The engine keeps a copy of
+each record with the identity of its file, and re-reads the file whenever it
+changed: a second agent sharing the state directory during a rolling update
+may have prepared or unprepared the claim meanwhile.
+
+Order of side effects, so that a crash at any point leaves all or nothing
+(start-up recovery, `agent.recovery`, finishes the job):
+- prepare: claim files (UID-named) -> record (fsync'd). Without the record the
+  files are orphans that recovery removes.
+- unprepare: record removed (fsync'd) -> files. Without the record, the rest are orphans.
+- metadata refresh: new record (fsync'd) -> files. Recovery rewrites the files from the record.
 """
 
 from __future__ import annotations
@@ -13,115 +27,64 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from agent import cdispecs, failpoints, metadata
-from agent.allocation import Allocation, ClaimError, parse_claim
-from agent.claims import ClaimNotFound, ClaimSourceError
+from agent.allocation import Allocation, parse_claim
+from agent.claims import ClaimSource, LocalClaimSource
 from agent.config import Settings
-from agent.fsutil import atomic_write, makedirs, unlink_quiet
+from agent.errors import ClaimFailure
+from agent.fsutil import Root, UnsafePath
 from agent.inventory import Inventory
+from agent.locks import ClaimFileLock, LockTable
 from agent.names import ClaimRef, InvalidName, base_request, check_claim_ref
-from agent.state import ClaimRecord, ClaimStore, FileRecord
+from agent.state import ClaimRecord, ClaimStore, FileRecord, PreparedDevice, RecordError, RecordStamp
 from agent.toolkit import ToolkitSpecs
 from cdi.store import encode_spec
 
 log = logging.getLogger(__name__)
 
 
+class PrepareFailed(ClaimFailure):
+    """The claim is valid but this node cannot prepare it now (a device node missing, ...)."""
+
+
 @dataclass(slots=True)
 class PrepareResult:
-    devices: list[dict[str, Any]] = field(default_factory=list)  # record form, see ClaimRecord.devices
+    devices: list[PreparedDevice] = field(default_factory=list)
     error: str = ""
 
 
-class KeyedLocks:
-    """asyncio locks by key, dropped again when nobody holds or waits for them."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
-
-    @contextlib.asynccontextmanager
-    async def hold(self, keys: Iterable[str]) -> AsyncIterator[None]:
-        ordered = sorted(set(keys))  # one global order: no deadlock between claims sharing devices
-        taken: list[str] = []
-        acquired: set[str] = set()
-        try:
-            for key in ordered:
-                lock, users = self._locks.get(key) or (asyncio.Lock(), 0)
-                self._locks[key] = (lock, users + 1)
-                taken.append(key)
-                await lock.acquire()
-                acquired.add(key)
-            yield
-        finally:
-            for key in reversed(taken):
-                lock, users = self._locks[key]
-                if key in acquired:
-                    lock.release()
-                if users == 1:
-                    del self._locks[key]
-                else:
-                    self._locks[key] = (lock, users - 1)
-
-
-class DeviceLocks:
-    """Thread locks by device name, held by the worker thread doing a claim's side effects, so a
-    claim costs one worker-thread hop; dropped again when nobody holds or waits for them."""
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[str, tuple[threading.Lock, int]] = {}
-
-    @contextlib.contextmanager
-    def hold(self, keys: Iterable[str]) -> Iterator[None]:
-        ordered = sorted(set(keys))  # one global order: no deadlock between claims sharing devices
-        with self._guard:
-            locks = []
-            for key in ordered:
-                lock, users = self._locks.get(key) or (threading.Lock(), 0)
-                self._locks[key] = (lock, users + 1)
-                locks.append(lock)
-        acquired: list[threading.Lock] = []
-        try:
-            for lock in locks:
-                lock.acquire()
-                acquired.append(lock)
-            yield
-        finally:
-            for lock in reversed(acquired):
-                lock.release()
-            with self._guard:
-                for key in ordered:
-                    lock, users = self._locks[key]
-                    if users == 1:
-                        del self._locks[key]
-                    else:
-                        self._locks[key] = (lock, users - 1)
+ClaimReader = Callable[[str, str], Mapping[str, Any]]
 
 
 class PrepareEngine:
-    def __init__(self, settings: Settings, inventory: Inventory, claims: Any, store: ClaimStore,
-                 toolkit: ToolkitSpecs | None = None) -> None:
+    def __init__(self, settings: Settings, inventory: Inventory, claims: ClaimSource, store: ClaimStore,
+                 toolkit: ToolkitSpecs | None = None, claim_lock: ClaimFileLock | None = None) -> None:
         self.settings = settings
         self.inventory = inventory
         self.claims = claims
         self.store = store
         self.toolkit = toolkit or ToolkitSpecs([settings.static_cdi_dir, settings.cdi_dir],
                                                skip_prefixes=(settings.cdi_vendor,))
-        self.records: dict[str, ClaimRecord] = {}
-        # metadata dir -> UIDs of the records holding files in it. Two records share one only when a
-        # claim was deleted and re-created under the same name before the old one was unprepared.
-        self._dir_owners: dict[str, set[str]] = {}
+        self.cdi_root = Root(settings.cdi_dir)
+        self.metadata_root = Root(settings.metadata_dir)
+        self.locks = LockTable()
+        self.claim_lock = claim_lock or ClaimFileLock(settings.state_dir / "claims.lock")
+        self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
+        self._guard = threading.Lock()  # over the two indexes below
+        self._records: dict[str, tuple[ClaimRecord, RecordStamp]] = {}
         self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
-        self._claim_locks = KeyedLocks()
-        self._device_locks = DeviceLocks()
+
+    @property
+    def records(self) -> dict[str, ClaimRecord]:
+        """The prepared claims this agent knows of (a copy)."""
+        with self._guard:
+            return {uid: rec for uid, (rec, _) in self._records.items()}
 
     # -- kubelet entry points -------------------------------------------------------------------
 
@@ -139,96 +102,74 @@ class PrepareEngine:
         started = time.monotonic()
         try:
             check_claim_ref(ref)
-        except InvalidName as exc:
-            return self._failed("prepare", ref, str(exc), started)
-        try:
-            async with self._claim_locks.hold([ref.uid]):
-                record = self.records.get(ref.uid)
-                if record is not None:
-                    if (record.namespace, record.name) != (ref.namespace, ref.name):
-                        return self._failed("prepare", ref, f"UID {ref.uid} is prepared for claim "
-                                            f"{record.namespace}/{record.name}", started)
-                    log.debug("%s already prepared", ref)
-                    return PrepareResult(devices=record.devices)
-                read = getattr(self.claims, "read", None)
-                if read is None:  # the API server: an async GET, then the rest in one hop
-                    claim = await self.claims.get(ref.namespace, ref.name)
-                    record = await asyncio.to_thread(self._prepare_blocking, ref, lambda _ns, _n: claim)
-                else:  # a local source reads in the same worker thread as the side effects
-                    record = await asyncio.to_thread(self._prepare_blocking, ref, read)
-                self.adopt(record)
-        except (ClaimError, ClaimNotFound, ClaimSourceError, InvalidName, PrepareFailed) as exc:
+            if isinstance(self.claims, LocalClaimSource):
+                # A local source is read in the same worker thread as the side effects.
+                record = await asyncio.to_thread(self._prepare_blocking, ref, self.claims.read)
+            else:
+                record = await self._prepare_remote(ref, self.claims)
+        except (ClaimFailure, InvalidName, UnsafePath) as exc:
             return self._failed("prepare", ref, str(exc), started)
         except Exception as exc:
             log.exception("prepare of %s failed unexpectedly", ref)
             return self._failed("prepare", ref, f"internal error: {exc!r}", started)
         log.info("prepared %s", ref, extra={
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
-            "devices": [d["device"] for d in record.devices],
+            "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})
         return PrepareResult(devices=record.devices)
+
+    async def _prepare_remote(self, ref: ClaimRef, source: ClaimSource) -> ClaimRecord:
+        with self._guard:
+            known = ref.uid in self._records
+        if known:  # a repeated prepare is answered from the record, without asking the API server
+            record = await asyncio.to_thread(self._prepare_blocking, ref, None)
+            if record is not None:
+                return record
+        claim = await source.get(ref.namespace, ref.name)
+        record = await asyncio.to_thread(self._prepare_blocking, ref, lambda _ns, _n: claim)
+        assert record is not None
+        return record
 
     async def unprepare_claim(self, ref: ClaimRef) -> str:
         started = time.monotonic()
         try:
             check_claim_ref(ref)
-        except InvalidName as exc:
+            record = await asyncio.to_thread(self._unprepare_blocking, ref)
+        except (ClaimFailure, InvalidName, UnsafePath) as exc:
             return self._failed("unprepare", ref, str(exc), started).error
-        try:
-            async with self._claim_locks.hold([ref.uid]):
-                record = self.records.get(ref.uid)
-                if record is None:
-                    log.debug("%s is not prepared: nothing to undo", ref)
-                    return ""
-                shared = {d for d in record.dirs if self._dir_owners.get(d, set()) - {ref.uid}}
-                await asyncio.to_thread(self._undo, record, shared)
-                self.forget(ref.uid)
         except Exception as exc:
             log.exception("unprepare of %s failed", ref)
             return self._failed("unprepare", ref, f"internal error: {exc!r}", started).error
+        if record is None:
+            log.debug("%s is not prepared: nothing to undo", ref)
+            return ""
         log.info("unprepared %s", ref, extra={
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
-            "devices": [d["device"] for d in record.devices],
+            "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})
         return ""
 
-    def adopt(self, record: ClaimRecord) -> None:
-        self.records[record.uid] = record
-        for d in record.dirs:
-            self._dir_owners.setdefault(d, set()).add(record.uid)
-        for d in record.devices:
-            self._device_claims.setdefault(d["device"], set()).add(record.uid)
-
-    def forget(self, uid: str) -> None:
-        record = self.records.pop(uid)
-        for index, keys in ((self._dir_owners, record.dirs),
-                            (self._device_claims, [d["device"] for d in record.devices])):
-            for key in keys:
-                owners = index.get(key, set())
-                owners.discard(uid)
-                if not owners:
-                    index.pop(key, None)
-
     async def refresh_devices(self, names: Iterable[str]) -> int:
         """Rewrite the metadata files of prepared claims whose devices changed (a NIC got its IP
-        after prepare): atomically, with generation + 1. Returns how many claims were updated."""
-        uids = sorted({uid for n in names for uid in self._device_claims.get(n, ())})
+        after prepare): record first, then the files, with generation + 1. Returns how many
+        claims were updated."""
+        wanted = set(names)
+        with self._guard:
+            uids = sorted({uid for n in wanted for uid in self._device_claims.get(n, ())})
+        return await self.refresh_claims(uids)
+
+    async def refresh_claims(self, uids: Iterable[str]) -> int:
         updated = 0
         for uid in uids:
-            async with self._claim_locks.hold([uid]):
-                record = self.records.get(uid)
-                if record is None:
-                    continue
-                try:
-                    new = await asyncio.to_thread(self._refresh, record)
-                except Exception:
-                    log.exception("refreshing the metadata of claim %s/%s failed", record.namespace, record.name)
-                    continue
-                if new is not None:
-                    self.records[uid] = new
-                    updated += 1
-                    log.info("metadata of claim %s/%s updated (generation %d)", new.namespace, new.name,
-                             new.generation)
+            try:
+                new = await asyncio.to_thread(self._refresh_blocking, uid)
+            except Exception:
+                log.exception("refreshing the metadata of claim %s failed", uid)
+                continue
+            if new is not None:
+                updated += 1
+                log.info("metadata of claim %s/%s updated (generation %d)", new.namespace, new.name,
+                         new.generation)
         return updated
 
     def _failed(self, op: str, ref: ClaimRef, why: str, started: float) -> PrepareResult:
@@ -237,6 +178,67 @@ class PrepareEngine:
             "claim": f"{ref.namespace}/{ref.name}"[:300], "uid": ref.uid[:80],
             "ms": round((time.monotonic() - started) * 1000, 2)})
         return PrepareResult(error=message)
+
+    # -- bookkeeping (worker threads, under the claim's locks) ------------------------------------
+
+    @contextlib.contextmanager
+    def claim_locked(self, uid: str) -> Iterator[None]:
+        """Hold the claim's lock in this process and across the agents of the node."""
+        with self.locks.hold([f"claim/{uid}"]), self.claim_lock.hold(uid):
+            yield
+
+    def current(self, uid: str) -> ClaimRecord | None:
+        """The claim's record as it is on disk now (call with the claim locked)."""
+        stamp = self.store.stamp(uid)
+        with self._guard:
+            cached = self._records.get(uid)
+        if stamp is None:
+            if cached is not None:
+                self._forget(uid)
+            return None
+        if cached is not None and cached[1] == stamp:
+            return cached[0]
+        found = self.store.read(uid)
+        if found is None:
+            self._forget(uid)
+            return None
+        self._remember(*found)
+        return found[0]
+
+    def _remember(self, record: ClaimRecord, stamp: RecordStamp) -> None:
+        with self._guard:
+            old = self._records.get(record.uid)
+            if old is not None:
+                self._unindex(old[0])
+            self._records[record.uid] = (record, stamp)
+            for d in record.devices:
+                self._device_claims.setdefault(d.device, set()).add(record.uid)
+
+    def _forget(self, uid: str) -> None:
+        with self._guard:
+            old = self._records.pop(uid, None)
+            if old is not None:
+                self._unindex(old[0])
+
+    def _unindex(self, record: ClaimRecord) -> None:
+        for d in record.devices:
+            owners = self._device_claims.get(d.device)
+            if owners is not None:
+                owners.discard(record.uid)
+                if not owners:
+                    del self._device_claims[d.device]
+
+    def _write_record(self, record: ClaimRecord) -> None:
+        self.store.write(record)
+        stamp = self.store.stamp(record.uid)
+        assert stamp is not None
+        self._remember(record, stamp)
+
+    def root_of(self, path: str) -> Root:
+        for root in (self.cdi_root, self.metadata_root):
+            if root.contains(path):
+                return root
+        raise UnsafePath(0, f"{path} lies outside the agent's CDI and metadata directories")
 
     # -- side effects (worker thread) -------------------------------------------------------------
 
@@ -249,7 +251,7 @@ class PrepareEngine:
         files: list[FileRecord] = []
         spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, alloc.config_env)
         files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec)))
-        devices: list[dict[str, Any]] = []
+        devices: list[PreparedDevice] = []
         first_of_request: set[str] = set()
         for a in alloc.devices:
             ids = [cdispecs.claim_device_id(vendor, ref.uid, a.device.name)]
@@ -260,13 +262,10 @@ class PrepareEngine:
             if base not in first_of_request:
                 first_of_request.add(base)
                 ids.append(cdispecs.metadata_device_id(vendor, ref.uid, base))
-            entry: dict[str, Any] = {"request": a.request, "pool": a.pool, "device": a.device.name,
-                                     "cdiDeviceIds": ids}
-            if a.share_id:
-                entry["shareId"] = a.share_id
-            devices.append(entry)
+            devices.append(PreparedDevice(request=a.request, pool=a.pool, device=a.device.name,
+                                          cdi_device_ids=tuple(ids), share_id=a.share_id))
         for base, allocs in metadata.group_by_base_request(alloc.devices).items():
-            host = metadata.host_file(s.metadata_dir, ref.namespace, ref.name, base)
+            host = metadata.host_file(s.metadata_dir, ref.uid, base)
             content = metadata.render(driver=s.driver_name, namespace=ref.namespace, name=ref.name,
                                       uid=ref.uid, pod_claim_name=alloc.pod_claim_name,
                                       generation=generation, devices=allocs)
@@ -275,17 +274,39 @@ class PrepareEngine:
             mspec = cdispecs.metadata_spec(vendor, ref.uid, base, str(host), container)
             files.append(FileRecord(str(s.cdi_dir / cdispecs.metadata_spec_name(vendor, ref.uid, base)),
                                     encode_spec(mspec)))
-        dirs = [str(metadata.host_dir(s.metadata_dir, ref.namespace, ref.name))] if alloc.devices else []
+        dirs = [str(metadata.host_dir(s.metadata_dir, ref.uid))] if alloc.devices else []
         return ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
                            pod_claim_name=alloc.pod_claim_name, devices=devices, files=files, dirs=dirs,
                            prepared_at=time.time(), generation=generation)
 
-    def _prepare_blocking(self, ref: ClaimRef, read: Callable[[str, str], Mapping[str, Any]]) -> ClaimRecord:
-        claim = read(ref.namespace, ref.name)
-        alloc = parse_claim(claim, ref, driver=self.settings.driver_name, pool=self.settings.node_name,
-                            lookup=self.inventory.get)
-        with self._device_locks.hold(a.device.name for a in alloc.devices):
-            return self._apply(alloc)
+    def _prepare_blocking(self, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
+        """Prepare the claim unless it is prepared; with `read` None, only look it up."""
+        with self.claim_locked(ref.uid):
+            record = self.current_or_purge(ref.uid)
+            if record is not None:
+                if (record.namespace, record.name) != (ref.namespace, ref.name):
+                    raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
+                log.debug("%s already prepared", ref)
+                return record
+            if read is None:
+                return None
+            claim = read(ref.namespace, ref.name)
+            alloc = parse_claim(claim, ref, driver=self.settings.driver_name, pool=self.settings.node_name,
+                                lookup=self.inventory.get)
+            with self.locks.hold(f"device/{a.device.name}" for a in alloc.devices):
+                return self._apply(alloc)
+
+    def current_or_purge(self, uid: str) -> ClaimRecord | None:
+        """The current record; an unreadable one is set aside and the claim's files removed, so the
+        claim is cleanly not prepared (its UID names every file, so nothing else is touched)."""
+        try:
+            return self.current(uid)
+        except RecordError as exc:
+            log.error("claim record of %s is unreadable (%s): setting it aside, removing its files", uid, exc)
+            self._forget(uid)
+            self.store.quarantine(self.store.path(uid).name)
+            self.remove_claim_files(uid)
+            return None
 
     def _apply(self, alloc: Allocation) -> ClaimRecord:
         for a in alloc.devices:
@@ -294,39 +315,83 @@ class PrepareEngine:
                     raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                         f"on the host ({node.host_path})")
         record = self.plan(alloc)
-        written: list[Path] = []
-        created_dirs = [Path(d) for d in record.dirs if not os.path.isdir(d)]
         try:
             for f in record.files:
-                path = Path(f.path)
-                makedirs(path.parent)
-                atomic_write(path, f.content, f.mode)
-                written.append(path)
-                failpoints.hit(_step(path, self.settings))
-            self.store.write(record)
+                self.root_of(f.path).write(f.path, f.content, f.mode)
+                failpoints.hit(_step(f.path, self.settings))
+            self._write_record(record)
         except BaseException:
-            for path in reversed(written):
-                unlink_quiet(path)
-            for d in created_dirs:
-                shutil.rmtree(d, ignore_errors=True)
+            self._roll_back(record)
             raise
         failpoints.hit("after-record")
         return record
 
+    def _roll_back(self, record: ClaimRecord) -> None:
+        for f in reversed(record.files):
+            with contextlib.suppress(OSError):
+                self.root_of(f.path).unlink(f.path)
+        for d in record.dirs:
+            with contextlib.suppress(OSError):
+                self.metadata_root.remove_tree(d)
+
+    def _unprepare_blocking(self, ref: ClaimRef) -> ClaimRecord | None:
+        with self.claim_locked(ref.uid):
+            record = self.current_or_purge(ref.uid)
+            if record is None:
+                return None
+            with self.locks.hold(f"device/{d.device}" for d in record.devices):
+                # The record goes first: a crash from here on leaves only files that no record
+                # owns, which the next start removes.
+                self.store.delete(record.uid)
+                self._forget(record.uid)
+                failpoints.hit("unprepare-after-record")
+                self.remove_files(record)
+            return record
+
+    def remove_files(self, record: ClaimRecord) -> None:
+        for f in reversed(record.files):
+            try:
+                self.root_of(f.path).unlink(f.path)
+            except UnsafePath as exc:
+                log.error("claim %s: not removing %s: %s", record.uid, f.path, exc)
+            failpoints.hit("unprepare-after-file")
+        for d in record.dirs:
+            try:
+                self.metadata_root.remove_tree(d)
+            except UnsafePath as exc:
+                log.error("claim %s: not removing %s: %s", record.uid, d, exc)
+
+    def remove_claim_files(self, uid: str) -> list[str]:
+        """Every agent-owned file named by this UID (call with the claim locked)."""
+        removed = []
+        for name in self.cdi_root.listdir():
+            if cdispecs.claim_uid_of_spec(name, self.settings.cdi_vendor) == uid and self.cdi_root.unlink(
+                    self.cdi_root.path / name):
+                removed.append(str(self.cdi_root.path / name))
+        path = metadata.host_dir(self.settings.metadata_dir, uid)
+        if self.metadata_root.remove_tree(path):
+            removed.append(str(path))
+        return removed
+
+    def _refresh_blocking(self, uid: str) -> ClaimRecord | None:
+        with self.claim_locked(uid):
+            record = self.current_or_purge(uid)
+            if record is None:
+                return None
+            return self._refresh(record)
+
     def _refresh(self, record: ClaimRecord) -> ClaimRecord | None:
         allocated = []
         for d in record.devices:
-            device = self.inventory.get(d["device"])
+            device = self.inventory.get(d.device)
             if device is None:
                 return None  # gone: health reports it; the file keeps the last known truth
-            allocated.append(metadata.AllocatedDevice(d["request"], d["pool"], device, d.get("shareId", "")))
+            allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id))
         s = self.settings
-        common = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name, "uid": record.uid,
-                  "pod_claim_name": record.pod_claim_name}
-        contents = {}
-        for base, allocs in metadata.group_by_base_request(allocated).items():
-            path = str(metadata.host_file(s.metadata_dir, record.namespace, record.name, base))
-            contents[path] = allocs
+        common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,
+                                  "uid": record.uid, "pod_claim_name": record.pod_claim_name}
+        contents = {str(metadata.host_file(s.metadata_dir, record.uid, base)): allocs
+                    for base, allocs in metadata.group_by_base_request(allocated).items()}
         current = {f.path: f.content for f in record.files}
         if all(current.get(path) == metadata.render(generation=record.generation, devices=allocs, **common)
                for path, allocs in contents.items()):
@@ -335,33 +400,16 @@ class PrepareEngine:
         files = [FileRecord(f.path, metadata.render(generation=generation, devices=contents[f.path], **common),
                             f.mode) if f.path in contents else f for f in record.files]
         new = dataclasses.replace(record, files=files, generation=generation)
+        self._write_record(new)
+        failpoints.hit("refresh-after-record")
         for f in files:
             if f.path in contents:
-                atomic_write(Path(f.path), f.content, f.mode)
-        self.store.write(new)
+                self.metadata_root.write(f.path, f.content, f.mode)
+                failpoints.hit("refresh-after-metadata-file")
         return new
 
-    def _undo(self, record: ClaimRecord, shared_dirs: set[str]) -> None:
-        with self._device_locks.hold(d["device"] for d in record.devices):
-            self._undo_locked(record, shared_dirs)
 
-    def _undo_locked(self, record: ClaimRecord, shared_dirs: set[str]) -> None:
-        # Reverse order of prepare: the record goes first, so a crash from here on leaves only
-        # files no record owns, which the next start removes.
-        self.store.delete(record.uid)
-        for f in reversed(record.files):
-            if not any(f.path.startswith(d + os.sep) for d in shared_dirs):
-                unlink_quiet(Path(f.path))
-        for d in record.dirs:
-            if d not in shared_dirs:
-                shutil.rmtree(d, ignore_errors=True)
-
-
-class PrepareFailed(RuntimeError):
-    pass
-
-
-def _step(path: Path, settings: Settings) -> str:
-    if path.parent == settings.cdi_dir:
-        return "after-metadata-spec" if f"_{cdispecs.METADATA_CLASS}_" in path.name else "after-claim-spec"
+def _step(path: str, settings: Settings) -> str:
+    if path.startswith(str(settings.cdi_dir) + os.sep):
+        return "after-metadata-spec" if f"_{cdispecs.METADATA_CLASS}_" in path else "after-claim-spec"
     return "after-metadata-file"

@@ -1,75 +1,81 @@
 """Start-up recovery, run before the DRA socket accepts calls.
 
-A crash can leave three things behind: records that are not `prepared` (to roll
-back), prepared claims whose files went missing (to re-derive from the record),
-and files written by a prepare that never reached its record (to remove). All
-agent-owned files carry the claim UID in their name, or live in the agent's own
-metadata directory, so what is ours and what is orphaned is never a guess.
+A crash can leave two things behind: prepared claims whose files went missing or
+are stale (re-derived from the record), and files of a claim that has no record
+(a prepare that never reached its record, an unprepare that removed the record
+but not yet the files: removed). Every agent-owned file carries the claim UID in
+its name or lives in a directory named by it, so what is ours and what is
+orphaned is never a guess. An unreadable record is set aside as `*.corrupt` and
+its claim's files are removed.
+
+Another agent may be running beside this one (a rolling update). Each step on a
+claim therefore holds that claim's locks (`agent.locks`) and looks at its record
+as it is at that moment: files of a prepare in flight in the other agent are
+never taken for orphans, because that prepare holds the claim's lock until its
+record is written.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
+from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from agent import cdispecs
-from agent.config import Settings
-from agent.fsutil import atomic_write, is_temp_name, makedirs, unlink_quiet
-from agent.state import PREPARED, ClaimRecord, ClaimStore
+from agent.fsutil import UnsafePath, is_temp_name
+from agent.names import InvalidName, check_uid
+from agent.prepare import PrepareEngine
+from agent.state import SUFFIX, ClaimRecord
 
 log = logging.getLogger(__name__)
-
-_UID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 
 @dataclass
 class RecoveryReport:
     records: dict[str, ClaimRecord] = field(default_factory=dict)
-    rolled_back: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)  # file paths rewritten from their records
     removed: list[str] = field(default_factory=list)  # orphaned files and directories
-    quarantined: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)  # unreadable records set aside
 
     def summary(self) -> str:
         return (f"{len(self.records)} prepared claims, {len(self.repaired)} files repaired, "
-                f"{len(self.rolled_back)} half-prepared rolled back, {len(self.removed)} orphans removed, "
-                f"{len(self.quarantined)} unreadable records set aside")
+                f"{len(self.removed)} orphans removed, {len(self.quarantined)} unreadable records set aside")
 
 
-def owned_spec_pattern(vendor: str) -> re.Pattern[str]:
-    v = re.escape(vendor)
-    return re.compile(rf"^(?:{v}-{cdispecs.CLAIM_CLASS}_(?P<a>{_UID})\.json"
-                      rf"|{v}_{cdispecs.METADATA_CLASS}_(?P<b>{_UID})_[a-z0-9-]+\.json)$")
+def _uid_or_none(text: str) -> str | None:
+    try:
+        check_uid(text)
+    except InvalidName:
+        return None
+    return text
 
 
-def recover(settings: Settings, store: ClaimStore) -> RecoveryReport:
+def recover(engine: PrepareEngine) -> RecoveryReport:
     """Blocking: run in a worker thread."""
     report = RecoveryReport()
+    store = engine.store
     store.ensure()
-    records, problems = store.load_all(clean=True)
-    for name, why in problems:
-        log.error("claim record %s is unreadable (%s): setting it aside; its files will be removed", name, why)
-        try:
-            report.quarantined.append(str(store.quarantine(name)))
-        except OSError as exc:
-            log.error("could not set %s aside: %s", name, exc)
-    for uid, record in records.items():
-        if record.state != PREPARED:
-            _roll_back(store, record)
-            report.rolled_back.append(uid)
+    for name in store.temp_files():  # record writes that never reached their rename
+        uid = _uid_or_none(name[1:].split(SUFFIX, 1)[0])
+        if uid is None:
             continue
-        report.records[uid] = record
-        for f in record.files:
-            if _needs_repair(Path(f.path), f.content):
-                makedirs(Path(f.path).parent)
-                atomic_write(Path(f.path), f.content, f.mode)
-                report.repaired.append(f.path)
-    report.removed += _remove_orphan_specs(settings, report.records)
-    report.removed += _remove_orphan_metadata(settings, report.records)
+        with engine.claim_locked(uid):
+            if engine.store.root.unlink(store.directory / name):
+                report.removed.append(str(store.directory / name))
+    for uid in sorted(store.uids()):
+        if _uid_or_none(uid) is None:
+            continue
+        with engine.claim_locked(uid):
+            before = set(os.listdir(store.directory))
+            record = engine.current_or_purge(uid)
+            report.quarantined += sorted(str(store.directory / n) for n in set(os.listdir(store.directory)) - before)
+            if record is None:
+                continue
+            report.records[uid] = record
+            report.repaired += _repair(engine, record)
+    report.removed += _remove_orphan_specs(engine)
+    report.removed += _remove_orphan_metadata(engine, report.records)
     for path in report.repaired:
         log.warning("repaired %s from its claim record", path)
     for path in report.removed:
@@ -77,65 +83,70 @@ def recover(settings: Settings, store: ClaimStore) -> RecoveryReport:
     return report
 
 
-def _roll_back(store: ClaimStore, record: ClaimRecord) -> None:
-    log.warning("rolling back half-prepared claim %s/%s (%s)", record.namespace, record.name, record.uid)
-    for f in reversed(record.files):
-        unlink_quiet(Path(f.path))
-    for d in record.dirs:
-        shutil.rmtree(d, ignore_errors=True)
-    store.delete(record.uid)
+def _repair(engine: PrepareEngine, record: ClaimRecord) -> list[str]:
+    repaired = []
+    for f in record.files:
+        try:
+            root = engine.root_of(f.path)
+        except UnsafePath as exc:
+            log.error("claim %s/%s: cannot repair %s: %s", record.namespace, record.name, f.path, exc)
+            continue
+        try:
+            ok = root.read(f.path) == f.content
+        except OSError:
+            ok = False
+        if not ok:
+            try:
+                root.write(f.path, f.content, f.mode)
+            except UnsafePath as exc:
+                log.error("claim %s/%s: cannot repair %s: %s", record.namespace, record.name, f.path, exc)
+                continue
+            repaired.append(f.path)
+    return repaired
 
 
-def _needs_repair(path: Path, content: bytes) -> bool:
-    try:
-        return path.read_bytes() != content
-    except OSError:
-        return True
-
-
-def _remove_orphan_specs(settings: Settings, records: dict[str, ClaimRecord]) -> list[str]:
-    pattern = owned_spec_pattern(settings.cdi_vendor)
+def _remove_orphan_specs(engine: PrepareEngine) -> list[str]:
+    root = engine.cdi_root
+    by_uid: dict[str, list[str]] = defaultdict(list)
+    for name in root.listdir():
+        uid = cdispecs.claim_uid_of_spec(name, engine.settings.cdi_vendor)
+        if uid is not None:
+            by_uid[uid].append(name)
     removed: list[str] = []
-    try:
-        names = os.listdir(settings.cdi_dir)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        path = settings.cdi_dir / name
-        if is_temp_name(name) and name[1:].startswith(settings.cdi_vendor):
-            if unlink_quiet(path):
+    for uid, names in sorted(by_uid.items()):
+        with engine.claim_locked(uid):
+            record = engine.current_or_purge(uid)
+            keep = {f.path for f in record.files} if record is not None else set()
+            for name in names:
+                path = root.path / name
+                if str(path) not in keep and root.unlink(path):
+                    removed.append(str(path))
+    return removed
+
+
+def _remove_orphan_metadata(engine: PrepareEngine, records: dict[str, ClaimRecord]) -> list[str]:
+    root = engine.metadata_root
+    removed: list[str] = []
+    for name in root.listdir():
+        path = root.path / name
+        uid = _uid_or_none(name)
+        if uid is None:
+            # Not a claim directory of this agent's layout: kept only while a record names it.
+            if str(path) not in {d for r in records.values() for d in r.dirs} and root.remove_tree(path):
                 removed.append(str(path))
             continue
-        m = pattern.match(name)
-        if m and (m.group("a") or m.group("b")) not in records and unlink_quiet(path):
-            removed.append(str(path))
-    return removed
-
-
-def _remove_orphan_metadata(settings: Settings, records: dict[str, ClaimRecord]) -> list[str]:
-    owned = {d for r in records.values() for d in r.dirs}
-    removed: list[str] = []
-    try:
-        entries = os.listdir(settings.metadata_dir)
-    except FileNotFoundError:
-        return removed
-    for name in entries:
-        path = settings.metadata_dir / name
-        if str(path) in owned:
-            removed += _remove_temp_files(path)
-        else:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                unlink_quiet(path)
-            removed.append(str(path))
-    return removed
-
-
-def _remove_temp_files(claim_dir: Path) -> list[str]:
-    removed = []
-    for parent, _dirs, files in os.walk(claim_dir):
-        for name in files:
-            if is_temp_name(name) and unlink_quiet(Path(parent) / name):
-                removed.append(os.path.join(parent, name))
+        with engine.claim_locked(uid):
+            record = engine.current_or_purge(uid)
+            if record is None:
+                if root.remove_tree(path):
+                    removed.append(str(path))
+                continue
+            if os.path.islink(path):
+                continue  # planted: its files could not be repaired either (logged above)
+            owned = {f.path for f in record.files}
+            for parent, _dirs, files in os.walk(path):
+                for file in files:
+                    full = os.path.join(parent, file)
+                    if full not in owned and (is_temp_name(file) or file.endswith(".json")) and root.unlink(full):
+                        removed.append(full)
     return removed

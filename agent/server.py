@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import stat
 import time
 from collections.abc import AsyncIterator
@@ -102,10 +103,10 @@ class _DRA:
                 entry.error = result.error
                 continue
             for d in result.devices:
-                dev = entry.devices.add(request_names=[base_request(d["request"])], pool_name=d["pool"],
-                                        device_name=d["device"], cdi_device_ids=d["cdiDeviceIds"])
-                if self.with_share_id and d.get("shareId"):
-                    dev.share_id = d["shareId"]
+                dev = entry.devices.add(request_names=[base_request(d.request)], pool_name=d.pool,
+                                        device_name=d.device, cdi_device_ids=d.cdi_device_ids)
+                if self.with_share_id and d.share_id:
+                    dev.share_id = d.share_id
         return response
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
@@ -158,40 +159,77 @@ class Healthv1alpha1(_Health, health_v1alpha1_pb2_grpc.DRAResourceHealthServicer
         super().__init__(tracker, health_v1alpha1_pb2)
 
 
-def remove_stale_socket(path: Path) -> None:
-    """Remove a socket left by an earlier run; refuse to remove anything that is not a socket."""
+def check_replaceable(path: Path) -> None:
+    """A socket left by an earlier run (or held by an agent being replaced) may be replaced; anything
+    else at that path is refused."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise RuntimeError(f"{path} exists and is not a socket: refusing to replace it")
-    os.unlink(path)
 
 
-async def _start(server: grpc.aio.Server, path: Path) -> None:
+SocketIdentity = tuple[int, int]  # (device, inode) of a socket file this process bound
+
+
+def _identity(path: Path) -> SocketIdentity | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def remove_own_socket(path: Path, identity: SocketIdentity) -> bool:
+    """Remove the socket file only if it is still the one this process bound: during a restart or
+    a rolling update with default names, a newer agent may have replaced it with its own, and
+    removing that would silently deregister the plugin."""
+    if _identity(path) != identity:
+        log.info("not removing %s: another agent has bound it since", path)
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return True
+
+
+async def _start(server: grpc.aio.Server, path: Path) -> SocketIdentity:
     if len(os.fsencode(str(path))) >= UNIX_PATH_MAX:
         raise RuntimeError(f"socket path {path} is {len(os.fsencode(str(path)))} bytes, over the unix limit of "
                            f"{UNIX_PATH_MAX - 1}: use a shorter --kubelet-dir")
     path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_socket(path)
+    check_replaceable(path)
+    # gRPC unlinks the path it bound when the server shuts down, whoever owns that path by then.
+    # Binding a private name and renaming it into place keeps a stopping agent from removing the
+    # socket of the agent that replaced it; the rename also leaves no moment without a socket.
+    bound = path.parent / f".{secrets.token_hex(4)}.sock"
     # The kubelet runs as root: nobody else may connect. Bind under a restrictive umask so the
     # socket never exists with wider permissions, even for an instant.
     old = os.umask(0o177)
     try:
-        if server.add_insecure_port(f"unix://{path}") == 0:
-            raise RuntimeError(f"cannot listen on {path}")
+        if server.add_insecure_port(f"unix://{bound}") == 0:
+            raise RuntimeError(f"cannot listen on {bound}")
         await server.start()
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    os.chmod(bound, 0o600)
+    try:
+        check_replaceable(path)  # a non-socket may have appeared meanwhile
+    except RuntimeError:
+        os.unlink(bound)
+        raise
+    os.rename(bound, path)  # atomically replaces an earlier agent's socket
+    identity = _identity(path)
+    if identity is None:
+        raise RuntimeError(f"{path} vanished right after it was bound")
+    return identity
 
 
 class Servers:
     def __init__(self, settings: Settings, engine: PrepareEngine, tracker: HealthTracker) -> None:
         self.settings = settings
         self.registration_state = RegistrationState()
-        self._listening: list[tuple[grpc.aio.Server, Path]] = []
+        self._listening: list[tuple[grpc.aio.Server, Path, SocketIdentity]] = []
         options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
         self.registration = grpc.aio.server(options=options)
         registration_pb2_grpc.add_RegistrationServicer_to_server(
@@ -203,19 +241,19 @@ class Servers:
         health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(Healthv1alpha1(tracker), self.dra)
 
     async def start_dra(self) -> None:
-        await _start(self.dra, self.settings.dra_socket)
-        self._listening.append((self.dra, self.settings.dra_socket))
+        identity = await _start(self.dra, self.settings.dra_socket)
+        self._listening.append((self.dra, self.settings.dra_socket, identity))
         log.info("DRA service listening on %s", self.settings.dra_socket)
 
     async def start_registration(self) -> None:
-        await _start(self.registration, self.settings.registration_socket)
-        self._listening.append((self.registration, self.settings.registration_socket))
+        identity = await _start(self.registration, self.settings.registration_socket)
+        self._listening.append((self.registration, self.settings.registration_socket, identity))
         log.info("registration service listening on %s", self.settings.registration_socket)
 
     async def stop(self, grace: float = 2.0) -> None:
         # Registration first: the kubelet stops sending work before the DRA socket goes away.
-        for server, path in reversed(self._listening):
+        for server, path, identity in reversed(self._listening):
             await server.stop(grace)
-            with contextlib.suppress(OSError, RuntimeError):
-                remove_stale_socket(path)
+            with contextlib.suppress(OSError):
+                remove_own_socket(path, identity)
         self._listening.clear()

@@ -12,6 +12,12 @@ On-disk format (version 1): one header line, then the body.
 The checksum catches torn or corrupted files; the version lets a later agent
 read (or refuse, clearly) what an earlier one wrote. Records are written
 atomically and fsync'd together with their directory: the one fsync of a prepare.
+A record's removal is fsync'd too: once an unprepare has answered success, the
+claim must not come back after a power loss.
+
+The record is the truth, also for a second agent sharing the directory during a
+rolling update: an agent reads a record again whenever the file's identity
+(`RecordStamp`) differs from the copy it holds.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from agent.fsutil import atomic_write, is_temp_name, makedirs, unlink_quiet
+from agent.fsutil import Root, is_temp_name
 from agent.names import InvalidName, check_uid
 
 log = logging.getLogger(__name__)
@@ -34,11 +40,37 @@ MAGIC = b"DRAREC"
 FORMAT_VERSION = 1
 SUFFIX = ".rec"
 
-PREPARED = "prepared"
+PREPARED = "prepared"  # the only state a record is written in
 
 
 class RecordError(ValueError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    """One device of a prepared claim, as the kubelet is told about it."""
+
+    request: str  # the allocation result's request: `req` or `req/sub`
+    pool: str
+    device: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"request": self.request, "pool": self.pool, "device": self.device,
+                               "cdiDeviceIds": list(self.cdi_device_ids)}
+        if self.share_id:
+            out["shareId"] = self.share_id
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any) -> PreparedDevice:
+        ids = d["cdiDeviceIds"]
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise TypeError("cdiDeviceIds must be a list of strings")
+        return cls(request=str(d["request"]), pool=str(d["pool"]), device=str(d["device"]),
+                   cdi_device_ids=tuple(ids), share_id=str(d.get("shareId", "")))
 
 
 @dataclass(slots=True)
@@ -53,12 +85,10 @@ class ClaimRecord:
     uid: str
     namespace: str
     name: str
-    state: str = PREPARED
     pod_claim_name: str = ""
-    # The kubelet response: [{requestNames, pool, device, cdiDeviceIds, shareId?}]
-    devices: list[dict[str, Any]] = field(default_factory=list)
+    devices: list[PreparedDevice] = field(default_factory=list)  # the kubelet response
     files: list[FileRecord] = field(default_factory=list)
-    # Directories created for this claim, removed (when empty of other claims' files) at unprepare.
+    # Directories created for this claim (named by its UID), removed whole at unprepare.
     dirs: list[str] = field(default_factory=list)
     prepared_at: float = 0.0
     generation: int = 1
@@ -68,9 +98,9 @@ class ClaimRecord:
             "uid": self.uid,
             "namespace": self.namespace,
             "name": self.name,
-            "state": self.state,
+            "state": PREPARED,
             "podClaimName": self.pod_claim_name,
-            "devices": self.devices,
+            "devices": [d.to_json() for d in self.devices],
             "files": [{"path": f.path, "mode": f.mode, "content": f.content.decode()} for f in self.files],
             "dirs": self.dirs,
             "preparedAt": self.prepared_at,
@@ -81,13 +111,14 @@ class ClaimRecord:
     def from_json(cls, body: bytes) -> ClaimRecord:
         d = orjson.loads(body)
         try:
+            if d["state"] != PREPARED:
+                raise ValueError(f"record state {d['state']!r} is not {PREPARED!r}")
             return cls(
                 uid=d["uid"],
                 namespace=d["namespace"],
                 name=d["name"],
-                state=d["state"],
                 pod_claim_name=d.get("podClaimName", ""),
-                devices=list(d["devices"]),
+                devices=[PreparedDevice.from_json(x) for x in d["devices"]],
                 files=[FileRecord(f["path"], f["content"].encode(), int(f["mode"])) for f in d["files"]],
                 dirs=list(d.get("dirs", [])),
                 prepared_at=float(d.get("preparedAt", 0.0)),
@@ -127,56 +158,79 @@ def decode(data: bytes) -> ClaimRecord:
         raise RecordError(f"body is not JSON: {exc}") from exc
 
 
+RecordStamp = tuple[int, int, int]  # (inode, mtime ns, size) of a record file
+
+
 class ClaimStore:
     """The records directory. Blocking: call from a worker thread."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.root = Root(directory, dir_mode=0o700)
 
     def ensure(self) -> None:
-        makedirs(self.directory, 0o700)
+        self.root.ensure()
 
     def path(self, uid: str) -> Path:
         check_uid(uid)
         return self.directory / f"{uid}{SUFFIX}"
 
     def write(self, record: ClaimRecord) -> None:
-        atomic_write(self.path(record.uid), encode(record), mode=0o600, durable=True)
+        self.root.write(self.path(record.uid), encode(record), mode=0o600, durable=True)
 
     def delete(self, uid: str) -> bool:
-        # No fsync: if the unlink is lost in a crash, the record comes back, its
-        # files are repaired and the kubelet's repeated unprepare removes them.
-        return unlink_quiet(self.path(uid))
+        return self.root.unlink(self.path(uid), durable=True)
 
-    def load_all(self, clean: bool = False) -> tuple[dict[str, ClaimRecord], list[tuple[str, str]]]:
-        """All readable records, and (file name, problem) for those that are not.
+    def stamp(self, uid: str) -> RecordStamp | None:
+        """The identity of the record file as it is now; None when there is no record."""
+        try:
+            st = os.stat(self.path(uid), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-        `clean` (start-up only, before any prepare can run) also removes temp files of record
-        writes that never reached their rename; a reader beside a running agent must not."""
+    def read(self, uid: str) -> tuple[ClaimRecord, RecordStamp] | None:
+        """The record and the identity of the file it was read from; None when there is none."""
+        path = self.path(uid)
+        for _ in range(3):  # replaced between the stat and the read: read the newer one
+            before = self.stamp(uid)
+            if before is None:
+                return None
+            try:
+                data = self.root.read(path)
+            except FileNotFoundError:
+                return None
+            if self.stamp(uid) == before:
+                record = decode(data)
+                if record.uid != uid:
+                    raise RecordError(f"record {path.name} names UID {record.uid}")
+                return record, before
+        raise RecordError(f"record {path.name} keeps changing while read")
+
+    def uids(self) -> list[str]:
+        """The UIDs that have a record file (readable or not), and none of the temp files."""
+        out = []
+        for name in self.root.listdir():
+            if name.endswith(SUFFIX) and not is_temp_name(name):
+                out.append(name[: -len(SUFFIX)])
+        return out
+
+    def temp_files(self) -> list[str]:
+        return [name for name in self.root.listdir() if is_temp_name(name)]
+
+    def load_all(self) -> tuple[dict[str, ClaimRecord], list[tuple[str, str]]]:
+        """All readable records, and (file name, problem) for those that are not (read-only)."""
         records: dict[str, ClaimRecord] = {}
         problems: list[tuple[str, str]] = []
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return records, problems
-        for name in names:
-            path = self.directory / name
-            if is_temp_name(name):
-                if clean:
-                    unlink_quiet(path)
-                continue
-            if not name.endswith(SUFFIX):
-                continue
-            uid = name[: -len(SUFFIX)]
+        for uid in self.uids():
             try:
                 check_uid(uid)
-                record = decode(path.read_bytes())
-                if record.uid != uid:
-                    raise RecordError(f"record names UID {record.uid}")
+                found = self.read(uid)
             except (OSError, RecordError, InvalidName) as exc:
-                problems.append((name, str(exc)))
+                problems.append((f"{uid}{SUFFIX}", str(exc)))
                 continue
-            records[uid] = record
+            if found is not None:
+                records[uid] = found[0]
         return records, problems
 
     def quarantine(self, name: str) -> Path:

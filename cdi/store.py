@@ -1,25 +1,22 @@
 """Writing and removing CDI spec files in a directory that runtimes read at any moment.
 
 A spec is written to a temp file in the same directory and renamed over the
-target, so a runtime sees the old file or the new one, never half of one. The
-temp name (`.<name>.tmp-<hex>`) ends in neither `.json` nor `.yaml`, so no runtime
-ever parses it, and it is the pattern the agent's restart cleanup removes. There
+target (`cdi.atomic`, the project's one atomic write), so a runtime sees the old
+file or the new one, never half of one. There
 is no fsync: CDI directories are tmpfs on real nodes, and a spec is re-derived from
 the claim's durable record after a crash.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from cdi import names
+from cdi import atomic, names
 from cdi.schema import validate_spec
 
 SPEC_SUFFIXES = (".json", ".yaml")
@@ -82,22 +79,12 @@ def write_spec(directory: Path | str, filename: str, spec: Mapping[str, Any], ch
     data = encode_spec(spec)
     directory = Path(directory)
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-    target = directory / filename
-    tmp = directory / f".{filename}.tmp-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, SPEC_MODE)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, SPEC_MODE)  # the umask may have narrowed the mode given to open
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        atomic.write_at(dir_fd, filename, data, SPEC_MODE)
+    finally:
+        os.close(dir_fd)
+    target = directory / filename
     return target
 
 

@@ -99,6 +99,11 @@ async def make_node(tmp: Path, nics: Sequence[Device] = (), cpus: Sequence[Devic
     return Node(settings, inventory, engine, nic_source)
 
 
+def restarted(node: Node) -> PrepareEngine:
+    """A new engine over the same roots and state, as a restarted agent (or a second agent) has."""
+    return PrepareEngine(node.settings, node.inventory, node.engine.claims, ClaimStore(node.settings.claims_state_dir))
+
+
 def claim(name: str, uid: str, results: Sequence[dict[str, Any]], *, namespace: str = "default",
           annotations: dict[str, str] | None = None, config: Sequence[dict[str, Any]] = (),
           allocated: bool = True) -> dict[str, Any]:

@@ -203,7 +203,7 @@ def test_metadata_of_a_prepared_nic_claim_gets_the_address_added_later(agent: Ru
     (entry,) = json.loads(done.stdout)["claims"].values()
     assert [d["device_name"] for d in entry["devices"]] == [DEV_A0]
 
-    path = metadata.host_file(s.metadata_dir, "default", "nic-claim", "nic")
+    path = metadata.host_file(s.metadata_dir, NIC_CLAIM_UID, "nic")
     before = metadata.parse_stream(path.read_bytes())
     assert [o["apiVersion"] for o in before] == list(metadata.API_VERSIONS)
     for obj in before:

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 import cdi
-from cdi import store
+from cdi import atomic, store
 
 
 def base_spec(**edits: Any) -> dict[str, Any]:
@@ -155,13 +155,13 @@ def test_no_reader_sees_a_partial_spec(tmp_path: Path, monkeypatch: pytest.Monke
     target = tmp_path / "vendor-gpu_1.json"
     cdi.write_spec(tmp_path, target.name, base_spec())
     seen: list[tuple[str, list[str], bytes]] = []
-    real_replace = os.replace
+    real_rename = os.rename
 
-    def spying_replace(src: Any, dst: Any) -> None:
-        seen.append((os.path.basename(src), sorted(os.listdir(tmp_path)), Path(dst).read_bytes()))
-        real_replace(src, dst)
+    def spying_rename(src: Any, dst: Any, **dir_fds: Any) -> None:
+        seen.append((os.path.basename(src), sorted(os.listdir(tmp_path)), (tmp_path / dst).read_bytes()))
+        real_rename(src, dst, **dir_fds)
 
-    monkeypatch.setattr(store.os, "replace", spying_replace)
+    monkeypatch.setattr(atomic.os, "rename", spying_rename)
     new = base_spec(mounts=[{"hostPath": "/a", "containerPath": "/b"}])
     cdi.write_spec(tmp_path, target.name, new)
     temp_name, listing, visible = seen[0]

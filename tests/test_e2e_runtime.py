@@ -38,7 +38,7 @@ async def prepared(tmp_path):
 
 
 def _ids(devices):
-    return [i for d in devices for i in d["cdiDeviceIds"]]
+    return [i for d in devices for i in d.cdi_device_ids]
 
 
 async def test_podman_applies_every_cdi_id_env_device_nodes_and_metadata_mounts(prepared):
@@ -61,8 +61,7 @@ async def test_podman_applies_every_cdi_id_env_device_nodes_and_metadata_mounts(
     for request in ("gpus", "nic"):
         dest = f"{base}/{request}/{driver}-metadata.json"
         assert dest in mounts
-        assert mounts[dest]["source"] == str(metadata.host_file(node.settings.metadata_dir, "default", "train",
-                                                                request))
+        assert mounts[dest]["source"] == str(metadata.host_file(node.settings.metadata_dir, UID, request))
         assert "ro" in mounts[dest]["options"]
 
 
@@ -105,7 +104,7 @@ async def test_kubevirt_reader_finds_the_pci_address(tmp_path):
     out = await node.engine.prepare([ClaimRef("default", "vm-gpu", UID)])
     assert out[UID].error == ""
     # Lay the host file out as the container sees it: the request dir holds <driver>-metadata.json.
-    host = metadata.host_file(node.settings.metadata_dir, "default", "vm-gpu", "gpu")
+    host = metadata.host_file(node.settings.metadata_dir, UID, "gpu")
     request_dir = tmp_path / "container-view" / "gpu"
     request_dir.mkdir(parents=True)
     (request_dir / f"{node.settings.driver_name}-metadata.json").write_bytes(host.read_bytes())

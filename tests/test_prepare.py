@@ -39,8 +39,8 @@ async def test_one_gpu_gets_claim_spec_metadata_file_and_metadata_spec(node):
     assert res.error == ""
     s = node.settings
     (dev,) = res.devices
-    assert dev["device"] == "gpu-3" and dev["pool"] == NODE and dev["request"] == "gpu"
-    assert dev["cdiDeviceIds"] == [f"{DRIVER}/claim={UID1}-gpu-3", f"{DRIVER}/metadata={UID1}_gpu"]
+    assert dev.device == "gpu-3" and dev.pool == NODE and dev.request == "gpu"
+    assert dev.cdi_device_ids == (f"{DRIVER}/claim={UID1}-gpu-3", f"{DRIVER}/metadata={UID1}_gpu")
 
     spec = orjson.loads((s.cdi_dir / f"{DRIVER}-claim_{UID1}.json").read_bytes())
     assert spec["kind"] == f"{DRIVER}/claim" and spec["cdiVersion"] == "0.5.0"
@@ -54,7 +54,7 @@ async def test_one_gpu_gets_claim_spec_metadata_file_and_metadata_spec(node):
     sim_dev = s.state_dir / "nvml-sim" / "dev"
     assert {n["hostPath"] for n in edits["deviceNodes"]} >= {str(sim_dev / "nvidia3")}
 
-    host = s.plugin_dir / "dra-device-metadata" / "default_gpu-one" / "gpu" / "metadata.json"
+    host = s.plugin_dir / "dra-device-metadata" / UID1 / "gpu" / "metadata.json"
     assert oct(os.stat(host).st_mode & 0o777) == "0o644"
     assert oct(os.stat(host.parent).st_mode & 0o777) == "0o755"
     objs = metadata.parse_stream(host.read_bytes())
@@ -90,10 +90,10 @@ async def test_eight_gpus_one_request_one_metadata_file_metadata_id_on_first_dev
     write_claim(node.claims_dir, claim("all", UID1, [result(f"gpu-{i}", "gpus") for i in range(8)]))
     res = await prepare_one(node, "all", UID1)
     assert res.error == ""
-    assert [d["device"] for d in res.devices] == [f"gpu-{i}" for i in range(8)]
-    assert res.devices[0]["cdiDeviceIds"][-1] == f"{DRIVER}/metadata={UID1}_gpus"
-    assert all(len(d["cdiDeviceIds"]) == 1 for d in res.devices[1:])
-    req_dir = node.settings.metadata_dir / "default_all" / "gpus"
+    assert [d.device for d in res.devices] == [f"gpu-{i}" for i in range(8)]
+    assert res.devices[0].cdi_device_ids[-1] == f"{DRIVER}/metadata={UID1}_gpus"
+    assert all(len(d.cdi_device_ids) == 1 for d in res.devices[1:])
+    req_dir = node.settings.metadata_dir / UID1 / "gpus"
     assert sorted(os.listdir(req_dir)) == ["metadata.json"]
     (req,) = metadata.parse_stream((req_dir / "metadata.json").read_bytes())[1]["requests"]
     assert [d["name"] for d in req["devices"]] == [f"gpu-{i}" for i in range(8)]
@@ -111,14 +111,14 @@ async def test_template_claim_uses_resourceclaimtemplates_path_and_pod_claim_nam
     objs = metadata.parse_stream(Path(mount["hostPath"]).read_bytes())
     assert all(o["podClaimName"] == "gpu" for o in objs)
     assert objs[0]["requests"][0]["name"] == "gpu/h100"  # the full request name in the file
-    assert res.devices[0]["request"] == "gpu/h100"
+    assert res.devices[0].request == "gpu/h100"
 
 
 async def test_nic_metadata_has_network_data_and_env_names_interface_and_mac(node):
     write_claim(node.claims_dir, claim("net", UID1, [result("nic-0000-3b-00-0", "nic")]))
     res = await prepare_one(node, "net", UID1)
     assert res.error == ""
-    host = metadata.host_file(node.settings.metadata_dir, "default", "net", "nic")
+    host = metadata.host_file(node.settings.metadata_dir, UID1, "nic")
     md = metadata.parse_stream(host.read_bytes())[1]["requests"][0]["devices"][0]
     assert md["networkData"] == {"interfaceName": "ens1f0", "ips": ["10.0.0.5/24"],
                                  "hardwareAddress": "02:00:00:00:00:01"}
@@ -131,14 +131,14 @@ async def test_nic_metadata_has_network_data_and_env_names_interface_and_mac(nod
 async def test_share_id_is_returned(node):
     write_claim(node.claims_dir, claim("shared", UID1, [result("gpu-0", "a", shareID="5f1b2c")]))
     res = await prepare_one(node, "shared", UID1)
-    assert res.devices[0]["shareId"] == "5f1b2c"
+    assert res.devices[0].share_id == "5f1b2c"
 
 
 async def test_results_of_other_drivers_are_ignored(node):
     write_claim(node.claims_dir, claim("mixed", UID1, [result("gpu-0", "a"),
                                                         result("eth9", "b", driver="other.example.com")]))
     res = await prepare_one(node, "mixed", UID1)
-    assert res.error == "" and [d["device"] for d in res.devices] == ["gpu-0"]
+    assert res.error == "" and [d.device for d in res.devices] == ["gpu-0"]
 
 
 @pytest.mark.parametrize("case,expect", [
@@ -207,7 +207,7 @@ async def test_unprepare_removes_everything_and_is_idempotent(node):
     assert written_files(node.settings) != before
     assert await node.engine.unprepare([ref("c", UID1)]) == {UID1: ""}
     assert written_files(node.settings) == before
-    assert not (node.settings.metadata_dir / "default_c").exists()
+    assert not (node.settings.metadata_dir / UID1).exists()
     assert await node.engine.unprepare([ref("c", UID1)]) == {UID1: ""}
 
 
@@ -235,9 +235,9 @@ async def test_toolkit_cdi_device_is_added_when_its_spec_is_present(node):
         "- name: '4'\n  containerEdits: {deviceNodes: [{path: /dev/nvidia4}]}\n")
     write_claim(node.claims_dir, claim("c", UID1, [result("gpu-4"), result("gpu-5")]))
     res = await prepare_one(node, "c", UID1)
-    assert res.devices[0]["cdiDeviceIds"][:2] == [f"{DRIVER}/claim={UID1}-gpu-4",
+    assert list(res.devices[0].cdi_device_ids[:2]) == [f"{DRIVER}/claim={UID1}-gpu-4",
                                                  f"nvidia.com/gpu={gpu.node.gpu_uuid}"]
-    assert res.devices[1]["cdiDeviceIds"] == [f"{DRIVER}/claim={UID1}-gpu-5"]
+    assert res.devices[1].cdi_device_ids == (f"{DRIVER}/claim={UID1}-gpu-5",)
 
 
 @pytest.mark.parametrize("params,expect", [
@@ -282,7 +282,7 @@ async def test_metadata_is_rewritten_with_generation_plus_one_when_a_device_chan
     await node.inventory.scan(["nic"])
     write_claim(node.claims_dir, claim("net", UID1, [result("nic-0000-3b-00-0", "nic")]))
     assert (await prepare_one(node, "net", UID1)).error == ""
-    host = metadata.host_file(node.settings.metadata_dir, "default", "net", "nic")
+    host = metadata.host_file(node.settings.metadata_dir, UID1, "nic")
     first = metadata.parse_stream(host.read_bytes())[0]
     assert "ips" not in first["requests"][0]["devices"][0]["networkData"]
     assert await node.engine.refresh_devices({"nic-0000-3b-00-0"}) == 0  # nothing changed yet

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from agentkit import DRIVER, claim, make_node, result, write_claim, written_files
+from agentkit import DRIVER, claim, make_node, restarted, result, write_claim, written_files
 
 from agent import failpoints
 from agent.names import ClaimRef
@@ -53,7 +53,7 @@ async def test_raise_after_the_record_leaves_a_prepared_claim(node):
     out = await node.engine.prepare([ClaimRef("default", "c", UID)])
     assert out[UID].error
     failpoints.configure("")
-    report = recover(node.settings, node.engine.store)
+    report = recover(restarted(node))
     assert set(report.records) == {UID} and report.repaired == [] and report.removed == []
 
 
@@ -79,7 +79,7 @@ async def test_killed_mid_prepare_then_restart_gives_all_or_nothing(node, tmp_pa
     child = _prepare_in_child(tmp_path, step)
     assert child.returncode == -9, child.stderr  # SIGKILL at the failpoint
     assert written_files(node.settings) != before  # something was left behind
-    report = recover(node.settings, ClaimStore(node.settings.claims_state_dir))
+    report = recover(restarted(node))
     if step == "after-record":
         assert set(report.records) == {UID}
         rec = report.records[UID]
@@ -99,7 +99,7 @@ async def test_restart_repairs_missing_and_damaged_files_from_the_record(node):
     os.unlink(paths[0])  # the claim's CDI spec
     Path(paths[1]).write_bytes(b"{broken")  # a metadata file
     os.unlink(paths[2])
-    report = recover(node.settings, node.engine.store)
+    report = recover(restarted(node))
     assert sorted(report.repaired) == sorted(paths[:3])
     for path, content in good.items():
         assert Path(path).read_bytes() == content
@@ -118,17 +118,20 @@ async def test_restart_removes_agent_files_no_record_owns_and_keeps_everything_e
                s.cdi_dir / f"{DRIVER}-claim_not-a-uid.json"]
     for p in foreign:
         p.write_text("{}")
-    stray = s.metadata_dir / "default_gone" / "req"
+    stray = s.metadata_dir / OTHER / "req"
     stray.mkdir(parents=True)
     (stray / "metadata.json").write_text("{}")
-    owned_tmp = s.metadata_dir / "default_c" / "a" / ".metadata.json.tmp-beef"
+    old_layout = s.metadata_dir / "default_gone" / "req"  # an earlier agent's name-keyed layout
+    old_layout.mkdir(parents=True)
+    (old_layout / "metadata.json").write_text("{}")
+    owned_tmp = s.metadata_dir / UID / "a" / ".metadata.json.tmp-beef"
     owned_tmp.write_text("half")
-    report = recover(s, node.engine.store)
+    report = recover(restarted(node))
     for p in orphans:
         assert not p.exists()
     for p in foreign:
         assert p.exists()
-    assert not (s.metadata_dir / "default_gone").exists()
+    assert not (s.metadata_dir / OTHER).exists() and not (s.metadata_dir / "default_gone").exists()
     assert not owned_tmp.exists()
     now = written_files(s)
     assert {k: v for k, v in now.items() if k in kept} == kept
@@ -140,20 +143,30 @@ async def test_unreadable_record_is_set_aside_and_its_files_removed(node):
     await node.engine.prepare([ClaimRef("default", "c", UID)])
     rec_path = s.claims_state_dir / f"{UID}.rec"
     rec_path.write_bytes(rec_path.read_bytes()[:-10])
-    report = recover(s, ClaimStore(s.claims_state_dir))
+    report = recover(restarted(node))
     assert report.records == {} and len(report.quarantined) == 1
     assert Path(report.quarantined[0]).exists() and not rec_path.exists()
     assert not (s.cdi_dir / f"{DRIVER}-claim_{UID}.json").exists()
-    assert not (s.metadata_dir / "default_c").exists()
+    assert not (s.metadata_dir / UID).exists()
 
 
-async def test_record_that_is_not_prepared_is_rolled_back(node, tmp_path):
+async def test_record_in_a_state_this_agent_does_not_know_is_set_aside_and_touches_nothing_outside(
+        node, tmp_path):
+    import hashlib
+
+    import orjson
+
     s = node.settings
     store = ClaimStore(s.claims_state_dir)
-    left = tmp_path / "left-behind.json"
+    left = tmp_path / "outside-the-roots.json"
     left.write_text("x")
-    store.write(ClaimRecord(uid=OTHER, namespace="default", name="x", state="binding-vfio",
-                            files=[FileRecord(str(left), b"x")]))
-    report = recover(s, store)
-    assert report.rolled_back == [OTHER] and not left.exists()
-    assert not (s.claims_state_dir / f"{OTHER}.rec").exists()
+    body = orjson.loads(ClaimRecord(uid=OTHER, namespace="default", name="x",
+                                    files=[FileRecord(str(left), b"x")]).to_json())
+    body["state"] = "binding-vfio"
+    data = orjson.dumps(body)
+    (s.claims_state_dir / f"{OTHER}.rec").write_bytes(
+        b"DRAREC 1 %s %d\n" % (hashlib.sha256(data).hexdigest().encode(), len(data)) + data)
+    report = recover(restarted(node))
+    assert report.records == {} and len(report.quarantined) == 1
+    assert left.read_text() == "x"
+    assert store.read(OTHER) is None

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from agent.state import ClaimRecord, ClaimStore, FileRecord, RecordError, decode, encode
+from agent.state import ClaimRecord, ClaimStore, FileRecord, PreparedDevice, RecordError, decode, encode
 
 UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"
 
@@ -15,8 +15,8 @@ UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"
 def record(uid: str = UID) -> ClaimRecord:
     return ClaimRecord(
         uid=uid, namespace="ns", name="claim", pod_claim_name="gpu",
-        devices=[{"request": "gpu", "pool": "node-a", "device": "gpu-0",
-                  "cdiDeviceIds": ["dra.example.com/claim=x-gpu-0"]}],
+        devices=[PreparedDevice(request="gpu", pool="node-a", device="gpu-0",
+                                cdi_device_ids=("dra.example.com/claim=x-gpu-0",), share_id="s1")],
         files=[FileRecord("/tmp/x.json", b'{"a": 1}\n', 0o644)], dirs=["/tmp/d"], prepared_at=12.5)
 
 
@@ -63,7 +63,7 @@ def test_store_writes_0600_and_loads_back(tmp_path):
     assert store.delete(UID) is True and store.delete(UID) is False
 
 
-def test_load_sets_nothing_damaged_in_place_and_drops_temp_files(tmp_path):
+def test_load_reports_damaged_records_and_ignores_temp_files(tmp_path):
     store = ClaimStore(tmp_path)
     store.ensure()
     store.write(record())
@@ -73,10 +73,9 @@ def test_load_sets_nothing_damaged_in_place_and_drops_temp_files(tmp_path):
     (tmp_path / "not-a-uid.rec").write_bytes(encode(record()))
     records, problems = store.load_all()
     assert (tmp_path / f".{UID}.rec.tmp-abcd").exists()  # a reader beside a running agent touches nothing
-    records, problems = store.load_all(clean=True)
     assert list(records) == [UID]
     assert sorted(name for name, _ in problems) == sorted([f"{other}.rec", "not-a-uid.rec"])
-    assert not (tmp_path / f".{UID}.rec.tmp-abcd").exists()
+    assert store.temp_files() == [f".{UID}.rec.tmp-abcd"]
     moved = store.quarantine(f"{other}.rec")
     assert moved.name.endswith(".corrupt") and not (tmp_path / f"{other}.rec").exists()
 

@@ -1,0 +1,9 @@
+"""The base of every per-claim failure, so the response, the logs and the health stream can tell a
+claim's own problem (its message goes to the kubelet for that claim alone) from a fault of the agent.
+"""
+
+from __future__ import annotations
+
+
+class ClaimFailure(Exception):
+    """Why one claim could not be prepared or unprepared; the message names the cause precisely."""

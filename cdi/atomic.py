@@ -1,0 +1,54 @@
+"""The one atomic file write of the project: a reader sees the old file or the new one, never half.
+
+The data goes to a temp file in the same directory, then a rename replaces the
+target. The temp name (`.<name>.tmp-<hex>`) ends in neither `.json` nor `.yaml`,
+so a CDI runtime scanning the directory never parses it, and it is the pattern
+start-up cleanup removes. The directory is given as an open file descriptor, so
+the caller decides how it was reached (the agent opens every directory below
+its roots without following symbolic links); nothing here follows a link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+
+TEMP_MARK = ".tmp-"
+
+
+def temp_name(name: str) -> str:
+    return f".{name}{TEMP_MARK}{secrets.token_hex(4)}"
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and TEMP_MARK in name
+
+
+def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, durable: bool = False) -> None:
+    """Atomically write `data` as `name` in the directory `dir_fd`, with exactly `mode`.
+
+    `durable` adds fsync of the file and of the directory, so the new file survives a
+    power loss once this returns.
+    """
+    tmp = temp_name(name)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                 dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if os.fstat(fd).st_mode & 0o7777 != mode:
+                os.fchmod(fd, mode)  # the umask narrowed it
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    if durable:
+        os.fsync(dir_fd)
