@@ -1,0 +1,634 @@
+"""`make stress`: the crash suite and the fuzzer that prove the claim bookkeeping.
+
+Crash rounds. A pool of claims (GPUs, a NIC, a CPU; plain and template claims) is
+prepared, unprepared and refreshed (the NIC's addresses change) in random
+concurrent batches by an agent process (the prepare engine over the real roots,
+forked from this one), which dies by SIGKILL at a random side-effect step
+(`failpoints`, `*@N=kill`). The next process is the restart: start-up recovery,
+then this process checks the whole disk (every record's files exist and match it;
+no agent file without a record; no temp file left; every prepare that returned
+success is prepared; every unprepare that returned success left nothing), then
+the next round runs in it, and so on. A few rounds kill the real `dra-agent run`
+daemon, driven over its sockets by a kubelet stand-in.
+
+Fuzzing (hypothesis). Claim objects, opaque configuration, names and UIDs go
+through the engine; lists of claims through the real gRPC socket. No input may
+give an internal error, leave a file of a claim that was refused or unprepared,
+or write anything outside the agent's roots.
+
+Figures go to `.stress/results.json`: kills, inconsistencies, fuzz_inputs,
+fuzz_failures, seconds (and the details).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import select
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+sys.path[:0] = [str(ROOT), str(TESTS)]
+
+import agentkit  # noqa: E402
+
+from agent import cdispecs, failpoints  # noqa: E402
+from agent.claims import DirectoryClaimSource  # noqa: E402
+from agent.config import Settings  # noqa: E402
+from agent.daemon import PublishedForm  # noqa: E402
+from agent.fsutil import is_temp_name  # noqa: E402
+from agent.inventory import Inventory  # noqa: E402
+from agent.inventory.gpus import GpuSource  # noqa: E402
+from agent.model import Device  # noqa: E402
+from agent.names import ClaimRef  # noqa: E402
+from agent.prepare import PrepareEngine  # noqa: E402
+from agent.recovery import recover  # noqa: E402
+from agent.state import ClaimStore  # noqa: E402
+
+NIC = "nic-0000-3b-00-0"
+NIC_VARIANTS: tuple[tuple[str, ...], ...] = ((), ("10.0.0.5/24",), ("10.0.0.6/24", "fd00::6/64"))
+
+
+def claim_uid(i: int) -> str:
+    return f"c0000000-0000-4000-8000-{i:012d}"
+
+
+# -- the disk as it must be after a restart ----------------------------------------------------------------
+
+def check_disk(settings: Settings, expect: dict[str, str]) -> list[str]:
+    """Problems with the state on disk; `expect` maps a UID to `prepared` or `absent`."""
+    problems: list[str] = []
+    store = ClaimStore(settings.claims_state_dir)
+    records, unreadable = store.load_all()
+    problems += [f"unreadable record {name}: {why}" for name, why in unreadable]
+    for root in (settings.claims_state_dir, settings.cdi_dir, settings.metadata_dir):
+        for parent, _dirs, files in os.walk(root):
+            for name in files:
+                if is_temp_name(name) or name.endswith(".corrupt"):
+                    problems.append(f"left behind: {os.path.join(parent, name)}")
+    owned: set[str] = set()
+    for uid, record in records.items():
+        for f in record.files:
+            owned.add(f.path)
+            try:
+                ok = Path(f.path).read_bytes() == f.content
+            except OSError:
+                ok = False
+            if not ok:
+                problems.append(f"claim {uid}: {f.path} is missing or differs from the record")
+    for name in sorted(os.listdir(settings.cdi_dir)) if settings.cdi_dir.exists() else []:
+        uid = cdispecs.claim_uid_of_spec(name, settings.cdi_vendor)
+        if uid is not None and str(settings.cdi_dir / name) not in owned:
+            problems.append(f"orphan CDI spec {name}")
+    for name in sorted(os.listdir(settings.metadata_dir)) if settings.metadata_dir.exists() else []:
+        if name not in records:
+            problems.append(f"orphan metadata directory {name}")
+            continue
+        for parent, _dirs, files in os.walk(settings.metadata_dir / name):
+            problems += [f"orphan metadata file {os.path.join(parent, f)}" for f in files
+                         if os.path.join(parent, f) not in owned]
+    for uid, state in sorted(expect.items()):
+        if state == "prepared" and uid not in records:
+            problems.append(f"claim {uid}: its prepare returned success, but it is not prepared")
+        if state == "absent" and uid in records:
+            problems.append(f"claim {uid}: its unprepare returned success, but it is prepared")
+    return problems
+
+
+# -- crash rounds --------------------------------------------------------------------------------------------
+
+@dataclass
+class CrashReport:
+    kills: int = 0
+    daemon_kills: int = 0
+    rounds: int = 0
+    completed_rounds: int = 0  # rounds whose agent finished its operations before the drawn step
+    inconsistencies: int = 0
+    problems: list[str] = field(default_factory=list)
+    steps_reached: dict[str, int] = field(default_factory=dict)
+
+
+def _claims(rng: random.Random, count: int) -> list[dict[str, Any]]:
+    out = []
+    for i in range(count):
+        results = [agentkit.result(f"gpu-{rng.randrange(8)}", "a")]
+        if rng.random() < 0.5:
+            results.append(agentkit.result(NIC, "net"))
+        if rng.random() < 0.3:
+            results.append(agentkit.result("cpu-numa0", "b"))
+        if rng.random() < 0.3:
+            results.append(agentkit.result(f"gpu-{rng.randrange(8)}", "a/sub"))
+        annotations = {"resource.kubernetes.io/pod-claim-name": f"pc{i}"} if i % 3 == 0 else None
+        out.append(agentkit.claim(f"claim-{i}", claim_uid(i), results, annotations=annotations))
+    return out
+
+
+class _Agent:
+    """The agent process of one round (runs in the forked child)."""
+
+    def __init__(self, settings: Settings, gpus: list[Device], nic_variant: int) -> None:
+        self.settings = settings
+        self.nics = agentkit.StaticSource("nic", [agentkit.nic(ips=NIC_VARIANTS[nic_variant])])
+        self.inventory = Inventory([agentkit.StaticSource("gpu", gpus), self.nics,
+                                    agentkit.StaticSource("cpu", [agentkit.cpu()])], refine=PublishedForm())
+        assert settings.offline is not None
+        self.engine = PrepareEngine(settings, self.inventory, DirectoryClaimSource(settings.offline),
+                                    ClaimStore(settings.claims_state_dir))
+
+
+def _child(settings: Settings, gpus: list[Device], uids: list[str], seed: int, kill_at: int,
+           out_fd: int, in_fd: int) -> None:
+    rng = random.Random(seed)
+    out = os.fdopen(out_fd, "w", buffering=1)
+
+    def say(*words: str) -> None:
+        out.write(" ".join(words) + "\n")
+
+    async def op(kind: str, uid: str, agent: _Agent) -> None:
+        say("S", kind, uid)
+        ref = ClaimRef("default", f"claim-{int(uid[-12:])}", uid)
+        if kind == "prepare":
+            res = (await agent.engine.prepare([ref]))[uid]
+            say("D", kind, uid, "ok" if not res.error else "err", orjson.dumps(res.error).decode())
+        else:
+            err = (await agent.engine.unprepare([ref]))[uid]
+            say("D", kind, uid, "ok" if not err else "err", orjson.dumps(err).decode())
+
+    async def refresh(agent: _Agent) -> None:
+        agent.nics.devices = [agentkit.nic(ips=NIC_VARIANTS[rng.randrange(len(NIC_VARIANTS))])]
+        if await agent.inventory.scan(["nic"]):
+            await agent.engine.refresh_devices({NIC})
+
+    async def main() -> None:
+        agent = _Agent(settings, gpus, rng.randrange(len(NIC_VARIANTS)))
+        await agent.inventory.scan()
+        report = await asyncio.to_thread(recover, agent.engine)
+        say("R", str(len(report.records)))
+        os.read(in_fd, 1)  # the parent has checked the disk after this restart
+        failpoints.configure(f"*@{kill_at}=kill")
+        await agent.engine.refresh_claims(sorted(agent.engine.records))  # as the daemon does at start
+        for _ in range(rng.randint(2, 6)):
+            batch: list[Any] = []
+            for uid in rng.sample(uids, rng.randint(1, 4)):
+                batch.append(op(rng.choice(("prepare", "prepare", "unprepare")), uid, agent))
+            if rng.random() < 0.3:
+                batch.append(refresh(agent))
+            await asyncio.gather(*batch)
+        say("E")
+
+    asyncio.run(main())
+
+
+def _read_lines(fd: int, pid: int) -> Iterable[str]:
+    buf = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], 60)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            raise RuntimeError("agent process hung for 60 s")
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.decode()
+
+
+def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kills: int = 0,
+                 log: Callable[[str], None] = print) -> CrashReport:
+    rng = random.Random(seed)
+    settings = agentkit.roots(work)
+    assert settings.offline is not None
+    gpu_source = GpuSource(settings)
+    gpu_source.open()
+    gpus = gpu_source.scan().devices
+    gpu_source.close()
+    claims = _claims(rng, 12)
+    for obj in claims:
+        agentkit.write_claim(settings.offline / "resourceclaims", obj)
+    uids = [c["metadata"]["uid"] for c in claims]
+    report = CrashReport()
+    expect: dict[str, str] = {}
+    failpoints.configure("")
+    while report.kills < kills and time.monotonic() < deadline:
+        report.rounds += 1
+        kill_at = rng.randint(1, 36)
+        out_r, out_w = os.pipe()
+        in_r, in_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the agent process of this round
+            try:
+                os.close(out_r)
+                os.close(in_w)
+                _child(settings, gpus, uids, rng.randrange(2**32), kill_at, out_w, in_r)
+                os._exit(0)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                os._exit(3)
+        os.close(out_w)
+        os.close(in_r)
+        in_flight: dict[str, int] = {}
+        try:
+            for line in _read_lines(out_r, pid):
+                kind, *rest = line.split(" ", 3)
+                if kind == "R":
+                    problems = check_disk(settings, expect)
+                    if problems:
+                        report.inconsistencies += len(problems)
+                        report.problems += [f"round {report.rounds}: {p}" for p in problems[:5]]
+                    os.write(in_w, b"g")
+                elif kind == "S":
+                    in_flight[rest[1]] = in_flight.get(rest[1], 0) + 1
+                elif kind == "D":
+                    op, uid, outcome = rest[0], rest[1], rest[2].split(" ", 1)[0]
+                    in_flight[uid] -= 1
+                    if outcome == "err":
+                        report.problems.append(f"round {report.rounds}: {op} {uid} failed: {rest[2]}")
+                        report.inconsistencies += 1
+                        expect[uid] = "unknown"
+                    elif in_flight[uid] == 0:
+                        expect[uid] = "prepared" if op == "prepare" else "absent"
+                    else:
+                        expect[uid] = "unknown"
+        finally:
+            os.close(out_r)
+            os.close(in_w)
+        _, status = os.waitpid(pid, 0)
+        for uid, n in in_flight.items():
+            if n:
+                expect[uid] = "unknown"  # cut off mid-call: either outcome is allowed, not half of one
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+            report.kills += 1
+        elif os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+            report.completed_rounds += 1
+        else:
+            report.inconsistencies += 1
+            report.problems.append(f"round {report.rounds}: the agent process failed ({status})")
+        if report.kills and report.kills % 100 == 0 and os.WIFSIGNALED(status):
+            log(f"  {report.kills} kills, {report.inconsistencies} inconsistencies")
+    # The last restart, and its check.
+    last = _Agent(settings, gpus, 0)
+    asyncio.run(last.inventory.scan())
+    recover(last.engine)
+    problems = check_disk(settings, expect)
+    report.inconsistencies += len(problems)
+    report.problems += [f"final: {p}" for p in problems]
+    if daemon_kills:
+        _daemon_rounds(work / "daemon", daemon_kills, rng, report)
+    return report
+
+
+# -- the real daemon, killed ------------------------------------------------------------------------------
+
+def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashReport) -> None:
+    import subprocess
+
+    from agent import kubelet_client as kc
+
+    work.mkdir(parents=True, exist_ok=True)
+    short = Path(tempfile.mkdtemp(prefix="dra-st-", dir="/tmp"))  # socket paths stay short
+    settings = agentkit.roots(short)
+    assert settings.offline is not None
+    claims = _claims(rng, 6)
+    for obj in claims:
+        agentkit.write_claim(settings.offline / "resourceclaims", obj)
+    refs = [ClaimRef("default", c["metadata"]["name"], c["metadata"]["uid"]) for c in claims]
+    expect: dict[str, str] = {}
+    args = [sys.executable, "-m", "agent.cli", "run", "--nvml", "sim", "--node-name", agentkit.NODE,
+            "--offline", str(settings.offline), "--kubelet-dir", str(settings.kubelet_dir),
+            "--cdi-dir", str(settings.cdi_dir), "--static-cdi-dir", str(settings.static_cdi_dir),
+            "--state-dir", str(settings.state_dir), "--nic-exclude", "*", "--rescan-interval", "3600",
+            "--log-format", "json"]
+
+    async def ready(proc: subprocess.Popen[bytes]) -> None:
+        """Until the new process answers GetInfo: a socket file left by a killed agent says nothing."""
+        for _ in range(300):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the agent exited with {proc.returncode} before it was ready")
+            try:
+                await kc.get_info(settings.registration_socket, timeout=0.5)
+                return
+            except Exception:
+                await asyncio.sleep(0.05)
+        raise RuntimeError("the agent did not answer GetInfo within 15 s")
+
+    async def drive(proc: subprocess.Popen[bytes]) -> None:
+        await ready(proc)
+        async with kc.DRAClient(settings.dra_socket) as client:
+            for _ in range(8):
+                chosen = rng.sample(refs, rng.randint(1, 3))
+                unprepare = rng.random() < 0.35
+                for r in chosen:
+                    expect[r.uid] = "unknown"
+                try:
+                    if unprepare:
+                        reply = await client.unprepare(chosen, timeout=10)
+                        for r in chosen:
+                            if reply.claims[r.uid].error == "":
+                                expect[r.uid] = "absent"
+                    else:
+                        reply = await client.prepare(chosen, timeout=10)
+                        for r in chosen:
+                            if reply.claims[r.uid].error == "":
+                                expect[r.uid] = "prepared"
+                except Exception:
+                    return  # the agent died mid-call
+
+    attempts = 0
+    while report.daemon_kills < rounds and attempts < 3 * rounds:
+        attempts += 1
+        env = dict(os.environ, DRA_AGENT_FAILPOINTS=f"*@{rng.randint(1, 24)}=kill", PYTHONPATH=str(ROOT))
+        with open(work / "daemon.log", "ab") as logf:
+            proc = subprocess.Popen(args, env=env, stdout=logf, stderr=logf, cwd=ROOT)
+            try:
+                asyncio.run(drive(proc))
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=30)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        if proc.returncode == -signal.SIGKILL:
+            report.kills += 1
+            report.daemon_kills += 1
+        # The restart: a daemon start runs recovery before its sockets; then the disk is checked.
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        try:
+            asyncio.run(ready(proc))  # recovery runs before the sockets: the disk is settled now
+            problems = check_disk(settings, expect)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+        report.inconsistencies += len(problems)
+        report.problems += [f"daemon round: {p}" for p in problems]
+    import shutil
+
+    shutil.rmtree(short, ignore_errors=True)
+
+
+# -- fuzzing ------------------------------------------------------------------------------------------------
+
+@dataclass
+class FuzzReport:
+    inputs: int = 0
+    failures: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def _tree(root: Path, skip: Iterable[Path]) -> dict[str, tuple[int, int]]:
+    skipped = [str(s) for s in skip]
+    out: dict[str, tuple[int, int]] = {}
+    for parent, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if os.path.join(parent, d) not in skipped]
+        for name in files:
+            st = os.lstat(os.path.join(parent, name))
+            out[os.path.join(parent, name)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+class _MemoryClaims:
+    """A local claim source holding the claims the fuzzer made (the engine's claim source protocol)."""
+
+    def __init__(self) -> None:
+        self.claims: dict[tuple[str, str], Any] = {}
+
+    async def get(self, namespace: str, name: str) -> Any:
+        return self.read(namespace, name)
+
+    def read(self, namespace: str, name: str) -> Any:
+        from agent.claims import ClaimNotFound
+
+        try:
+            return self.claims[(namespace, name)]
+        except KeyError:
+            raise ClaimNotFound(f"ResourceClaim {namespace}/{name} not found") from None
+
+
+def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzReport:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    report = FuzzReport()
+    node = asyncio.run(agentkit.make_node(work))
+    source = _MemoryClaims()
+    node.engine.claims = source
+    s = node.settings
+    roots = [s.cdi_dir, s.plugin_dir, s.claims_state_dir]
+    outside_before = _tree(work, [*roots, s.state_dir / "nvml-sim", s.offline or work])
+    loop = asyncio.new_event_loop()
+    devices = [d.name for d in node.inventory.devices()]
+
+    label = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?", fullmatch=True)
+    text = st.text(max_size=80)
+    names = st.one_of(label, text, st.sampled_from(["..", ".", "a/b", "x" * 300, "ns\n", ""]))
+    uids = st.one_of(st.uuids().map(str), text, st.uuids().map(lambda u: str(u).upper()))
+    json_value = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
+                              lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+                              max_leaves=8)
+    result = st.fixed_dictionaries({
+        "request": st.one_of(label, names, st.tuples(label, label).map("/".join)),
+        "driver": st.sampled_from([s.driver_name, "other.example.com"]),
+        "pool": st.sampled_from([s.node_name, "other-node"]),
+        "device": st.one_of(st.sampled_from(devices), names),
+    }, optional={"shareID": st.one_of(label, text), "adminAccess": st.booleans()})
+    opaque = st.fixed_dictionaries({
+        "apiVersion": st.sampled_from([f"{s.driver_name}/v1alpha1", "v1", ""]),
+        "kind": st.sampled_from(["DeviceConfig", "Other"]),
+    }, optional={"env": st.dictionaries(st.one_of(label.map(str.upper), text), st.one_of(text, json_value),
+                                        max_size=3), "extra": json_value})
+    config = st.fixed_dictionaries({
+        "opaque": st.fixed_dictionaries({"driver": st.sampled_from([s.driver_name, "x.example.com"]),
+                                         "parameters": st.one_of(opaque, json_value)}),
+    }, optional={"requests": st.lists(label, max_size=2), "source": st.sampled_from(["FromClass", "FromClaim"])})
+    claim_case = st.tuples(names, names, uids, st.lists(result, max_size=4), st.lists(config, max_size=2),
+                           st.one_of(st.none(), st.tuples(st.lists(st.sampled_from(
+                               ["metadata", "status", "allocation", "devices", "results", "config", 0, "name"]),
+                               min_size=1, max_size=4), json_value)),
+                           st.one_of(st.none(), names))
+
+    def files_of(uid: str) -> list[str]:
+        return [p for p in agentkit.written_files(s) if uid and uid in p]
+
+    @settings(max_examples=engine_inputs, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(claim_case)
+    def one_claim(case: Any) -> None:
+        namespace, name, uid, results, configs, splice, pod_claim = case
+        report.inputs += 1
+        obj = agentkit.claim(name, uid, results, namespace=namespace, config=configs,
+                             annotations={"resource.kubernetes.io/pod-claim-name": pod_claim} if pod_claim else None)
+        if splice is not None:
+            path, value = splice
+            target: Any = obj
+            for key in path[:-1]:
+                nxt = target.get(key) if isinstance(target, dict) else (
+                    target[key] if isinstance(target, list) and isinstance(key, int) and key < len(target) else None)
+                if nxt is None:
+                    break
+                target = nxt
+            if isinstance(target, dict):
+                target[path[-1]] = value
+        source.claims[(namespace, name)] = obj
+        ref = ClaimRef(namespace, name, uid)
+        res = loop.run_until_complete(node.engine.prepare([ref]))[uid]
+        assert "internal error" not in res.error, res.error
+        if res.error:
+            assert files_of(uid) == [], (res.error, files_of(uid))
+        else:
+            found = node.engine.store.read(uid)
+            assert found is not None
+            for f in found[0].files:
+                assert Path(f.path).read_bytes() == f.content
+        err = loop.run_until_complete(node.engine.unprepare([ref]))[uid]
+        assert "internal error" not in err, err
+        if not err:
+            assert files_of(uid) == [], files_of(uid)
+
+    try:
+        one_claim()
+    except Exception as exc:
+        report.failures += 1
+        report.problems.append(f"engine: {exc!r}"[:2000])
+    if grpc_inputs:
+        try:
+            _fuzz_grpc(node, grpc_inputs, names, uids, report, loop)
+        except Exception as exc:
+            report.failures += 1
+            report.problems.append(f"grpc: {exc!r}"[:2000])
+    loop.close()
+    outside_after = _tree(work, [*roots, s.state_dir / "nvml-sim", s.offline or work])
+    if outside_after != outside_before:
+        report.failures += 1
+        changed = sorted(set(outside_after.items()) ^ set(outside_before.items()))
+        report.problems.append(f"written outside the roots: {changed[:5]}")
+    return report
+
+
+def _fuzz_grpc(node: Any, n: int, names: Any, uids: Any, report: FuzzReport, loop: asyncio.AbstractEventLoop) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from agent import kubelet_client as kc
+    from agent.health import HealthTracker
+    from agent.server import Servers
+
+    short = Path(tempfile.mkdtemp(prefix="dra-fz-", dir="/tmp"))
+    import dataclasses
+
+    asyncio.set_event_loop(loop)  # the gRPC channel binds to the current loop
+
+    s = dataclasses.replace(node.settings, kubelet_dir=short / "kubelet")
+    servers = Servers(s, node.engine, HealthTracker(pool=s.node_name))
+    loop.run_until_complete(servers.start_dra())
+    client = kc.DRAClient(s.dra_socket)
+    valid = [ClaimRef("default", f"c{i}", claim_uid(900 + i)) for i in range(3)]
+    for r in valid:
+        node.engine.claims.claims[(r.namespace, r.name)] = agentkit.claim(
+            r.name, r.uid, [agentkit.result("gpu-0", "a")])
+
+    refs = st.lists(st.one_of(st.sampled_from(valid), st.builds(ClaimRef, names, names, uids)), max_size=5)
+
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(refs, st.sampled_from(["v1", "v1beta1"]))
+    def one_call(claims: list[ClaimRef], api: str) -> None:
+        report.inputs += 1
+        client.api = api
+        reply = loop.run_until_complete(client.prepare(claims, timeout=20))
+        assert set(reply.claims) == {c.uid for c in claims}
+        for _uid, entry in reply.claims.items():
+            assert "internal error" not in entry.error, entry.error
+        reply = loop.run_until_complete(client.unprepare(claims, timeout=20))
+        assert set(reply.claims) == {c.uid for c in claims}
+        assert all("internal error" not in e.error for e in reply.claims.values())
+        assert not any(c.uid in p for c in claims if c.uid for p in agentkit.written_files(node.settings))
+
+    try:
+        one_call()
+    finally:
+        loop.run_until_complete(client.close())
+        loop.run_until_complete(servers.stop(0))
+        import shutil
+
+        shutil.rmtree(short, ignore_errors=True)
+
+
+# -- main ---------------------------------------------------------------------------------------------------
+
+def run(kills: int, daemon_kills: int, engine_inputs: int, grpc_inputs: int, seed: int,
+        max_seconds: float, work: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    started = time.monotonic()
+    own = work is None
+    base = Path(tempfile.mkdtemp(prefix="dra-stress-")) if work is None else work
+    try:
+        log(f"crash rounds: {kills} kills wanted ({daemon_kills} of the real daemon)")
+        crash = crash_rounds(base / "crash", kills - daemon_kills, seed, started + max_seconds * 0.75,
+                             daemon_kills=daemon_kills, log=log)
+        crash_seconds = time.monotonic() - started
+        log(f"fuzzing: {engine_inputs} claims through the engine, {grpc_inputs} calls over the socket")
+        fz = fuzz(base / "fuzz", engine_inputs, grpc_inputs, seed)
+    finally:
+        if own:
+            import shutil
+
+            shutil.rmtree(base, ignore_errors=True)
+    return {
+        "kills": crash.kills,
+        "daemon_kills": crash.daemon_kills,
+        "rounds": crash.rounds,
+        "rounds_without_kill": crash.completed_rounds,
+        "inconsistencies": crash.inconsistencies,
+        "fuzz_inputs": fz.inputs,
+        "fuzz_failures": fz.failures,
+        "crash_seconds": round(crash_seconds, 1),
+        "seconds": round(time.monotonic() - started, 1),
+        "problems": (crash.problems + fz.problems)[:50],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=1000)
+    ap.add_argument("--daemon-kills", type=int, default=20)
+    ap.add_argument("--fuzz", type=int, default=8000, help="claims through the engine")
+    ap.add_argument("--fuzz-grpc", type=int, default=2000, help="calls over the DRA socket")
+    ap.add_argument("--seed", type=int, default=20261202)
+    ap.add_argument("--max-seconds", type=float, default=1100.0)
+    ap.add_argument("--out", type=Path, default=ROOT / ".stress" / "results.json")
+    ap.add_argument("--work", type=Path, help="keep the work directory here (default: a temp dir, removed)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.CRITICAL)  # refused inputs log warnings by the thousand
+    results = run(args.kills, args.daemon_kills, args.fuzz, args.fuzz_grpc, args.seed, args.max_seconds,
+                  work=args.work)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    for key, value in results.items():
+        if key != "problems":
+            print(f"{key:>22}: {value}")
+    for p in results["problems"]:
+        print("  problem:", p)
+    print(f"written to {args.out}")
+    ok = results["inconsistencies"] == 0 and results["fuzz_failures"] == 0 and results["kills"] >= args.kills
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""A small sample of `make stress` in every test run, so the crash suite and the fuzzer stay honest:
+SIGKILLs at random side-effect steps of prepare, unprepare and refresh (the engine in forked agent
+processes, and the real daemon), each followed by a restart and a check of the whole disk; and
+fuzzed claims and kubelet calls."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "stress"))
+
+import stress
+
+
+def test_crashes_and_fuzzed_inputs_leave_every_claim_all_or_nothing(tmp_path: Path) -> None:
+    results = stress.run(kills=40, daemon_kills=2, engine_inputs=300, grpc_inputs=60, seed=7,
+                         max_seconds=240, work=tmp_path, log=lambda _line: None)
+    assert results["problems"] == []
+    assert results["inconsistencies"] == 0 and results["fuzz_failures"] == 0
+    assert results["kills"] >= 40 and results["daemon_kills"] >= 2
+    assert results["fuzz_inputs"] >= 360
