@@ -5,6 +5,22 @@ plan out: writes first (the new generation), deletes after, so a scheduler never
 sees a pool with devices missing. An unchanged inventory costs one LIST and
 writes nothing. `PublishLoop` keeps the latest inventory published whatever the
 API server does meanwhile.
+
+Creating a slice is idempotent. A create whose answer never came (a timeout, a
+dropped connection, a 5xx) may still have been stored, and with `generateName` a
+retry would store a second copy of the same devices. So the agent picks the name
+itself, in the shape generateName would give it (`<driver>-<node>-` and five
+random characters, `slices.new_slice_name`), and a retry sends the same name:
+the API server's name uniqueness makes the retry a no-op (409 AlreadyExists) if
+the first try was stored, however late that happened. Re-listing before the
+retry would not do: a first try still in flight at the server is not listed yet
+and is stored after the retry. A 409 on a retry is taken as our own first try
+only when the stored object says what we sent; a 409 on a first try (or on
+someone else's object) is a name collision, and a fresh name is drawn.
+
+Copies that got in anyway (another agent, an older version of this one) are
+removed by the next sync: `plan_pool` keeps one slice per chunk of the current
+generation and deletes the others.
 """
 
 from __future__ import annotations
@@ -121,13 +137,58 @@ class ApiPublisher:
                 if kube.is_conflict(exc):
                     raise _Conflict(f"{what}: {kube.describe(exc)}") from exc
                 failures += 1
-                if not kube.is_retryable(exc):
-                    raise self._failed(f"{what}: {kube.describe(exc)}") from exc
+                await self._pause(what, exc, failures)
+
+    async def _pause(self, what: str, exc: Exception, failures: int) -> None:
+        """Wait before the next try after a transient failure; PublishError for any other."""
+        if not kube.is_retryable(exc):
+            raise self._failed(f"{what}: {kube.describe(exc)}") from exc
+        if failures >= self.backoff.attempts:
+            raise self._failed(f"{what}: {kube.describe(exc)} ({failures} tries)") from exc
+        delay = self.backoff.delay(failures, exc)
+        log.warning("%s: %s; retrying in %.2fs", what, kube.describe(exc), delay)
+        await asyncio.sleep(delay)
+
+    async def _create(self, desired: Mapping[str, Any]) -> str:
+        """Create one slice under a name chosen here (see the module docstring); its name."""
+        what = "creating a ResourceSlice"
+        name = slices.new_slice_name(self.driver, self.node.name)
+        maybe_stored = False  # an earlier try under `name` got no clear answer
+        failures = 0
+        while True:
+            try:
+                created = await self.client.create(ResourceSlice.from_dict(_named(desired, name)))
+            except Exception as exc:
+                failures += 1
+                if not kube.is_conflict(exc):
+                    await self._pause(what, exc, failures)
+                    maybe_stored = True
+                    continue
+                if maybe_stored and await self._holds(name, desired):
+                    log.info("ResourceSlice %s was stored by an earlier try whose answer was lost", name)
+                    return name
+                # The name is someone else's: draw another (bounded, though a second clash is
+                # already a one-in-millions event).
                 if failures >= self.backoff.attempts:
-                    raise self._failed(f"{what}: {kube.describe(exc)} ({failures} tries)") from exc
-                delay = self.backoff.delay(failures, exc)
-                log.warning("%s: %s; retrying in %.2fs", what, kube.describe(exc), delay)
-                await asyncio.sleep(delay)
+                    raise self._failed(f"{what}: name {name} taken ({failures} tries)") from exc
+                log.debug("ResourceSlice name %s is taken; drawing another", name)
+                name, maybe_stored = slices.new_slice_name(self.driver, self.node.name), False
+                continue
+            return str(created.metadata.name) if created.metadata and created.metadata.name else name
+
+    async def _holds(self, name: str, desired: Mapping[str, Any]) -> bool:
+        """Whether the slice stored as `name` is `desired` (our own create, answered too late)."""
+        async def read() -> dict[str, Any] | None:
+            try:
+                return kube.plain(await self.client.get(ResourceSlice, name))
+            except Exception as exc:
+                if kube.is_not_found(exc):
+                    return None  # deleted meanwhile: the name is free again, a new one is as good
+                raise
+
+        found = await self._call(f"reading ResourceSlice {name}", read)
+        return found is not None and slices.is_ours(found, driver=self.driver, node=self.node.name) \
+            and slices.same_slice(found, desired)
 
     async def existing(self) -> dict[str, dict[str, Any]]:
         """This pool's slices by name, as the API server has them."""
@@ -147,9 +208,7 @@ class ApiPublisher:
         result = SyncResult(generation=plan.generation, slices=len(chunks))
         for write in plan.writes:
             if write.key is None:
-                created = await self._call("creating a ResourceSlice", _bind(
-                    self.client.create, ResourceSlice.from_dict(write.obj)))
-                result.created.append(created.metadata.name)
+                result.created.append(await self._create(write.obj))
             else:
                 obj = _with_identity(write.obj, existing[write.key])
                 await self._call(f"replacing ResourceSlice {write.key}", _bind(
@@ -172,6 +231,13 @@ class ApiPublisher:
 
 def _bind(fn: Callable[..., Awaitable[T]], *args: Any) -> Callable[[], Awaitable[T]]:
     return lambda: fn(*args)
+
+
+def _named(desired: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """`desired` under an explicit name; generateName stays, the API server ignores it next to a name."""
+    obj = dict(desired)
+    obj["metadata"] = {**(desired.get("metadata") or {}), "name": name}
+    return obj
 
 
 def _with_identity(desired: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,9 @@ KIND = "ResourceSlice"
 STANDARD_DOMAIN = "resource.kubernetes.io/"
 # The API server appends 5 random characters to generateName and caps the result at 63.
 MAX_GENERATE_NAME = 58
+# What the API server draws those characters from; names chosen here look the same.
+NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+NAME_SUFFIX = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +183,11 @@ def generate_name(driver: str, node: str) -> str:
     return base[: MAX_GENERATE_NAME - 1].rstrip(".-") + "-"
 
 
+def new_slice_name(driver: str, node: str) -> str:
+    """A name as generateName would give it, chosen here so that a retried create names the same object."""
+    return generate_name(driver, node) + "".join(secrets.choice(NAME_ALPHABET) for _ in range(NAME_SUFFIX))
+
+
 def owner_references(owner: NodeRef | None) -> list[dict[str, Any]]:
     if owner is None or not owner.uid:
         return []
@@ -266,16 +275,30 @@ def _keep_taint_times(desired: dict[str, Any], existing: Mapping[str, Any]) -> N
                 t["timeAdded"] = stamp
 
 
+def same_slice(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Whether `existing` already says what `desired` says (server-stamped taint times aside)."""
+    wanted = copy.deepcopy(dict(desired))
+    _keep_taint_times(wanted, existing)
+    return comparable(wanted) == comparable(existing)
+
+
 def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequence[Mapping[str, Any]]], *,
               driver: str, node: str, owner: NodeRef | None = None,
               slots: Sequence[str] | None = None) -> PoolPlan:
     """Decide how to turn the `existing` slices of this pool (by key) into `chunks`.
 
     `slots` pins chunk i to key slots[i] (the directory publisher's file names);
-    without it existing objects are reused wherever they fit (the API server's
-    generated names). An update in place keeps the generation; anything that changes
+    without it existing objects are reused wherever they fit (API objects, whose
+    names mean nothing). An update in place keeps the generation; anything that changes
     the set of slices or which slice holds which device writes a new generation
     everywhere, and only then deletes what is left of the old one.
+
+    Copies of a slice in the current generation (the same devices twice: a create
+    retried with generateName after its answer was lost, or another agent) are
+    deleted, all but one, keeping the generation: the pool is then what the
+    generation always said it was, and nothing else has to be rewritten. A device
+    in two slices that are not copies of each other is a different split, so a new
+    generation.
     """
     current = max((pool_generation(o) for o in existing.values()), default=0)
     count = len(chunks)
@@ -289,14 +312,20 @@ def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequen
     top = {k: o for k, o in existing.items() if pool_generation(o) == current}
     pairing = _pair_in_place(top, chunks, slots) if current else None
     if pairing is not None and all(_slice_count(o) == count for o in top.values()):
-        plan = PoolPlan(generation=current, deletes=sorted(set(existing) - set(top)))
-        for i, key in enumerate(pairing):
+        deletes = set(existing) - set(top)
+        plan = PoolPlan(generation=current)
+        for i, candidates in enumerate(pairing):
             desired = render(i, current)
+            # The copy that already matches stays (no write); else the first by name is rewritten.
+            key = next((k for k in candidates if len(candidates) > 1 and same_slice(existing[k], desired)),
+                       candidates[0])
+            deletes.update(k for k in candidates if k != key)
             _keep_taint_times(desired, existing[key])
             if comparable(desired) == comparable(existing[key]):
                 plan.unchanged.append(key)
             else:
                 plan.writes.append(SliceWrite(desired, key))
+        plan.deletes = sorted(deletes)
         return plan
 
     generation = current + 1
@@ -316,31 +345,30 @@ def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequen
 
 
 def _pair_in_place(top: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequence[Mapping[str, Any]]],
-                   slots: Sequence[str] | None) -> list[str] | None:
-    """Existing key for each chunk when the current generation holds exactly the same device sets."""
-    if len(top) != len(chunks):
-        return None
+                   slots: Sequence[str] | None) -> list[list[str]] | None:
+    """For each chunk, the existing keys holding exactly its devices (copies included, in name
+    order), when the current generation holds exactly the chunks' device sets; else None."""
     if slots is not None:
+        # Files have fixed names: one file per chunk, nothing else in the generation.
+        if len(top) != len(chunks):
+            return None
         keys = list(slots[: len(chunks)])
         if set(keys) != set(top):
             return None
         for key, chunk in zip(keys, chunks, strict=True):
             if _device_names((top[key].get("spec") or {}).get("devices") or []) != _device_names(chunk):
                 return None
-        return keys
-    by_names: dict[frozenset[str], str] = {}
-    for key, obj in top.items():
-        names = _device_names((obj.get("spec") or {}).get("devices") or [])
-        if names in by_names:
-            return None
-        by_names[names] = key
-    pairing = []
-    for chunk in chunks:
-        key = by_names.get(_device_names(chunk))
-        if key is None:
-            return None
-        pairing.append(key)
-    return pairing
+        return [[key] for key in keys]
+    by_names: dict[frozenset[str], list[str]] = {}
+    for key in sorted(top):
+        names = _device_names((top[key].get("spec") or {}).get("devices") or [])
+        by_names.setdefault(names, []).append(key)
+    wanted = [_device_names(chunk) for chunk in chunks]
+    # Every slice of the generation must be some chunk (or a copy of one): a slice holding any
+    # other set of devices means the split changed, and that takes a new generation.
+    if set(by_names) != set(wanted):
+        return None
+    return [by_names[names] for names in wanted]
 
 
 def _reuse(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequence[Mapping[str, Any]]],

@@ -6,8 +6,9 @@ and the stock emulator leaves out: server-chosen names for generateName, uid,
 creationTimestamp, a resourceVersion that moves on every write and a 409 for a
 PUT carrying a stale one, PUT replace, DELETE, the status subresource, field and
 label selectors on LIST, and fault injection (the next N matching requests
-answer an error, or hang first). ResourceSlices are checked against the 1.37
-OpenAPI schema on every write, as the API server would reject a bad one.
+answer an error, or hang first, or are carried out and then lose their answer).
+ResourceSlices are checked against the 1.37 OpenAPI schema on every write, as the
+API server would reject a bad one.
 
 Use the `kube_api` fixture (registered in conftest.py): it yields a `KubeApi`.
 """
@@ -78,6 +79,8 @@ class Fault:
     """The next `times` requests matching `method` and the `path` glob answer `status` (after `hang` s).
 
     `status` None with a `hang` delays the request and then serves it normally, like a slow server.
+    `lose_answer` serves it first (a write takes effect) and only then hangs `hang` seconds, or drops
+    the connection when `hang` is 0: a server that committed while the client gave up waiting.
     """
 
     method: str
@@ -87,6 +90,7 @@ class Fault:
     hang: float = 0.0
     headers: Mapping[str, str] = field(default_factory=dict)
     gate: asyncio.Event | None = None  # held until the test sets it
+    lose_answer: bool = False
     hits: int = 0
 
     def matches(self, method: str, path: str) -> bool:
@@ -121,6 +125,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     # Play a server (or proxy) that drops field selectors, so clients must filter what they get.
     ignore_field_selectors: bool = attrs.field(default=False, init=False)
     max_in_flight: int = attrs.field(default=0, init=False)
+    _background: set[asyncio.Task[Any]] = attrs.field(factory=set, init=False)  # held requests
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -145,19 +150,33 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         self.log.append(entry)
         fault = next((f for f in self.faults if f.times > 0 and f.matches(entry.method, entry.path)),
                      None)
+        if fault is not None and fault.lose_answer:
+            fault.times -= 1
+            fault.hits += 1
+            return await self._serve_and_lose(request, entry, fault.hang)
         if fault is not None:
             fault.times -= 1
             fault.hits += 1
+            if fault.status is None:
+                # Held, then carried out even when the client has given up meanwhile (aiohttp
+                # cancels the handler then): a request the server accepted runs to its end, as a
+                # write on its way to storage does.
+                task = asyncio.create_task(self._held(request, entry, fault))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+                return await asyncio.shield(task)
             if fault.hang:
                 await asyncio.sleep(fault.hang)
             if fault.gate is not None:
                 await fault.gate.wait()
-            if fault.status is not None:
-                entry.status = fault.status
-                reason = _REASONS.get(fault.status, "InternalError")
-                body = status_body(fault.status, reason, "injected fault")
-                return aiohttp.web.Response(status=fault.status, body=json.dumps(body).encode(),
-                                            headers={**JSON, **fault.headers})
+            entry.status = fault.status
+            reason = _REASONS.get(fault.status, "InternalError")
+            body = status_body(fault.status, reason, "injected fault")
+            return aiohttp.web.Response(status=fault.status, body=json.dumps(body).encode(),
+                                        headers={**JSON, **fault.headers})
+        return await self._carry_out(request, entry)
+
+    async def _carry_out(self, request: kmock.Request, entry: Logged) -> aiohttp.web.StreamResponse:
         try:
             # The stock emulator records writes before dispatching, with semantics this one replaces.
             response = await kmock.RawHandler._handle(self, request)
@@ -165,6 +184,23 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             entry.status = exc.status
             raise
         entry.status = response.status
+        return response
+
+    async def _held(self, request: kmock.Request, entry: Logged, fault: Fault) -> aiohttp.web.StreamResponse:
+        if fault.hang:
+            await asyncio.sleep(fault.hang)
+        if fault.gate is not None:
+            await fault.gate.wait()
+        return await self._carry_out(request, entry)
+
+    async def _serve_and_lose(self, request: kmock.Request, entry: Logged,
+                              hang: float) -> aiohttp.web.StreamResponse:
+        response = await self._carry_out(request, entry)
+        entry.status = None  # what the server did is in its state; the client never hears of it
+        if hang:
+            await asyncio.sleep(hang)  # the client's timeout runs out first
+        elif request._raw_request is not None and request._raw_request.transport is not None:
+            request._raw_request.transport.close()
         return response
 
     # -- dispatch -------------------------------------------------------------------------------
@@ -472,6 +508,13 @@ class KubeApi:
     def hang(self, method: str, path: str, seconds: float, *, times: int = 1,
              status: int | None = None) -> Fault:
         fault = Fault(method.upper(), path, times=times, status=status, hang=seconds)
+        self.emulator.faults.append(fault)
+        return fault
+
+    def lose_answer(self, method: str, path: str, *, hang: float = 0.0, times: int = 1) -> Fault:
+        """Matching requests are carried out, then their answer is lost: held `hang` seconds (give
+        more than the client's timeout), or, with no `hang`, the connection is closed."""
+        fault = Fault(method.upper(), path, times=times, status=None, hang=hang, lose_answer=True)
         self.emulator.faults.append(fault)
         return fault
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx2
 import pytest
 import yaml
-from kubeapi import RESOURCE_SLICES, KubeApi
+from kubeapi import RESOURCE_SLICES, Fault, KubeApi
 
 from agent import kube
 from agent.config import Settings
@@ -188,6 +188,100 @@ async def test_a_request_that_hangs_times_out_and_is_retried(
     kube_api.hang("GET", SLICES, seconds=3.0)  # the client gives up after 1 s
     result = await publisher.sync(nics(10))
     assert len(result.created) == 1 and len(ours(kube_api)) == 1
+
+
+def device_names(api: KubeApi) -> list[str]:
+    """Every device of the pool, as often as it is published."""
+    return sorted(d["name"] for s in ours(api) for d in s["spec"]["devices"])
+
+
+@pytest.mark.parametrize("how", ["timeout", "dropped connection"])
+async def test_a_create_whose_answer_is_lost_is_not_repeated(
+        kube_api: KubeApi, publisher: ApiPublisher, how: str) -> None:
+    # The server stores the slice, then the answer never arrives: the client (1 s timeout) gives up
+    # and retries. With generateName that retry stored the same devices a second time.
+    fault = kube_api.lose_answer("POST", SLICES, hang=1.5 if how == "timeout" else 0.0)
+    kube_api.mark()
+    result = await publisher.sync(nics(300))
+    assert fault.hits == 1
+    assert device_names(kube_api) == [d.name for d in nics(300)]  # each device exactly once
+    assert len(ours(kube_api)) == 3 and generations(kube_api) == {1}
+    assert sorted(result.created) == sorted(s["metadata"]["name"] for s in ours(kube_api))
+    posts = [r for r in kube_api.since_mark() if r.method == "POST"]
+    # The retry named the same object and was refused; the two other slices went through at once.
+    assert [r.status for r in posts] == [None, 409, 201, 201]
+    assert posts[0].body["metadata"]["name"] == posts[1].body["metadata"]["name"]
+    for _ in range(10):
+        kube_api.mark()
+        assert not (await publisher.sync(nics(300))).changed
+        assert kube_api.writes() == []
+
+
+async def test_a_create_stored_after_its_retry_is_not_a_second_copy(
+        kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    # Worse than a lost answer: the first try is still queued at the server when the client gives
+    # up, so a LIST before the retry would not show it, and it is stored after the retry.
+    gate = asyncio.Event()
+    kube_api.emulator.faults.append(Fault("POST", SLICES, times=1, status=None, gate=gate))
+    sync = asyncio.create_task(publisher.sync(nics(10)))
+    await eventually(lambda: any(r.method == "POST" and r.status == 201 for r in kube_api.requests),
+                     "the retry was stored")
+    gate.set()
+    await eventually(lambda: [r.status for r in kube_api.requests if r.method == "POST"] == [409, 201],
+                     "the first try was answered")
+    result = await sync
+    assert len(result.created) == 1
+    assert device_names(kube_api) == [d.name for d in nics(10)]
+
+
+async def test_a_name_taken_by_someone_else_is_not_mistaken_for_ours(
+        kube_api: KubeApi, publisher: ApiPublisher, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not of this pool, though named like it: nothing but the name ties it to us.
+    taken = build_slices(nics(1), driver=DRIVER, node="node-b")[0]
+    taken["metadata"]["name"] = f"{DRIVER}-{NODE}-bbbbb"
+    kube_api.add(taken)
+    drawn = iter([f"{DRIVER}-{NODE}-bbbbb", f"{DRIVER}-{NODE}-bbbbb", f"{DRIVER}-{NODE}-ccccc"])
+    monkeypatch.setattr("agent.slices.new_slice_name", lambda driver, node: next(drawn))
+    kube_api.fail("POST", SLICES, status=503)  # stored or not? The client cannot tell
+    kube_api.mark()
+    result = await publisher.sync(nics(3))
+    assert result.created == [f"{DRIVER}-{NODE}-ccccc"]
+    # A 409 after an unanswered try: the stored object is read, and it is not what we sent. A 409 on
+    # a first try is a clash by itself. Either way another name is drawn.
+    assert methods(kube_api) == ["GET 200", "POST 503", "POST 409", "GET 200", "POST 409", "POST 201"]
+    assert generations(kube_api) == {1} and kube_api.get(RESOURCE_SLICES, taken["metadata"]["name"]) is not None
+    stored = kube_api.get(RESOURCE_SLICES, f"{DRIVER}-{NODE}-ccccc")
+    assert stored is not None and [d["name"] for d in stored["spec"]["devices"]] == [
+        "nic-000", "nic-001", "nic-002"]
+
+
+async def test_copies_of_a_slice_are_removed_by_the_next_sync(
+        kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    await publisher.sync(nics(300))
+    stored = ours(kube_api)
+    # Two copies of one slice in the current generation (another agent, an older version): one
+    # as published, one with a stale attribute.
+    for suffix, mtu in (("copy1", None), ("copy2", 1)):
+        extra = {k: v for k, v in stored[1].items() if k != "metadata"}
+        extra["metadata"] = {"name": f"{DRIVER}-{NODE}-{suffix}",
+                             "ownerReferences": stored[1]["metadata"]["ownerReferences"]}
+        if mtu is not None:
+            extra["spec"]["devices"][0]["attributes"]["mtu"] = {"int": mtu}
+        kube_api.add(extra)
+    assert len(device_names(kube_api)) == 300 + 2 * len(stored[1]["spec"]["devices"])
+    kube_api.mark()
+    result = await publisher.sync(nics(300))
+    # Only the extra copies go; the pool keeps its generation and nothing else is rewritten.
+    assert [r.method for r in kube_api.writes()] == ["DELETE", "DELETE"]
+    assert result.generation == 1 and len(result.deleted) == 2 and not result.created + result.updated
+    assert device_names(kube_api) == [d.name for d in nics(300)]
+    # Of two identical copies either may stay; the one with the stale attribute never does.
+    left = {s["metadata"]["name"] for s in ours(kube_api)}
+    others = {s["metadata"]["name"] for s in stored} - {stored[1]["metadata"]["name"]}
+    assert others < left and left - others in ({stored[1]["metadata"]["name"]}, {f"{DRIVER}-{NODE}-copy1"})
+    kube_api.mark()
+    assert not (await publisher.sync(nics(300))).changed
+    assert kube_api.writes() == []
 
 
 async def test_a_lasting_failure_is_a_clear_error(kube_api: KubeApi, publisher: ApiPublisher) -> None:

@@ -25,8 +25,10 @@ from agent.slices import (
     build_slices,
     chunk_devices,
     generate_name,
+    new_slice_name,
     plan_pool,
     render_slice,
+    same_slice,
 )
 
 DRIVER = "dra.example.com"
@@ -358,6 +360,65 @@ def test_plan_new_node_uid_rewrites_the_owner() -> None:
     existing = served(build_slices(devices, driver=DRIVER, node=NODE, owner=NodeRef(NODE, "old")))
     (write,) = plan_for(existing, devices).writes
     assert write.obj["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+
+
+def test_plan_copies_in_the_current_generation_are_deleted_in_place() -> None:
+    devices = [nic(i) for i in range(300)]
+    existing = served(build_slices(devices, driver=DRIVER, node=NODE, owner=OWNER, generation=4))
+    original = sorted(existing)[1]
+    # A create retried after a lost answer (or another agent) left the same slice twice, plus a
+    # third copy that says something stale about a device.
+    copies = served([existing[original], existing[original]], start=90)
+    stale = sorted(copies)[1]
+    copies[stale]["spec"]["devices"][0]["attributes"]["mtu"] = {"int": 1}
+    plan = plan_for({**existing, **copies}, devices)
+    assert plan.generation == 4 and plan.writes == []
+    assert sorted(plan.deletes) == sorted(copies)  # one copy stays: the one saying what is wanted
+    assert sorted(plan.unchanged) == sorted(existing)
+
+
+def test_plan_copies_that_all_differ_keep_the_first_and_rewrite_it() -> None:
+    devices = [nic(i) for i in range(10)]
+    existing = served(build_slices(devices, driver=DRIVER, node=NODE, owner=OWNER) * 2)
+    for obj in existing.values():
+        obj["spec"]["devices"][0]["attributes"]["mtu"] = {"int": 1}
+    plan = plan_for(existing, devices)
+    first, second = sorted(existing)
+    assert plan.generation == 1 and [w.key for w in plan.writes] == [first] and plan.deletes == [second]
+
+
+def test_plan_a_device_in_two_different_slices_is_a_new_generation() -> None:
+    devices = [nic(i) for i in range(200)]
+    existing = served(build_slices(devices, driver=DRIVER, node=NODE, owner=OWNER))
+    overlap = served(build_slices(devices[100:150], driver=DRIVER, node=NODE, owner=OWNER), start=50)
+    for obj in overlap.values():
+        obj["spec"]["pool"]["resourceSliceCount"] = 2
+    plan = plan_for({**existing, **overlap}, devices)
+    assert plan.generation == 2 and len(plan.writes) == 2 and len(plan.deletes) == 1
+    written = sorted(n for w in plan.writes for n in names(w.obj))
+    assert written == sorted(d.name for d in devices)
+    assert {w.key for w in plan.writes}.isdisjoint(plan.deletes)
+
+
+def test_new_slice_names_look_like_generated_ones() -> None:
+    node = ("n" * 60 + ".") * 4 + "x"
+    drawn = {new_slice_name(DRIVER, node) for _ in range(50)}
+    assert len(drawn) == 50
+    for name in drawn:
+        assert name.startswith(generate_name(DRIVER, node)) and len(name) <= 63
+        assert apirules.dns_subdomain_errors(name) == []
+
+
+def test_same_slice_ignores_what_the_server_adds() -> None:
+    dev = gpu(0)
+    dev.taints = [Taint(key=f"{DRIVER}/xid", value="79", effect="NoSchedule")]
+    desired = build_slices([dev], driver=DRIVER, node=NODE, owner=OWNER)[0]
+    stored = next(iter(served([desired]).values()))
+    stored["spec"]["devices"][0]["taints"][0]["timeAdded"] = "2026-03-01T10:00:00Z"
+    assert same_slice(stored, desired)
+    assert "timeAdded" not in desired["spec"]["devices"][0]["taints"][0]  # not changed on the way
+    stored["spec"]["pool"]["generation"] = 2
+    assert not same_slice(stored, desired)
 
 
 def test_plan_no_devices_deletes_everything() -> None:
