@@ -24,6 +24,7 @@ setup: $(STAMP) $(PB)
 
 lint: setup
 	$(BIN)/ruff check agent cdi tests examples proto
+	$(BIN)/mypy agent cdi
 
 test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

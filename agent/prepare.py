@@ -105,6 +105,7 @@ class PrepareEngine:
             if isinstance(self.claims, LocalClaimSource):
                 # A local source is read in the same worker thread as the side effects.
                 record = await asyncio.to_thread(self._prepare_blocking, ref, self.claims.read)
+                assert record is not None  # with a reader, _prepare_blocking prepares or raises
             else:
                 record = await self._prepare_remote(ref, self.claims)
         except (ClaimFailure, InvalidName, UnsafePath) as exc:

@@ -34,7 +34,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import lightkube
 import yaml
@@ -157,7 +157,8 @@ class ApiPublisher:
         failures = 0
         while True:
             try:
-                created = await self.client.create(ResourceSlice.from_dict(_named(desired, name)))
+                # lightkube annotates from_dict as returning DictMixin; it returns an instance of the class.
+                created = await self.client.create(cast(ResourceSlice, ResourceSlice.from_dict(_named(desired, name))))
             except Exception as exc:
                 failures += 1
                 if not kube.is_conflict(exc):

@@ -31,7 +31,8 @@ def decimal(n: int) -> str:
     return f"{n}{_DECIMAL[exp]}"
 
 
-_SUFFIX = {s: 1024**i for i, s in enumerate(_BINARY) if s} | {s: 1000**i for i, s in enumerate(_DECIMAL) if s}
+_SUFFIX: dict[str, int] = ({s: 1024**i for i, s in enumerate(_BINARY) if s}
+                            | {s: 1000**i for i, s in enumerate(_DECIMAL) if s})
 
 
 def parse_int(text: str) -> int:

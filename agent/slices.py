@@ -92,7 +92,7 @@ def sanitize_device(dev: Device) -> tuple[dict[str, Any] | None, list[str]]:
         else:
             caps[key] = cap.wire()
 
-    alloc: dict[str, Any] = copy.deepcopy(dev.node_allocatable) or {}
+    alloc: dict[str, Any] = copy.deepcopy(dev.node_allocatable or {})
     mapped = {str(((res or {}).get("mapping") or {}).get("capacityKey")) for res in alloc.values()}
     entries = [(k, "attribute") for k in attrs] + [(k, "capacity") for k in caps]
     excess = len(entries) - apirules.MAX_ATTRIBUTES_AND_CAPACITIES
@@ -333,12 +333,12 @@ def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequen
     reuse = _reuse(existing, chunks, slots)
     for i in range(count):
         desired = render(i, generation)
-        key = reuse.get(i)
-        if key is not None:
-            _keep_taint_times(desired, existing[key])
+        target = reuse.get(i)
+        if target is not None:
+            _keep_taint_times(desired, existing[target])
         elif slots is not None:
-            key = slots[i]  # a file that is not there yet: created under its fixed name
-        plan.writes.append(SliceWrite(desired, key))
+            target = slots[i]  # a file that is not there yet: created under its fixed name
+        plan.writes.append(SliceWrite(desired, target))
     used = set(reuse.values())
     plan.deletes = sorted(k for k in existing if k not in used)
     return plan

@@ -153,7 +153,7 @@ _MOUNT = {"hostPath": _non_empty, "containerPath": _absolute_path,
           "options": _list_of(_string), "type": _string}
 _HOOK = {"hookName": _hook_name, "path": _absolute_path, "args": _list_of(_string),
          "env": _list_of(_env_entry), "timeout": _integer(_INT64, positive=True)}
-_NET_DEVICE = {"hostInterfaceName": _interface_name, "name": _interface_name}
+_NET_DEVICE: dict[str, Check] = {"hostInterfaceName": _interface_name, "name": _interface_name}
 _INTEL_RDT_ALWAYS = {"closID": _clos_id, "l3CacheSchema": _string, "memBwSchema": _string}
 _INTEL_RDT_BEFORE_1_1 = {"enableCMT": _boolean, "enableMBM": _boolean}
 _INTEL_RDT_SINCE_1_1 = {"schemata": _list_of(_string), "enableMonitoring": _boolean}

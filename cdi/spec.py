@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 KNOWN_VERSIONS = ("0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 BASELINE_VERSION = "0.3.0"  # the earliest version the CDI library still parses
@@ -25,7 +25,7 @@ def version_key(version: str) -> tuple[int, int, int]:
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
-def is_known_version(version: Any) -> bool:
+def is_known_version(version: Any) -> TypeGuard[str]:
     return isinstance(version, str) and version.removeprefix("v") in KNOWN_VERSIONS
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -27,41 +26,12 @@ RESCANS = 10
 FAST = Backoff(initial=0.01, maximum=0.05, attempts=4)
 
 
-def frozen_sysfs(tmp: Path) -> Path:
-    """This host's /sys, but with the NUMA nodes' meminfo copied once.
-
-    A node's MemTotal is not constant everywhere: on a VM whose kernel initialises memory
-    lazily (Firecracker with `deferred_init=lazy`, where `make run` showed it) it grows as
-    memory is first used, and the agent then rightly republishes `memory-numa<N>`. That
-    is a change of the inventory, which this test does not mean to measure.
-    """
-    root = tmp / "sys"
-    for parent in ("", "devices", "devices/system"):
-        (root / parent).mkdir(parents=True, exist_ok=True)
-        skip = {"": "devices", "devices": "system", "devices/system": "node"}[parent]
-        for name in os.listdir(Path("/sys") / parent):
-            if name != skip:
-                (root / parent / name).symlink_to(Path("/sys") / parent / name)
-    nodes = Path("/sys/devices/system/node")
-    if nodes.is_dir():
-        for entry in os.listdir(nodes):
-            src = nodes / entry
-            if src.is_dir() and entry.startswith("node"):
-                (root / "devices/system/node" / entry).mkdir(parents=True)
-                for name in ("meminfo", "cpulist"):
-                    if (src / name).exists():
-                        shutil.copyfile(src / name, root / "devices/system/node" / entry / name)
-    else:
-        (root / "devices/system/node").mkdir()  # no NUMA: the memory source reads /proc, see below
-    return root
-
-
 @contextlib.asynccontextmanager
 async def make_run_inventory(tmp: Path, node: NodeInfo) -> AsyncIterator[Inventory]:
-    # As `make run` builds it (daemon.Agent): every real source, the simulated DGX H100.
-    sysfs = frozen_sysfs(tmp)
-    settings = roots(tmp, sysfs_root=sysfs if os.listdir(sysfs / "devices/system/node") else Path("/sys"),
-                     dev_root=Path("/dev"))
+    # As `make run` builds it (daemon.Agent): every real source, this host's /sys as it is, the
+    # simulated DGX H100. Memory capacity comes from the online memory blocks, which stay put even
+    # where a node's MemTotal grows with use (a lazily initialised VM, see agent.inventory.numa).
+    settings = roots(tmp, sysfs_root=Path("/sys"), dev_root=Path("/dev"))
     inventory = Inventory(build_sources(settings), refine=PublishedForm())
     inventory.open()
     try:
@@ -136,7 +106,7 @@ async def test_directory_make_run_inventory_rescanned_writes_nothing(tmp_path: P
     async with make_run_inventory(tmp_path, node) as inventory:
         kinds = {d.kind for d in inventory.devices()}
         assert {"gpu", "cpu", "memory"} <= kinds
-        # The NICs are this host's, through the partly frozen /sys as through the real one.
+        # The NICs are this host's.
         host = NicSource(roots(tmp_path / "host", sysfs_root=Path("/sys")))
         host_nics = (await asyncio.to_thread(host.scan)).devices  # pyroute2 runs a loop of its own
         assert sorted(d.name for d in inventory.devices() if d.kind == "nic") == sorted(d.name for d in host_nics)

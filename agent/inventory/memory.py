@@ -1,4 +1,12 @@
-"""Memory per NUMA node, as consumable capacity: one `memory-numa<N>` device per node with memory."""
+"""Memory per NUMA node, as consumable capacity: one `memory-numa<N>` device per node with memory.
+
+A node's capacity is its online memory blocks (block size times online blocks), which stays put
+while the node runs; its meminfo `MemTotal` is only the fallback where sysfs has no memory-block
+interface. MemTotal grows as memory is first touched on a VM that initialises memory lazily
+(Firecracker, `deferred_init=lazy`), and a capacity that moves republishes the slices and changes
+what the scheduler may allocate. The blocks include what the kernel reserved for itself, so on an
+ordinary machine the capacity is a few percent more than MemTotal. See `agent.inventory.numa`.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,14 @@ from typing import Any
 
 from agent import quantity
 from agent.inventory import ScanResult
-from agent.inventory.numa import NodeResourceSource, is_host_sysfs, node_memory, numa_nodes, system_memory
+from agent.inventory.numa import (
+    NodeResourceSource,
+    is_host_sysfs,
+    node_memory,
+    numa_nodes,
+    online_block_memory,
+    system_memory,
+)
 from agent.model import NUMA_NODE, Capacity, Device
 
 
@@ -25,11 +40,17 @@ class MemorySource(NodeResourceSource):
     def scan(self) -> ScanResult:
         root = self.settings.sysfs_root
         nodes = numa_nodes(root)
+        blocks = online_block_memory(root)
         sizes: dict[int, int | None] = {}
         if nodes is None:
-            # No NUMA in this kernel: the whole machine is node 0, but only /proc of this very
-            # machine can say how big it is; a sysfs tree elsewhere has no meminfo to read.
-            sizes[0] = system_memory() if is_host_sysfs(root) else None
+            # No NUMA in this kernel: the whole machine is node 0. Without memory blocks only /proc
+            # of this very machine can say how big it is; a sysfs tree elsewhere has no meminfo.
+            if blocks is not None:
+                sizes[0] = blocks.total
+            else:
+                sizes[0] = system_memory() if is_host_sysfs(root) else None
+        elif blocks is not None:
+            sizes = {node: blocks.per_node.get(node, 0) for node in nodes}
         else:
             sizes = {node: node_memory(root, node) for node in nodes}
         return ScanResult(devices=[self._device(node, size) for node, size in sorted(sizes.items()) if size])

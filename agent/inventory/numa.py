@@ -46,7 +46,7 @@ def online_cpus(sysfs_root: Path) -> set[int]:
     text = read_text(base / "online")
     if text is not None:
         return set(parse_cpulist(text))
-    found = set()
+    found: set[int] = set()
     try:
         entries = os.listdir(base)
     except OSError:

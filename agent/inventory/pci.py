@@ -112,7 +112,7 @@ def _describe(bus_id: str, real: Path) -> PciFunction:
 
 def nvidia_display_functions(sysfs_root: Path) -> list[str]:
     """Bus IDs of NVIDIA (vendor 0x10de) display-class functions (class 0x03xxxx)."""
-    out = []
+    out: list[str] = []
     base = sysfs_root / "bus" / "pci" / "devices"
     try:
         entries = sorted(os.listdir(base))
