@@ -2,12 +2,24 @@
 
 Shared by the CPU and the memory source. Every function takes the sysfs root, so
 tests run on trees of their own and the real `/sys` alike.
+
+A node's memory is the size of its online memory blocks (`online_block_memory`), not the
+`MemTotal` of its `meminfo`: MemTotal counts the pages the kernel has initialised, and a VM
+kernel that initialises memory lazily (Firecracker with `deferred_init=lazy`) makes it grow
+the first time memory is touched (4.2 GB, then 10.4, 17.6, 24.08 GB on one such node). A
+capacity that moves republishes the ResourceSlices at every rescan that sees it move and
+changes what the scheduler may allocate. The blocks change only when memory is really
+hot-plugged or taken offline. They count the memory the kernel reserved for itself (its
+image, the page structures, a crash kernel) too, and whole blocks, so on an ordinary machine
+they come to a few percent more than MemTotal. MemTotal is the fallback where sysfs has no
+memory-block interface (`devices/system/memory`, a kernel without memory hotplug).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config import Settings
@@ -17,6 +29,7 @@ _NODE_DIR = re.compile(r"^node(\d+)$")
 _CPU_DIR = re.compile(r"^cpu(\d+)$")
 _MEMTOTAL = re.compile(r"^Node\s+\d+\s+MemTotal:\s+(\d+)\s*kB\s*$", re.MULTILINE)
 _PROC_MEMTOTAL = re.compile(r"^MemTotal:\s+(\d+)\s*kB\s*$", re.MULTILINE)
+_MEMORY_BLOCK = re.compile(r"^memory(\d+)$")
 
 
 def parse_cpulist(text: str) -> list[int]:
@@ -78,8 +91,59 @@ def node_cpus(sysfs_root: Path, node: int) -> list[int]:
     return parse_cpulist(text)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockMemory:
+    """Bytes of online memory blocks: per NUMA node, and in all (blocks of no node included)."""
+
+    per_node: dict[int, int]
+    total: int
+
+
+def online_block_memory(sysfs_root: Path) -> BlockMemory | None:
+    """The online memory blocks: `block_size_bytes` (hex) times the `memory<K>` blocks whose
+    `state` is `online`, each counted for the node whose `node<N>/memory<K>` link names it.
+
+    None when sysfs has no memory-block interface (no readable `block_size_bytes`): the caller
+    falls back to MemTotal. A block that the kernel linked to two nodes (boot memory spanning a
+    node boundary) counts for the lowest, so no byte counts twice. A node with no online block
+    is absent from `per_node`; without NUMA (no `devices/system/node`) only `total` is filled.
+    """
+    base = sysfs_root / "devices" / "system" / "memory"
+    text = read_text(base / "block_size_bytes")
+    try:
+        block_size = int(text, 16) if text else 0
+    except ValueError:
+        block_size = 0
+    if block_size <= 0:
+        return None
+    try:
+        blocks = [int(m.group(1)) for name in os.listdir(base) if (m := _MEMORY_BLOCK.match(name))]
+    except OSError:
+        return None
+    owner: dict[int, int] = {}
+    for node in sorted(numa_nodes(sysfs_root) or [], reverse=True):  # the lowest node wins
+        try:
+            entries = os.listdir(sysfs_root / "devices" / "system" / "node" / f"node{node}")
+        except OSError:
+            continue
+        owner.update((int(m.group(1)), node) for name in entries if (m := _MEMORY_BLOCK.match(name)))
+    per_node: dict[int, int] = {}
+    total = 0
+    for block in blocks:
+        if read_text(base / f"memory{block}" / "state") != "online":
+            continue
+        total += block_size
+        if (home := owner.get(block)) is not None:
+            per_node[home] = per_node.get(home, 0) + block_size
+    return BlockMemory(per_node=per_node, total=total)
+
+
 def node_memory(sysfs_root: Path, node: int) -> int | None:
-    """MemTotal of the node in bytes; None when its meminfo is missing or has no MemTotal."""
+    """MemTotal of the node in bytes; None when its meminfo is missing or has no MemTotal.
+
+    Only the fallback without memory blocks: MemTotal grows with use on lazily initialised
+    VMs (see the module docstring).
+    """
     text = read_text(sysfs_root / "devices" / "system" / "node" / f"node{node}" / "meminfo")
     m = _MEMTOTAL.search(text or "")
     return int(m.group(1)) * 1024 if m else None
