@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 RUN    ?= .run
 PB     := agent/pb/__init__.py
 
-.PHONY: all setup test lint run bench hw-check clean
+.PHONY: all setup test lint run bench stress hw-check clean
 
 all: setup
 
@@ -42,8 +42,12 @@ run: setup
 bench: setup
 	$(BIN)/python tests/bench/bench.py $(ARGS)
 
+# The crash suite and the fuzzer (tests/stress/stress.py): >= 1,000 SIGKILLs, >= 10,000 inputs.
+stress: setup
+	$(BIN)/python tests/stress/stress.py $(ARGS)
+
 hw-check: setup
 	$(BIN)/python -m pytest -q -rs tests/hw
 
 clean:
-	rm -rf $(RUN) .bench build dist *.egg-info agent/pb
+	rm -rf $(RUN) .bench .stress build dist *.egg-info agent/pb

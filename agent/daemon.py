@@ -1,6 +1,6 @@
 """The running agent: discovery, publishing, the kubelet's sockets, and keeping it all current.
 
-Start-up order (DESIGN "How data flows" 1): connect -> open discovery -> first
+Start-up order (docs/architecture.md, "Start-up order"): connect -> open discovery -> first
 scan and state recovery (concurrently) -> DRA socket -> registration socket ->
 background work (publishing, rescans, netlink events, health). SIGTERM stops the
 servers and removes the sockets.

@@ -6,7 +6,8 @@ repair or cleanup) runs in one worker thread and holds, in this order:
 2. the claim's lock across processes (`ClaimFileLock`): during a rolling update
    two agents share the state directory, and the kubelet may send a claim's
    unprepare to the newer one while the older one is still preparing it;
-3. the locks of the claim's devices (`device/<name>`), in sorted order.
+3. for prepare and unprepare, which change what a device is bound to, the locks
+   of the claim's devices (`device/<name>`), in sorted order.
 A claim lock is never requested while a device lock is held, and device locks
 are always taken in one global order, so there is no deadlock.
 """

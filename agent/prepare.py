@@ -120,12 +120,11 @@ class PrepareEngine:
         return PrepareResult(devices=record.devices)
 
     async def _prepare_remote(self, ref: ClaimRef, source: ClaimSource) -> ClaimRecord:
-        with self._guard:
-            known = ref.uid in self._records
-        if known:  # a repeated prepare is answered from the record, without asking the API server
-            record = await asyncio.to_thread(self._prepare_blocking, ref, None)
-            if record is not None:
-                return record
+        # A prepared claim (by this agent or another one on the node) is answered from its record,
+        # without asking the API server, which may no longer have it.
+        record = await asyncio.to_thread(self._prepare_blocking, ref, None)
+        if record is not None:
+            return record
         claim = await source.get(ref.namespace, ref.name)
         record = await asyncio.to_thread(self._prepare_blocking, ref, lambda _ns, _n: claim)
         assert record is not None
@@ -328,6 +327,11 @@ class PrepareEngine:
         return record
 
     def _roll_back(self, record: ClaimRecord) -> None:
+        # The record may be in place already (renamed, then its directory's fsync failed): the
+        # prepare is reported as failed, so no record may say otherwise.
+        with contextlib.suppress(OSError):
+            self.store.delete(record.uid)
+        self._forget(record.uid)
         for f in reversed(record.files):
             with contextlib.suppress(OSError):
                 self.root_of(f.path).unlink(f.path)

@@ -1,4 +1,4 @@
-"""The kubelet's view (CONTRACT §1-3): a kubelet stand-in over the agent's real unix sockets."""
+"""The kubelet's view (docs/contract.md §1-3): a kubelet stand-in over the agent's real unix sockets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prepare and unprepare semantics (CONTRACT §2, §5-7), one test per rule, through the real engine:
+"""Prepare and unprepare semantics (docs/contract.md §2, §5-7), one test per rule, through the real engine:
 simulated NVML GPUs, claims from the offline directory, files in temporary roots."""
 
 from __future__ import annotations

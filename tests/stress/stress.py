@@ -370,10 +370,13 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
             report.daemon_kills += 1
         # The restart: a daemon start runs recovery before its sockets; then the disk is checked.
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        with open(work / "daemon.log", "ab") as logf:
+            proc = subprocess.Popen(args, env=env, stdout=logf, stderr=logf, cwd=ROOT)
         try:
             asyncio.run(ready(proc))  # recovery runs before the sockets: the disk is settled now
             problems = check_disk(settings, expect)
+        except RuntimeError as exc:
+            problems = [f"the restarted agent did not come up: {exc} (see {work / 'daemon.log'})"]
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
