@@ -301,3 +301,19 @@ def test_the_agent_refuses_roots_that_others_can_write(tmp_path):
     prepare_roots(build_settings({**{f: getattr(settings, f) for f in (
         "driver_name", "node_name", "kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "dev_root",
         "offline")}, "allow_unsafe_roots": True}))
+
+
+async def test_a_record_write_that_fails_after_its_rename_leaves_no_record(node, monkeypatch):
+    """The directory fsync after the rename can fail (EIO): the prepare is reported as failed, so
+    the record that reached the disk must go as well, or the claim would read as prepared."""
+    write_claim(node.claims_dir, claim("c", OLD, [result("gpu-0", "req")]))
+    real_write = node.engine.store.root.write
+
+    def write_then_fail(path, data, mode=0o644, durable=False):
+        real_write(path, data, mode, durable)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(node.engine.store.root, "write", write_then_fail)
+    out = await node.engine.prepare([ref("c", OLD)])
+    assert "Input/output error" in out[OLD].error
+    assert node.engine.store.read(OLD) is None and nothing_of(node.settings, OLD)
