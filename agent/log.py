@@ -49,5 +49,5 @@ def setup(fmt: str = "auto", level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2", "pyroute2", "watchdog"):
+    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2", "pyroute2"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
