@@ -19,8 +19,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 _ACTIONS: dict[str, str] = {}
+# Called with the step's name just before a `kill` (the crash suite counts where its kills land).
+before_kill: Callable[[str], None] | None = None
 _NTH: dict[int, str] = {}  # `*@N`: the action at the N-th step reached, counted from configure()
 _counter = itertools.count(1)
 _count_lock = threading.Lock()
@@ -70,6 +73,8 @@ def hit(name: str) -> None:
     if action is None:
         return
     if action == "kill":
+        if before_kill is not None:
+            before_kill(name)
         os.kill(os.getpid(), signal.SIGKILL)
     if action.startswith("sleep:"):
         time.sleep(float(action[len("sleep:"):]))

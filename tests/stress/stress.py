@@ -118,7 +118,7 @@ class CrashReport:
     completed_rounds: int = 0  # rounds whose agent finished its operations before the drawn step
     inconsistencies: int = 0
     problems: list[str] = field(default_factory=list)
-    steps_reached: dict[str, int] = field(default_factory=dict)
+    steps_reached: dict[str, int] = field(default_factory=dict)  # where the forked agents were killed
 
 
 def _claims(rng: random.Random, count: int) -> list[dict[str, Any]]:
@@ -178,6 +178,7 @@ def _child(settings: Settings, gpus: list[Device], uids: list[str], seed: int, k
         report = await asyncio.to_thread(recover, agent.engine)
         say("R", str(len(report.records)))
         os.read(in_fd, 1)  # the parent has checked the disk after this restart
+        failpoints.before_kill = lambda step: say("K", step)
         failpoints.configure(f"*@{kill_at}=kill")
         await agent.engine.refresh_claims(sorted(agent.engine.records))  # as the daemon does at start
         for _ in range(rng.randint(2, 6)):
@@ -253,6 +254,8 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
                         report.inconsistencies += len(problems)
                         report.problems += [f"round {report.rounds}: {p}" for p in problems[:5]]
                     os.write(in_w, b"g")
+                elif kind == "K":
+                    report.steps_reached[rest[0]] = report.steps_reached.get(rest[0], 0) + 1
                 elif kind == "S":
                     in_flight[rest[1]] = in_flight.get(rest[1], 0) + 1
                 elif kind == "D":
@@ -299,6 +302,8 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
 def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashReport) -> None:
     import subprocess
 
+    import grpc
+
     from agent import kubelet_client as kc
 
     work.mkdir(parents=True, exist_ok=True)
@@ -331,7 +336,7 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
     async def drive(proc: subprocess.Popen[bytes]) -> None:
         await ready(proc)
         async with kc.DRAClient(settings.dra_socket) as client:
-            for _ in range(8):
+            for _ in range(12):
                 chosen = rng.sample(refs, rng.randint(1, 3))
                 unprepare = rng.random() < 0.35
                 for r in chosen:
@@ -347,11 +352,13 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
                         for r in chosen:
                             if reply.claims[r.uid].error == "":
                                 expect[r.uid] = "prepared"
-                except Exception:
+                except grpc.aio.AioRpcError as exc:
+                    if proc.poll() is None and exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
                     return  # the agent died mid-call
 
     attempts = 0
-    while report.daemon_kills < rounds and attempts < 3 * rounds:
+    while report.daemon_kills < rounds and attempts < 4 * rounds:
         attempts += 1
         env = dict(os.environ, DRA_AGENT_FAILPOINTS=f"*@{rng.randint(1, 24)}=kill", PYTHONPATH=str(ROOT))
         with open(work / "daemon.log", "ab") as logf:
@@ -368,6 +375,9 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
         if proc.returncode == -signal.SIGKILL:
             report.kills += 1
             report.daemon_kills += 1
+        elif proc.returncode != 0:
+            report.inconsistencies += 1
+            report.problems.append(f"daemon round: the agent exited with {proc.returncode} (see {work}/daemon.log)")
         # The restart: a daemon start runs recovery before its sockets; then the disk is checked.
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         with open(work / "daemon.log", "ab") as logf:
@@ -598,6 +608,7 @@ def run(kills: int, daemon_kills: int, engine_inputs: int, grpc_inputs: int, see
         "daemon_kills": crash.daemon_kills,
         "rounds": crash.rounds,
         "rounds_without_kill": crash.completed_rounds,
+        "kills_by_step": dict(sorted(crash.steps_reached.items())),
         "inconsistencies": crash.inconsistencies,
         "fuzz_inputs": fz.inputs,
         "fuzz_failures": fz.failures,
