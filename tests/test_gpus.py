@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -189,20 +190,100 @@ def test_gpu_lost_after_publishing_keeps_its_name(dgx: GpuSource) -> None:
     assert failure.device == "gpu-5" and "GPU is lost" in failure.reason
 
 
-def test_gpu_lost_from_the_start_is_a_problem_not_a_device(tmp_path: Path) -> None:
+def lost_profile(tmp_path: Path, lost: set[int]) -> str:
     profile = tmp_path / "lost.json"
     profile.write_text(json.dumps({"gpus": [
-        {"name": "NVIDIA A100-SXM4-80GB", "busId": "0000:07:00.0", "memoryTotal": 85899345920},
-        {"name": "NVIDIA A100-SXM4-80GB", "busId": "0000:0f:00.0", "memoryTotal": 85899345920, "lost": True},
+        {"name": "NVIDIA A100-SXM4-80GB", "busId": bus, "memoryTotal": 85899345920, "minor": minor,
+         "lost": index in lost}
+        for index, (bus, minor) in enumerate((("0000:07:00.0", 0), ("0000:0f:00.0", 2), ("0000:47:00.0", 1)))
     ]}))
-    source = opened(sim_settings(tmp_path, str(profile)))
+    return str(profile)
+
+
+LOST = "nvmlDeviceGetHandleByIndex failed: GPU is lost (NVML_ERROR_GPU_IS_LOST)"
+
+
+def test_gpu_lost_from_the_start_is_named_from_the_driver_list(tmp_path: Path) -> None:
+    source = opened(sim_settings(tmp_path, lost_profile(tmp_path, {1})))
+    try:
+        result = source.scan()
+        assert [d.name for d in result.devices] == ["gpu-0", "gpu-1"]
+        # It never said its minor; the driver lists minors 0, 1, 2 and the others said 0 and 1.
+        assert result.failed_devices == [DeviceFailure("gpu-2", f"NVML index 1, 0000:0f:00.0: {LOST}")]
+        assert result.problems == []
+        assert source.proc_root == tmp_path / "state" / "nvml-sim" / "proc"
+        # Named now, it keeps the name when the driver's list is gone.
+        shutil.rmtree(source.proc_root)
+        assert source.scan().failed_devices == [DeviceFailure("gpu-2", LOST)]
+    finally:
+        source.close()
+
+
+def test_gpus_lost_from_the_start_are_all_named_when_the_rest_answer(tmp_path: Path) -> None:
+    source = opened(sim_settings(tmp_path, lost_profile(tmp_path, {0, 1})))
     result = source.scan()
     source.close()
-    assert [d.name for d in result.devices] == ["gpu-0"]
-    # It never said its minor number: there is no device name to report it under.
-    assert result.failed_devices == []
-    assert result.problems == [SourceProblem(
-        "GPU at NVML index 1", "nvmlDeviceGetHandleByIndex failed: GPU is lost (NVML_ERROR_GPU_IS_LOST)")]
+    assert [d.name for d in result.devices] == ["gpu-1"]
+    # Both failing GPUs are among minors 0 and 2, and both fail: each is named, which reason is whose
+    # does not matter when they agree.
+    assert result.failed_devices == [DeviceFailure(f"gpu-{m}", f"one of NVML indexes 0, 1: {LOST}") for m in (0, 2)]
+
+
+def test_gpu_lost_from_the_start_without_the_driver_list_names_no_device(tmp_path: Path) -> None:
+    source = opened(sim_settings(tmp_path, lost_profile(tmp_path, {1})))
+    # No list, or one that does not match NVML's GPUs: no name it would be published under.
+    for damage in ("remove one", "remove all"):
+        top = source.proc_root / "driver" / "nvidia" / "gpus"
+        shutil.rmtree(top / "0000:47:00.0" if damage == "remove one" else top)
+        result = source.scan()
+        assert [d.name for d in result.devices] == ["gpu-0", "gpu-1"]
+        assert result.failed_devices == []
+        assert result.problems == [SourceProblem("GPU at NVML index 1", LOST)]
+    source.close()
+
+
+def test_an_unexpected_exception_costs_one_gpu(dgx: GpuSource, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    sim = dgx.nvml
+    real_name = sim.nvmlDeviceGetName
+
+    def name(handle):  # type: ignore[no-untyped-def]
+        if sim.nvmlDeviceGetIndex(handle) == 4:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real_name(handle)
+
+    monkeypatch.setattr(sim, "nvmlDeviceGetName", name)
+    with caplog.at_level(logging.WARNING, logger="agent.inventory.gpus"):
+        result = dgx.scan()
+    assert [d.name for d in result.devices] == [f"gpu-{i}" for i in (0, 1, 2, 3, 5, 6, 7)]
+    assert result.failed_devices == [DeviceFailure(
+        "gpu-4", "unexpected UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0: "
+                 "invalid start byte")]
+    assert any(r.exc_info for r in caplog.records), "the first time, with its traceback"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agent.inventory.gpus"):
+        assert [f.device for f in dgx.scan().failed_devices] == ["gpu-4"]
+    assert caplog.records == []  # said once, not on every rescan
+
+
+def test_codes_the_agent_has_no_name_for_are_published_by_number(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    profile = tmp_path / "future.json"
+    profile.write_text(json.dumps({"gpus": [
+        {"name": "NVIDIA Next", "busId": "0000:07:00.0", "memoryTotal": 1 << 30, "brand": 42, "architecture": 77},
+        {"name": "NVIDIA Next", "busId": "0000:0f:00.0", "memoryTotal": 1 << 30,
+         "brand": "NVML_BRAND_UNKNOWN", "architecture": "NVML_DEVICE_ARCH_UNKNOWN"},
+    ]}))
+    with caplog.at_level(logging.WARNING, logger="agent.inventory.gpus"):
+        source = opened(sim_settings(tmp_path, str(profile)))
+        first, second = source.scan().devices
+        source.close()
+    assert (first.attributes["brand"], first.attributes["architecture"]) == ("unknown-42", "unknown-77")
+    assert apirules.device_wire_errors(first.wire()) == []
+    # NVML's own "unknown" says nothing: omitted.
+    assert "brand" not in second.attributes and "architecture" not in second.attributes
+    said = [r.getMessage() for r in caplog.records]
+    assert "gpu-0: NVML brand code 42 has no name in this agent; published as brand=unknown-42" in said
 
 
 def test_json_profile_with_faults(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -383,7 +464,7 @@ def test_auto_without_nvidia_hardware_publishes_nothing(tmp_path: Path,
     with caplog.at_level(logging.INFO, logger="agent.inventory.gpus"):
         source.open()
     assert source.scan() == ScanResult()
-    assert any("no NVIDIA GPUs" in r.getMessage() for r in caplog.records)
+    assert [r.levelname for r in caplog.records if "no NVIDIA GPUs" in r.getMessage()] == ["WARNING"]
     source.close()
     assert not (tmp_path / "state" / "nvml-sim").exists()  # never a quiet switch to the simulation
 
@@ -392,8 +473,9 @@ def test_real_mode_without_nvml_is_an_error(tmp_path: Path) -> None:
     if nvml_is_real():
         pytest.skip("NVML loads on this machine")
     settings = Settings(node_name="node-a", nvml=NvmlMode("real"), state_dir=tmp_path)
-    with pytest.raises(DiscoveryError, match="NVML did not initialize: NVML Shared Library Not Found"):
+    with pytest.raises(DiscoveryError, match="NVML did not initialize: NVML Shared Library Not Found") as err:
         GpuSource(settings).open()
+    assert "libnvidia-ml.so.1" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_probe_says_sim_without_nvml() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -413,7 +414,7 @@ async def test_nvml_failing_to_count_keeps_the_gpus(tmp_path: Path) -> None:
 
 PROFILE = {"gpus": [
     {"name": "NVIDIA A100-SXM4-80GB", "busId": "0000:07:00.0", "memoryTotal": 85899345920},
-    # Falls off the bus before NVML ever says its minor number: it has no device name.
+    # Falls off the bus before NVML ever says its minor number: named only through the driver's list.
     {"name": "NVIDIA A100-SXM4-80GB", "busId": "0000:0f:00.0", "memoryTotal": 85899345920, "lost": True},
     # Says its minor number, then fails: a device known by name.
     {"name": "NVIDIA A100-SXM4-80GB", "busId": "0000:47:00.0", "memoryTotal": 85899345920,
@@ -428,6 +429,8 @@ async def test_the_health_stream_names_only_devices(tmp_path: Path) -> None:
     inventory = Inventory([GpuSource(settings), StaticSource("nic", [NIC_A])])
     inventory.open()
     try:
+        # Without the driver's GPU list (/proc/driver/nvidia/gpus) the lost GPU has no name.
+        shutil.rmtree(tmp_path / "state" / "nvml-sim" / "proc")
         await inventory.scan()
     finally:
         inventory.close()
@@ -440,3 +443,17 @@ async def test_the_health_stream_names_only_devices(tmp_path: Path) -> None:
     gpu2 = next(h for h in tracker.current() if h.device == "gpu-2")
     assert "Corrupted infoROM" in gpu2.message
     assert any(line.startswith("GPU at NVML index 1: ") for line in snapshot.not_published())
+
+    # With the list, it is the GPU whose minor no answering GPU has: named, and UNHEALTHY.
+    inventory = Inventory([GpuSource(settings), StaticSource("nic", [NIC_A])])
+    inventory.open()
+    try:
+        await inventory.scan()
+    finally:
+        inventory.close()
+    snapshot = inventory.snapshot()
+    assert snapshot.problems == []
+    await tracker.update(snapshot)
+    assert statuses(tracker) == {"gpu-0": HEALTHY, "gpu-1": UNHEALTHY, "gpu-2": UNHEALTHY, NIC_A.name: HEALTHY}
+    gpu1 = next(h for h in tracker.current() if h.device == "gpu-1")
+    assert "GPU is lost" in gpu1.message and "0000:0f:00.0" in gpu1.message

@@ -4,7 +4,18 @@ The source holds either the real `pynvml` module or a `SimulatedNvml` and calls
 the same functions on both. In auto mode a node that shows NVIDIA hardware but
 whose NVML does not initialize is an error, never a quiet switch to the
 simulation: publishing made-up GPUs on a real GPU node would be worse than
-publishing none.
+publishing none. A node without NVIDIA hardware publishes no GPUs, with a warning.
+
+One GPU's failure costs that GPU only, whatever it raises. A GPU that fails is
+reported under its device name (`gpu-<minor>`): the minor it said in an earlier
+scan, or, for one that never said it, the minor the kernel driver lists for the
+one GPU left over (`<proc>/driver/nvidia/gpus/<bus id>/information`, where
+`<proc>` is the `proc` directory beside the sysfs root). Only when neither
+names it is it a `SourceProblem` ("GPU at NVML index N").
+
+Brand and architecture are NVML codes; a code this agent has no name for is
+published as `unknown-<code>` (logged once), never dropped. NVML's own
+"unknown" codes are omitted.
 """
 
 from __future__ import annotations
@@ -12,6 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +45,9 @@ log = logging.getLogger(__name__)
 
 SIM_DIR = "nvml-sim"
 SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+# The kernel driver's list of its GPUs, under the proc root: <bus id>/information.
+DRIVER_GPUS = Path("driver", "nvidia", "gpus")
+_DEVICE_MINOR = re.compile(r"^Device Minor:\s*(\d+)\s*$", re.MULTILINE)
 
 BRANDS = {
     pynvml.NVML_BRAND_QUADRO: "Quadro",
@@ -62,6 +78,9 @@ ARCHITECTURES = {
     pynvml.NVML_DEVICE_ARCH_HOPPER: "Hopper",
     pynvml.NVML_DEVICE_ARCH_BLACKWELL: "Blackwell",
 }
+# Codes that say NVML does not know either: the attribute is omitted.
+_NO_BRAND = pynvml.NVML_BRAND_UNKNOWN
+_NO_ARCHITECTURE = pynvml.NVML_DEVICE_ARCH_UNKNOWN
 # Answers that mean "this GPU or driver has no such thing", not "this GPU is broken".
 _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
@@ -69,6 +88,25 @@ _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
 def describe_error(exc: pynvml.NVMLError) -> str:
     """`GPU is lost (NVML_ERROR_GPU_IS_LOST)`: the library's words and the code's name."""
     return f"{exc} ({error_name(exc.value)})"
+
+
+def driver_minors(proc_root: Path) -> dict[str, int]:
+    """Bus ID -> minor number of each GPU the NVIDIA kernel driver lists under `proc_root`
+    (empty when it lists none or the directory is not there)."""
+    top = proc_root / DRIVER_GPUS
+    try:
+        entries = sorted(os.listdir(top))
+    except OSError:
+        return {}
+    minors = {}
+    for entry in entries:
+        try:
+            found = _DEVICE_MINOR.search((top / entry / "information").read_text(errors="replace"))
+            if found:
+                minors[normalize_bus_id(entry)] = int(found.group(1))
+        except (OSError, ValueError):
+            continue
+    return minors
 
 
 class _GpuFailed(Exception):
@@ -88,6 +126,12 @@ class GpuSource:
         self._initialized = False
         self._minors: dict[int, int] = {}  # NVML index -> minor, to name a GPU that stops answering
         self._reported: dict[str, str] = {}  # problems already logged, logged again only when they change
+        self._tracebacks: dict[int, str] = {}  # NVML index -> unexpected exception whose traceback was logged
+
+    @property
+    def proc_root(self) -> Path:
+        """Where the kernel driver's GPU list is read: the `proc` directory beside the sysfs root."""
+        return self.sysfs_root.parent / "proc"
 
     def open(self) -> None:
         mode = self.settings.nvml
@@ -97,7 +141,10 @@ class GpuSource:
             try:
                 pynvml.nvmlInit()
             except pynvml.NVMLError as exc:
-                raise DiscoveryError(f"--nvml real: NVML did not initialize: {describe_error(exc)}") from exc
+                hint = ("; is the NVIDIA driver installed, with libnvidia-ml.so.1 on the library path?"
+                        if exc.value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND else "")
+                raise DiscoveryError(f"--nvml real: NVML did not initialize: {describe_error(exc)}{hint}") \
+                    from exc
             self.nvml = pynvml
         else:
             self._open_auto()
@@ -135,7 +182,9 @@ class GpuSource:
                     f"NVIDIA hardware is present ({', '.join(found)}) but NVML did not initialize: "
                     f"{describe_error(exc)}; make the driver's libnvidia-ml.so.1 loadable, or pass "
                     "--nvml sim to publish simulated GPUs instead") from exc
-            log.info("no NVIDIA GPUs on this node (NVML: %s); publishing none", describe_error(exc))
+            log.warning("no NVIDIA GPUs on this node (NVML: %s; no NVIDIA hardware in %s or %s); publishing "
+                        "none (--nvml sim publishes simulated GPUs)", describe_error(exc),
+                        self.settings.sysfs_root, self.settings.dev_root)
             return
         self.nvml = pynvml
 
@@ -168,18 +217,55 @@ class GpuSource:
             # Not a statement about any GPU: the inventory keeps the ones it has and retries.
             raise ScanError(f"nvmlDeviceGetCount failed: {describe_error(exc)}") from exc
         result = ScanResult()
+        unnamed: dict[int, str] = {}  # NVML index -> why, for failing GPUs that never said their minor
         for index in range(count):
             try:
                 result.devices.append(self._describe(index, common))
+                self._tracebacks.pop(index, None)
+                continue
             except _GpuFailed as failure:
-                minor = self._minors.get(index)
-                if minor is not None:
-                    result.failed_devices.append(DeviceFailure(f"gpu-{minor}", failure.message))
-                else:
-                    # It never said its minor number, so it has no name it would be published under.
-                    result.problems.append(SourceProblem(f"GPU at NVML index {index}", failure.message))
+                reason = failure.message
+            except Exception as exc:  # whatever one GPU's calls raise costs that GPU only
+                reason = f"unexpected {type(exc).__name__}: {exc}"
+                if self._tracebacks.get(index) != reason:
+                    self._tracebacks[index] = reason
+                    log.warning("GPU at NVML index %d: %s", index, reason, exc_info=exc)
+            minor = self._minors.get(index)
+            if minor is not None:
+                result.failed_devices.append(DeviceFailure(f"gpu-{minor}", reason))
+            else:
+                unnamed[index] = reason
+        if unnamed:
+            known = {self._minors[i] for i in range(count) if i not in unnamed and i in self._minors}
+            self._name_the_rest(count, known, unnamed, result)
         self._log_failures(result)
         return result
+
+    def _name_the_rest(self, count: int, known: set[int], unnamed: dict[int, str], result: ScanResult) -> None:
+        """Name GPUs that failed before saying their minor: when the kernel driver lists exactly
+        NVML's GPUs, the minors no answering GPU has are those of the failing ones."""
+        by_bus = driver_minors(self.proc_root)
+        listed = set(by_bus.values())
+        left = sorted(listed - known)
+        if len(by_bus) == len(listed) == count and known <= listed and len(left) == len(unnamed):
+            if len(unnamed) == 1:
+                [(index, reason)] = unnamed.items()
+                [minor] = left
+                bus = next(b for b, m in by_bus.items() if m == minor)
+                self._minors[index] = minor
+                result.failed_devices.append(DeviceFailure(f"gpu-{minor}", f"NVML index {index}, {bus}: {reason}"))
+                return
+            # Each of these GPUs fails; which reason is whose is not known.
+            reasons = sorted(set(unnamed.values()))
+            why = reasons[0] if len(reasons) == 1 else "; ".join(
+                f"NVML index {i}: {r}" for i, r in sorted(unnamed.items()))
+            indexes = ", ".join(map(str, sorted(unnamed)))
+            for minor in left:
+                result.failed_devices.append(DeviceFailure(f"gpu-{minor}", f"one of NVML indexes {indexes}: {why}"))
+            return
+        # No name it would be published under: reported for people, not on the health stream.
+        for index, reason in sorted(unnamed.items()):
+            result.problems.append(SourceProblem(f"GPU at NVML index {index}", reason))
 
     def _log_failures(self, result: ScanResult) -> None:
         failed = {f.device: f.reason for f in result.failed_devices} | {p.what: p.reason for p in result.problems}
@@ -214,6 +300,9 @@ class GpuSource:
             value = getattr(self.nvml, function)()
         except pynvml.NVMLError as exc:
             self._note(f"<{function}>", f"{function} failed: {describe_error(exc)}; attribute omitted")
+            return None
+        except Exception as exc:  # a driver-wide attribute is not worth the scan
+            self._note(f"<{function}>", f"{function} raised {type(exc).__name__}: {exc}; attribute omitted")
             return None
         self._reported.pop(f"<{function}>", None)
         return value
@@ -254,12 +343,18 @@ class GpuSource:
 
         attrs: dict[str, AttrValue] = {"type": "gpu", "uuid": uuid, "index": index, "minor": minor,
                                        "productName": product}
-        brand = self._optional("nvmlDeviceGetBrand", handle)
-        if brand in BRANDS:
-            attrs["brand"] = BRANDS[brand]
-        arch = self._optional("nvmlDeviceGetArchitecture", handle)
-        if arch in ARCHITECTURES:
-            attrs["architecture"] = ARCHITECTURES[arch]
+        for attr, call, names, unknown in (("brand", "nvmlDeviceGetBrand", BRANDS, _NO_BRAND),
+                                               ("architecture", "nvmlDeviceGetArchitecture", ARCHITECTURES,
+                                                _NO_ARCHITECTURE)):
+            code = self._optional(call, handle)
+            if code is None or int(code) == unknown:
+                continue
+            name = names.get(int(code))
+            if name is None:
+                name = f"unknown-{int(code)}"
+                self._note(f"<{attr} {int(code)}>", f"gpu-{minor}: NVML {attr} code {int(code)} has no name in "
+                           f"this agent; published as {attr}={name}")
+            attrs[attr] = name
         cc = self._optional("nvmlDeviceGetCudaComputeCapability", handle)
         if cc is not None:
             attrs["cudaComputeCapability"] = Version(f"{int(cc[0])}.{int(cc[1])}.0")

@@ -1,7 +1,8 @@
-"""The simulated machine on disk: its sysfs PCI tree and its /dev nodes, as the driver would show them.
+"""The simulated machine on disk: its sysfs PCI tree, the kernel driver's GPU list in procfs and its
+/dev nodes, as the driver would show them.
 
 Discovery in sim mode reads PCI facts from this tree exactly as it reads the real
-`/sys`, and CDI specs point at these device nodes.
+`/sys` (and `/proc/driver/nvidia/gpus`), and CDI specs point at these device nodes.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import stat
 from pathlib import Path
 
@@ -22,7 +24,8 @@ UVM_MAJOR = 235  # dynamically assigned on real hosts; a typical value
 
 
 def materialize(profile: SimProfile, root: Path) -> None:
-    """Write the profile's sysfs (`root/sys`) and device nodes (`root/dev`); safe to repeat."""
+    """Write the profile's sysfs (`root/sys`), the driver's GPU list (`root/proc`) and device nodes
+    (`root/dev`); safe to repeat."""
     sys_root = root / "sys"
     devices = sys_root / "bus" / "pci" / "devices"
     drivers = sys_root / "bus" / "pci" / "drivers" / "nvidia"
@@ -62,7 +65,19 @@ def materialize(profile: SimProfile, root: Path) -> None:
         (devices / stale).unlink(missing_ok=True)
     for stale in set(os.listdir(drivers)) - {g.bus_id for g in profile.gpus if g.in_sysfs}:
         (drivers / stale).unlink(missing_ok=True)
+    _driver_gpus(profile, root / "proc" / "driver" / "nvidia" / "gpus")
     _device_nodes(profile, root / "dev")
+
+
+def _driver_gpus(profile: SimProfile, top: Path) -> None:
+    # /proc/driver/nvidia/gpus/<bus id>/information, the lines of it discovery reads.
+    top.mkdir(parents=True, exist_ok=True)
+    for gpu in profile.gpus:
+        _function_dir(top / gpu.bus_id, {"information": (
+            f"Model: \t\t {gpu.name}\nGPU UUID: \t {gpu.uuid}\nBus Location: \t {gpu.bus_id}\n"
+            f"Device Minor: \t {gpu.minor}")})
+    for stale in set(os.listdir(top)) - {g.bus_id for g in profile.gpus}:
+        shutil.rmtree(top / stale, ignore_errors=True)
 
 
 def _function_dir(path: Path, files: dict[str, str]) -> None:
