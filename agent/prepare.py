@@ -79,6 +79,7 @@ class PrepareEngine:
         self._guard = threading.Lock()  # over the two indexes below
         self._records: dict[str, tuple[ClaimRecord, RecordStamp]] = {}
         self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
+        self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
 
     @property
     def records(self) -> dict[str, ClaimRecord]:
@@ -304,7 +305,7 @@ class PrepareEngine:
         except RecordError as exc:
             log.error("claim record of %s is unreadable (%s): setting it aside, removing its files", uid, exc)
             self._forget(uid)
-            self.store.quarantine(self.store.path(uid).name)
+            self.quarantined.append(str(self.store.quarantine(self.store.path(uid).name)))
             self.remove_claim_files(uid)
             return None
 

@@ -67,13 +67,12 @@ def recover(engine: PrepareEngine) -> RecoveryReport:
         if _uid_or_none(uid) is None:
             continue
         with engine.claim_locked(uid):
-            before = set(os.listdir(store.directory))
             record = engine.current_or_purge(uid)
-            report.quarantined += sorted(str(store.directory / n) for n in set(os.listdir(store.directory)) - before)
             if record is None:
                 continue
             report.records[uid] = record
             report.repaired += _repair(engine, record)
+    report.quarantined = list(engine.quarantined)
     report.removed += _remove_orphan_specs(engine)
     report.removed += _remove_orphan_metadata(engine, report.records)
     for path in report.repaired:
