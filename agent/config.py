@@ -32,6 +32,7 @@ class Option:
     help: str
     kind: type = str
     metavar: str | None = None
+    empty: bool = False  # an empty value (flag or environment) is a value, not "unset"
 
 
 def _default_state_dir() -> str:
@@ -40,6 +41,10 @@ def _default_state_dir() -> str:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "dra-agent")
 
+
+# Clear of Prometheus (9090), node-exporter (9100), DCGM exporter (9400) and the kubelet (10248, 10250).
+# The agent runs with hostNetwork, so the port is taken on the node itself; deploy/ probes it.
+DEFAULT_METRICS_ADDRESS = ":9477"
 
 OPTIONS: tuple[Option, ...] = (
     Option("driver_name", "--driver-name", "DRA_DRIVER_NAME", "dra.example.com",
@@ -86,6 +91,9 @@ OPTIONS: tuple[Option, ...] = (
            "ResourceClaim GETs in flight at once", kind=int, metavar="N"),
     Option("api_timeout", "--api-timeout", "DRA_API_TIMEOUT", 10.0,
            "seconds for one API server request", kind=float, metavar="SECONDS"),
+    Option("metrics_address", "--metrics-address", "DRA_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS,
+           "HOST:PORT for /metrics, /healthz and /readyz (HTTP; no HOST: every interface; "
+           "empty: off)", metavar="HOST:PORT", empty=True),
     Option("log_format", "--log-format", "DRA_LOG_FORMAT", "auto",
            "auto (text on a terminal, else JSON), json or text", metavar="FORMAT"),
     Option("log_level", "--log-level", "DRA_LOG_LEVEL", "info", "debug, info, warning or error",
@@ -137,6 +145,7 @@ class Settings:
     allow_unsafe_roots: bool = False
     claim_fetch_concurrency: int = 16
     api_timeout: float = 10.0
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -153,6 +162,8 @@ class Settings:
             raise ConfigError("--rescan-interval must be > 0 and --netlink-debounce >= 0")
         if self.claim_fetch_concurrency < 1:
             raise ConfigError("--claim-fetch-concurrency must be >= 1")
+        if self.metrics_address:
+            parse_address(self.metrics_address)
 
     # Paths the kubelet and the runtime know about.
     @functools.cached_property
@@ -189,6 +200,23 @@ class Settings:
     @functools.cached_property
     def cdi_vendor(self) -> str:
         return self.driver_name
+
+    @functools.cached_property
+    def metrics_endpoint(self) -> tuple[str | None, int] | None:
+        """(host, port) for the metrics and probes server; host None is every interface; None: off."""
+        return parse_address(self.metrics_address) if self.metrics_address else None
+
+
+def parse_address(text: str) -> tuple[str | None, int]:
+    """`HOST:PORT`, `:PORT` (every interface) or `[IPV6]:PORT`; port 0 lets the kernel choose."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--metrics-address must be HOST:PORT or :PORT, not {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"--metrics-address {text!r}: write an IPv6 address in brackets, [ADDRESS]:PORT")
+    return host or None, int(port)
 
 
 def _fit_socket(directory: Path, name: str, uid: str, prefix: str, suffix: str = "") -> Path:
@@ -228,7 +256,9 @@ def settings_from(args: argparse.Namespace | None = None, env: Mapping[str, str]
     for opt in OPTIONS:
         raw = getattr(args, opt.dest, None) if args is not None else None
         if raw is None:
-            raw = env.get(opt.env) or None
+            raw = env.get(opt.env)
+            if raw == "" and not opt.empty:
+                raw = None
         if raw is None:
             continue
         try:

@@ -1,24 +1,28 @@
 """The running agent: discovery, publishing, the kubelet's sockets, and keeping it all current.
 
-Start-up order (docs/architecture.md, "Start-up order"): connect -> open discovery -> first
-scan and state recovery (concurrently) -> DRA socket -> registration socket ->
-background work (publishing, rescans, netlink events, health). SIGTERM stops the
-servers and removes the sockets.
+Start-up order (docs/architecture.md, "Start-up order"): metrics and probes server ->
+connect -> open discovery -> first scan and state recovery (concurrently) -> DRA socket ->
+registration socket -> background work (publishing, rescans, netlink events, health).
+SIGTERM stops the servers and removes the sockets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
 import signal
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
+
 from agent import config as config_mod
-from agent import slices
+from agent import kubelet_client, slices
 from agent.config import Settings
 from agent.connection import Connection, StartupError, connect, wait_for_node
 from agent.fsutil import UnsafeRoot, check_root, makedirs
@@ -27,9 +31,10 @@ from agent.inventory import DiscoveryError, Inventory, Source
 from agent.inventory.cpus import CpuSource
 from agent.inventory.gpus import GpuSource
 from agent.inventory.memory import MemorySource
-from agent.inventory.netwatch import NetlinkWatcher, debounced
+from agent.inventory.netwatch import NetEvent, NetlinkWatcher, debounced
 from agent.inventory.nics import NicSource
 from agent.kube import NodeInfo
+from agent.metrics import AgentState, Check, Metrics, MetricsServer
 from agent.model import Device
 from agent.prepare import PrepareEngine
 from agent.publisher import PublishLoop
@@ -110,6 +115,10 @@ class Agent:
         self.engine: PrepareEngine | None = None
         self.servers: Servers | None = None
         self.publish: PublishLoop | None = None
+        self.metrics = Metrics()
+        self.metrics.state = self.metrics_state
+        self.inventory.on_scan = self.metrics.scanned
+        self.http: MetricsServer | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._devices: dict[str, Device] = {}
         self.refreshed = asyncio.Event()  # the start-up refresh of prepared claims is done
@@ -117,14 +126,19 @@ class Agent:
     async def start(self) -> None:
         s = self.settings
         started = time.monotonic()
+        if s.metrics_endpoint is not None:
+            host, port = s.metrics_endpoint
+            self.http = MetricsServer(self.metrics, host, port, healthz=self.healthz, readyz=self.readyz)
+            await self.http.start()
         self.conn = await connect(s)
         log.info("mode: %s (%s)", self.conn.mode, self.conn.reason)
         await asyncio.to_thread(prepare_roots, s)
         await asyncio.to_thread(self.inventory.open)
         set_node_allocatable(self.inventory, self.conn.node)
-        self.engine = PrepareEngine(s, self.inventory, self.conn.claim_source(s), self.store)
+        self.engine = PrepareEngine(s, self.inventory, self.conn.claim_source(s), self.store, metrics=self.metrics)
         _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(recover, self.engine))
         log.info("state: %s", report.summary())
+        self.metrics.recovered(len(report.repaired), len(report.removed), len(report.quarantined))
         self._devices = self.inventory.snapshot().devices
         await self.tracker.update(self.inventory.snapshot())
         self.servers = Servers(s, self.engine, self.tracker)
@@ -166,7 +180,7 @@ class Agent:
             if await self.inventory.scan(["cpu", "memory"]):
                 await self._changed()
         self.publish = PublishLoop(self.conn.publisher(self.settings, node),
-                                   verify_interval=max(self.settings.rescan_interval, 60.0))
+                                   verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
         self.publish.update(self.inventory.devices())
         await self.publish.run()
 
@@ -193,11 +207,16 @@ class Agent:
             if await self.inventory.scan(["nic"]):
                 await self._changed()
             log.info("watching netlink link and address events")
-            async for _ in debounced(watcher.events(), self.settings.netlink_debounce):
+            async for _ in debounced(self._counted(watcher.events()), self.settings.netlink_debounce):
                 if await self.inventory.scan(["nic"]):
                     await self._changed()
         finally:
             await watcher.close()
+
+    async def _counted(self, events: AsyncIterator[NetEvent]) -> AsyncIterator[NetEvent]:
+        async for event in events:
+            self.metrics.netlink_events.labels(event.kind).inc()
+            yield event
 
     async def _changed(self) -> None:
         snapshot = self.inventory.snapshot()
@@ -217,9 +236,90 @@ class Agent:
                 await task
         if self.servers is not None:
             await self.servers.stop()
+        if self.http is not None:
+            await self.http.stop()
         await asyncio.to_thread(self.inventory.close)
         if self.conn is not None:
             await self.conn.close()
+
+
+    # -- probes and metrics (agent.metrics serves them) -----------------------------------------
+
+    async def healthz(self) -> list[Check]:
+        """Alive: this answer comes from the event loop, and both gRPC servers answer a call."""
+        checks = [Check("event-loop", True)]
+        if self.servers is None:
+            why = "starting: recovering state and scanning devices before the sockets open"
+            return [*checks, Check("registration-server", False, why), Check("dra-server", False, why)]
+        s = self.settings
+        return [*checks, *await asyncio.gather(
+            _answers("registration-server", lambda: kubelet_client.get_info(s.registration_socket)),
+            _answers("dra-server", lambda: kubelet_client.empty_prepare(s.dra_socket)))]
+
+    async def readyz(self) -> list[Check]:
+        """Ready: the kubelet registered the plugin, and this node's slices have been published."""
+        if self.servers is None:
+            registration = Check("kubelet-registration", False, "starting: the sockets are not open yet")
+        else:
+            state = self.servers.registration_state
+            if state.registered:
+                registration = Check("kubelet-registration", True, "the kubelet registered the plugin")
+            elif state.registered is False:
+                registration = Check("kubelet-registration", False,
+                                     f"the kubelet rejected the plugin: {state.error or '(no reason given)'}")
+            else:
+                registration = Check("kubelet-registration", False, "the kubelet has not registered the plugin "
+                                     f"yet (it watches {self.settings.registry_dir})")
+        loop = self.publish
+        if loop is None:
+            slices_check = Check("slices", False, "not publishing yet (waiting for the Node)")
+        elif loop.last_result is None:
+            why = f": {loop.failures} failed attempts, the last: {loop.last_error}" if loop.failures else ""
+            slices_check = Check("slices", False, "not published yet" + why)
+        else:
+            r = loop.last_result
+            detail = f"{r.devices} devices in {r.slices} slices, generation {r.generation}"
+            if not loop.up_to_date:
+                detail += " (a newer inventory is being published" + (
+                    f": {loop.failures} failed attempts, the last: {loop.last_error})" if loop.failures else ")")
+            slices_check = Check("slices", True, detail)
+        return [registration, slices_check]
+
+    def metrics_state(self) -> AgentState:
+        snapshot = self.inventory.snapshot()
+        kinds = {name: d.kind for name, d in snapshot.devices.items()}
+        # A device that failed is known by name only; the names start with the kind (gpu-3, nic-...).
+        devices = collections.Counter((kinds.get(h.device) or h.device.split("-", 1)[0], h.status)
+                                      for h in self.tracker.current())
+        state = AgentState(devices=dict(devices), failing_sources=[f.kind for f in snapshot.failing_sources],
+                           prepared_claims=len(self.engine.records) if self.engine else 0,
+                           health_watchers=self.tracker.watchers)
+        if self.servers is not None:
+            state.registered = self.servers.registration_state.registered
+        if self.publish is not None:
+            state.publish_up_to_date = self.publish.up_to_date
+            state.publish_failures = self.publish.failures
+            if (r := self.publish.last_result) is not None:
+                state.published_devices, state.published_slices = r.devices, r.slices
+                state.dropped_values = len(r.dropped)
+        return state
+
+
+PROBE_TIMEOUT = 2.0
+
+
+async def _answers(name: str, call: Callable[[], Awaitable[Any]]) -> Check:
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT):
+            await call()
+    except TimeoutError:
+        return Check(name, False, f"no answer within {PROBE_TIMEOUT:g}s")
+    except grpc.aio.AioRpcError as exc:
+        return Check(name, False, f"{exc.code().name}: {exc.details()}")
+    except Exception as exc:
+        return Check(name, False, f"{type(exc).__name__}: {exc}")
+    return Check(name, True, f"answered in {(time.monotonic() - started) * 1000:.1f} ms")
 
 
 async def run(settings: Settings) -> int:

@@ -50,6 +50,7 @@ class HealthTracker:
         self._state: dict[str, DeviceHealth] = {}
         self._version = 0
         self._changed = asyncio.Condition()
+        self.watchers = 0  # streams open now (metrics)
 
     def current(self) -> list[DeviceHealth]:
         return [self._state[k] for k in sorted(self._state)]
@@ -90,11 +91,15 @@ class HealthTracker:
     async def watch(self) -> AsyncIterator[list[DeviceHealth]]:
         """The full list now, then on every change and at least every `interval` seconds."""
         seen = -1
-        while True:
-            async with self._changed:
-                if seen == self._version:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait_for(self._newer_than(seen)), self.interval)
-                seen = self._version
-                devices = self.current()
-            yield devices
+        self.watchers += 1
+        try:
+            while True:
+                async with self._changed:
+                    if seen == self._version:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._changed.wait_for(self._newer_than(seen)), self.interval)
+                    seen = self._version
+                    devices = self.current()
+                yield devices
+        finally:
+            self.watchers -= 1

@@ -48,6 +48,13 @@ async def get_info(socket: Path, timeout: float = GET_INFO_TIMEOUT) -> Any:
         return await stub.GetInfo(registration_pb2.InfoRequest(), timeout=timeout)
 
 
+async def empty_prepare(socket: Path, timeout: float = GET_INFO_TIMEOUT) -> Any:
+    """NodePrepareResources (v1) without claims: shows that the DRA server answers, and changes nothing."""
+    async with channel(socket) as ch:
+        stub = dra_v1_pb2_grpc.DRAPluginStub(ch)
+        return await stub.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(), timeout=timeout)
+
+
 async def notify_registration(socket: Path, registered: bool, error: str = "") -> None:
     async with channel(socket) as ch:
         stub = registration_pb2_grpc.RegistrationStub(ch)

@@ -41,6 +41,7 @@ from agent.errors import ClaimFailure
 from agent.fsutil import Root, UnsafePath
 from agent.inventory import Inventory
 from agent.locks import ClaimFileLock, LockTable
+from agent.metrics import Metrics
 from agent.names import ClaimRef, InvalidName, base_request, check_claim_ref
 from agent.state import ClaimRecord, ClaimStore, FileRecord, PreparedDevice, RecordError, RecordStamp
 from agent.toolkit import ToolkitSpecs
@@ -64,8 +65,10 @@ ClaimReader = Callable[[str, str], Mapping[str, Any]]
 
 class PrepareEngine:
     def __init__(self, settings: Settings, inventory: Inventory, claims: ClaimSource, store: ClaimStore,
-                 toolkit: ToolkitSpecs | None = None, claim_lock: ClaimFileLock | None = None) -> None:
+                 toolkit: ToolkitSpecs | None = None, claim_lock: ClaimFileLock | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics or Metrics(process=False)
         self.inventory = inventory
         self.claims = claims
         self.store = store
@@ -100,6 +103,12 @@ class PrepareEngine:
         return dict(zip(unique, results, strict=True))
 
     async def prepare_claim(self, ref: ClaimRef) -> PrepareResult:
+        with self.metrics.claim_operation("prepare") as op:
+            result = await self._prepare_claim(ref)
+            op.failed = bool(result.error)
+        return result
+
+    async def _prepare_claim(self, ref: ClaimRef) -> PrepareResult:
         started = time.monotonic()
         try:
             check_claim_ref(ref)
@@ -132,6 +141,12 @@ class PrepareEngine:
         return record
 
     async def unprepare_claim(self, ref: ClaimRef) -> str:
+        with self.metrics.claim_operation("unprepare") as op:
+            error = await self._unprepare_claim(ref)
+            op.failed = bool(error)
+        return error
+
+    async def _unprepare_claim(self, ref: ClaimRef) -> str:
         started = time.monotonic()
         try:
             check_claim_ref(ref)

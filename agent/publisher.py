@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from agent import kube, slices
 from agent.config import Settings
 from agent.fsutil import atomic_write, is_temp_name, makedirs, unlink_quiet
 from agent.kube import Backoff, NodeInfo
+from agent.metrics import Metrics
 from agent.model import Device
 
 log = logging.getLogger(__name__)
@@ -357,8 +359,9 @@ class PublishLoop:
     """
 
     def __init__(self, publisher: Publisher, *, verify_interval: float = 300.0,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, metrics: Metrics | None = None) -> None:
         self.publisher = publisher
+        self.metrics = metrics
         self.verify_interval = verify_interval
         # Between syncs, not within one: attempts are unlimited, only the delay is capped.
         self.backoff = backoff or Backoff(initial=1.0, maximum=60.0)
@@ -401,11 +404,14 @@ class PublishLoop:
                 delay = None
                 continue
             version, devices = self._version, self._devices
+            started = time.monotonic()
             try:
                 result = await self.publisher.sync(devices)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self.metrics is not None:
+                    self.metrics.published(time.monotonic() - started, ok=False)
                 self.failures += 1
                 self.last_error = str(exc)
                 if not isinstance(exc, PublishError):
@@ -413,6 +419,9 @@ class PublishLoop:
                 delay = self.backoff.delay(self.failures)
                 log.warning("will retry publishing in %.1fs (%d failures in a row)", delay, self.failures)
                 continue
+            if self.metrics is not None:
+                self.metrics.published(time.monotonic() - started, len(result.created), len(result.updated),
+                                       len(result.deleted))
             self.failures = 0
             self.last_error = ""
             self.last_result = result

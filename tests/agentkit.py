@@ -29,6 +29,7 @@ def roots(tmp: Path, **overrides: Any) -> Settings:
         "driver_name": DRIVER, "node_name": NODE, "nvml": "sim", "kubelet_dir": tmp / "kubelet",
         "cdi_dir": tmp / "cdi", "static_cdi_dir": tmp / "cdi-static", "state_dir": tmp / "state",
         "dev_root": tmp / "dev", "offline": tmp / "offline",
+        "metrics_address": "",  # off: tests that want it give 127.0.0.1:0
     }
     values.update(overrides)
     return build_settings(values)

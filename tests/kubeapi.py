@@ -8,7 +8,8 @@ PUT carrying a stale one, PUT replace, DELETE, the status subresource, field and
 label selectors on LIST, and fault injection (the next N matching requests
 answer an error, or hang first, or are carried out and then lose their answer).
 ResourceSlices are checked against the 1.37 OpenAPI schema on every write, as the
-API server would reject a bad one.
+API server would reject a bad one. SelfSubjectAccessReviews are answered from a
+set of denied (verb, group, resource) triples: everything else is allowed.
 
 Use the `kube_api` fixture (registered in conftest.py): it yields a `KubeApi`.
 """
@@ -72,6 +73,7 @@ KINDS: dict[kmock.resource, Kind] = {
     )
 }
 _BY_KIND = {(k.api_version, k.kind): k for k in KINDS.values()}
+ACCESS_REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 
 
 @dataclass
@@ -125,6 +127,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     # Play a server (or proxy) that drops field selectors, so clients must filter what they get.
     ignore_field_selectors: bool = attrs.field(default=False, init=False)
     max_in_flight: int = attrs.field(default=0, init=False)
+    denied: set[tuple[str, str, str]] = attrs.field(factory=set, init=False)  # (verb, group, resource)
     _background: set[asyncio.Task[Any]] = attrs.field(factory=set, init=False)  # held requests
 
     def __attrs_post_init__(self) -> None:
@@ -136,6 +139,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 subresources={"status"} if kind.status else set())
         # Above the stock emulator's own handlers (plain fallbacks), below anything a test adds.
         (self.fallback ** 1)[lambda request: request.resource in KINDS] << self._serve
+        (self.fallback ** 1)[f"post {ACCESS_REVIEWS}"] << self._review_access
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         self.in_flight += 1
@@ -241,6 +245,15 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 if method == "DELETE":
                     return 200, await self._delete(kind, key)
         raise ApiAnswer(405, "MethodNotAllowed", f"{method} is not supported here")
+
+    async def _review_access(self, request: kmock.Request) -> Any:
+        """A SelfSubjectAccessReview: allowed unless the test denied that verb on that resource."""
+        body = request.data if isinstance(request.data, Mapping) else {}
+        attributes = (body.get("spec") or {}).get("resourceAttributes") or {}
+        key = (attributes.get("verb", ""), attributes.get("group", ""), attributes.get("resource", ""))
+        allowed = key not in self.denied
+        answer = {**body, "status": {"allowed": allowed, **({} if allowed else {"reason": "denied by the test"})}}
+        return kmock.Response(status=201, payload=json.dumps(answer).encode(), headers=JSON)
 
     # -- semantics ------------------------------------------------------------------------------
 
@@ -496,6 +509,10 @@ class KubeApi:
     def remove(self, resource: kmock.resource, name: str, namespace: str | None = None) -> None:
         """Delete behind the agent's back (someone else did it)."""
         self.emulator.objects[resource, namespace, name].delete()
+
+    def deny(self, verb: str, resource: str, group: str = "") -> None:
+        """SelfSubjectAccessReviews for `verb` on `resource` (in `group`) answer not allowed."""
+        self.emulator.denied.add((verb, group, resource))
 
     # -- faults and the log ---------------------------------------------------------------------
 

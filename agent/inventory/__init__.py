@@ -159,6 +159,8 @@ class Inventory:
         self._changed = asyncio.Event()
         self._failures_changed = asyncio.Event()
         self.version = 0
+        # Told of every scan of a source: (kind, succeeded, seconds), from the scan's worker thread.
+        self.on_scan: Callable[[str, bool, float], None] | None = None
 
     def open(self) -> None:
         opened: list[Source] = []
@@ -185,7 +187,7 @@ class Inventory:
         chosen = [s for s in self.sources if wanted is None or s.kind in wanted]
         # Taken on the event loop before any thread runs, so the numbers order the starts.
         seqs = [self._start(s.kind) for s in chosen]
-        outcomes = await asyncio.gather(*(asyncio.to_thread(_scan_one, s) for s in chosen))
+        outcomes = await asyncio.gather(*(asyncio.to_thread(_scan_one, s, self.on_scan) for s in chosen))
         changed = False
         fatal: DiscoveryError | None = None
         for source, seq, outcome in zip(chosen, seqs, outcomes, strict=True):
@@ -322,13 +324,17 @@ class Inventory:
         self._changed.clear()
 
 
-def _scan_one(source: Source) -> ScanResult | Exception:
+def _scan_one(source: Source, observe: Callable[[str, bool, float], None] | None = None) -> ScanResult | Exception:
     """The source's result, or what it raised (the inventory decides what a failure means)."""
     started = time.monotonic()
     try:
         result = source.scan()
     except Exception as exc:
+        if observe is not None:
+            observe(source.kind, False, time.monotonic() - started)
         return exc
+    if observe is not None:
+        observe(source.kind, True, time.monotonic() - started)
     log.debug("%s discovery: %d devices in %.1f ms", source.kind, len(result.devices),
               (time.monotonic() - started) * 1000)
     return result

@@ -1,0 +1,386 @@
+"""Prometheus metrics, and the HTTP server for `/metrics`, `/healthz` and `/readyz`.
+
+Each `Agent` has its own `Metrics` and registry (tests run several agents in one
+process). Events are counted where they happen (`prepare.py`, `publisher.py`,
+`daemon.py`, the inventory's scans); what is a state rather than an event
+(prepared claims, devices by health, registration, what is published) is read
+from the running agent when scraped, through `Metrics.state`.
+
+The server runs on the agent's event loop (`asyncio.start_server`), so a probe
+that gets an answer has also shown that the loop is not stuck. It speaks just
+enough HTTP/1.1 for Prometheus and the kubelet's probes: GET and HEAD, one
+request per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import gzip
+import importlib.metadata
+import logging
+import platform
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+# No `*_created` series beside every counter and histogram: they double the output and nothing reads them.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+PREFIX = "dra_agent_"
+# Prepare is milliseconds on a healthy node; the kubelet gives up after 45 s.
+CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 45.0)
+SCAN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+PUBLISH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+OPERATIONS = ("prepare", "unprepare")
+RESULTS = ("success", "error", "cancelled")
+SLICE_ACTIONS = ("create", "update", "delete")
+RECOVERY_ACTIONS = ("repaired", "removed", "quarantined")
+HEALTH_STATES = ("HEALTHY", "UNHEALTHY", "UNKNOWN")
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dra-agent")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class AgentState:
+    """What the running agent is, read at each scrape (see `Agent.metrics_state`)."""
+
+    devices: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, health) -> devices
+    failing_sources: Sequence[str] = ()  # kinds whose latest scans failed
+    prepared_claims: int = 0
+    registered: bool | None = None  # what the kubelet last said (None: nothing yet)
+    health_watchers: int = 0
+    published_devices: int = 0
+    published_slices: int = 0
+    dropped_values: int = 0
+    publish_up_to_date: bool = False
+    publish_failures: int = 0  # in a row
+
+
+class ClaimOperation:
+    """One prepare or unprepare of one claim, while it runs (`Metrics.claim_operation`)."""
+
+    __slots__ = ("failed",)
+
+    def __init__(self) -> None:
+        self.failed = False
+
+
+# Gauges read from the running agent at each scrape: (name, help, value).
+_STATE_GAUGES: tuple[tuple[str, str, Callable[[AgentState], float]], ...] = (
+    ("prepared_claims", "Claims prepared on this node (records in the state directory)",
+     lambda s: s.prepared_claims),
+    ("kubelet_registered", "1 when the kubelet reported the plugin registered, 0 otherwise",
+     lambda s: 1 if s.registered else 0),
+    ("health_watchers", "Device health streams open (the kubelet holds one)", lambda s: s.health_watchers),
+    ("published_devices", "Devices in the ResourceSlices last published (0 before the first publish)",
+     lambda s: s.published_devices),
+    ("published_slices", "ResourceSlices in the pool last published", lambda s: s.published_slices),
+    ("publish_dropped_values", "Attribute and capacity values left out of the last publish because the API "
+     "server would reject them (each is logged with its device)", lambda s: s.dropped_values),
+    ("publish_up_to_date", "1 when the latest inventory is published", lambda s: 1 if s.publish_up_to_date else 0),
+    ("publish_consecutive_failures", "Publish attempts that failed since the last success",
+     lambda s: s.publish_failures),
+)
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: Callable[[], AgentState | None]) -> None:
+        self._state = state
+
+    def describe(self) -> Iterable[Metric]:
+        return _state_families(None)
+
+    def collect(self) -> Iterable[Metric]:
+        return _state_families(self._state())
+
+
+def _state_families(s: AgentState | None) -> list[Metric]:
+    """The scrape-time families; without a state (before the agent started), without samples."""
+    devices = GaugeMetricFamily(PREFIX + "devices", "Devices this node publishes or knows of, by kind and "
+                                "health (as on the kubelet's health stream)", labels=["kind", "health"])
+    failing = GaugeMetricFamily(PREFIX + "discovery_source_failing", "1 while a discovery source's scans "
+                                "fail (its last good devices stay published)", labels=["kind"])
+    out: list[Metric] = [devices, failing]
+    if s is not None:
+        for kind in sorted({kind for kind, _ in s.devices}):
+            for health in HEALTH_STATES:
+                devices.add_metric([kind, health], s.devices.get((kind, health), 0))
+        for kind in sorted(set(s.failing_sources)):
+            failing.add_metric([kind], 1)
+    for name, doc, value in _STATE_GAUGES:
+        family = GaugeMetricFamily(PREFIX + name, doc)
+        if s is not None:
+            family.add_metric([], value(s))
+        out.append(family)
+    return out
+
+
+class Metrics:
+    """The agent's metric objects, on a registry of its own."""
+
+    def __init__(self, *, process: bool = True) -> None:
+        r = self.registry = CollectorRegistry()
+        self.state: Callable[[], AgentState | None] = lambda: None
+        if process:  # process_* (memory, CPU, open files) and python_info, as the default registry has
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+        info = Gauge(PREFIX + "build_info", "The agent's version (always 1)", ["version", "python"], registry=r)
+        info.labels(_version(), platform.python_version()).set(1)
+        self.claim_operations = Counter(
+            PREFIX + "claim_operations", "Prepare and unprepare operations on single claims (a kubelet call "
+            "may carry several), by result: success, error (the claim's error went back to the kubelet) or "
+            "cancelled (the kubelet gave up waiting; the operation still finishes)",
+            ["operation", "result"], registry=r)
+        self.claim_duration = Histogram(
+            PREFIX + "claim_operation_duration_seconds", "Time to prepare or unprepare one claim",
+            ["operation"], buckets=CLAIM_BUCKETS, registry=r)
+        self.claims_in_flight = Gauge(
+            PREFIX + "claim_operations_in_flight", "Prepares and unprepares of claims running now",
+            ["operation"], registry=r)
+        for op in OPERATIONS:
+            self.claim_duration.labels(op)
+            self.claims_in_flight.labels(op)
+            for result in RESULTS:
+                self.claim_operations.labels(op, result)
+        self.publish_syncs = Counter(
+            PREFIX + "publish_syncs", "Attempts to bring the published ResourceSlices up to date, by result "
+            "(success, failure)", ["result"], registry=r)
+        self.publish_duration = Histogram(
+            PREFIX + "publish_duration_seconds", "Time of one publish attempt (list, writes, deletes)",
+            buckets=PUBLISH_BUCKETS, registry=r)
+        self.slice_writes = Counter(
+            PREFIX + "slice_writes", "ResourceSlices created, updated and deleted", ["action"], registry=r)
+        self.last_publish = Gauge(
+            PREFIX + "publish_last_success_timestamp_seconds", "When the slices were last found or made up "
+            "to date (unix time)", registry=r)
+        for result in ("success", "failure"):
+            self.publish_syncs.labels(result)
+        for action in SLICE_ACTIONS:
+            self.slice_writes.labels(action)
+        self.scans = Counter(
+            PREFIX + "discovery_scans", "Discovery scans by kind of device (gpu: NVML) and result (success, "
+            "failure)", ["kind", "result"], registry=r)
+        self.scan_duration = Histogram(
+            PREFIX + "discovery_scan_duration_seconds", "Time of one discovery scan of one kind of device",
+            ["kind"], buckets=SCAN_BUCKETS, registry=r)
+        self.netlink_events = Counter(
+            PREFIX + "netlink_events", "Netlink link and address events received (before debouncing), by kind",
+            ["kind"], registry=r)
+        self.recovery = Counter(
+            PREFIX + "recovery_actions", "Start-up recovery: files repaired from their records, orphaned files "
+            "removed, unreadable records set aside", ["action"], registry=r)
+        for action in RECOVERY_ACTIONS:
+            self.recovery.labels(action)
+        r.register(_StateCollector(lambda: self.state()))
+
+    # -- events -------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def claim_operation(self, operation: str) -> Iterator[ClaimOperation]:
+        """Count and time one prepare or unprepare; set `.failed` on what it yields."""
+        op = ClaimOperation()
+        in_flight = self.claims_in_flight.labels(operation)
+        in_flight.inc()
+        started = time.monotonic()
+        result = "error"
+        try:
+            yield op
+            result = "error" if op.failed else "success"
+        except asyncio.CancelledError:
+            result = "cancelled"
+            raise
+        finally:
+            in_flight.dec()
+            self.claim_duration.labels(operation).observe(time.monotonic() - started)
+            self.claim_operations.labels(operation, result).inc()
+
+    def scanned(self, kind: str, ok: bool, seconds: float) -> None:
+        """A discovery scan finished (called from the scan's worker thread)."""
+        self.scans.labels(kind, "success" if ok else "failure").inc()
+        self.scan_duration.labels(kind).observe(seconds)
+
+    def published(self, seconds: float, created: int = 0, updated: int = 0, deleted: int = 0,
+                  *, ok: bool = True) -> None:
+        self.publish_duration.observe(seconds)
+        self.publish_syncs.labels("success" if ok else "failure").inc()
+        if ok:
+            self.last_publish.set(time.time())
+        for action, n in zip(SLICE_ACTIONS, (created, updated, deleted), strict=True):
+            if n:
+                self.slice_writes.labels(action).inc(n)
+
+    def recovered(self, repaired: int, removed: int, quarantined: int) -> None:
+        for action, n in zip(RECOVERY_ACTIONS, (repaired, removed, quarantined), strict=True):
+            if n:
+                self.recovery.labels(action).inc(n)
+
+    # -- exposition ---------------------------------------------------------------------------------
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The registry in the format the scraper asked for, and its content type."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+
+# -- probes ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+def probe_body(checks: Sequence[Check], what: str) -> tuple[int, bytes]:
+    """`[+]name ok: detail` lines, like the API server's verbose probes, and 200 or 503."""
+    lines = [f"[{'+' if c.ok else '-'}]{c.name} {'ok' if c.ok else 'failed'}" + (f": {c.detail}" if c.detail else "")
+             for c in checks]
+    ok = all(c.ok for c in checks)
+    lines.append(f"{what} check {'passed' if ok else 'failed'}")
+    return (200 if ok else 503), ("\n".join(lines) + "\n").encode()
+
+
+# -- the HTTP server ------------------------------------------------------------------------------
+
+ProbeFn = Callable[[], Awaitable[Sequence[Check]]]
+REQUEST_TIMEOUT = 10.0
+MAX_HEADER = 16 * 1024
+MAX_CONNECTIONS = 16
+REBIND_INTERVAL = 2.0
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+
+
+class MetricsServer:
+    """`/metrics`, `/healthz` and `/readyz` on HOST:PORT, on the running event loop.
+
+    A port that is taken does not stop the agent: during a rolling update the agent being
+    replaced holds it until it exits, so the server tries again every `REBIND_INTERVAL`
+    seconds and logs once. Any other error binding (a bad address) fails `start`.
+    """
+
+    def __init__(self, metrics: Metrics, host: str | None, port: int, *, healthz: ProbeFn, readyz: ProbeFn) -> None:
+        self.metrics = metrics
+        self.host, self.port = host, port
+        self.healthz, self.readyz = healthz, readyz
+        self._server: asyncio.Server | None = None
+        self._retry: asyncio.Task[None] | None = None
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self.bound = asyncio.Event()
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """(host, port) of every listening socket (port 0 resolved)."""
+        if self._server is None:
+            return []
+        return [(str(s.getsockname()[0]), int(s.getsockname()[1])) for s in self._server.sockets]
+
+    @property
+    def url(self) -> str:
+        """http://HOST:PORT of the first listening socket, for people and tests."""
+        host, port = self.addresses[0]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        if not await self._bind():
+            log.warning("metrics address %s:%d is in use (the agent this one replaces?): trying again every "
+                        "%.0fs", self.host or "", self.port, REBIND_INTERVAL)
+            self._retry = asyncio.create_task(self._rebind(), name="metrics-rebind")
+
+    async def _bind(self) -> bool:
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=MAX_HEADER,
+                                                      reuse_address=True)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            return False
+        self.bound.set()
+        log.info("metrics and probes on %s (/metrics, /healthz, /readyz)",
+                 ", ".join(f"{h}:{p}" for h, p in self.addresses))
+        return True
+
+    async def _rebind(self) -> None:
+        while True:
+            await asyncio.sleep(REBIND_INTERVAL)
+            if await self._bind():
+                return
+
+    async def stop(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retry
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with self._slots:
+                try:
+                    async with asyncio.timeout(REQUEST_TIMEOUT):
+                        head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+                    return
+                status, headers, body, head_only = await self._answer(head)
+                reason = _REASONS.get(status, "OK")
+                out = [f"HTTP/1.1 {status} {reason}", f"Content-Length: {len(body)}", "Connection: close",
+                       *(f"{k}: {v}" for k, v in headers.items())]
+                writer.write(("\r\n".join(out) + "\r\n\r\n").encode() + (b"" if head_only else body))
+                with contextlib.suppress(ConnectionError):
+                    await writer.drain()
+        except Exception:
+            log.exception("metrics server: answering a request failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+    async def _answer(self, head: bytes) -> tuple[int, dict[str, str], bytes, bool]:
+        text = "text/plain; charset=utf-8"
+        try:
+            request_line, *header_lines = head.decode("latin-1").split("\r\n")
+            method, target, _version = request_line.split(" ")
+        except ValueError:
+            return 400, {"Content-Type": text}, b"bad request\n", False
+        headers = {}
+        for line in header_lines:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        if method not in ("GET", "HEAD"):
+            return 405, {"Content-Type": text, "Allow": "GET, HEAD"}, b"GET or HEAD only\n", False
+        head_only = method == "HEAD"
+        path = target.split("?", 1)[0]
+        if path == "/metrics":
+            body, content_type = self.metrics.render(headers.get("accept", ""))
+            out = {"Content-Type": content_type}
+            if "gzip" in headers.get("accept-encoding", ""):
+                body, out["Content-Encoding"] = gzip.compress(body), "gzip"
+            return 200, out, body, head_only
+        if path in ("/healthz", "/livez", "/readyz"):
+            what = "readyz" if path == "/readyz" else "healthz"
+            checks = await (self.readyz if what == "readyz" else self.healthz)()
+            status, body = probe_body(checks, what)
+            return status, {"Content-Type": text}, body, head_only
+        return 404, {"Content-Type": text}, b"not found: /metrics, /healthz and /readyz are served here\n", head_only

@@ -1,0 +1,225 @@
+"""Metrics and probes over HTTP from a running in-process agent (`--metrics-address`)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx2
+import pytest
+from agentkit import DRIVER, claim, result, roots, write_claim
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent import kubelet_client as kc
+from agent import metrics as metrics_mod
+from agent.config import DEFAULT_METRICS_ADDRESS, OPTIONS, ConfigError, build_settings, settings_from
+from agent.daemon import Agent
+from agent.inventory.netwatch import NetEvent
+from agent.names import ClaimRef
+
+UID1 = "6a1e0c00-0000-4000-8000-000000000001"
+UID2 = "6a1e0c00-0000-4000-8000-000000000002"
+ORPHAN = "6a1e0c00-0000-4000-8000-0000000000ff"
+WAIT = 30.0
+
+
+async def eventually(probe: Callable[[], Any], what: str, limit: float = WAIT) -> Any:
+    deadline = time.monotonic() + limit
+    while True:
+        if value := await probe():
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {limit:g} s")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def started(short_tmp) -> AsyncIterator[Callable[..., Any]]:
+    agents: list[Agent] = []
+
+    async def start(**overrides: Any) -> Agent:
+        values: dict[str, Any] = {"rescan_interval": 3600.0, "metrics_address": "127.0.0.1:0"}
+        values.update(overrides)
+        agent = Agent(roots(short_tmp, **values))
+        agents.append(agent)
+        await agent.start()
+        return agent
+
+    yield start
+    for agent in agents:
+        await agent.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx2.AsyncClient]:
+    async with httpx2.AsyncClient(timeout=10, trust_env=False) as client:
+        yield client
+
+
+async def scrape(http: httpx2.AsyncClient, agent: Agent) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
+    assert agent.http is not None
+    response = await http.get(f"{agent.http.url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            out[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def value(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return samples[name, tuple(sorted(labels.items()))]
+
+
+async def test_metrics_after_prepare_and_probes(started, http):
+    agent = await started()
+    assert agent.http is not None
+    url = agent.http.url
+    claims = agent.settings.offline / "resourceclaims"
+    write_claim(claims, claim("one", UID1, [result("gpu-0")]))
+
+    health = await http.get(f"{url}/healthz")
+    assert health.status_code == 200, health.text
+    assert "[+]registration-server ok" in health.text and "[+]dra-server ok" in health.text
+
+    # No kubelet has registered the plugin yet: not ready, and it says why.
+    ready = await http.get(f"{url}/readyz")
+    assert ready.status_code == 503
+    assert "[-]kubelet-registration failed: the kubelet has not registered the plugin yet" in ready.text
+
+    await kc.notify_registration(agent.settings.registration_socket, True)
+
+    async def is_ready() -> httpx2.Response | None:
+        r = await http.get(f"{url}/readyz")
+        return r if r.status_code == 200 else None
+
+    ready = await eventually(is_ready, "/readyz answers 200")
+    assert "[+]kubelet-registration ok" in ready.text and "[+]slices ok: " in ready.text
+
+    async with kc.DRAClient(agent.settings.dra_socket) as client:
+        prepared = await client.prepare([ClaimRef("default", "one", UID1)])
+        assert prepared.claims[UID1].error == ""
+        missing = await client.prepare([ClaimRef("default", "missing", UID2)])
+        assert missing.claims[UID2].error
+        stream = kc.watch_health(agent.settings.dra_socket)
+        await anext(stream)  # the kubelet holds one health stream open
+        samples = await scrape(http, agent)
+        await stream.aclose()
+
+    assert value(samples, "dra_agent_claim_operations_total", operation="prepare", result="success") == 1
+    assert value(samples, "dra_agent_claim_operations_total", operation="prepare", result="error") == 1
+    assert value(samples, "dra_agent_claim_operations_total", operation="unprepare", result="success") == 0
+    assert value(samples, "dra_agent_claim_operation_duration_seconds_count", operation="prepare") == 2
+    assert value(samples, "dra_agent_claim_operations_in_flight", operation="prepare") == 0
+    assert value(samples, "dra_agent_prepared_claims") == 1
+    assert value(samples, "dra_agent_devices", kind="gpu", health="HEALTHY") == 8
+    assert value(samples, "dra_agent_devices", kind="gpu", health="UNHEALTHY") == 0
+    assert value(samples, "dra_agent_discovery_scans_total", kind="gpu", result="success") >= 1
+    assert value(samples, "dra_agent_discovery_scan_duration_seconds_count", kind="gpu") >= 1
+    assert value(samples, "dra_agent_publish_syncs_total", result="success") >= 1
+    assert value(samples, "dra_agent_slice_writes_total", action="create") >= 1
+    assert value(samples, "dra_agent_published_devices") == len(agent.inventory.devices())
+    assert value(samples, "dra_agent_published_slices") >= 1
+    assert value(samples, "dra_agent_publish_up_to_date") == 1
+    assert value(samples, "dra_agent_publish_last_success_timestamp_seconds") > 0
+    assert value(samples, "dra_agent_kubelet_registered") == 1
+    assert value(samples, "dra_agent_health_watchers") == 1
+    for action in ("repaired", "removed", "quarantined"):
+        assert value(samples, "dra_agent_recovery_actions_total", action=action) == 0
+    assert any(name == "dra_agent_build_info" for name, _ in samples)
+    assert value(samples, "process_resident_memory_bytes") > 0
+
+    async with kc.DRAClient(agent.settings.dra_socket) as client:
+        await client.unprepare([ClaimRef("default", "one", UID1)])
+    samples = await scrape(http, agent)
+    assert value(samples, "dra_agent_claim_operations_total", operation="unprepare", result="success") == 1
+    assert value(samples, "dra_agent_prepared_claims") == 0
+    assert value(samples, "dra_agent_health_watchers") == 0
+
+
+async def test_recovery_counts_what_the_start_removed(started, http, short_tmp):
+    settings = roots(short_tmp)
+    settings.cdi_dir.mkdir(parents=True)
+    (settings.cdi_dir / f"{DRIVER}-claim_{ORPHAN}.json").write_text("{}")  # no record owns it
+    agent = await started()
+    samples = await scrape(http, agent)
+    assert value(samples, "dra_agent_recovery_actions_total", action="removed") == 1
+    assert value(samples, "dra_agent_recovery_actions_total", action="quarantined") == 0
+
+
+async def test_healthz_fails_when_a_grpc_server_does_not_answer(started, http):
+    agent = await started()
+    assert agent.servers is not None and agent.http is not None
+    await agent.servers.dra.stop(0)
+    response = await http.get(f"{agent.http.url}/healthz")
+    assert response.status_code == 503
+    assert "[+]registration-server ok" in response.text
+    assert "[-]dra-server failed: UNAVAILABLE" in response.text
+    assert response.text.endswith("healthz check failed\n")
+
+
+async def test_http_details(started, http):
+    agent = await started()
+    assert agent.http is not None
+    url = agent.http.url
+    assert (await http.get(f"{url}/nothing")).status_code == 404
+    assert (await http.post(f"{url}/metrics")).status_code == 405
+    head = await http.head(f"{url}/metrics")
+    assert head.status_code == 200 and head.content == b""
+    om = await http.get(f"{url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.text.endswith("# EOF\n")
+    zipped = await http.get(f"{url}/metrics", headers={"Accept-Encoding": "gzip"})
+    assert zipped.headers.get("content-encoding") == "gzip" and "dra_agent_prepared_claims" in zipped.text
+    # A client that sends nothing useful is answered and dropped, and the server keeps serving.
+    reader, writer = await asyncio.open_connection(*agent.http.addresses[0])
+    writer.write(b"garbage\r\n\r\n")
+    assert (await reader.read()).startswith(b"HTTP/1.1 400 ")
+    writer.close()
+    assert (await http.get(f"{url}/healthz")).status_code == 200
+
+
+async def test_a_taken_port_does_not_stop_the_agent(started, http, monkeypatch):
+    """During a rolling update the old agent holds the port until it exits: the new one starts anyway
+    and takes the port when it is free."""
+    monkeypatch.setattr(metrics_mod, "REBIND_INTERVAL", 0.05)
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    port = blocker.getsockname()[1]
+    agent = await started(metrics_address=f"127.0.0.1:{port}")
+    assert agent.http is not None and not agent.http.bound.is_set()
+    info = await kc.get_info(agent.settings.registration_socket)  # the agent serves the kubelet meanwhile
+    assert info.name == DRIVER
+    blocker.close()
+    await asyncio.wait_for(agent.http.bound.wait(), WAIT)
+    assert (await http.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
+
+
+async def test_netlink_events_are_counted_by_kind(short_tmp):
+    agent = Agent(roots(short_tmp))
+
+    async def events() -> AsyncIterator[NetEvent]:
+        for kind in ("link-changed", "link-changed", "address-added"):
+            yield NetEvent(kind)
+
+    seen = [e.kind async for e in agent._counted(events())]
+    assert seen == ["link-changed", "link-changed", "address-added"]
+    assert agent.metrics.registry.get_sample_value("dra_agent_netlink_events_total", {"kind": "link-changed"}) == 2
+
+
+def test_metrics_address_setting():
+    (opt,) = [o for o in OPTIONS if o.dest == "metrics_address"]
+    assert opt.default == DEFAULT_METRICS_ADDRESS == ":9477"
+    assert settings_from(env={}).metrics_endpoint == (None, 9477)
+    assert settings_from(env={"DRA_METRICS_ADDRESS": ""}).metrics_endpoint is None  # empty: off
+    assert settings_from(env={"DRA_METRICS_ADDRESS": "127.0.0.1:0"}).metrics_endpoint == ("127.0.0.1", 0)
+    assert build_settings({"metrics_address": "[::1]:9477"}).metrics_endpoint == ("::1", 9477)
+    for bad in ("9477", "host:port", ":70000", "::1:9477"):
+        with pytest.raises(ConfigError, match="--metrics-address"):
+            build_settings({"metrics_address": bad})
