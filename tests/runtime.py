@@ -127,20 +127,26 @@ class PreparedContainer:
     config: dict[str, Any]  # the OCI config podman wrote, with the CDI edits applied
 
 
-def _argv(command: str | Sequence[str]) -> list[str]:
+def _argv(command: str | Sequence[str] | None) -> list[str]:
+    if command is None:
+        return []  # the image's own CMD
     return ["sh", "-c", command] if isinstance(command, str) else list(command)
 
 
 @contextlib.contextmanager
-def podman_container(cdi_ids: Sequence[str],
-                     command: str | Sequence[str] = "true") -> Iterator[PreparedContainer]:
-    """A podman container created with `cdi_ids` and initialised; removed when the block ends."""
-    ensure_image()
+def podman_container(cdi_ids: Sequence[str], command: str | Sequence[str] | None = "true", *,
+                     image: str | None = None, options: Sequence[str] = ("--network", "none"),
+                     ) -> Iterator[PreparedContainer]:
+    """A podman container created with `cdi_ids` and initialised; removed when the block ends.
+
+    `image` defaults to the busybox test image; `options` go to `podman create` (mounts,
+    environment, network); a list `command` is the arguments after the image's entrypoint."""
+    image = image or ensure_image()
     name = f"dra-test-{secrets.token_hex(6)}"
-    args = ["create", "--name", name, "--network", "none"]
+    args = ["create", "--name", name, *options]
     for device in cdi_ids:
         args += ["--device", device]
-    created = podman(*args, IMAGE, *_argv(command), check=False)
+    created = podman(*args, image, *_argv(command), check=False)
     if created.returncode != 0:
         raise HarnessError(f"podman create failed: {created.stderr.strip()}")
     cid = created.stdout.strip().splitlines()[-1]
@@ -175,8 +181,11 @@ def bundle_config(config: Mapping[str, Any], rootfs: str) -> dict[str, Any]:
     return out
 
 
-def run_prepared(container: PreparedContainer, timeout: int = COMMAND_TIMEOUT) -> tuple[int, str, str]:
-    """Run a prepared container with runc to its end: (exit status, stdout, stderr)."""
+@contextlib.contextmanager
+def _bundle(container: PreparedContainer) -> Iterator[tuple[list[str], list[str]]]:
+    """A runc bundle for the container on its podman-mounted root filesystem: (runc, `runc run` argv).
+
+    The runc state, the container and the mount are removed when the block ends."""
     rootfs = podman("mount", container.id).stdout.strip()
     try:
         with tempfile.TemporaryDirectory(prefix="dra-test-bundle-") as bundle:
@@ -185,16 +194,49 @@ def run_prepared(container: PreparedContainer, timeout: int = COMMAND_TIMEOUT) -
             (Path(bundle) / "config.json").write_text(json.dumps(config))
             runc = ["runc", "--root", str(state)]
             try:
-                proc = subprocess.run([*runc, "run", "--bundle", bundle, container.name], capture_output=True,
-                                      text=True, stdin=subprocess.DEVNULL, timeout=timeout)
-            except subprocess.TimeoutExpired as e:
-                raise HarnessError(f"container {container.name} still running after {timeout} s") from e
+                yield runc, [*runc, "run", "--bundle", bundle, container.name]
             finally:
                 subprocess.run([*runc, "delete", "--force", container.name], capture_output=True,
                                stdin=subprocess.DEVNULL, timeout=COMMAND_TIMEOUT)
     finally:
         podman("umount", container.id, check=False)
+
+
+def run_prepared(container: PreparedContainer, timeout: int = COMMAND_TIMEOUT) -> tuple[int, str, str]:
+    """Run a prepared container with runc to its end: (exit status, stdout, stderr)."""
+    with _bundle(container) as (_, argv):
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise HarnessError(f"container {container.name} still running after {timeout} s") from e
     return proc.returncode, proc.stdout, proc.stderr
+
+
+@dataclass(slots=True)
+class RunningContainer:
+    name: str
+    process: subprocess.Popen[bytes]  # `runc run` in the foreground: it exits with the container
+    runc: list[str]
+
+    def signal(self, name: str) -> None:
+        subprocess.run([*self.runc, "kill", self.name, name], capture_output=True, stdin=subprocess.DEVNULL,
+                       timeout=COMMAND_TIMEOUT, check=True)
+
+
+@contextlib.contextmanager
+def started(container: PreparedContainer, output: Path) -> Iterator[RunningContainer]:
+    """A prepared container running in the background (stdout and stderr to `output`) for the block;
+    killed if it is still running at the end."""
+    with _bundle(container) as (runc, argv), open(output, "wb") as out:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        running = RunningContainer(container.name, process, runc)
+        try:
+            yield running
+        finally:
+            if process.poll() is None:
+                subprocess.run([*runc, "kill", container.name, "KILL"], capture_output=True,
+                               stdin=subprocess.DEVNULL, timeout=COMMAND_TIMEOUT)
+                process.wait(timeout=COMMAND_TIMEOUT)
 
 
 def run_container(cdi_ids: Sequence[str], command: str | Sequence[str],

@@ -1,0 +1,184 @@
+"""Build the dra-agent image from the Containerfile without any container registry.
+
+    python image/build.py [--tag TAG] [--base IMAGE]
+
+what `make image-offline` and the image test (tests/test_image.py, run in CI) do:
+
+1. the base: a Debian root filesystem with Python made by `mmdebstrap` from Debian's own
+   packages and imported into podman (`localhost/dra-agent-base:<suite>-<recipe hash>`; kept in
+   podman's storage and reused while the recipe is unchanged), unless --base names one;
+2. the wheelhouse: every wheel the build needs (the build system's requirements and the
+   agent's dependencies, read from pyproject.toml) downloaded by the host's pip into
+   .image/wheels, for the base's Python;
+3. `podman build --network none` of the Containerfile with that base and that wheelhouse: the
+   same two stages as a build from a registry base with PyPI, and nothing fetched from inside.
+
+Needs podman, and mmdebstrap for the base (Debian packages; .ci/run installs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTAINERFILE = ROOT / "Containerfile"
+WHEELS = ROOT / ".image" / "wheels"
+WHEELS_IN_CONTEXT = "/src/.image/wheels"  # where the build stage sees WHEELS (COPY . /src)
+DEFAULT_TAG = "localhost/dra-agent:latest"
+
+# The base: Debian's python3 from its essential packages, without documentation (copyrights kept).
+SUITE = "bookworm"
+PYTHON_VERSION = "3.11"  # bookworm's python3; the wheelhouse is downloaded for it
+GLIBC_MINOR = 36  # bookworm's glibc 2.36
+PACKAGES = ("python3", "python3-venv", "libstdc++6", "ca-certificates")  # grpcio and grpcio-tools need libstdc++
+MMDEBSTRAP_OPTIONS = (
+    "--variant=essential",
+    "--dpkgopt=force-unsafe-io",
+    "--dpkgopt=path-exclude=/usr/share/man/*",
+    "--dpkgopt=path-exclude=/usr/share/locale/*",
+    "--dpkgopt=path-exclude=/usr/share/doc/*",
+    "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+)
+BASE_CONFIG = (
+    "ENV=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    'CMD=["python3"]',
+)
+BASE_REPOSITORY = "localhost/dra-agent-base"
+COMMAND_TIMEOUT = 900
+
+
+class BuildError(RuntimeError):
+    """A step failed; the message carries the tool's own error output."""
+
+
+def log(message: str) -> None:
+    print(f"image: {message}", file=sys.stderr, flush=True)
+
+
+def _run(argv: Sequence[str], *, timeout: int = COMMAND_TIMEOUT) -> None:
+    proc = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise BuildError(f"{' '.join(argv[:3])} ... failed ({proc.returncode}):\n{proc.stderr.strip()[-4000:]}")
+
+
+def base_tag() -> str:
+    """The local base image's name: a new recipe is a new name, so a stale base is never reused."""
+    recipe = repr((SUITE, PACKAGES, MMDEBSTRAP_OPTIONS, BASE_CONFIG, platform.machine()))
+    return f"{BASE_REPOSITORY}:{SUITE}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+
+
+def image_exists(podman: Sequence[str], name: str) -> bool:
+    return subprocess.run([*podman, "image", "exists", name], stdin=subprocess.DEVNULL,
+                          capture_output=True).returncode == 0
+
+
+def ensure_base(podman: Sequence[str] = ("podman",)) -> str:
+    """The local Debian base image: reused when present, else made by mmdebstrap | podman import."""
+    tag = base_tag()
+    if image_exists(podman, tag):
+        log(f"base {tag} (cached)")
+        return tag
+    log(f"base {tag}: mmdebstrap {SUITE} {','.join(PACKAGES)} | podman import")
+    started = time.monotonic()
+    changes = [a for c in BASE_CONFIG for a in ("--change", c)]
+    with tempfile.TemporaryFile() as errors:  # a file, not a pipe: its output cannot block it
+        # The root filesystem streams as a tar from mmdebstrap's stdout into podman import's stdin.
+        debootstrap = subprocess.Popen(
+            ["mmdebstrap", *MMDEBSTRAP_OPTIONS, f"--include={','.join(PACKAGES)}", SUITE, "-"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors)
+        assert debootstrap.stdout is not None
+        try:
+            imported = subprocess.run([*podman, "import", *changes, "-", tag], stdin=debootstrap.stdout,
+                                      capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+        finally:
+            debootstrap.stdout.close()
+            debootstrap.wait(timeout=COMMAND_TIMEOUT)
+        if debootstrap.returncode != 0:
+            subprocess.run([*podman, "rmi", "--force", tag], stdin=subprocess.DEVNULL, capture_output=True)
+            errors.seek(0)
+            raise BuildError(f"mmdebstrap failed ({debootstrap.returncode}):\n"
+                             f"{errors.read().decode(errors='replace')[-4000:]}")
+    if imported.returncode != 0:
+        raise BuildError(f"podman import failed ({imported.returncode}):\n{imported.stderr.strip()}")
+    log(f"base {tag} made in {time.monotonic() - started:.0f} s")
+    return tag
+
+
+def requirements() -> list[str]:
+    """What the wheel's build and the installed agent need, from pyproject.toml."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return [*project["build-system"]["requires"], *project["project"]["dependencies"]]
+
+
+def platforms() -> list[str]:
+    """pip's --platform options for the base: glibc 2.36 (bookworm) takes every manylinux wheel up to it.
+
+    pip does not widen a given platform to the older manylinux ones itself."""
+    arch = platform.machine()
+    tags = [f"manylinux_2_{minor}_{arch}" for minor in range(GLIBC_MINOR, 4, -1)]
+    tags += [f"manylinux{legacy}_{arch}" for legacy in ("2014", "2010", "1")]
+    return [a for tag in tags for a in ("--platform", tag)]
+
+
+def wheelhouse(python: str = sys.executable) -> Path:
+    """Every needed wheel (binary only, for the base's Python) in .image/wheels: what is there
+    already when it satisfies pyproject.toml (no network), else downloaded by the host's pip."""
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    download = [python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--only-binary=:all:",
+                "--python-version", PYTHON_VERSION, "--implementation", "cp",
+                "--abi", f"cp{PYTHON_VERSION.replace('.', '')}", *platforms(), "--dest", str(WHEELS)]
+    try:
+        _run([*download, "--no-index", "--find-links", str(WHEELS), *requirements()])
+        how = "present"
+    except BuildError:
+        _run([*download, *requirements()])
+        how = "downloaded"
+    log(f"wheelhouse {WHEELS.relative_to(ROOT)}: {len(list(WHEELS.glob('*.whl')))} wheels {how} "
+        f"in {time.monotonic() - started:.0f} s")
+    return WHEELS
+
+
+def build(tag: str = DEFAULT_TAG, base: str | None = None, podman: Sequence[str] = ("podman",),
+          layers: bool = True) -> str:
+    """Build the Containerfile offline; returns the image's ID."""
+    base = base or ensure_base(podman)
+    wheelhouse()
+    log(f"podman build {tag} from {base}, no network")
+    started = time.monotonic()
+    argv = [*podman, "build", "--network", "none", f"--layers={str(layers).lower()}",
+            "--build-arg", f"BASE={base}",
+            "--build-arg", f"PIP_OPTIONS=--no-index --find-links {WHEELS_IN_CONTEXT}",
+            "--file", str(CONTAINERFILE), "--tag", tag, str(ROOT)]
+    _run(argv)
+    image_id = subprocess.run([*podman, "image", "inspect", "--format", "{{.Id}}", tag], capture_output=True,
+                              text=True, check=True, stdin=subprocess.DEVNULL).stdout.strip()
+    log(f"built {tag} ({image_id[:12]}) in {time.monotonic() - started:.0f} s")
+    return image_id
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tag", default=os.environ.get("IMAGE", DEFAULT_TAG), help="the image's name")
+    parser.add_argument("--base", help="a base image already in podman's storage (default: made locally)")
+    args = parser.parse_args(argv)
+    try:
+        build(args.tag, args.base)
+    except (BuildError, subprocess.SubprocessError, OSError) as e:
+        print(f"image: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
