@@ -319,7 +319,7 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
             "--offline", str(settings.offline), "--kubelet-dir", str(settings.kubelet_dir),
             "--cdi-dir", str(settings.cdi_dir), "--static-cdi-dir", str(settings.static_cdi_dir),
             "--state-dir", str(settings.state_dir), "--nic-exclude", "*", "--rescan-interval", "3600",
-            "--log-format", "json"]
+            "--log-format", "json", "--metrics-address", ""]
 
     async def ready(proc: subprocess.Popen[bytes]) -> None:
         """Until the new process answers GetInfo: a socket file left by a killed agent says nothing."""
