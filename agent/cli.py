@@ -6,6 +6,7 @@
     dra-agent claims [-o table|json]   claims prepared on this node (from the state dir)
     dra-agent kubelet info|prepare|unprepare|health
     dra-agent cdi validate [DIR...]
+    dra-agent doctor [-o text|json]    check this node the way a person would when a pod is stuck
 
 Every command accepts the same settings as `run` (flags or environment variables).
 """
@@ -163,6 +164,23 @@ def cmd_cdi(args: argparse.Namespace, settings: config.Settings) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_doctor(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent import doctor
+
+    results = asyncio.run(doctor.run(settings, host_root=Path(args.host_root)))
+    if args.output == "json":
+        print(_dump([r.to_json() for r in results], "json"))
+    else:
+        encoding = sys.stdout.encoding or "ascii"
+        try:
+            "✓✗".encode(encoding)
+            ascii_only = False
+        except UnicodeEncodeError:
+            ascii_only = True
+        print(doctor.format_text(results, ascii_only=ascii_only))
+    return doctor.exit_status(results)
+
+
 # -- parser -----------------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
@@ -207,6 +225,13 @@ def parser() -> argparse.ArgumentParser:
     vp.set_defaults(fn=cmd_cdi)
     vp.add_argument("dirs", nargs="*", metavar="DIR")
     config.add_arguments(vp)
+
+    sp = command("doctor", "check this node: kubelet, sockets, runtime CDI support, CDI dirs, NVML, IOMMU and "
+                 "vfio-pci, state, the API server and RBAC; exit 1 when something blocks the agent", cmd_doctor)
+    sp.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    sp.add_argument("--host-root", default="/", metavar="DIR",
+                    help="the host's / (its /etc holds the container runtime's configuration), when doctor runs "
+                         "in a container with it mounted (default: /)")
     return p
 
 
@@ -225,8 +250,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from agent.inventory import DiscoveryError
+
     try:
         return int(args.fn(args, settings) or 0)
+    except DiscoveryError as exc:
+        # Discovery cannot work as configured (--nvml real without NVML, say): one line, no traceback.
+        print(f"dra-agent: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -1,0 +1,526 @@
+/*
+ * A stand-in for the NVIDIA driver's libnvidia-ml.so.1, for tests: the real `pynvml`
+ * loads it with ctypes exactly as it loads the driver's library, so discovery runs its
+ * real NVML code path (symbol lookup, handles as pointers, structure layouts, versioned
+ * functions, return codes turned into exceptions) on a machine without a GPU.
+ *
+ * It exports the NVML functions the agent calls (and that pynvml looks up for them) and
+ * answers for the machine described in a small text file (machine.txt, format below):
+ *   - $NVML_STANDIN_MACHINE, else machine.txt next to this library;
+ *   - read again by an nvmlInitWithFlags when the library is not initialized.
+ * Faults are switched on and off while a process runs through a control file,
+ * $NVML_STANDIN_CONTROL, read again on every call about a GPU (a missing file: no faults):
+ *   lost INDEX                      every call about that GPU answers NVML_ERROR_GPU_IS_LOST
+ *   error INDEX FUNCTION CODE       FUNCTION (the C symbol: nvmlDeviceGetPciInfo_v3) answers
+ *                                   CODE (a number) for that GPU
+ *   garble INDEX                    the GPU's name comes back with bytes that are not UTF-8
+ *
+ * Built twice (see the Makefile): the current driver's library, and with -DSTANDIN_LEGACY
+ * an older driver's, which lacks nvmlDeviceGetNumaNodeId and nvmlDeviceGetMemoryInfo_v2, so
+ * that pynvml answers NVML_ERROR_FUNCTION_NOT_FOUND for them, as on a real older driver.
+ *
+ * machine.txt: `key value` lines; `#` starts a comment; `gpu` starts the next GPU (in
+ * NVML index order). Top level: driver_version TEXT, cuda_driver_version INT. Per GPU:
+ * name, uuid, bus_id (as NVML spells it, 00000000:18:00.0), pci_device_id, pci_subsystem_id,
+ * minor, memory_total (bytes), brand, architecture (the enum's numbers), and
+ * compute_capability MAJOR MINOR, mig_mode CURRENT PENDING, numa_node N, each of which may
+ * instead be `not_supported`.
+ *
+ * The types and layouts below are NVML's published ABI (nvml.h), written out here.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* nvmlReturn_t */
+typedef int nvmlReturn_t;
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
+    NVML_ERROR_CORRUPTED_INFOROM = 14,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+    NVML_ERROR_UNKNOWN = 999,
+};
+
+/* Buffer sizes (the _V2 sizes pynvml passes). */
+#define NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE 16
+#define NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE 32
+#define NVML_DEVICE_NAME_V2_BUFFER_SIZE 96
+#define NVML_DEVICE_UUID_V2_BUFFER_SIZE 96
+#define NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE 80
+
+/* nvmlPciInfo_t as filled by nvmlDeviceGetPciInfo_v3: 68 bytes. */
+typedef struct {
+    char busIdLegacy[NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;    /* (device << 16) | vendor */
+    unsigned int pciSubSystemId;
+    char busId[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
+} nvmlPciInfo_t;
+
+/* nvmlMemory_t (nvmlDeviceGetMemoryInfo): 24 bytes. */
+typedef struct {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+
+/* nvmlMemory_v2_t (nvmlDeviceGetMemoryInfo_v2): 40 bytes, version = size | 2 << 24. */
+typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+#define nvmlMemory_v2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
+
+_Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t is 68 bytes");
+_Static_assert(sizeof(nvmlMemory_t) == 24, "nvmlMemory_t is 24 bytes");
+_Static_assert(sizeof(nvmlMemory_v2_t) == 40, "nvmlMemory_v2_t is 40 bytes");
+_Static_assert(nvmlMemory_v2 == 0x02000028, "nvmlMemory_v2 is 0x02000028");
+
+/* -- the machine ---------------------------------------------------------------------------- */
+
+#define MAX_GPUS 16
+#define UNSUPPORTED INT_MIN
+
+struct gpu {
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    char bus_id[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
+    unsigned int domain, bus, device, pci_device_id, pci_subsystem_id;
+    unsigned int minor;
+    unsigned long long memory_total;
+    int brand;
+    unsigned int architecture;
+    int cc_major, cc_minor;      /* UNSUPPORTED: NOT_SUPPORTED */
+    int mig_current, mig_pending; /* UNSUPPORTED: not MIG capable */
+    int numa_node;               /* UNSUPPORTED: NOT_SUPPORTED */
+};
+
+/* nvmlDevice_t is a pointer to an opaque struct: here, to one of these. */
+static struct gpu gpus[MAX_GPUS];
+static unsigned int gpu_count;
+static char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
+static int cuda_driver_version;
+static int refcount;
+
+typedef struct gpu *nvmlDevice_t;
+
+static void complain(const char *file, int line, const char *what) {
+    fprintf(stderr, "nvml stand-in: %s:%d: %s\n", file, line, what);
+}
+
+static const char *machine_path(char *buf, size_t size) {
+    const char *env = getenv("NVML_STANDIN_MACHINE");
+    if (env && *env)
+        return env;
+    Dl_info info;
+    if (!dladdr((void *)machine_path, &info) || !info.dli_fname)
+        return NULL;
+    const char *slash = strrchr(info.dli_fname, '/');
+    int dir = slash ? (int)(slash - info.dli_fname) : 1;
+    snprintf(buf, size, "%.*s/machine.txt", dir, slash ? info.dli_fname : ".");
+    return buf;
+}
+
+static int copy_text(char *dst, size_t size, const char *src) {
+    if (strlen(src) >= size)
+        return -1;
+    strcpy(dst, src);
+    return 0;
+}
+
+static int pair_or_unsupported(const char *value, int *a, int *b) {
+    if (strcmp(value, "not_supported") == 0) {
+        *a = *b = UNSUPPORTED;
+        return 0;
+    }
+    return sscanf(value, "%d %d", a, b) == 2 ? 0 : -1;
+}
+
+static int parse_bus_id(struct gpu *g) {
+    unsigned int function;
+    char extra;
+    if (sscanf(g->bus_id, "%x:%x:%x.%x%c", &g->domain, &g->bus, &g->device, &function, &extra) != 4)
+        return -1;
+    return 0;
+}
+
+static int load_machine(void) {
+    char buf[PATH_MAX];
+    const char *path = machine_path(buf, sizeof buf);
+    if (!path) {
+        complain("?", 0, "cannot find machine.txt (set NVML_STANDIN_MACHINE)");
+        return -1;
+    }
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        complain(path, 0, strerror(errno));
+        return -1;
+    }
+    memset(gpus, 0, sizeof gpus);
+    gpu_count = 0;
+    driver_version[0] = 0;
+    cuda_driver_version = 0;
+    struct gpu *g = NULL;
+    char line[512];
+    int lineno = 0, bad = 0;
+    while (!bad && fgets(line, sizeof line, f)) {
+        lineno++;
+        char *hash = strchr(line, '#');
+        if (hash)
+            *hash = 0;
+        char *end = line + strlen(line);
+        while (end > line && (end[-1] == '\n' || end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\r'))
+            *--end = 0;
+        char *key = line + strspn(line, " \t");
+        if (!*key)
+            continue;
+        char *value = key + strcspn(key, " \t");
+        if (*value) {
+            *value++ = 0;
+            value += strspn(value, " \t");
+        }
+        if (strcmp(key, "gpu") == 0) {
+            if (gpu_count == MAX_GPUS) {
+                complain(path, lineno, "too many GPUs");
+                bad = 1;
+                break;
+            }
+            g = &gpus[gpu_count++];
+            g->architecture = 0xffffffffu; /* NVML_DEVICE_ARCH_UNKNOWN */
+            g->cc_major = g->cc_minor = g->mig_current = g->mig_pending = g->numa_node = UNSUPPORTED;
+            continue;
+        }
+        int ok = 0;
+        if (strcmp(key, "driver_version") == 0) {
+            ok = copy_text(driver_version, sizeof driver_version, value) == 0;
+        } else if (strcmp(key, "cuda_driver_version") == 0) {
+            ok = sscanf(value, "%d", &cuda_driver_version) == 1;
+        } else if (!g) {
+            ok = 0;
+        } else if (strcmp(key, "name") == 0) {
+            ok = copy_text(g->name, sizeof g->name, value) == 0;
+        } else if (strcmp(key, "uuid") == 0) {
+            ok = copy_text(g->uuid, sizeof g->uuid, value) == 0;
+        } else if (strcmp(key, "bus_id") == 0) {
+            ok = copy_text(g->bus_id, sizeof g->bus_id, value) == 0 && parse_bus_id(g) == 0;
+        } else if (strcmp(key, "pci_device_id") == 0) {
+            ok = sscanf(value, "%x", &g->pci_device_id) == 1;
+        } else if (strcmp(key, "pci_subsystem_id") == 0) {
+            ok = sscanf(value, "%x", &g->pci_subsystem_id) == 1;
+        } else if (strcmp(key, "minor") == 0) {
+            ok = sscanf(value, "%u", &g->minor) == 1;
+        } else if (strcmp(key, "memory_total") == 0) {
+            ok = sscanf(value, "%llu", &g->memory_total) == 1;
+        } else if (strcmp(key, "brand") == 0) {
+            ok = sscanf(value, "%d", &g->brand) == 1;
+        } else if (strcmp(key, "architecture") == 0) {
+            ok = sscanf(value, "%u", &g->architecture) == 1;
+        } else if (strcmp(key, "compute_capability") == 0) {
+            ok = pair_or_unsupported(value, &g->cc_major, &g->cc_minor) == 0;
+        } else if (strcmp(key, "mig_mode") == 0) {
+            ok = pair_or_unsupported(value, &g->mig_current, &g->mig_pending) == 0;
+        } else if (strcmp(key, "numa_node") == 0) {
+            ok = strcmp(value, "not_supported") == 0 ? (g->numa_node = UNSUPPORTED, 1)
+                                                     : sscanf(value, "%d", &g->numa_node) == 1;
+        }
+        if (!ok) {
+            complain(path, lineno, "unknown key, misplaced key or bad value");
+            bad = 1;
+        }
+    }
+    fclose(f);
+    for (unsigned int i = 0; !bad && i < gpu_count; i++) {
+        if (!gpus[i].name[0] || !gpus[i].uuid[0] || !gpus[i].bus_id[0]) {
+            complain(path, 0, "every gpu needs name, uuid and bus_id");
+            bad = 1;
+        }
+    }
+    return bad ? -1 : 0;
+}
+
+/* -- faults ---------------------------------------------------------------------------------- */
+
+/* What the control file says about `function` on GPU `index`: an error code (returned), a
+ * garbled name (*garble set), or nothing (NVML_SUCCESS). */
+static nvmlReturn_t fault(unsigned int index, const char *function, int *garble) {
+    const char *path = getenv("NVML_STANDIN_CONTROL");
+    if (garble)
+        *garble = 0;
+    if (!path || !*path)
+        return NVML_SUCCESS;
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return NVML_SUCCESS;
+    char line[256], word[32], fn[128];
+    unsigned int at;
+    int code;
+    nvmlReturn_t ret = NVML_SUCCESS;
+    while (ret == NVML_SUCCESS && fgets(line, sizeof line, f)) {
+        if (sscanf(line, "%31s %u", word, &at) != 2 || at != index)
+            continue;
+        if (strcmp(word, "lost") == 0)
+            ret = NVML_ERROR_GPU_IS_LOST;
+        else if (strcmp(word, "error") == 0 && sscanf(line, "%*s %*u %127s %d", fn, &code) == 2 &&
+                 strcmp(fn, function) == 0)
+            ret = code;
+        else if (strcmp(word, "garble") == 0 && garble)
+            *garble = 1;
+    }
+    fclose(f);
+    return ret;
+}
+
+/* The GPU behind a handle, checked: *ret says why not. */
+static struct gpu *gpu_of(nvmlDevice_t device, const char *function, nvmlReturn_t *ret, int *garble) {
+    if (__atomic_load_n(&refcount, __ATOMIC_SEQ_CST) <= 0) {
+        *ret = NVML_ERROR_UNINITIALIZED;
+        return NULL;
+    }
+    uintptr_t at = (uintptr_t)device, first = (uintptr_t)gpus;
+    if (at < first || at >= first + gpu_count * sizeof *gpus || (at - first) % sizeof *gpus) {
+        *ret = NVML_ERROR_INVALID_ARGUMENT;
+        return NULL;
+    }
+    *ret = fault((unsigned int)(device - gpus), function, garble);
+    return *ret == NVML_SUCCESS ? device : NULL;
+}
+
+#define GPU_OR_RETURN(g, device)                                   \
+    nvmlReturn_t ret_;                                             \
+    struct gpu *g = gpu_of(device, __func__, &ret_, NULL);         \
+    if (!g)                                                        \
+        return ret_;
+
+static nvmlReturn_t put_text(char *dst, unsigned int length, const char *src) {
+    if (!dst)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(src) + 1 > length)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    strcpy(dst, src);
+    return NVML_SUCCESS;
+}
+
+/* -- library lifetime ------------------------------------------------------------------------ */
+
+EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    (void)flags;
+    /* The machine is read by the first initialization (not under a caller that holds handles). */
+    if (__atomic_load_n(&refcount, __ATOMIC_SEQ_CST) <= 0 && load_machine() != 0)
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    __atomic_add_fetch(&refcount, 1, __ATOMIC_SEQ_CST);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+
+EXPORT nvmlReturn_t nvmlShutdown(void) {
+    if (__atomic_load_n(&refcount, __ATOMIC_SEQ_CST) <= 0)
+        return NVML_ERROR_UNINITIALIZED;
+    __atomic_sub_fetch(&refcount, 1, __ATOMIC_SEQ_CST);
+    return NVML_SUCCESS;
+}
+
+EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case NVML_ERROR_CORRUPTED_INFOROM: return "Corrupted infoROM";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Version Mismatch";
+    default: return "Unknown Error";
+    }
+}
+
+/* -- system queries -------------------------------------------------------------------------- */
+
+static int initialized(void) { return __atomic_load_n(&refcount, __ATOMIC_SEQ_CST) > 0; }
+
+EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    return put_text(version, length, driver_version);
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion) {
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!cudaDriverVersion)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *cudaDriverVersion = cuda_driver_version;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion) {
+    return nvmlSystemGetCudaDriverVersion(cudaDriverVersion);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount) {
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!deviceCount)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *deviceCount = gpu_count;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (index >= gpu_count || !device)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t ret = fault(index, __func__, NULL);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    *device = &gpus[index];
+    return NVML_SUCCESS;
+}
+
+/* -- per-GPU queries ------------------------------------------------------------------------- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    nvmlReturn_t ret;
+    int garble;
+    struct gpu *g = gpu_of(device, __func__, &ret, &garble);
+    if (!g)
+        return ret;
+    if (garble) {
+        /* A name in Latin-1, as a corrupted or foreign VBIOS string might read: not UTF-8. */
+        char bytes[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
+        snprintf(bytes, sizeof bytes, "%s \xff\xfe", g->name);
+        return put_text(name, length, bytes);
+    }
+    return put_text(name, length, g->name);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    GPU_OR_RETURN(g, device);
+    return put_text(uuid, length, g->uuid);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber) {
+    GPU_OR_RETURN(g, device);
+    if (!minorNumber)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *minorNumber = g->minor;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+    GPU_OR_RETURN(g, device);
+    if (!pci)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof *pci);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.0", g->domain, g->bus, g->device);
+    pci->domain = g->domain;
+    pci->bus = g->bus;
+    pci->device = g->device;
+    pci->pciDeviceId = g->pci_device_id;
+    pci->pciSubSystemId = g->pci_subsystem_id;
+    snprintf(pci->busId, sizeof pci->busId, "%s", g->bus_id);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    GPU_OR_RETURN(g, device);
+    if (!memory)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* What a v1 caller sees on a current driver: `used` includes the driver's reservation. */
+    unsigned long long reserved = g->memory_total / 64;
+    memory->total = g->memory_total;
+    memory->used = reserved;
+    memory->free = g->memory_total - reserved;
+    return NVML_SUCCESS;
+}
+
+#ifndef STANDIN_LEGACY
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    GPU_OR_RETURN(g, device);
+    if (!memory)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (memory->version != nvmlMemory_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    unsigned long long reserved = g->memory_total / 64;
+    memory->total = g->memory_total;
+    memory->reserved = reserved;
+    memory->used = 0;
+    memory->free = g->memory_total - reserved;
+    return NVML_SUCCESS;
+}
+#endif
+
+EXPORT nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device, int *type) {
+    GPU_OR_RETURN(g, device);
+    if (!type)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *type = g->brand;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, unsigned int *arch) {
+    GPU_OR_RETURN(g, device);
+    if (!arch)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *arch = g->architecture;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor) {
+    GPU_OR_RETURN(g, device);
+    if (!major || !minor)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (g->cc_major == UNSUPPORTED)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *major = g->cc_major;
+    *minor = g->cc_minor;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
+                                         unsigned int *pendingMode) {
+    GPU_OR_RETURN(g, device);
+    if (!currentMode || !pendingMode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (g->mig_current == UNSUPPORTED)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *currentMode = (unsigned int)g->mig_current;
+    *pendingMode = (unsigned int)g->mig_pending;
+    return NVML_SUCCESS;
+}
+
+#ifndef STANDIN_LEGACY
+EXPORT nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
+    GPU_OR_RETURN(g, device);
+    if (!node)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (g->numa_node == UNSUPPORTED)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *node = (unsigned int)g->numa_node;
+    return NVML_SUCCESS;
+}
+#endif
