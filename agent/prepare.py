@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any
 
 from agent import cdispecs, failpoints, metadata
 from agent.allocation import Allocation, parse_claim
+from agent.claimbook import ClaimBook
 from agent.claims import ClaimSource, LocalClaimSource
 from agent.config import Settings
 from agent.errors import ClaimFailure
@@ -43,7 +43,7 @@ from agent.inventory import Inventory
 from agent.locks import ClaimFileLock, LockTable
 from agent.metrics import Metrics
 from agent.names import ClaimRef, InvalidName, base_request, check_claim_ref
-from agent.state import ClaimRecord, ClaimStore, FileRecord, PreparedDevice, RecordError, RecordStamp
+from agent.state import ClaimRecord, ClaimStore, FileRecord, PreparedDevice, RecordError
 from agent.toolkit import ToolkitSpecs
 from cdi.store import encode_spec
 
@@ -79,16 +79,13 @@ class PrepareEngine:
         self.locks = LockTable()
         self.claim_lock = claim_lock or ClaimFileLock(settings.state_dir / "claims.lock")
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
-        self._guard = threading.Lock()  # over the two indexes below
-        self._records: dict[str, tuple[ClaimRecord, RecordStamp]] = {}
-        self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
+        self.book = ClaimBook(store)
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
 
     @property
     def records(self) -> dict[str, ClaimRecord]:
         """The prepared claims this agent knows of (a copy)."""
-        with self._guard:
-            return {uid: rec for uid, (rec, _) in self._records.items()}
+        return self.book.records()
 
     # -- kubelet entry points -------------------------------------------------------------------
 
@@ -169,10 +166,7 @@ class PrepareEngine:
         """Rewrite the metadata files of prepared claims whose devices changed (a NIC got its IP
         after prepare): record first, then the files, with generation + 1. Returns how many
         claims were updated."""
-        wanted = set(names)
-        with self._guard:
-            uids = sorted({uid for n in wanted for uid in self._device_claims.get(n, ())})
-        return await self.refresh_claims(uids)
+        return await self.refresh_claims(self.book.claims_holding(set(names)))
 
     async def refresh_claims(self, uids: Iterable[str]) -> int:
         updated = 0
@@ -202,53 +196,6 @@ class PrepareEngine:
         """Hold the claim's lock in this process and across the agents of the node."""
         with self.locks.hold([f"claim/{uid}"]), self.claim_lock.hold(uid):
             yield
-
-    def current(self, uid: str) -> ClaimRecord | None:
-        """The claim's record as it is on disk now (call with the claim locked)."""
-        stamp = self.store.stamp(uid)
-        with self._guard:
-            cached = self._records.get(uid)
-        if stamp is None:
-            if cached is not None:
-                self._forget(uid)
-            return None
-        if cached is not None and cached[1] == stamp:
-            return cached[0]
-        found = self.store.read(uid)
-        if found is None:
-            self._forget(uid)
-            return None
-        self._remember(*found)
-        return found[0]
-
-    def _remember(self, record: ClaimRecord, stamp: RecordStamp) -> None:
-        with self._guard:
-            old = self._records.get(record.uid)
-            if old is not None:
-                self._unindex(old[0])
-            self._records[record.uid] = (record, stamp)
-            for d in record.devices:
-                self._device_claims.setdefault(d.device, set()).add(record.uid)
-
-    def _forget(self, uid: str) -> None:
-        with self._guard:
-            old = self._records.pop(uid, None)
-            if old is not None:
-                self._unindex(old[0])
-
-    def _unindex(self, record: ClaimRecord) -> None:
-        for d in record.devices:
-            owners = self._device_claims.get(d.device)
-            if owners is not None:
-                owners.discard(record.uid)
-                if not owners:
-                    del self._device_claims[d.device]
-
-    def _write_record(self, record: ClaimRecord) -> None:
-        self.store.write(record)
-        stamp = self.store.stamp(record.uid)
-        assert stamp is not None
-        self._remember(record, stamp)
 
     def root_of(self, path: str) -> Root:
         for root in (self.cdi_root, self.metadata_root):
@@ -316,10 +263,10 @@ class PrepareEngine:
         """The current record; an unreadable one is set aside and the claim's files removed, so the
         claim is cleanly not prepared (its UID names every file, so nothing else is touched)."""
         try:
-            return self.current(uid)
+            return self.book.current(uid)
         except RecordError as exc:
             log.error("claim record of %s is unreadable (%s): setting it aside, removing its files", uid, exc)
-            self._forget(uid)
+            self.book.forget(uid)
             self.quarantined.append(str(self.store.quarantine(self.store.path(uid).name)))
             self.remove_claim_files(uid)
             return None
@@ -335,7 +282,7 @@ class PrepareEngine:
             for f in record.files:
                 self.root_of(f.path).write(f.path, f.content, f.mode)
                 failpoints.hit(_step(f.path, self.settings))
-            self._write_record(record)
+            self.book.write(record)
         except BaseException:
             self._roll_back(record)
             raise
@@ -347,7 +294,7 @@ class PrepareEngine:
         # prepare is reported as failed, so no record may say otherwise.
         with contextlib.suppress(OSError):
             self.store.delete(record.uid)
-        self._forget(record.uid)
+        self.book.forget(record.uid)
         for f in reversed(record.files):
             with contextlib.suppress(OSError):
                 self.root_of(f.path).unlink(f.path)
@@ -364,7 +311,7 @@ class PrepareEngine:
                 # The record goes first: a crash from here on leaves only files that no record
                 # owns, which the next start removes.
                 self.store.delete(record.uid)
-                self._forget(record.uid)
+                self.book.forget(record.uid)
                 failpoints.hit("unprepare-after-record")
                 self.remove_files(record)
             return record
@@ -421,7 +368,7 @@ class PrepareEngine:
         files = [FileRecord(f.path, metadata.render(generation=generation, devices=contents[f.path], **common),
                             f.mode) if f.path in contents else f for f in record.files]
         new = dataclasses.replace(record, files=files, generation=generation)
-        self._write_record(new)
+        self.book.write(new)
         failpoints.hit("refresh-after-record")
         for f in files:
             if f.path in contents:
