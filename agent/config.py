@@ -91,6 +91,10 @@ OPTIONS: tuple[Option, ...] = (
            "ResourceClaim GETs in flight at once", kind=int, metavar="N"),
     Option("api_timeout", "--api-timeout", "DRA_API_TIMEOUT", 10.0,
            "seconds for one API server request", kind=float, metavar="SECONDS"),
+    Option("gc_grace_period", "--gc-grace-period", "DRA_GC_GRACE_PERIOD", 600.0,
+           "seconds a prepared claim's ResourceClaim must stay gone (deleted, or re-created with another "
+           "UID) before the claim is unprepared here; checked at start and every min(grace/4, 60) s",
+           kind=float, metavar="SECONDS"),
     Option("metrics_address", "--metrics-address", "DRA_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS,
            "HOST:PORT for /metrics, /healthz and /readyz (HTTP; no HOST: every interface; "
            "empty: off)", metavar="HOST:PORT", empty=True),
@@ -145,6 +149,7 @@ class Settings:
     allow_unsafe_roots: bool = False
     claim_fetch_concurrency: int = 16
     api_timeout: float = 10.0
+    gc_grace_period: float = 600.0
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     log_format: str = "auto"
     log_level: str = "info"
@@ -162,6 +167,8 @@ class Settings:
             raise ConfigError("--rescan-interval must be > 0 and --netlink-debounce >= 0")
         if self.claim_fetch_concurrency < 1:
             raise ConfigError("--claim-fetch-concurrency must be >= 1")
+        if not self.gc_grace_period >= 0:  # also NaN
+            raise ConfigError(f"--gc-grace-period must be >= 0, not {self.gc_grace_period!r}")
         if self.metrics_address:
             parse_address(self.metrics_address)
 

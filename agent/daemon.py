@@ -26,6 +26,7 @@ from agent import kubelet_client, slices
 from agent.config import Settings
 from agent.connection import Connection, StartupError, connect, wait_for_node
 from agent.fsutil import UnsafeRoot, check_root, makedirs
+from agent.gc import ClaimCollector
 from agent.health import HealthTracker
 from agent.inventory import DiscoveryError, Inventory, Source
 from agent.inventory.cpus import CpuSource
@@ -150,6 +151,7 @@ class Agent:
         self._spawn(self._publishing(), "publish")
         self._spawn(self._rescans(), "rescan")
         self._spawn(self._netlink_events(), "netlink")
+        self._spawn(ClaimCollector(self.engine, s.gc_grace_period, metrics=self.metrics).run(), "gc")
 
     async def _refresh_prepared(self) -> None:
         """Devices may have changed while no agent was running (a NIC got its IP): bring every

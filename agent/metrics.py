@@ -190,6 +190,10 @@ class Metrics:
             "removed, unreadable records set aside", ["action"], registry=r)
         for action in RECOVERY_ACTIONS:
             self.recovery.labels(action)
+        self.claims_garbage_collected = Counter(
+            PREFIX + "claims_garbage_collected", "Prepared claims unprepared by garbage collection because "
+            "their ResourceClaim was gone (deleted, or re-created with another UID) for longer than "
+            "--gc-grace-period", registry=r)
         r.register(_StateCollector(lambda: self.state()))
 
     # -- events -------------------------------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""Garbage collection of prepared claims whose ResourceClaim is gone (agent/gc.py), through the real
+engine and the real claim sources: the offline directory with an injected clock, and a running agent
+against the Kubernetes API emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agentkit import claim, make_node, result, write_claim, written_files
+from kubeapi import RESOURCE_CLAIMS, KubeApi
+from test_agent_cluster import NODE_UID, cluster_settings, eventually, start  # noqa: F401  (fixture)
+from test_agent_cluster import agents as agents  # a fixture
+
+from agent import kubelet_client as kc
+from agent.claims import ClaimSourceError
+from agent.config import ConfigError, build_settings
+from agent.gc import ClaimCollector, gc_interval
+from agent.metrics import Metrics
+from agent.names import ClaimRef
+
+OLD = "9c000000-0000-4000-8000-000000000001"
+NEW = "9c000000-0000-4000-8000-000000000002"
+KEEP = "9c000000-0000-4000-8000-000000000003"
+NIC = "nic-0000-3b-00-0"
+GRACE = 30.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def node(tmp_path):
+    return await make_node(tmp_path)
+
+
+def nothing_of(settings, uid: str) -> bool:
+    return not any(uid in path for path in written_files(settings))
+
+
+async def prepared(node, name: str, uid: str, device: str = NIC) -> Path:
+    path = write_claim(node.claims_dir, claim(name, uid, [result(device, "req")]))
+    assert (await node.engine.prepare([ClaimRef("default", name, uid)]))[uid].error == ""
+    return path
+
+
+def collector(node, clock: Clock, **kw: Any) -> ClaimCollector:
+    return ClaimCollector(node.engine, GRACE, clock=clock, **kw)
+
+
+async def test_a_removed_claim_file_is_collected_after_the_grace_period_not_before(node):
+    path = await prepared(node, "c", OLD)
+    metrics = Metrics(process=False)
+    clock = Clock()
+    gc = collector(node, clock, metrics=metrics)
+    assert await gc.sweep() == []  # present: nothing starts
+    assert gc.gone_since == {}
+
+    path.unlink()
+    assert await gc.sweep() == []  # first seen gone: the clock starts
+    clock.now += GRACE
+    assert await gc.sweep() == []  # exactly the grace period: not yet
+    assert OLD in node.engine.records and not nothing_of(node.settings, OLD)
+
+    clock.now += 0.5
+    assert await gc.sweep() == [OLD]
+    assert OLD not in node.engine.records and nothing_of(node.settings, OLD)
+    assert metrics.claims_garbage_collected._value.get() == 1
+    assert await gc.sweep() == [] and gc.gone_since == {}
+
+
+async def test_a_claim_that_comes_back_starts_the_grace_period_over(node):
+    path = await prepared(node, "c", OLD)
+    text = path.read_text()
+    clock = Clock()
+    gc = collector(node, clock)
+    path.unlink()
+    await gc.sweep()
+    clock.now += GRACE - 1
+    path.write_text(text)  # back, same UID
+    assert await gc.sweep() == [] and gc.gone_since == {}
+    path.unlink()
+    clock.now += 2  # past the first observation's grace, but it restarted
+    assert await gc.sweep() == []
+    assert OLD in node.engine.records
+
+
+async def test_a_claim_recreated_with_a_new_uid_has_the_old_uid_collected(node):
+    await prepared(node, "c", OLD)
+    clock = Clock()
+    gc = collector(node, clock)
+    write_claim(node.claims_dir, claim("c", NEW, [result(NIC, "req")]))  # deleted and re-created
+    assert await gc.sweep() == []
+    clock.now += GRACE + 1
+    assert await gc.sweep() == [OLD]
+    assert nothing_of(node.settings, OLD)
+    # The new claim prepares, and is never collected: it exists with its UID.
+    assert (await node.engine.prepare([ClaimRef("default", "c", NEW)]))[NEW].error == ""
+    clock.now += 10 * GRACE
+    assert await gc.sweep() == [] and await gc.sweep() == []
+    assert NEW in node.engine.records
+
+
+async def test_a_claim_that_still_exists_is_never_collected(node):
+    await prepared(node, "keep", KEEP)
+    before = written_files(node.settings)
+    clock = Clock()
+    gc = collector(node, clock)
+    for _ in range(5):
+        clock.now += 10 * GRACE
+        assert await gc.sweep() == []
+    assert KEEP in node.engine.records and written_files(node.settings) == before
+
+
+class Failing:
+    """A claim source whose reads fail (the API server is down)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def get(self, namespace: str, name: str) -> Mapping[str, Any]:
+        self.calls += 1
+        raise ClaimSourceError(f"reading ResourceClaim {namespace}/{name} failed: connection refused")
+
+
+async def test_a_claim_source_error_is_never_taken_for_gone(node):
+    path = await prepared(node, "c", OLD)
+    before = written_files(node.settings)
+    source = Failing()
+    clock = Clock()
+    gc = collector(node, clock, source=source)
+    for _ in range(5):
+        clock.now += 10 * GRACE
+        assert await gc.sweep() == []
+    assert source.calls == 5 and gc.gone_since == {}
+    assert written_files(node.settings) == before
+
+    # An error neither collects nor resets: the clock runs only on observations of "gone".
+    path.unlink()
+    real = node.engine.claims
+    gc.source = real
+    await gc.sweep()
+    started = gc.gone_since[OLD]
+    gc.source = source
+    clock.now += 10 * GRACE
+    assert await gc.sweep() == [] and gc.gone_since == {OLD: started}
+    gc.source = real
+    assert await gc.sweep() == [OLD]
+
+
+async def test_an_unreadable_claim_file_is_not_gone(node):
+    path = await prepared(node, "c", OLD)
+    path.write_text("{not yaml: [")
+    clock = Clock()
+    gc = collector(node, clock)
+    for _ in range(3):
+        clock.now += 10 * GRACE
+        assert await gc.sweep() == []
+    assert OLD in node.engine.records
+
+
+async def test_a_claim_unprepared_by_the_kubelet_meanwhile_is_forgotten(node):
+    path = await prepared(node, "c", OLD)
+    clock = Clock()
+    gc = collector(node, clock)
+    path.unlink()
+    await gc.sweep()
+    assert await node.engine.unprepare_claim(ClaimRef("default", "c", OLD)) == ""
+    await gc.sweep()
+    assert gc.gone_since == {}
+
+
+def test_the_grace_period_setting_and_the_interval(tmp_path):
+    assert build_settings({"state_dir": tmp_path}).gc_grace_period == 600.0
+    with pytest.raises(ConfigError, match="--gc-grace-period"):
+        build_settings({"state_dir": tmp_path, "gc_grace_period": -1.0})
+    assert gc_interval(600) == 60 and gc_interval(40) == 10 and gc_interval(0) == 0.1
+
+
+# -- the running agent against the API emulator --------------------------------------------------------
+
+async def test_a_claim_deleted_from_the_api_server_is_unprepared_by_the_running_agent(
+        kube_api: KubeApi, cluster_settings, agents, caplog) -> None:  # noqa: F811
+    caplog.set_level(logging.INFO, logger="agent.gc")
+    grace = 1.0
+    kube_api.add_node("node-a", uid=NODE_UID)
+    kube_api.add(claim("trainer", OLD, [result("gpu-0", "gpu")], namespace="team-a"))
+    kube_api.add(claim("other", KEEP, [result("gpu-1", "gpu")], namespace="team-a"))
+    agent = await start(agents, cluster_settings(gc_grace_period=grace))
+    s = agent.settings
+    async with kc.DRAClient(s.dra_socket) as client:
+        response = await client.prepare([ClaimRef("team-a", "trainer", OLD), ClaimRef("team-a", "other", KEEP)])
+    assert all(c.error == "" for c in response.claims.values())
+    assert not nothing_of(s, OLD)
+
+    kube_api.remove(RESOURCE_CLAIMS, "trainer", "team-a")
+    deleted = time.monotonic()
+    await eventually(lambda: OLD not in agent.engine.records if agent.engine else None,
+                     "the deleted claim is garbage-collected")
+    assert time.monotonic() - deleted > grace
+    assert nothing_of(s, OLD)
+    assert any("garbage-collected" in r.getMessage() and OLD in r.getMessage() for r in caplog.records)
+    assert agent.metrics.claims_garbage_collected._value.get() == 1
+    # The claim that still exists stays prepared.
+    await asyncio.sleep(3 * gc_interval(grace))
+    assert KEEP in agent.engine.records and not nothing_of(s, KEEP)
