@@ -40,6 +40,7 @@ from agent.model import Device
 from agent.prepare import PrepareEngine
 from agent.publisher import PublishLoop
 from agent.recovery import recover
+from agent.selfheal import SelfHealer
 from agent.server import Servers
 from agent.state import ClaimStore
 
@@ -115,6 +116,7 @@ class Agent:
         self.conn: Connection | None = None
         self.engine: PrepareEngine | None = None
         self.servers: Servers | None = None
+        self.selfheal: SelfHealer | None = None
         self.publish: PublishLoop | None = None
         self.metrics = Metrics()
         self.metrics.state = self.metrics_state
@@ -145,6 +147,13 @@ class Agent:
         self.servers = Servers(s, self.engine, self.tracker)
         await self.servers.start_dra()
         await self.servers.start_registration()
+        self.selfheal = SelfHealer(s, self.engine, self.servers)
+        try:
+            await self.selfheal.start()
+        except OSError as exc:  # out of inotify instances or watches: the agent still serves
+            log.warning("self-healing is off: %s", exc)
+            await self.selfheal.stop()
+            self.selfheal = None
         log.info("ready in %.2fs: %d devices, %d prepared claims", time.monotonic() - started,
                  len(self._devices), len(self.engine.records))
         self._spawn(self._refresh_prepared(), "refresh")
@@ -231,6 +240,8 @@ class Agent:
             await self.engine.refresh_devices(changed)
 
     async def stop(self) -> None:
+        if self.selfheal is not None:  # first: the sockets removed below must not come back
+            await self.selfheal.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

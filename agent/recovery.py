@@ -71,7 +71,7 @@ def recover(engine: PrepareEngine) -> RecoveryReport:
             if record is None:
                 continue
             report.records[uid] = record
-            report.repaired += _repair(engine, record)
+            report.repaired += repair_claim(engine, record)
     report.quarantined = list(engine.quarantined)
     report.removed += _remove_orphan_specs(engine)
     report.removed += _remove_orphan_metadata(engine, report.records)
@@ -82,7 +82,10 @@ def recover(engine: PrepareEngine) -> RecoveryReport:
     return report
 
 
-def _repair(engine: PrepareEngine, record: ClaimRecord) -> list[str]:
+def repair_claim(engine: PrepareEngine, record: ClaimRecord) -> list[str]:
+    """Rewrite exactly the claim's files whose content differs from its record (missing ones
+    included); returns their paths. Call with the claim locked. Used at start-up and by
+    `agent.selfheal` while running."""
     repaired = []
     for f in record.files:
         try:

@@ -10,6 +10,7 @@ errors are per claim, in the response.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -230,15 +231,29 @@ class Servers:
         self.settings = settings
         self.registration_state = RegistrationState()
         self._listening: list[tuple[grpc.aio.Server, Path, SocketIdentity]] = []
-        options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
-        self.registration = grpc.aio.server(options=options)
-        registration_pb2_grpc.add_RegistrationServicer_to_server(
-            Registration(settings, self.registration_state), self.registration)
-        self.dra = grpc.aio.server(options=options)
-        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DRAv1(engine), self.dra)
-        dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DRAv1beta1(engine), self.dra)
-        health_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(Healthv1(tracker), self.dra)
-        health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(Healthv1alpha1(tracker), self.dra)
+        self._retiring: set[asyncio.Task[None]] = set()  # replaced servers, stopping in the background
+        self._registration_servicer = Registration(settings, self.registration_state)
+        self._dra_servicers = (DRAv1(engine), DRAv1beta1(engine), Healthv1(tracker), Healthv1alpha1(tracker))
+        self.registration = self._new_registration()
+        self.dra = self._new_dra()
+
+    @staticmethod
+    def _server() -> grpc.aio.Server:
+        return grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)])
+
+    def _new_registration(self) -> grpc.aio.Server:
+        server = self._server()
+        registration_pb2_grpc.add_RegistrationServicer_to_server(self._registration_servicer, server)
+        return server
+
+    def _new_dra(self) -> grpc.aio.Server:
+        server = self._server()
+        v1, v1beta1, h1, h1alpha1 = self._dra_servicers
+        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, server)
+        dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(v1beta1, server)
+        health_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(h1, server)
+        health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(h1alpha1, server)
+        return server
 
     async def start_dra(self) -> None:
         identity = await _start(self.dra, self.settings.dra_socket)
@@ -250,6 +265,31 @@ class Servers:
         self._listening.append((self.registration, self.settings.registration_socket, identity))
         log.info("registration service listening on %s", self.settings.registration_socket)
 
+    async def restore_missing(self) -> list[Path]:
+        """Re-create each socket whose file was removed from under the agent (a kubelet restart
+        cleaning its plugin directories; the parent directory is re-created too). gRPC cannot
+        add a port to a started server, so a fresh server for the same servicers is bound and
+        renamed into place, and the old one, unreachable now, stops in the background. A path
+        that holds another socket (an agent that replaced this one) is left alone. The kubelet
+        re-registers the plugin when it sees the registration socket appear."""
+        restored = []
+        for i, (server, path, _) in enumerate(self._listening):
+            if _identity(path) is not None:
+                continue
+            fresh = self._new_registration() if server is self.registration else self._new_dra()
+            identity = await _start(fresh, path)
+            self._listening[i] = (fresh, path, identity)
+            if server is self.registration:
+                self.registration = fresh
+                self.registration_state.registered = None  # until the kubelet registers it again
+            else:
+                self.dra = fresh
+            task = asyncio.create_task(server.stop(2.0))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+            restored.append(path)
+        return restored
+
     async def stop(self, grace: float = 2.0) -> None:
         # Registration first: the kubelet stops sending work before the DRA socket goes away.
         for server, path, identity in reversed(self._listening):
@@ -257,3 +297,5 @@ class Servers:
             with contextlib.suppress(OSError):
                 remove_own_socket(path, identity)
         self._listening.clear()
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
