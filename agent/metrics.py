@@ -1,7 +1,7 @@
 """Prometheus metrics, and the HTTP server for `/metrics`, `/healthz` and `/readyz`.
 
 Each `Agent` has its own `Metrics` and registry (tests run several agents in one
-process). Events are counted where they happen (`prepare.py`, `publisher.py`,
+process). Events are counted where they happen (`prepare.py`, `publish_loop.py`,
 `daemon.py`, the inventory's scans); what is a state rather than an event
 (prepared claims, devices by health, registration, what is published) is read
 from the running agent when scraped, through `Metrics.state`.
