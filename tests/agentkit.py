@@ -3,8 +3,12 @@ simulated GPUs and hand-made NICs/CPUs, and claims written where the offline sou
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Sequence
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +102,26 @@ async def make_node(tmp: Path, nics: Sequence[Device] = (), cpus: Sequence[Devic
     store.ensure()
     engine = PrepareEngine(settings, inventory, DirectoryClaimSource(settings.offline), store)
     return Node(settings, inventory, engine, nic_source)
+
+
+@contextlib.contextmanager
+def agent_process(args: Sequence[str], env: dict[str, str], registration_socket: Path,
+                  cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    """`python -m agent ARGS` in its own process, from when its registration socket exists until the
+    block ends (SIGTERM, then waited for)."""
+    proc = subprocess.Popen([sys.executable, "-m", "agent", *args], env={**os.environ, **env}, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not registration_socket.exists():
+        if proc.poll() is not None:
+            raise AssertionError(proc.communicate())
+        assert time.monotonic() < deadline, "agent did not start"
+        time.sleep(0.05)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
 
 
 def restarted(node: Node) -> PrepareEngine:

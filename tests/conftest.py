@@ -37,6 +37,15 @@ def need_command(*names: str) -> None:
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (Debian packages; .ci/run installs them)")
 
+@pytest.fixture
+async def agents():  # type: ignore[no-untyped-def]
+    """In-process agents a test started; every one is stopped at teardown, whatever the test did."""
+    started: list = []
+    yield started
+    for agent in started:
+        await agent.stop()
+
+
 # The Kubernetes API emulator's `kube_api` fixture, for every test that talks to an API server.
 pytest_plugins = ("kubeapi",)
 

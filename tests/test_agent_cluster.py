@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -73,14 +73,6 @@ def cluster_settings(short_tmp: Path, kube_api: KubeApi) -> Callable[..., Settin
 
     return make
 
-
-@pytest.fixture
-async def agents() -> AsyncIterator[list[Agent]]:
-    """Agents a test started; every one is stopped at teardown, whatever the test did."""
-    started: list[Agent] = []
-    yield started
-    for agent in started:
-        await agent.stop()
 
 
 async def start(agents: list[Agent], settings: Settings) -> Agent:

@@ -8,9 +8,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import agentkit
 import kubernetes_validate
 import pytest
 import yaml
@@ -43,18 +43,9 @@ def agent_process(run_env, short_tmp):
     seeded = subprocess.run([sys.executable, str(ROOT / "examples" / "seed.py"), str(short_tmp)],
                             capture_output=True, text=True, env={**os.environ, **run_env}, cwd=ROOT, timeout=60)
     assert seeded.returncode == 0, seeded.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "run"], env={**os.environ, **run_env}, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     reg = Path(run_env["DRA_KUBELET_DIR"]) / "plugins_registry" / "dra.example.com-reg.sock"
-    deadline = time.monotonic() + 60
-    while not reg.exists():
-        if proc.poll() is not None:
-            raise AssertionError(proc.communicate())
-        assert time.monotonic() < deadline, "agent did not start"
-        time.sleep(0.05)
-    yield proc
-    proc.terminate()
-    proc.communicate(timeout=30)
+    with agentkit.agent_process(["run"], run_env, reg, ROOT) as proc:
+        yield proc
 
 
 def test_devices_json_lists_the_simulated_gpus_in_api_form(run_env):

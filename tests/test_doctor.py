@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +49,6 @@ def line(text: str, check: str) -> str:
     (found,) = [x for x in text.splitlines() if x[2:].startswith(f"{check}:")]
     return found
 
-
-@pytest.fixture
-async def agents() -> AsyncIterator[list[Agent]]:
-    started: list[Agent] = []
-    yield started
-    for agent in started:
-        await agent.stop()
 
 
 async def test_a_healthy_node(short_tmp, agents):

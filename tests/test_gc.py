@@ -15,7 +15,6 @@ import pytest
 from agentkit import claim, make_node, result, write_claim, written_files
 from kubeapi import RESOURCE_CLAIMS, KubeApi
 from test_agent_cluster import NODE_UID, cluster_settings, eventually, start  # noqa: F401  (fixture)
-from test_agent_cluster import agents as agents  # a fixture
 
 from agent import kubelet_client as kc
 from agent.claims import ClaimSourceError

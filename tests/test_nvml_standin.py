@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import agentkit
 import kubernetes_validate
 import orjson
 import pytest
@@ -297,19 +298,9 @@ def test_without_the_library(env: dict[str, str], short_tmp: Path) -> None:
 @pytest.fixture
 def agent(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
     write_claim(Path(env["DRA_OFFLINE"]) / "resourceclaims", claim("gpu-one", UID, [result("gpu-0", "gpu")]))
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--rescan-interval", "0.5"],
-                            env={**os.environ, **env}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
     reg = Path(env["DRA_KUBELET_DIR"]) / "plugins_registry" / f"{DRIVER}-reg.sock"
-    deadline = time.monotonic() + 60
-    while not reg.exists():
-        if proc.poll() is not None:
-            raise AssertionError(proc.communicate())
-        assert time.monotonic() < deadline, "agent did not start"
-        time.sleep(0.05)
-    yield proc
-    proc.terminate()
-    proc.communicate(timeout=30)
+    with agentkit.agent_process(["run", "--rescan-interval", "0.5"], env, reg, ROOT) as proc:
+        yield proc
 
 
 def spec_shape(spec: dict[str, Any]) -> dict[str, Any]:

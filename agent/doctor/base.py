@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from agent.config import Settings
 
@@ -14,7 +13,6 @@ class Checks:
     def __init__(self, settings: Settings, *, host_root: Path = Path("/")) -> None:
         self.s = settings
         self.host_root = Path(host_root)
-        self._client: Any = None  # lightkube.AsyncClient once connected
 
     def host(self, path: str) -> Path:
         """`path` on the host (under --host-root)."""
