@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from agent import cdispecs, failpoints, metadata
 from agent.allocation import Allocation, parse_claim
@@ -63,6 +63,17 @@ class PrepareResult:
 ClaimReader = Callable[[str, str], Mapping[str, Any]]
 
 
+class ClaimListener(Protocol):
+    """Told, on the event loop, after a claim operation has succeeded (the record is durable).
+    Listeners must not block or raise: they queue their own work (the claim status writer)."""
+
+    def claim_prepared(self, record: ClaimRecord) -> None: ...
+
+    def claim_unprepared(self, record: ClaimRecord) -> None: ...
+
+    def claim_refreshed(self, record: ClaimRecord) -> None: ...
+
+
 class PrepareEngine:
     def __init__(self, settings: Settings, inventory: Inventory, claims: ClaimSource, store: ClaimStore,
                  toolkit: ToolkitSpecs | None = None, claim_lock: ClaimFileLock | None = None,
@@ -81,6 +92,7 @@ class PrepareEngine:
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
         self.book = ClaimBook(store)
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
+        self.listeners: list[ClaimListener] = []
 
     @property
     def records(self) -> dict[str, ClaimRecord]:
@@ -124,6 +136,7 @@ class PrepareEngine:
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
             "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})
+        self._tell(lambda listener: listener.claim_prepared(record), record)
         return PrepareResult(devices=record.devices)
 
     async def _prepare_remote(self, ref: ClaimRef, source: ClaimSource) -> ClaimRecord:
@@ -160,6 +173,7 @@ class PrepareEngine:
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
             "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})
+        self._tell(lambda listener: listener.claim_unprepared(record), record)
         return ""
 
     async def refresh_devices(self, names: Iterable[str]) -> int:
@@ -178,9 +192,20 @@ class PrepareEngine:
                 continue
             if new is not None:
                 updated += 1
+                self._tell_refreshed(new)
                 log.info("metadata of claim %s/%s updated (generation %d)", new.namespace, new.name,
                          new.generation)
         return updated
+
+    def _tell_refreshed(self, record: ClaimRecord) -> None:
+        self._tell(lambda listener: listener.claim_refreshed(record), record)
+
+    def _tell(self, call: Callable[[ClaimListener], None], record: ClaimRecord) -> None:
+        for listener in self.listeners:
+            try:
+                call(listener)
+            except Exception:
+                log.exception("a claim listener failed on claim %s/%s", record.namespace, record.name)
 
     def _failed(self, op: str, ref: ClaimRef, why: str, started: float) -> PrepareResult:
         message = f"{ref}: {why}"
