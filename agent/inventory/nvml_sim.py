@@ -36,6 +36,14 @@ GPU fields (only `name`, `busId` and `memoryTotal` are required):
 
 Error codes are numbers or names, with or without the `NVML_ERROR_` prefix.
 In-process tests inject the same faults with `inject_error` and `lose`.
+
+Events and health (`nvml_sim_events`): the pynvml event API (`nvmlEventSetCreate`,
+`nvmlDeviceGetSupportedEventTypes`, `nvmlDeviceRegisterEvents`, `nvmlEventSetWait_v2`,
+`nvmlEventSetFree`) and `nvmlDeviceGetFieldValues` for `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`.
+`raise_xid` delivers an XID to the event sets registered for it and sets the recovery action
+(GPU_RESET, or NONE for the application XIDs 13, 31, 43, 45, 68, 109); `lose` makes the GPU fail
+every call; `recover` is a GPU reset (answers again, recovery action NONE). The same three come
+from outside the process as command files (`watch_control`, `nvml_sim_control`).
 """
 
 from __future__ import annotations
@@ -59,13 +67,20 @@ from agent.inventory.nvml_profiles import (
     error_code,
     load_profile,
 )
+from agent.inventory.nvml_sim_control import ControlWatcher, SimCommand, device_index
+from agent.inventory.nvml_sim_events import APPLICATION_XIDS, SimEvent, SimEvents, event_data, field_values
 from agent.inventory.pci import normalize_bus_id
 
 __all__ = ["ProfileError", "SimulatedNvml", "load_profile", "materialize"]
 
 
 _HANDLE_BASE = 0x5151_0000
-_FORWARDED = re.compile(r"^(NVML|c_nvml|nvmlPciInfo_t$|nvmlExceptionClass$)")
+_FORWARDED = re.compile(r"^(NVML|c_nvml|nvmlPciInfo_t$|nvmlExceptionClass$|nvmlEventType)")
+# The event and field-value calls, which faults may name too (`inject_error`).
+EVENT_DEVICE_FUNCTIONS = frozenset({"nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",
+                                    "nvmlDeviceGetFieldValues"})
+EVENT_SYSTEM_FUNCTIONS = frozenset({"nvmlEventSetCreate", "nvmlEventSetWait_v2", "nvmlEventSetWait",
+                                    "nvmlEventSetFree"})
 
 
 class SimulatedNvml:
@@ -78,6 +93,9 @@ class SimulatedNvml:
         self._system_errors: dict[str, int] = dict(profile.errors)
         self._gpu_errors: list[dict[str, int]] = [dict(g.errors) for g in profile.gpus]
         self._lost: list[bool] = [g.lost for g in profile.gpus]
+        self._resets: list[int] = [0] * len(profile.gpus)
+        self._events = SimEvents(len(profile.gpus))
+        self._control: ControlWatcher | None = None
 
     @classmethod
     def from_profile(cls, spec: str) -> SimulatedNvml:
@@ -93,7 +111,9 @@ class SimulatedNvml:
     # Fault injection.
     def inject_error(self, index: int | None, function: str, code: int | str) -> None:
         """Make `function` fail with `code` on GPU `index` (None: a system call, or every GPU)."""
-        allowed = DEVICE_FUNCTIONS if index is not None else DEVICE_FUNCTIONS | SYSTEM_FUNCTIONS
+        allowed = DEVICE_FUNCTIONS | EVENT_DEVICE_FUNCTIONS
+        if index is None:
+            allowed |= SYSTEM_FUNCTIONS | EVENT_SYSTEM_FUNCTIONS
         if function not in allowed:
             raise ValueError(f"{function!r} is not a function the simulated NVML answers")
         value = error_code(code, function)
@@ -108,12 +128,72 @@ class SimulatedNvml:
         with self._lock:
             self._lost[self._checked_index(index)] = True
 
+    def raise_xid(self, index: int, xid: int) -> int:
+        """An XID on GPU `index`: queued to every event set registered for it and for XID critical
+        errors, and the GPU's recovery action set (NONE for an application XID, else GPU_RESET).
+        Returns how many event sets received it."""
+        if isinstance(xid, bool) or not isinstance(xid, int) or not 0 < xid < 1000:
+            raise ValueError(f"XID must be an integer 1..999, not {xid!r}")
+        action = (pynvml.NVML_GPU_RECOVERY_ACTION_NONE if xid in APPLICATION_XIDS
+                  else pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeXidCriticalError, xid)
+        return self._events.queue(event, action)
+
+    def raise_double_bit_ecc(self, index: int) -> int:
+        """An uncorrectable (double-bit) ECC error on GPU `index`; the GPU then needs a reset."""
+        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeDoubleBitEccError, 0)
+        return self._events.queue(event, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+
+    def recover(self, index: int) -> None:
+        """A GPU reset: the GPU answers again and needs nothing (recovery action NONE)."""
+        with self._lock:
+            self._lost[self._checked_index(index)] = False
+            self._resets[index] += 1
+        self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
+
+    def reset_count(self, index: int) -> int:
+        """How many resets (`recover`) GPU `index` has had: not an NVML call, but the one way a
+        reset that changed nothing NVML shows (after an application XID) can be seen."""
+        with self._lock:
+            return self._resets[self._checked_index(index)]
+
+    def set_supported_events(self, index: int, mask: int) -> None:
+        """What nvmlDeviceGetSupportedEventTypes answers for GPU `index` (0: no events at all)."""
+        self._events.set_supported(self._checked_index(index), mask)
+
+    def apply(self, command: SimCommand) -> None:
+        """Apply one control command (see `nvml_sim_control`)."""
+        index = device_index(self.profile, command.device)
+        if command.command == "xid":
+            assert command.xid is not None  # SimCommand checks it
+            self.raise_xid(index, command.xid)
+        elif command.command == "lose":
+            self.lose(index)
+        else:
+            self.recover(index)
+
+    # The control channel.
+    def watch_control(self, directory: Path) -> None:
+        """Apply the command files written to `directory` now and whenever new ones appear."""
+        if self._control is not None:
+            raise RuntimeError(f"the simulated NVML already watches {self._control.directory}")
+        control = ControlWatcher(directory, self.apply)
+        control.start()
+        self._control = control
+
+    def stop_watching(self) -> None:
+        control, self._control = self._control, None
+        if control is not None:
+            control.stop()
+
     def clear_errors(self) -> None:
         with self._lock:
             self._system_errors.clear()
             for errors in self._gpu_errors:
                 errors.clear()
             self._lost = [False] * len(self._lost)
+        for index in range(len(self.profile.gpus)):
+            self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
 
     # Library lifetime.
     def nvmlInitWithFlags(self, flags: int) -> None:
@@ -121,6 +201,7 @@ class SimulatedNvml:
             self._raise_system("nvmlInitWithFlags", initialized=False)
             self._raise_system("nvmlInit", initialized=False)
             self._refcount += 1
+        self._events.open()
 
     def nvmlInit(self) -> None:
         self.nvmlInitWithFlags(0)
@@ -129,6 +210,9 @@ class SimulatedNvml:
         with self._lock:
             self._raise_system("nvmlShutdown")
             self._refcount -= 1
+            last = self._refcount <= 0
+        if last:
+            self._events.shutdown()
 
     @property
     def initialized(self) -> bool:
@@ -236,6 +320,36 @@ class SimulatedNvml:
         if node is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return node
+
+    # Events and field values.
+    def nvmlEventSetCreate(self) -> Any:
+        self._system("nvmlEventSetCreate")
+        return self._events.create()
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
+        index = self._device("nvmlDeviceGetSupportedEventTypes", handle)[0]
+        return self._events.supported(index)
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
+        index = self._device("nvmlDeviceRegisterEvents", handle)[0]
+        self._events.register(index, int(eventTypes), eventSet)
+
+    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
+        self._system("nvmlEventSetWait_v2")
+        event = self._events.wait(eventSet, timeoutms)
+        return event_data(_handle(event.index), event)
+
+    def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> Any:
+        self._system("nvmlEventSetWait")
+        return self.nvmlEventSetWait_v2(eventSet, timeoutms)
+
+    def nvmlEventSetFree(self, eventSet: Any) -> None:
+        self._system("nvmlEventSetFree")
+        self._events.free(eventSet)
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[int] | list[tuple[int, int]]) -> Any:
+        index = self._device("nvmlDeviceGetFieldValues", handle)[0]
+        return field_values(fieldIds, self._events.action(index))
 
     # Internals.
     def _checked_index(self, index: int) -> int:

@@ -1,0 +1,78 @@
+"""What the GPU event watcher (`gpu_events`) reports: typed, frozen events and the recovery action.
+
+Apart from the watcher so that consumers (taints, the health stream) depend on these types only.
+`at` is when the watcher saw the event, in UTC.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+
+import pynvml
+
+
+class RecoveryAction(enum.Enum):
+    """What the driver says a GPU needs before it is usable again (NVML_GPU_RECOVERY_ACTION_*)."""
+
+    NONE = "none"
+    GPU_RESET = "gpu-reset"
+    NODE_REBOOT = "node-reboot"
+    DRAIN_P2P = "drain-p2p"
+    DRAIN_AND_RESET = "drain-and-reset"
+    RECOVER_IMEX_DOMAIN = "recover-imex-domain"
+    BUS_RESET = "bus-reset"
+    SYSTEM_REBOOT = "system-reboot"
+    UNKNOWN = "unknown"  # the driver does not say (field NOT_SUPPORTED) or says a code we have no name for
+
+    @classmethod
+    def from_nvml(cls, code: int) -> RecoveryAction:
+        return _ACTIONS.get(code, cls.UNKNOWN)
+
+
+_ACTIONS = {
+    pynvml.NVML_GPU_RECOVERY_ACTION_NONE: RecoveryAction.NONE,
+    pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET: RecoveryAction.GPU_RESET,
+    pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT: RecoveryAction.NODE_REBOOT,
+    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P: RecoveryAction.DRAIN_P2P,
+    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET: RecoveryAction.DRAIN_AND_RESET,
+    pynvml.NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN: RecoveryAction.RECOVER_IMEX_DOMAIN,
+    pynvml.NVML_GPU_RECOVERY_ACTION_BUS_RESET: RecoveryAction.BUS_RESET,
+    pynvml.NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT: RecoveryAction.SYSTEM_REBOOT,
+}
+
+
+@dataclass(frozen=True)
+class XidError:
+    device: str
+    xid: int
+    recovery_action: RecoveryAction
+    at: datetime
+
+
+@dataclass(frozen=True)
+class DoubleBitEcc:
+    device: str
+    recovery_action: RecoveryAction
+    at: datetime
+
+
+@dataclass(frozen=True)
+class GpuLost:
+    device: str
+    reason: str
+    at: datetime
+
+
+@dataclass(frozen=True)
+class GpuAnswering:
+    """The GPU answers (again), and needs `recovery_action`: after it was lost, after a reset, or
+    when its recovery action changed."""
+
+    device: str
+    recovery_action: RecoveryAction
+    at: datetime
+
+
+GpuEvent = XidError | DoubleBitEcc | GpuLost | GpuAnswering

@@ -1,0 +1,181 @@
+"""The simulated NVML's events and recovery actions: event sets that really wait, and the faults that
+fill them.
+
+Kept apart from `nvml_sim` (the discovery calls) because it is a small concurrent object of its
+own: event sets are queues behind one condition variable, so a thread blocked in
+`nvmlEventSetWait_v2` wakes the moment `raise_xid` queues an event, and one waiting for nothing
+really sleeps for its timeout, as it would in the driver.
+
+Only the state lives here; `SimulatedNvml` checks initialization, lost GPUs and injected faults
+before it delegates, so every call fails the way the rest of the simulated library does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+# XIDs NVIDIA documents as caused by the application (the contract's list): the GPU needs nothing.
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+
+# What the simulated GPUs say they can report (nvmlDeviceGetSupportedEventTypes), as a datacenter
+# GPU does: ECC, XIDs, clocks and power states.
+SUPPORTED_EVENTS: int = (pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError
+                    | pynvml.nvmlEventTypePState | pynvml.nvmlEventTypeXidCriticalError
+                    | pynvml.nvmlEventTypeClock)
+
+_SET_BASE = 0x5E70_0000  # event set handles are addresses from here, never dereferenced
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    index: int  # NVML index of the GPU
+    event_type: int  # one nvmlEventType* bit
+    data: int  # the XID for nvmlEventTypeXidCriticalError, else 0
+
+
+@dataclass
+class _EventSet:
+    registrations: dict[int, int] = field(default_factory=dict)  # GPU index -> event type mask
+    queue: deque[SimEvent] = field(default_factory=deque)
+
+
+class SimEvents:
+    """Event sets, per-GPU supported event types and recovery actions of one simulated machine."""
+
+    def __init__(self, gpu_count: int) -> None:
+        self._cond = threading.Condition()
+        self._sets: dict[int, _EventSet] = {}
+        self._next_set = 1
+        self._supported: list[int] = [SUPPORTED_EVENTS] * gpu_count
+        self._actions: list[int] = [pynvml.NVML_GPU_RECOVERY_ACTION_NONE] * gpu_count
+        self._closed = False  # the library was shut down: waiters give up
+
+    # Event sets.
+    def create(self) -> Any:
+        with self._cond:
+            number = self._next_set
+            self._next_set += 1
+            self._sets[number] = _EventSet()
+        return ctypes.cast(ctypes.c_void_p(_SET_BASE + number), pynvml.c_nvmlEventSet_t)
+
+    def free(self, event_set: Any) -> None:
+        with self._cond:
+            self._sets.pop(self._set_number(event_set))
+            self._cond.notify_all()
+
+    def supported(self, index: int) -> int:
+        with self._cond:
+            return self._supported[index]
+
+    def set_supported(self, index: int, mask: int) -> None:
+        with self._cond:
+            self._supported[index] = mask
+
+    def register(self, index: int, event_types: int, event_set: Any) -> None:
+        with self._cond:
+            number = self._set_number(event_set)
+            if event_types & ~self._supported[index]:
+                # As the driver answers when any requested type is one this GPU cannot report.
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            registrations = self._sets[number].registrations
+            registrations[index] = registrations.get(index, 0) | event_types
+
+    def wait(self, event_set: Any, timeout_ms: int) -> SimEvent:
+        """The next event of the set; NVML_ERROR_TIMEOUT when none arrives within `timeout_ms`."""
+        deadline = time.monotonic() + max(int(timeout_ms), 0) / 1000
+        with self._cond:
+            number = self._set_number(event_set)
+            while True:
+                entry = self._sets.get(number)
+                if entry is None:  # freed while this thread waited
+                    raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+                if self._closed:
+                    raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+                if entry.queue:
+                    return entry.queue.popleft()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+                self._cond.wait(left)
+
+    def open(self) -> None:
+        with self._cond:
+            self._closed = False
+
+    def shutdown(self) -> None:
+        """The library was shut down: waiting threads return UNINITIALIZED at once."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # Faults.
+    def queue(self, event: SimEvent, action: int | None) -> int:
+        """Deliver `event` to every set registered for its GPU and type; set the GPU's recovery
+        action when `action` is given. Returns how many sets received it."""
+        delivered = 0
+        with self._cond:
+            if action is not None:
+                self._actions[event.index] = action
+            for entry in self._sets.values():
+                if entry.registrations.get(event.index, 0) & event.event_type:
+                    entry.queue.append(event)
+                    delivered += 1
+            self._cond.notify_all()
+        return delivered
+
+    def action(self, index: int) -> int:
+        with self._cond:
+            return self._actions[index]
+
+    def set_action(self, index: int, action: int) -> None:
+        with self._cond:
+            self._actions[index] = action
+
+    def _set_number(self, event_set: Any) -> int:
+        # Caller holds the condition's lock.
+        if not isinstance(event_set, pynvml.c_nvmlEventSet_t):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        number = (ctypes.cast(event_set, ctypes.c_void_p).value or 0) - _SET_BASE
+        if number not in self._sets:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return number
+
+
+def event_data(handle: Any, event: SimEvent) -> Any:
+    """The `c_nvmlEventData_t` nvmlEventSetWait_v2 returns for `event`."""
+    data = pynvml.c_nvmlEventData_t()
+    data.device = handle
+    data.eventType = event.event_type
+    data.eventData = event.data
+    # Not a MIG instance's event: NVML says 0xFFFFFFFF for "no instance".
+    data.gpuInstanceId = 0xFFFFFFFF
+    data.computeInstanceId = 0xFFFFFFFF
+    return data
+
+
+def field_values(field_ids: list[int] | list[tuple[int, int]], recovery_action: int) -> Any:
+    """The `c_nvmlFieldValue_t` array nvmlDeviceGetFieldValues returns: the GPU recovery action
+    where asked, NOT_SUPPORTED in each other entry's nvmlReturn (as the driver answers per field)."""
+    values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+    now_us = time.time_ns() // 1000
+    for entry, field_id in zip(values, field_ids, strict=True):
+        if isinstance(field_id, tuple):
+            entry.fieldId, entry.scopeId = field_id
+        else:
+            entry.fieldId = field_id
+        entry.timestamp = now_us
+        entry.latencyUsec = 0
+        if entry.fieldId == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+            entry.nvmlReturn = pynvml.NVML_SUCCESS
+            entry.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+            entry.value.uiVal = recovery_action
+        else:
+            entry.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+    return values
