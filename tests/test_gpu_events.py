@@ -1,0 +1,372 @@
+"""GPU event sources: the simulated NVML's event API and recovery action, and GpuEventWatcher on it
+(real threads, real waits), and on the real pynvml path through the stand-in library."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import queue
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pynvml
+import pytest
+from conftest import need_command
+
+from agent.inventory.gpu_events import (
+    DoubleBitEcc,
+    GpuAnswering,
+    GpuEvent,
+    GpuEventWatcher,
+    GpuLost,
+    RecoveryAction,
+    XidError,
+)
+from agent.inventory.nvml_sim import SimulatedNvml
+
+ROOT = Path(__file__).resolve().parent.parent
+EVENT_FUNCTIONS = ("nvmlEventSetCreate", "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",
+                   "nvmlEventSetWait_v2", "nvmlEventSetWait", "nvmlEventSetFree", "nvmlDeviceGetFieldValues")
+ACTION = pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+
+
+def sim_with_minors(tmp_path: Path, minors: list[int]) -> SimulatedNvml:
+    """A machine whose GPUs' minors differ from their NVML indexes, so naming is really tested."""
+    profile = tmp_path / "odd.json"
+    profile.write_text(json.dumps({
+        "defaults": {"name": "NVIDIA H100 80GB HBM3", "memoryTotal": 1 << 30},
+        "gpus": [{"busId": f"0000:{0x18 + i:02x}:00.0", "minor": m} for i, m in enumerate(minors)],
+    }))
+    sim = SimulatedNvml.from_profile(str(profile))
+    sim.nvmlInit()
+    return sim
+
+
+@pytest.fixture
+def sim() -> Iterator[SimulatedNvml]:
+    nvml = SimulatedNvml.from_profile("dgx-h100")
+    nvml.nvmlInit()
+    yield nvml
+    nvml.nvmlShutdown()
+
+
+class Events:
+    """What a watcher emitted, received on its thread."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[GpuEvent] = queue.Queue()
+
+    def __call__(self, event: GpuEvent) -> None:
+        self.queue.put(event)
+
+    def next(self, match: Callable[[GpuEvent], bool], timeout: float = 2.0) -> GpuEvent:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no matching event within {timeout} s")
+            try:
+                event = self.queue.get(timeout=left)
+            except queue.Empty:
+                continue
+            if match(event):
+                return event
+
+    def none_within(self, seconds: float) -> list[GpuEvent]:
+        time.sleep(seconds)
+        found = []
+        while not self.queue.empty():
+            found.append(self.queue.get_nowait())
+        return found
+
+
+@pytest.fixture
+def watch() -> Iterator[Callable[..., tuple[GpuEventWatcher, Events]]]:
+    started: list[GpuEventWatcher] = []
+
+    def start(nvml: SimulatedNvml, probe_interval: float = 0.1, registered: int = 1) -> tuple[GpuEventWatcher, Events]:
+        events = Events()
+        watcher = GpuEventWatcher(nvml, events, probe_interval=probe_interval)
+        watcher.start()
+        started.append(watcher)
+        # GPUs are registered by the first probe: from then on an XID is delivered.
+        deadline = time.monotonic() + 5
+        while len(watcher.stats.registered) < registered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return watcher, events
+
+    yield start
+    for watcher in started:
+        watcher.stop()
+
+
+# -- the simulated NVML's event API -----------------------------------------------------------------
+
+def test_event_functions_have_pynvml_signatures() -> None:
+    for name in EVENT_FUNCTIONS:
+        ours = inspect.signature(getattr(SimulatedNvml, name))
+        theirs = inspect.signature(getattr(pynvml, name))
+        assert list(ours.parameters)[1:] == list(theirs.parameters), name
+
+
+def test_wait_returns_the_real_struct_and_times_out(sim: SimulatedNvml) -> None:
+    event_set = sim.nvmlEventSetCreate()
+    assert isinstance(event_set, pynvml.c_nvmlEventSet_t)
+    handle = sim.nvmlDeviceGetHandleByIndex(5)
+    supported = sim.nvmlDeviceGetSupportedEventTypes(handle)
+    assert supported & pynvml.nvmlEventTypeXidCriticalError and supported & pynvml.nvmlEventTypeDoubleBitEccError
+    sim.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+
+    started = time.monotonic()
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        sim.nvmlEventSetWait_v2(event_set, 100)
+    assert time.monotonic() - started >= 0.09  # it really waited
+
+    assert sim.raise_xid(5, 48) == 1
+    assert sim.raise_double_bit_ecc(5) == 0  # not registered for ECC on this set: not delivered
+    assert sim.raise_xid(4, 48) == 0  # another GPU, not registered
+    data = sim.nvmlEventSetWait(event_set, 0)
+    assert type(data) is pynvml.c_nvmlEventData_t
+    assert sim.nvmlDeviceGetIndex(data.device) == 5
+    assert (data.eventType, data.eventData) == (pynvml.nvmlEventTypeXidCriticalError, 48)
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        sim.nvmlEventSetWait_v2(event_set, 0)
+
+    sim.nvmlEventSetFree(event_set)
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        sim.nvmlEventSetWait_v2(event_set, 0)
+
+
+def test_a_waiting_thread_wakes_when_an_event_is_raised(sim: SimulatedNvml) -> None:
+    event_set = sim.nvmlEventSetCreate()
+    sim.nvmlDeviceRegisterEvents(sim.nvmlDeviceGetHandleByIndex(0), pynvml.nvmlEventTypeXidCriticalError
+                                 | pynvml.nvmlEventTypeDoubleBitEccError, event_set)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(sim.nvmlEventSetWait_v2(event_set, 20_000)))
+    waiter.start()
+    time.sleep(0.1)
+    sim.raise_double_bit_ecc(0)
+    waiter.join(10)
+    assert not waiter.is_alive(), "the waiter slept through the event"
+    assert got[0].eventType == pynvml.nvmlEventTypeDoubleBitEccError  # type: ignore[attr-defined]
+
+    # Shutting the library down wakes a waiter too.
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            sim.nvmlEventSetWait_v2(event_set, 20_000)
+        except pynvml.NVMLError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)
+    sim.nvmlShutdown()
+    waiter.join(10)
+    sim.nvmlInit()  # for the fixture's shutdown
+    assert not waiter.is_alive() and isinstance(errors[0], pynvml.NVMLError_Uninitialized)
+
+
+def test_register_refuses_types_the_gpu_does_not_report(sim: SimulatedNvml) -> None:
+    event_set = sim.nvmlEventSetCreate()
+    handle = sim.nvmlDeviceGetHandleByIndex(1)
+    sim.set_supported_events(1, pynvml.nvmlEventTypeDoubleBitEccError)
+    assert sim.nvmlDeviceGetSupportedEventTypes(handle) == pynvml.nvmlEventTypeDoubleBitEccError
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        sim.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+    sim.lose(1)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        sim.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeDoubleBitEccError, event_set)
+
+
+def test_recovery_action_field(sim: SimulatedNvml) -> None:
+    handle = sim.nvmlDeviceGetHandleByIndex(2)
+
+    def action() -> int:
+        values = sim.nvmlDeviceGetFieldValues(handle, [ACTION, (pynvml.NVML_FI_DEV_ECC_CURRENT, 0)])
+        assert values[0].fieldId == ACTION and values[0].nvmlReturn == pynvml.NVML_SUCCESS
+        assert values[0].valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+        assert values[1].fieldId == pynvml.NVML_FI_DEV_ECC_CURRENT
+        assert values[1].nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED
+        return int(values[0].value.uiVal)
+
+    assert action() == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    sim.raise_xid(2, 13)  # an application error: the GPU needs nothing
+    assert action() == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    sim.raise_xid(2, 79)
+    assert action() == pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    sim.lose(2)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        sim.nvmlDeviceGetFieldValues(handle, [ACTION])
+    sim.recover(2)
+    assert action() == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    with pytest.raises(ValueError):
+        sim.raise_xid(2, 0)
+
+
+# -- the watcher ------------------------------------------------------------------------------------
+
+def test_xid_is_named_as_published_with_its_recovery_action(tmp_path: Path, watch) -> None:  # type: ignore[no-untyped-def]
+    nvml = sim_with_minors(tmp_path, [4, 7, 2])
+    watcher, events = watch(nvml)
+    assert sorted(watcher.stats.registered) == ["gpu-2", "gpu-4", "gpu-7"]
+    nvml.raise_xid(1, 79)
+    event = events.next(lambda e: isinstance(e, XidError))
+    assert isinstance(event, XidError)
+    assert (event.device, event.xid, event.recovery_action) == ("gpu-7", 79, RecoveryAction.GPU_RESET)
+    assert event.at.tzinfo is not None
+
+    nvml.raise_xid(2, 13)
+    event = events.next(lambda e: isinstance(e, XidError))
+    assert (event.device, event.recovery_action) == ("gpu-2", RecoveryAction.NONE)  # type: ignore[union-attr]
+
+    nvml.raise_double_bit_ecc(0)
+    event = events.next(lambda e: isinstance(e, DoubleBitEcc))
+    assert event == DoubleBitEcc("gpu-4", RecoveryAction.GPU_RESET, event.at)
+    # The actions were reported with the events: the probe does not report them again.
+    assert events.none_within(0.4) == []
+
+
+def test_lost_and_recovered(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
+    _, events = watch(sim)
+    sim.lose(6)
+    lost = events.next(lambda e: True)
+    assert isinstance(lost, GpuLost) and lost.device == "gpu-6" and "GPU_IS_LOST" in lost.reason
+    assert events.none_within(0.3) == []  # said once, not at every probe
+    sim.recover(6)
+    back = events.next(lambda e: True)
+    assert back == GpuAnswering("gpu-6", RecoveryAction.NONE, back.at)
+
+
+def test_a_reset_after_an_application_xid_is_reported(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
+    _, events = watch(sim)
+    sim.raise_xid(3, 13)
+    events.next(lambda e: isinstance(e, XidError))
+    sim.recover(3)  # NVML shows no change (action NONE before and after), the reset is still seen
+    back = events.next(lambda e: True)
+    assert back == GpuAnswering("gpu-3", RecoveryAction.NONE, back.at)
+
+
+def test_recovery_action_change_is_reported(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
+    sim.set_supported_events(0, 0)  # no events: only the probe sees the XID's effect
+    _, events = watch(sim)
+    sim.raise_xid(0, 79)
+    event = events.next(lambda e: True)
+    assert event == GpuAnswering("gpu-0", RecoveryAction.GPU_RESET, event.at)
+
+
+def test_stop_is_prompt(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
+    watcher, _ = watch(sim, probe_interval=30)
+    started = time.monotonic()
+    watcher.stop()
+    assert time.monotonic() - started < 1.0
+
+
+def test_gpu_without_events_is_probed_only(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
+    sim.set_supported_events(4, pynvml.nvmlEventTypePState)  # neither XIDs nor ECC
+    watcher, events = watch(sim)
+    assert "gpu-4" not in watcher.stats.registered and "gpu-5" in watcher.stats.registered
+    sim.lose(4)
+    event = events.next(lambda e: True)
+    assert event == GpuLost("gpu-4", "GPU is lost (NVML_ERROR_GPU_IS_LOST)", event.at)
+
+
+def test_library_without_events_or_fields_degrades_to_probing(sim: SimulatedNvml, watch,  # type: ignore[no-untyped-def]
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    sim.inject_error(None, "nvmlEventSetCreate", "FUNCTION_NOT_FOUND")
+    sim.inject_error(None, "nvmlDeviceGetFieldValues", "NOT_SUPPORTED")
+    watcher, events = watch(sim, registered=0)
+    time.sleep(0.3)
+    assert watcher.stats.registered == [] and watcher.stats.errors == 0
+    assert sum("NVML events are not available" in r.message for r in caplog.records) == 1
+    sim.raise_xid(1, 79)  # nobody listens for it
+    sim.lose(1)
+    assert isinstance(events.next(lambda e: True), GpuLost)
+    sim.recover(1)
+    back = events.next(lambda e: True)
+    assert back == GpuAnswering("gpu-1", RecoveryAction.UNKNOWN, back.at)
+
+
+def test_one_gpu_failing_and_a_failing_callback_stop_nothing(sim: SimulatedNvml) -> None:
+    sim.inject_error(2, "nvmlDeviceGetMinorNumber", "UNKNOWN")
+    seen: list[GpuEvent] = []
+
+    def on_event(event: GpuEvent) -> None:
+        seen.append(event)
+        if len(seen) == 1:
+            raise RuntimeError("consumer bug")
+
+    watcher = GpuEventWatcher(sim, on_event, probe_interval=0.1)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(watcher.stats.registered) < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "gpu-2" not in watcher.stats.registered and len(watcher.stats.registered) == 7
+        sim.raise_xid(3, 79)
+        sim.raise_xid(5, 79)
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(e.device, type(e)) for e in seen] == [("gpu-3", XidError), ("gpu-5", XidError)]
+        assert watcher.stats.errors >= 2  # gpu-2's probe and the callback, counted
+    finally:
+        watcher.stop()
+
+
+def test_gpu_appearing_later_is_registered(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
+    sim.inject_error(None, "nvmlDeviceGetCount", "UNKNOWN")
+    watcher, events = watch(sim, registered=0)
+    time.sleep(0.3)
+    assert watcher.stats.registered == []
+    sim.clear_errors()
+    deadline = time.monotonic() + 5
+    while len(watcher.stats.registered) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sim.raise_xid(7, 94)
+    event = events.next(lambda e: isinstance(e, XidError))
+    assert (event.device, event.xid) == ("gpu-7", 94)  # type: ignore[union-attr]
+
+
+# -- the real pynvml path, through the stand-in library ---------------------------------------------
+
+STANDIN_SCRIPT = textwrap.dedent("""
+    import json, sys, time, pathlib, pynvml
+    from agent.inventory.gpu_events import GpuEventWatcher
+    control = pathlib.Path(sys.argv[1])
+    pynvml.nvmlInit()
+    seen = []
+    watcher = GpuEventWatcher(pynvml, seen.append, probe_interval=0.1)
+    watcher.start()
+    time.sleep(0.4)
+    control.write_text("lost 1\\n")
+    time.sleep(0.4)
+    control.write_text("")
+    time.sleep(0.4)
+    started = time.monotonic()
+    watcher.stop()
+    print(json.dumps({"events": [[type(e).__name__, e.device, getattr(e, "recovery_action", None) and
+                                  e.recovery_action.value] for e in seen],
+                      "errors": watcher.stats.errors, "stop": time.monotonic() - started}))
+""")
+
+
+def test_real_pynvml_without_event_functions_degrades_cleanly(short_tmp: Path) -> None:
+    need_command("make", "gcc")
+    built = subprocess.run(["make", "-s", "nvml-standin"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stdout + built.stderr
+    env = {**os.environ, "LD_LIBRARY_PATH": str(ROOT / "tests" / "nvml_standin" / "build"),
+           "NVML_STANDIN_CONTROL": str(short_tmp / "control")}
+    proc = subprocess.run([sys.executable, "-c", STANDIN_SCRIPT, str(short_tmp / "control")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["events"] == [["GpuLost", "gpu-1", None], ["GpuAnswering", "gpu-1", "unknown"]], proc.stderr
+    assert out["errors"] == 0 and out["stop"] < 1.0
+    assert "NVML events are not available" in proc.stderr
