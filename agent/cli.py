@@ -7,6 +7,7 @@
     dra-agent kubelet info|prepare|unprepare|health
     dra-agent cdi validate [DIR...]
     dra-agent doctor [-o text|json]    check this node the way a person would when a pod is stuck
+    dra-agent taints [-o table|json]   the device taints the agent holds; `taints clear DEVICE`
 
 Every command accepts the same settings as `run` (flags or environment variables).
 """
@@ -232,6 +233,9 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--host-root", default="/", metavar="DIR",
                     help="the host's / (its /etc holds the container runtime's configuration), when doctor runs "
                          "in a container with it mounted (default: /)")
+    from agent import taintctl
+
+    taintctl.add_parser(sub, config.add_arguments)
     return p
 
 

@@ -95,6 +95,9 @@ OPTIONS: tuple[Option, ...] = (
            "seconds a prepared claim's ResourceClaim must stay gone (deleted, or re-created with another "
            "UID) before the claim is unprepared here; checked at start and every min(grace/4, 60) s",
            kind=float, metavar="SECONDS"),
+    Option("taint_policy", "--taint-policy", "DRA_TAINT_POLICY", None,
+           "YAML file laid over the default taint policy (XID -> effect, lost GPU, link down and its "
+           "hold time; README: Device health and taints)", metavar="FILE"),
     Option("metrics_address", "--metrics-address", "DRA_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS,
            "HOST:PORT for /metrics, /healthz and /readyz (HTTP; no HOST: every interface; "
            "empty: off)", metavar="HOST:PORT", empty=True),
@@ -150,6 +153,7 @@ class Settings:
     claim_fetch_concurrency: int = 16
     api_timeout: float = 10.0
     gc_grace_period: float = 600.0
+    taint_policy: Path | None = None
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     log_format: str = "auto"
     log_level: str = "info"
@@ -286,7 +290,7 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
         elif key in ("nic_include", "nic_exclude") and isinstance(value, str):
             value = _globs(value)
         elif key in ("kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root", "dev_root",
-                     "kubeconfig", "offline", "offline_fallback") and not isinstance(value, Path):
+                     "kubeconfig", "offline", "offline_fallback", "taint_policy") and not isinstance(value, Path):
             value = Path(os.path.abspath(os.path.expanduser(str(value))))
         kw[key] = value
     return Settings(**kw)

@@ -25,6 +25,7 @@ from agent import config as config_mod
 from agent import kubelet_client, slices
 from agent.config import Settings
 from agent.connection import Connection, StartupError, connect, wait_for_node
+from agent.devhealth import DeviceHealthService
 from agent.fsutil import UnsafeRoot, check_root, makedirs
 from agent.gc import ClaimCollector
 from agent.health import HealthTracker
@@ -43,6 +44,7 @@ from agent.recovery import recover
 from agent.selfheal import SelfHealer
 from agent.server import Servers
 from agent.state import ClaimStore
+from agent.taintpolicy import PolicyError
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,7 @@ class Agent:
         self.servers: Servers | None = None
         self.selfheal: SelfHealer | None = None
         self.publish: PublishLoop | None = None
+        self.health = DeviceHealthService(settings, self._conditions_changed)
         self.metrics = Metrics()
         self.metrics.state = self.metrics_state
         self.inventory.on_scan = self.metrics.scanned
@@ -142,8 +145,11 @@ class Agent:
         _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(recover, self.engine))
         log.info("state: %s", report.summary())
         self.metrics.recovered(len(report.repaired), len(report.removed), len(report.quarantined))
-        self._devices = self.inventory.snapshot().devices
-        await self.tracker.update(self.inventory.snapshot())
+        await self.health.start()
+        snapshot = self.inventory.snapshot()
+        self._devices = snapshot.devices
+        self.health.observe(snapshot)
+        await self.tracker.update(snapshot, self.health.conditions)
         self.servers = Servers(s, self.engine, self.tracker)
         await self.servers.start_dra()
         await self.servers.start_registration()
@@ -192,7 +198,7 @@ class Agent:
                 await self._changed()
         self.publish = PublishLoop(self.conn.publisher(self.settings, node),
                                    verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
-        self.publish.update(self.inventory.devices())
+        self.publish.update(self.health.published(self.inventory.snapshot()))
         await self.publish.run()
 
     async def _rescans(self) -> None:
@@ -233,15 +239,25 @@ class Agent:
         snapshot = self.inventory.snapshot()
         changed = {name for name, dev in snapshot.devices.items() if self._devices.get(name) != dev}
         self._devices = snapshot.devices
+        self.health.observe(snapshot)
         if self.publish is not None:
-            self.publish.update(self.inventory.devices())
-        await self.tracker.update(snapshot)
+            self.publish.update(self.health.published(snapshot))
+        await self.tracker.update(snapshot, self.health.conditions)
         if changed and self.engine is not None:
             await self.engine.refresh_devices(changed)
+
+    async def _conditions_changed(self, devices: set[str]) -> None:
+        """Device conditions changed (an XID, a link down or up again, a taint cleared): the
+        slices, the health stream and the claims holding those devices follow."""
+        snapshot = self.inventory.snapshot()
+        if self.publish is not None:
+            self.publish.update(self.health.published(snapshot))
+        await self.tracker.update(snapshot, self.health.conditions)
 
     async def stop(self) -> None:
         if self.selfheal is not None:  # first: the sockets removed below must not come back
             await self.selfheal.stop()
+        await self.health.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -340,7 +356,11 @@ async def run(settings: Settings) -> int:
         log.debug("setting %s = %s", flag, value)
     log.info("dra-agent starting: driver %s, node %s, nvml %s", settings.driver_name, settings.node_name,
              settings.nvml)
-    agent = Agent(settings)
+    try:
+        agent = Agent(settings)
+    except PolicyError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Worker threads mostly wait on the disk: enough of them that 16+ claims in flight are not

@@ -1,8 +1,11 @@
 """Device health as the kubelet's health stream reports it.
 
-HEALTHY: the device is in the inventory and answering. UNHEALTHY: discovery
-knows it by name but could not read it (an NVML call failing, a GPU that fell
-off the bus), or it was seen before and is gone now. UNKNOWN: the device is
+HEALTHY: the device is in the inventory and answering, with no cause that taints
+it beyond effect None (an application's XID leaves it healthy, with a message).
+UNHEALTHY: a device condition taints it (an XID, a lost GPU, a link down: the
+message names the cause, `agent.conditions`), or discovery knows it by name but
+could not read it (an NVML call failing), or it was seen before and is gone now.
+UNKNOWN: the device is
 still published from its source's last good scan, but that source has failed
 for longer than the inventory's bound (`agent.inventory.STALE_AFTER`).
 Only device names are ever reported: failures that name no device (an
@@ -19,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from agent.conditions import DeviceConditions
 from agent.inventory import Snapshot
 
 HEALTHY = "HEALTHY"
@@ -55,18 +59,24 @@ class HealthTracker:
     def current(self) -> list[DeviceHealth]:
         return [self._state[k] for k in sorted(self._state)]
 
-    async def update(self, snapshot: Snapshot) -> bool:
-        """Fold in a new inventory snapshot; True (and watchers woken) when anything changed."""
+    async def update(self, snapshot: Snapshot, conditions: DeviceConditions | None = None) -> bool:
+        """Fold in a new inventory snapshot and the device conditions; True (and watchers woken)
+        when anything changed."""
         now = int(time.time())
         new: dict[str, DeviceHealth] = {}
         for name in snapshot.devices:
-            if (why := snapshot.unknown.get(name)) is not None:
+            verdict = conditions.health(name) if conditions is not None else None
+            if verdict is not None and not verdict[0]:
+                new[name] = self._keep(name, UNHEALTHY, _clip(verdict[1]), now)
+            elif (why := snapshot.unknown.get(name)) is not None:
                 new[name] = self._keep(name, UNKNOWN, _clip(why), now)
             else:
-                new[name] = self._keep(name, HEALTHY, "", now)
+                new[name] = self._keep(name, HEALTHY, _clip(verdict[1]) if verdict else "", now)
         for failure in snapshot.failed_devices:
             if failure.device not in new:
-                new[failure.device] = self._keep(failure.device, UNHEALTHY, _clip(failure.reason), now)
+                verdict = conditions.health(failure.device) if conditions is not None else None
+                why = f"{verdict[1]}; {failure.reason}" if verdict else failure.reason
+                new[failure.device] = self._keep(failure.device, UNHEALTHY, _clip(why), now)
         for name, old in self._state.items():
             if name not in new:
                 msg = old.message if old.status == UNHEALTHY else "device is no longer found on this node"

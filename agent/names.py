@@ -67,3 +67,9 @@ def check_request(request: str) -> None:
     for part in parts:
         if errs := dns_label_errors(part):
             raise InvalidName(f"request name {_show(request)} {errs[-1]}")
+
+
+def check_device_name(device: str) -> None:
+    """A device name as published (`gpu-3`, `nic-...`): a DNS label."""
+    if errs := dns_label_errors(device):
+        raise InvalidName(f"device name {_show(device)} {errs[-1]}")

@@ -33,6 +33,7 @@ MAC_A0, MAC_A1 = "02:00:00:00:a0:00", "02:00:00:00:a1:00"
 DEV_A0, DEV_A1 = mac_device_name(MAC_A0), mac_device_name(MAC_A1)
 NIC_CLAIM_UID = "6e2f0a00-0000-4000-8000-000000000001"
 WAIT = 30.0  # a bound for the agent to catch up, never an expected duration
+LINK_UP_HOLD = 2.0  # the taint policy's hold time in these tests
 READY_LINE = "watching netlink link and address events"
 
 T = TypeVar("T")
@@ -49,8 +50,8 @@ class RunningAgent:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def nics(self) -> dict[str, dict[str, Any]]:
-        """The published NIC devices, by name, with plain attribute values."""
+    def published(self) -> dict[str, dict[str, Any]]:
+        """The published devices, by name, as in the slices."""
         assert self.settings.offline is not None
         out: dict[str, dict[str, Any]] = {}
         for path in sorted((self.settings.offline / "resourceslices").glob("*.yaml")):
@@ -58,11 +59,28 @@ class RunningAgent:
                 obj = yaml.safe_load(path.read_text())
             except FileNotFoundError:
                 continue  # replaced or deleted while we looked: the next poll sees the new set
-            for dev in obj["spec"]["devices"]:
-                attrs = {k: next(iter(v.values())) for k, v in (dev.get("attributes") or {}).items()}
-                if attrs.get("type") == "nic":
-                    out[dev["name"]] = attrs
+            for dev in obj["spec"].get("devices") or []:
+                out[dev["name"]] = dev
         return out
+
+    def nics(self) -> dict[str, dict[str, Any]]:
+        """The published NIC devices, by name, with plain attribute values."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, dev in self.published().items():
+            attrs = {k: next(iter(v.values())) for k, v in (dev.get("attributes") or {}).items()}
+            if attrs.get("type") == "nic":
+                out[name] = attrs
+        return out
+
+    def taints(self, device: str) -> dict[str, dict[str, Any]]:
+        """The device's published taints, by key."""
+        return {t["key"]: t for t in self.published().get(device, {}).get("taints") or []}
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """The health stream's first answer, by device name."""
+        done = self.cli("kubelet", "health", "--once")
+        assert done.returncode == 0, done.stdout + done.stderr
+        return {d["device"]["device_name"]: d for d in json.loads(done.stdout)["devices"]}
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """`dra-agent ARGS` with the agent's own settings, from outside the namespace."""
@@ -104,12 +122,14 @@ def ns() -> Iterator[NetNS]:
 
 @pytest.fixture
 def agent(ns: NetNS, short_tmp: Path) -> Iterator[RunningAgent]:
+    policy = short_tmp / "taint-policy.yaml"
+    policy.write_text(f"linkDown: {{effect: NoSchedule, upHold: {LINK_UP_HOLD}}}\n")
     values: dict[str, Any] = {
         "driver_name": DRIVER, "node_name": NODE, "nvml": "sim", "nic_include": "veth*",
         "kubelet_dir": short_tmp / "kubelet", "cdi_dir": short_tmp / "cdi",
         "static_cdi_dir": short_tmp / "cdi-static", "state_dir": short_tmp / "state",
         "dev_root": short_tmp / "dev", "offline": short_tmp / "offline",
-        "rescan_interval": 3600, "netlink_debounce": 0.2, "log_format": "json",
+        "rescan_interval": 3600, "netlink_debounce": 0.2, "log_format": "json", "taint_policy": policy,
     }
     flags = flags_of(values)
     log_path = short_tmp / "agent.log"
@@ -165,6 +185,38 @@ def test_a_link_set_down_is_republished(agent: RunningAgent) -> None:
 
     agent.ns.ip("link", "set", "vethA0", "up")
     agent.until(lambda: all(n["linkUp"] is True for n in agent.nics().values()), "the pair up again")
+
+
+def test_a_link_down_taints_the_nic_until_it_has_stayed_up(agent: RunningAgent) -> None:
+    key = f"{DRIVER}/link-down"
+    assert agent.taints(DEV_A0) == {} and agent.health()[DEV_A0]["health"] == "HEALTHY"
+    agent.ns.ip("link", "set", "vethA0", "down")
+    taint = agent.until(lambda: agent.taints(DEV_A0).get(key), "the link-down taint published")
+    assert taint["effect"] == "NoSchedule" and taint["timeAdded"].endswith("Z") and "value" not in taint
+    agent.until(lambda: agent.taints(DEV_A1).get(key), "the peer, without carrier, tainted too")
+    health = agent.until(lambda: (h := agent.health()[DEV_A0]) and h["health"] == "UNHEALTHY" and h,
+                         "UNHEALTHY on the health stream")
+    assert health["message"].startswith("link down since ")
+    listed = agent.cli("taints", "-o", "json")
+    assert listed.returncode == 0, listed.stderr
+    rows = {(r["device"], r["key"]): r for r in json.loads(listed.stdout)}
+    assert rows[(DEV_A0, key)]["effect"] == "NoSchedule"
+    assert rows[(DEV_A0, key)]["cause"] == health["message"]
+
+    agent.ns.ip("link", "set", "vethA0", "up")
+    agent.until(lambda: not agent.taints(DEV_A0) and not agent.taints(DEV_A1), "both taints gone")
+    agent.until(lambda: agent.health()[DEV_A0]["health"] == "HEALTHY", "HEALTHY again")
+    # The taint went only once the link had been up for the hold time, by the agent's own clock.
+    events = [json.loads(line) for line in agent.log().splitlines() if line.startswith("{")]
+    up = next(e for e in events if e["msg"].startswith(f"{DEV_A0}: link up again"))
+    cleared = next(e for e in events if e["msg"].startswith(f"{DEV_A0}: link up for"))
+    assert _seconds(cleared) - _seconds(up) >= LINK_UP_HOLD - 0.01
+
+
+def _seconds(event: dict[str, Any]) -> float:
+    import datetime
+
+    return datetime.datetime.fromisoformat(event["ts"]).timestamp()
 
 
 def test_a_renamed_link_keeps_its_device_name(agent: RunningAgent) -> None:

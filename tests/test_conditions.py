@@ -1,0 +1,262 @@
+"""Device conditions: the taint policy, causes that come and go, and the outputs that follow them
+(taints, health stream, readiness), with a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+import pytest
+from agentkit import roots
+
+from agent.conditions import CAUSES_FILE, NONE, DeviceConditions, read_saved
+from agent.health import HEALTHY, UNHEALTHY, HealthTracker
+from agent.inventory import DeviceFailure, Snapshot
+from agent.model import Device
+from agent.taintctl import apply_requests, health_dir, requests_dir, submit_clear
+from agent.taintpolicy import PolicyError, TaintPolicy, load_policy, parse_policy
+
+DRIVER = "dra.example.com"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def conditions(clock: Clock, tmp: Path | None = None, policy: TaintPolicy | None = None) -> DeviceConditions:
+    return DeviceConditions(DRIVER, policy or TaintPolicy(), tmp, clock=clock)
+
+
+def wire(c: DeviceConditions, device: str) -> list[dict[str, str]]:
+    return [t.wire() for t in c.taints(device)]
+
+
+# -- the policy ------------------------------------------------------------------------------------
+
+def test_default_policy_follows_the_contract() -> None:
+    p = TaintPolicy()
+    for xid in (13, 31, 43, 45, 68, 109):
+        assert p.for_xid(xid).effect == "None" and p.for_xid(xid).clear_after == 300
+    assert p.for_xid(48).effect == "NoSchedule" and p.for_xid(48).clear_after is None
+    assert p.for_xid(79).effect == "NoExecute"
+    assert p.gpu_lost.effect == "NoExecute"
+    assert p.link_down.effect == "NoSchedule" and p.link_down.up_hold == 10
+
+
+def test_a_policy_file_is_laid_over_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text('xid:\n  "13": {effect: ignore}\n  94: {effect: NoExecute}\n'
+                    "defaultXid: {effect: None, clearAfter: 60}\nlinkDown: {upHold: 0.5}\n")
+    p = load_policy(path)
+    assert p.for_xid(13).effect == "ignore"
+    assert p.for_xid(94).effect == "NoExecute"
+    assert p.for_xid(31).effect == "None"  # untouched default
+    assert p.for_xid(500).effect == "None" and p.for_xid(500).clear_after == 60
+    assert p.link_down.up_hold == 0.5 and p.link_down.effect == "NoSchedule"
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    ({"xid": {"abc": {"effect": "None"}}}, "is not an XID number"),
+    ({"xid": {"2000": {"effect": "None"}}}, "1..999"),
+    ({"xid": {"48": {"effect": "PreferNoSchedule"}}}, "effect: must be one of"),
+    ({"xid": {"48": {"effect": "None", "after": 3}}}, "unknown field"),
+    ({"gpuLost": {"effect": "None", "clearAfter": -1}}, "positive number"),
+    ({"linkDown": {"upHold": "soon"}}, "upHold"),
+    ({"taints": {}}, "unknown field"),
+    (["xid"], "must be a mapping"),
+])
+def test_bad_policies_are_refused_with_where_and_why(doc: object, message: str) -> None:
+    with pytest.raises(PolicyError, match=message):
+        parse_policy(doc)
+
+
+def test_an_unreadable_policy_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=r"--taint-policy .*missing\.yaml"):
+        load_policy(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("xid: [\n")
+    with pytest.raises(PolicyError, match="not YAML"):
+        load_policy(bad)
+
+
+# -- causes and their taints -----------------------------------------------------------------------
+
+def test_an_xid_taints_until_the_gpu_is_reset(clock: Clock) -> None:
+    c = conditions(clock)
+    assert c.xid("gpu-3", 48, "gpu-reset")
+    assert wire(c, "gpu-3") == [{"key": f"{DRIVER}/xid", "value": "48", "effect": "NoSchedule",
+                                 "timeAdded": "2027-01-15T08:00:00Z"}]
+    assert c.health("gpu-3") == (False, "XID 48 (double-bit ECC error), recovery action gpu-reset")
+    clock.now += 3600
+    c.tick()
+    assert wire(c, "gpu-3")  # no time limit on a fault
+    assert not c.gpu_answering("gpu-3", "gpu-reset")  # still needs its reset
+    assert c.gpu_answering("gpu-3", NONE)
+    assert c.taints("gpu-3") == [] and c.health("gpu-3") is None
+
+
+def test_one_xid_taint_per_device_with_the_strongest_effect(clock: Clock) -> None:
+    c = conditions(clock)
+    c.xid("gpu-0", 13)
+    clock.now += 1
+    c.xid("gpu-0", 79)
+    clock.now += 1
+    c.xid("gpu-0", 48)
+    (taint,) = c.taints("gpu-0")
+    assert (taint.effect, taint.value) == ("NoExecute", "79")
+    assert [x.value for x in c.causes("gpu-0")] == ["13", "79", "48"]
+
+
+def test_an_application_xid_is_informational_and_expires(clock: Clock) -> None:
+    c = conditions(clock)
+    c.xid("gpu-1", 13, NONE)
+    assert wire(c, "gpu-1")[0]["effect"] == "None"
+    healthy, message = c.health("gpu-1") or (False, "")
+    assert healthy and "application error" in message
+    assert c.readiness("gpu-1").ready
+    assert c.next_deadline() == clock.now + 300
+    clock.now += 299
+    assert c.tick() == 0
+    clock.now += 1
+    assert c.tick() == 1 and c.taints("gpu-1") == []
+
+
+def test_an_ignored_xid_taints_nothing(clock: Clock) -> None:
+    c = conditions(clock, policy=parse_policy({"xid": {"94": {"effect": "ignore"}}}))
+    assert not c.xid("gpu-1", 94)
+    assert c.taints("gpu-1") == []
+
+
+def test_a_lost_gpu_is_noexecute_until_it_answers_again(clock: Clock) -> None:
+    c = conditions(clock)
+    c.xid("gpu-2", 79, "gpu-reset")
+    assert c.gpu_lost("gpu-2", "GPU_IS_LOST")
+    assert not c.gpu_lost("gpu-2", "GPU_IS_LOST")  # already known: nothing changes
+    keys = {t.key: t.effect for t in c.taints("gpu-2")}
+    assert keys == {f"{DRIVER}/xid": "NoExecute", f"{DRIVER}/gpu-lost": "NoExecute"}
+    assert c.readiness("gpu-2").reason == "GpuLost"
+    # Answering again after being lost is a reset, whatever the recovery action says.
+    assert c.gpu_answering("gpu-2", "unknown")
+    assert c.taints("gpu-2") == [] and c.readiness("gpu-2").ready
+
+
+def test_a_link_taint_goes_only_after_the_link_stays_up(clock: Clock) -> None:
+    c = conditions(clock)
+    assert not c.link("nic-a", True)  # up and untainted: nothing to do
+    assert c.link("nic-a", False)
+    down_since = wire(c, "nic-a")[0]["timeAdded"]
+    assert wire(c, "nic-a")[0]["effect"] == "NoSchedule"
+    assert c.readiness("nic-a").reason == "LinkDown"
+    clock.now += 5
+    assert not c.link("nic-a", True)  # up, but not for long enough
+    clock.now += 5
+    assert not c.link("nic-a", False)  # flapping: the same taint stays, its time too
+    assert wire(c, "nic-a")[0]["timeAdded"] == down_since
+    clock.now += 1
+    c.link("nic-a", True)
+    assert c.next_deadline() == clock.now + 10
+    clock.now += 9.9
+    assert c.tick() == 0 and c.taints("nic-a")
+    clock.now += 0.1
+    assert c.tick() == 1 and c.taints("nic-a") == []
+    assert c.readiness("nic-a").ready
+
+
+def test_a_zero_hold_clears_a_link_taint_on_the_first_scan_up(clock: Clock) -> None:
+    c = conditions(clock, policy=parse_policy({"linkDown": {"upHold": 0}}))
+    c.link("nic-a", False)
+    assert c.link("nic-a", True) and c.taints("nic-a") == []
+
+
+def test_an_operator_clears_xid_taints_but_not_observations(clock: Clock) -> None:
+    c = conditions(clock)
+    c.xid("gpu-4", 48)
+    c.gpu_lost("gpu-4", "GPU_IS_LOST")
+    gone = c.clear("gpu-4")
+    assert [x.value for x in gone] == ["48"]
+    assert [t.key for t in c.taints("gpu-4")] == [f"{DRIVER}/gpu-lost"]
+    assert c.clear("gpu-4") == []
+
+
+def test_xid_causes_survive_a_restart_and_observations_do_not(clock: Clock, tmp_path: Path) -> None:
+    c = conditions(clock, tmp_path)
+    c.xid("gpu-5", 48, "gpu-reset")
+    c.link("nic-b", False)
+    saved, saved_at = read_saved(tmp_path)
+    assert {x.kind for x in saved} == {"xid", "link-down"} and saved_at == clock.now
+    again = conditions(clock, tmp_path)
+    again.load()
+    assert [t.wire() for t in again.taints("gpu-5")] == wire(c, "gpu-5")
+    assert again.taints("nic-b") == []
+
+
+def test_an_unreadable_saved_file_is_skipped(clock: Clock, tmp_path: Path) -> None:
+    (tmp_path / CAUSES_FILE).write_bytes(b"{not json")
+    c = conditions(clock, tmp_path)
+    c.load()
+    assert c.causes() == []
+    (tmp_path / CAUSES_FILE).write_bytes(orjson.dumps({"version": 99, "causes": []}))
+    c.load()
+    assert c.causes() == []
+
+
+# -- outputs ---------------------------------------------------------------------------------------
+
+def _snapshot(*devices: Device, failed: tuple[DeviceFailure, ...] = ()) -> Snapshot:
+    return Snapshot(devices={d.name: d for d in devices}, failed_devices=list(failed), problems=[],
+                    failing_sources=[], unknown={}, taken_at=0.0)
+
+
+def test_the_health_stream_names_the_cause(clock: Clock) -> None:
+    async def run() -> None:
+        c = conditions(clock)
+        tracker = HealthTracker(pool="node-a")
+        gpu, other = Device("gpu-0", "gpu"), Device("gpu-1", "gpu")
+        await tracker.update(_snapshot(gpu, other), c)
+        assert {h.device: h.status for h in tracker.current()} == {"gpu-0": HEALTHY, "gpu-1": HEALTHY}
+        c.xid("gpu-0", 48, "gpu-reset")
+        assert await tracker.update(_snapshot(gpu, other), c)
+        by_name = {h.device: h for h in tracker.current()}
+        assert by_name["gpu-0"].status == UNHEALTHY and "XID 48 (double-bit ECC error)" in by_name["gpu-0"].message
+        assert by_name["gpu-1"].status == HEALTHY
+        # Lost: discovery fails it, and the message carries both.
+        c.gpu_lost("gpu-0", "GPU_IS_LOST")
+        await tracker.update(_snapshot(other, failed=(DeviceFailure("gpu-0", "nvml: GPU is lost"),)), c)
+        message = {h.device: h.message for h in tracker.current()}["gpu-0"]
+        assert "GPU lost" in message and "nvml: GPU is lost" in message
+        c.gpu_answering("gpu-0", NONE)
+        await tracker.update(_snapshot(gpu, other), c)
+        assert {h.device: (h.status, h.message) for h in tracker.current()}["gpu-0"] == (HEALTHY, "")
+
+    asyncio.run(run())
+
+
+def test_clear_requests_are_applied_in_order_and_bad_ones_set_aside(clock: Clock, tmp_path: Path) -> None:
+    settings = roots(tmp_path)
+    c = conditions(clock, health_dir(settings))
+    c.xid("gpu-6", 48)
+    c.xid("gpu-7", 63)
+    submit_clear(settings, "gpu-6")
+    submit_clear(settings, "gpu-9")  # nothing to clear: applied, harmless
+    (requests_dir(settings) / "00000000000000000001-zz.json").write_bytes(b'{"action": "explode"}')
+    assert apply_requests(requests_dir(settings), c) == 2
+    assert c.taints("gpu-6") == [] and c.taints("gpu-7")
+    left = sorted(p.name for p in requests_dir(settings).iterdir())
+    assert left == ["00000000000000000001-zz.json.bad"]
+
+
+def test_a_clear_request_names_a_device() -> None:
+    from agent.names import InvalidName
+
+    with pytest.raises(InvalidName):
+        submit_clear(roots(Path("/nonexistent")), "../gpu-0")
