@@ -53,9 +53,9 @@ def cmd_run(args: argparse.Namespace, settings: config.Settings) -> int:
 
 
 def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent import daemon
+    from agent import oneshot
 
-    devices, not_published = asyncio.run(daemon.discover_once(settings))
+    devices, not_published = asyncio.run(oneshot.discover_once(settings))
     if args.output == "table":
         rows = []
         for d in devices:
@@ -74,9 +74,9 @@ def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
 
 
 def cmd_slices(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent import daemon
+    from agent import oneshot
 
-    print(_dump(asyncio.run(daemon.render_slices(settings)), args.output))
+    print(_dump(asyncio.run(oneshot.render_slices(settings)), args.output))
     return 0
 
 
@@ -149,9 +149,9 @@ async def _claim_ref(args: argparse.Namespace, settings: config.Settings) -> Any
         raise SystemExit("claim must be NAMESPACE/NAME")
     uid = args.uid
     if not uid:
-        from agent import daemon
+        from agent import oneshot
 
-        claim = await daemon.fetch_claim(settings, namespace, name)
+        claim = await oneshot.fetch_claim(settings, namespace, name)
         uid = (claim.get("metadata") or {}).get("uid", "")
     return ClaimRef(namespace, name, uid)
 
