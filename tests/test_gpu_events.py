@@ -337,36 +337,49 @@ def test_gpu_appearing_later_is_registered(sim: SimulatedNvml, watch) -> None:  
 # -- the real pynvml path, through the stand-in library ---------------------------------------------
 
 STANDIN_SCRIPT = textwrap.dedent("""
-    import json, sys, time, pathlib, pynvml
+    import json, os, sys, time, pathlib, pynvml
     from agent.inventory.gpu_events import GpuEventWatcher
     control = pathlib.Path(sys.argv[1])
+
+    def say(*lines):  # the control file, replaced at once: the library reads it on every call
+        control.with_suffix(".tmp").write_text("".join(line + "\\n" for line in lines))
+        os.replace(control.with_suffix(".tmp"), control)
+        time.sleep(0.5)
+
     pynvml.nvmlInit()
     seen = []
     watcher = GpuEventWatcher(pynvml, seen.append, probe_interval=0.1)
     watcher.start()
     time.sleep(0.4)
-    control.write_text("lost 1\\n")
-    time.sleep(0.4)
-    control.write_text("")
-    time.sleep(0.4)
+    say("action 2 1", "xid 2 79")
+    say("action 2 1", "xid 2 79", "lost 0")
+    say("action 2 0", "xid 2 79")
     started = time.monotonic()
     watcher.stop()
-    print(json.dumps({"events": [[type(e).__name__, e.device, getattr(e, "recovery_action", None) and
-                                  e.recovery_action.value] for e in seen],
-                      "errors": watcher.stats.errors, "stop": time.monotonic() - started}))
+    print(json.dumps({"events": [[type(e).__name__, e.device, getattr(e, "xid", None),
+                                  getattr(e, "recovery_action", None) and e.recovery_action.value] for e in seen],
+                      "registered": watcher.stats.registered, "errors": watcher.stats.errors,
+                      "stop": time.monotonic() - started}))
 """)
 
 
-def test_real_pynvml_without_event_functions_degrades_cleanly(short_tmp: Path) -> None:
+@pytest.mark.parametrize("build", ["current", "legacy"])
+def test_real_pynvml_through_the_standin_library(short_tmp: Path, build: str) -> None:
     need_command("make", "gcc")
     built = subprocess.run(["make", "-s", "nvml-standin"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stdout + built.stderr
-    env = {**os.environ, "LD_LIBRARY_PATH": str(ROOT / "tests" / "nvml_standin" / "build"),
+    library = ROOT / "tests" / "nvml_standin" / "build"
+    env = {**os.environ, "LD_LIBRARY_PATH": str(library / "legacy" if build == "legacy" else library),
            "NVML_STANDIN_CONTROL": str(short_tmp / "control")}
     proc = subprocess.run([sys.executable, "-c", STANDIN_SCRIPT, str(short_tmp / "control")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["events"] == [["GpuLost", "gpu-1", None], ["GpuAnswering", "gpu-1", "unknown"]], proc.stderr
-    assert out["errors"] == 0 and out["stop"] < 1.0
-    assert "NVML events are not available" in proc.stderr
+    assert out["registered"] == ["gpu-0", "gpu-1", "gpu-3"] and out["errors"] == 0, proc.stderr
+    if build == "current":
+        assert out["events"] == [["XidError", "gpu-3", 79, "gpu-reset"], ["GpuLost", "gpu-0", None, None],
+                                 ["GpuAnswering", "gpu-0", None, "none"], ["GpuAnswering", "gpu-3", None, "none"]]
+    else:  # a driver older than the recovery action field: unknown, said once per GPU
+        assert out["events"] == [["XidError", "gpu-3", 79, "unknown"], ["GpuLost", "gpu-0", None, None],
+                                 ["GpuAnswering", "gpu-0", None, "unknown"]]
+    assert out["stop"] < 1.0

@@ -14,10 +14,14 @@
  *   error INDEX FUNCTION CODE       FUNCTION (the C symbol: nvmlDeviceGetPciInfo_v3) answers
  *                                   CODE (a number) for that GPU
  *   garble INDEX                    the GPU's name comes back with bytes that are not UTF-8
+ *   xid INDEX XID, dbe INDEX        an NVML event (XID critical error, double-bit ECC), delivered
+ *                                   once to each event set registered for it (see "events" below)
+ *   action INDEX CODE               the GPU's recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION)
  *
  * Built twice (see the Makefile): the current driver's library, and with -DSTANDIN_LEGACY
  * an older driver's, which lacks nvmlDeviceGetNumaNodeId and nvmlDeviceGetMemoryInfo_v2, so
- * that pynvml answers NVML_ERROR_FUNCTION_NOT_FOUND for them, as on a real older driver.
+ * that pynvml answers NVML_ERROR_FUNCTION_NOT_FOUND for them, as on a real older driver, and
+ * answers NOT_SUPPORTED for the GPU recovery action field, which older drivers do not know.
  *
  * machine.txt: `key value` lines; `#` starts a comment; `gpu` starts the next GPU (in
  * NVML index order). Top level: driver_version TEXT, cuda_driver_version INT. Per GPU:
@@ -36,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -49,6 +54,7 @@ enum {
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_FUNCTION_NOT_FOUND = 13,
     NVML_ERROR_CORRUPTED_INFOROM = 14,
     NVML_ERROR_GPU_IS_LOST = 15,
@@ -352,6 +358,7 @@ EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
     case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
     case NVML_ERROR_CORRUPTED_INFOROM: return "Corrupted infoROM";
     case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
     case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Version Mismatch";
     default: return "Unknown Error";
     }
@@ -524,3 +531,174 @@ EXPORT nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *n
     return NVML_SUCCESS;
 }
 #endif
+
+/* -- events and field values ----------------------------------------------------------------- */
+/*
+ * Events come from the control file too: `xid INDEX XID` and `dbe INDEX` lines are events in
+ * the order they appear, each delivered once to every event set that was registered for that
+ * GPU and type when the set reached it (a set remembers how many event lines it has passed).
+ * `action INDEX CODE` sets the GPU's recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION);
+ * the legacy build answers that field NOT_SUPPORTED, as a driver older than the field does.
+ */
+
+#define nvmlEventTypeDoubleBitEccError 0x0000000000000002ULL
+#define nvmlEventTypeXidCriticalError 0x0000000000000008ULL
+#define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    unsigned int valueType;
+    nvmlReturn_t nvmlReturn;
+    union { double d; unsigned int ui; unsigned long ul; unsigned long long ull; long long sll; int si; } value;
+} nvmlFieldValue_t;
+
+_Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t is 32 bytes");
+_Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t is 40 bytes");
+
+struct event_set {
+    unsigned long long registered[MAX_GPUS];
+    unsigned int passed; /* event lines of the control file already considered */
+};
+typedef struct event_set *nvmlEventSet_t;
+
+/* The n-th event line of the control file (0-based): 1 and its GPU, type and data, or 0. */
+static int event_line(unsigned int n, unsigned int *index, unsigned long long *type, unsigned long long *data) {
+    const char *path = getenv("NVML_STANDIN_CONTROL");
+    FILE *f = path && *path ? fopen(path, "r") : NULL;
+    if (!f)
+        return 0;
+    char line[256], word[32];
+    unsigned int at, xid, seen = 0;
+    int found = 0;
+    while (!found && fgets(line, sizeof line, f)) {
+        int fields = sscanf(line, "%31s %u %u", word, &at, &xid);
+        int is_xid = fields == 3 && strcmp(word, "xid") == 0, is_dbe = fields >= 2 && strcmp(word, "dbe") == 0;
+        if (!is_xid && !is_dbe)
+            continue;
+        if (seen++ == n) {
+            *index = at;
+            *type = is_xid ? nvmlEventTypeXidCriticalError : nvmlEventTypeDoubleBitEccError;
+            *data = is_xid ? xid : 0;
+            found = 1;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+#ifndef STANDIN_LEGACY
+static unsigned int recovery_action(unsigned int index) {
+    const char *path = getenv("NVML_STANDIN_CONTROL");
+    FILE *f = path && *path ? fopen(path, "r") : NULL;
+    unsigned int action = 0, at, code;
+    char line[256];
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "action %u %u", &at, &code) == 2 && at == index)
+            action = code;
+    fclose(f);
+    return action;
+}
+#endif
+
+EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *set = calloc(1, sizeof **set);
+    if (!*set)
+        return NVML_ERROR_UNKNOWN;
+    /* Events written before the set existed are not its events. */
+    unsigned int index;
+    unsigned long long type, data;
+    while (event_line((*set)->passed, &index, &type, &data))
+        (*set)->passed++;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    free(set);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes) {
+    GPU_OR_RETURN(g, device);
+    if (!eventTypes)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *eventTypes = nvmlEventTypeXidCriticalError | nvmlEventTypeDoubleBitEccError;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes, nvmlEventSet_t set) {
+    GPU_OR_RETURN(g, device);
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (eventTypes & ~(nvmlEventTypeXidCriticalError | nvmlEventTypeDoubleBitEccError))
+        return NVML_ERROR_NOT_SUPPORTED;
+    set->registered[g - gpus] |= eventTypes;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set || !data)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec tick = {0, 10 * 1000 * 1000};
+    for (unsigned int waited = 0;; waited += 10) {
+        unsigned int index;
+        unsigned long long type, value;
+        while (event_line(set->passed, &index, &type, &value)) {
+            set->passed++;
+            if (index < gpu_count && (set->registered[index] & type)) {
+                memset(data, 0, sizeof *data);
+                data->device = &gpus[index];
+                data->eventType = type;
+                data->eventData = value;
+                data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFFu;
+                return NVML_SUCCESS;
+            }
+        }
+        if (waited >= timeoutms)
+            return NVML_ERROR_TIMEOUT;
+        nanosleep(&tick, NULL);
+    }
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values) {
+    GPU_OR_RETURN(g, device);
+    if (valuesCount < 0 || (valuesCount && !values))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        v->timestamp = 0;
+        v->latencyUsec = 0;
+#ifndef STANDIN_LEGACY
+        if (v->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) {
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+            v->nvmlReturn = NVML_SUCCESS;
+            v->value.ull = 0;
+            v->value.ui = recovery_action((unsigned int)(g - gpus));
+            continue;
+        }
+#endif
+        v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+    }
+    return NVML_SUCCESS;
+}
