@@ -108,7 +108,11 @@ class GpuEventWatcher:
 
     def start(self) -> None:
         if self._sim is not None and self.control_dir is not None:
-            self._sim.watch_control(self.control_dir)
+            try:
+                self._sim.watch_control(self.control_dir)
+            except OSError as exc:  # out of inotify instances, an unwritable state dir: events still flow
+                log.warning("dra-agent sim commands are not applied: cannot watch %s: %s", self.control_dir, exc)
+                self.control_dir = None
         self._thread = threading.Thread(target=self._run, name="gpu-events", daemon=True)
         self._thread.start()
 
