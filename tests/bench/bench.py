@@ -1,9 +1,11 @@
-"""`make bench`: prepare/unprepare latency over the real DRA socket, against a floor measured in
-the same run, plus concurrency, scaling with prepared claims, start-up time and memory.
+"""`make bench`: prepare/unprepare latency over the real DRA socket, against floors measured in
+the same run, plus concurrency, scaling with prepared claims, start-up time, memory and the CLI.
 
 The agent runs as its own process (`dra-agent run --offline`, simulated GPUs), exactly as
-`make run` starts it; this process is the kubelet. Figures are printed as a table and written
-to .bench/results.json (milliseconds unless the key says otherwise).
+`make run` starts it; this process is the kubelet. Two runs: one with every directory on the
+disk under /tmp (fsync costs what the disk makes it cost), one on a tmpfs (/dev/shm: no fsync
+cost, so what remains is the agent's own time). Figures are printed as a table and written to
+.bench/results.json (milliseconds unless the key says otherwise).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ import orjson
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "bench")]
+
+from probes import Call, Floor, pct, rss_mib, run_seconds, timed  # noqa: E402
 
 from agent import kubelet_client as kc  # noqa: E402
 from agent.config import build_settings  # noqa: E402
@@ -35,46 +38,6 @@ from agent.names import ClaimRef  # noqa: E402
 
 DRIVER = "dra.example.com"
 NODE = "bench-node"
-
-FLOOR_SERVER = r"""
-import asyncio, os, sys
-import grpc
-sys.path.insert(0, sys.argv[3])
-from agent.fsutil import atomic_write
-from pathlib import Path
-
-async def main(sock, directory):
-    target = Path(directory) / "floor.rec"
-    payload = b"x" * 512
-
-    def ping(request, context):
-        atomic_write(target, payload, mode=0o600, durable=True)
-        return b""
-
-    async def handler(request, context):
-        return await asyncio.to_thread(ping, request, context)
-
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "bench.Floor", {"Ping": grpc.unary_unary_rpc_method_handler(handler)})])
-    server.add_insecure_port("unix://" + sock)
-    await server.start()
-    print("ready", flush=True)
-    await server.wait_for_termination()
-
-asyncio.run(main(sys.argv[1], sys.argv[2]))
-"""
-
-
-def pct(samples: list[float], p: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
-
-
-async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
-    started = time.perf_counter()
-    await fn()
-    return (time.perf_counter() - started) * 1000
 
 
 def claim_doc(name: str, uid: str, devices: list[str], request: str = "req") -> dict[str, Any]:
@@ -91,6 +54,8 @@ def uid_of(i: int) -> str:
 
 
 class Bench:
+    """One agent's work directory, the agent process, and the floor server beside it."""
+
     def __init__(self, work: Path) -> None:
         self.work = work
         self.settings = build_settings({
@@ -100,59 +65,55 @@ class Bench:
         self.claims_dir = work / "offline" / "resourceclaims" / "bench"
         self.claims_dir.mkdir(parents=True)
         self.proc: subprocess.Popen[bytes] | None = None
-        self.results: dict[str, Any] = {}
-        self.floor_samples: list[float] = []
+        self.log = work / "agent.log"
+        self.floor = Floor(work, ROOT)
 
     def write_claim(self, name: str, uid: str, devices: list[str]) -> ClaimRef:
         (self.claims_dir / f"{name}.yaml").write_text(yaml.safe_dump(claim_doc(name, uid, devices)))
         return ClaimRef("bench", name, uid)
 
+    def flags(self) -> list[str]:
+        s = self.settings
+        return ["--driver-name", DRIVER, "--node-name", NODE, "--nvml", "sim", "--kubelet-dir", str(s.kubelet_dir),
+                "--cdi-dir", str(s.cdi_dir), "--static-cdi-dir", str(s.static_cdi_dir),
+                "--state-dir", str(s.state_dir), "--offline", str(s.offline)]
+
     # -- processes -------------------------------------------------------------------------------
 
-    async def start_agent(self, log: Path) -> float:
+    async def start_agent(self) -> tuple[float, float]:
+        """Start the agent; seconds until GetInfo is answered, and until the DRA socket answers an
+        empty NodePrepareResources."""
+        argv = [sys.executable, "-m", "agent", "run", *self.flags(), "--log-format", "json",
+                "--rescan-interval", "3600", "--metrics-address", ""]
         s = self.settings
-        argv = [sys.executable, "-m", "agent", "run", "--driver-name", DRIVER, "--node-name", NODE,
-                "--nvml", "sim", "--kubelet-dir", str(s.kubelet_dir), "--cdi-dir", str(s.cdi_dir),
-                "--static-cdi-dir", str(s.static_cdi_dir), "--state-dir", str(s.state_dir),
-                "--offline", str(s.offline), "--log-format", "json", "--rescan-interval", "3600"]
         started = time.perf_counter()
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
-        while True:
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log.open("ab"))
+        info = dra = 0.0
+        while not (info and dra):
             if self.proc.poll() is not None:
-                raise SystemExit(f"the agent exited ({self.proc.returncode}); see {log}")
-            try:
-                await kc.get_info(s.registration_socket, timeout=1.0)
-                return time.perf_counter() - started
-            except grpc.aio.AioRpcError:
+                raise SystemExit(f"the agent exited ({self.proc.returncode}); see {self.log}")
+            info = info or await _answered(lambda: kc.get_info(s.registration_socket, timeout=1.0), started)
+            dra = dra or await _answered(lambda: kc.empty_prepare(s.dra_socket, timeout=1.0), started)
+            if not (info and dra):
                 await asyncio.sleep(0.002)
+        return info, dra
 
     def stop_agent(self) -> int:
+        """Stop the agent; its RSS (MiB) just before."""
         assert self.proc is not None
-        rss = 0
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) // 1024
+        rss = rss_mib(self.proc.pid)
         self.proc.terminate()
-        self.proc.wait(timeout=30)
+        self.proc.wait(timeout=60)
         return rss
-
-    def start_floor(self) -> Callable[[], Awaitable[Any]]:
-        """The floor: an empty unary gRPC call over a unix socket to a server that does one atomic,
-        fsync'd file write in a worker thread, on the same file system as the agent's state."""
-        sock = self.work / "floor.sock"
-        self.floor_proc = subprocess.Popen(
-            [sys.executable, "-c", FLOOR_SERVER, str(sock), str(self.work), str(ROOT)], stdout=subprocess.PIPE)
-        assert self.floor_proc.stdout is not None and self.floor_proc.stdout.readline().strip() == b"ready"
-        self.floor_channel = grpc.aio.insecure_channel(f"unix://{sock}")
-        call = self.floor_channel.unary_unary("/bench.Floor/Ping")
-        return lambda: call(b"")
 
     # -- measurements ------------------------------------------------------------------------------
 
-    async def round_trips(self, client: kc.DRAClient, ref: ClaimRef, n: int) -> tuple[list[float], list[float]]:
-        """Prepare + unprepare `n` times; a floor call between round trips keeps the floor's samples
-        taken under the same machine conditions as the agent's."""
+    async def round_trips(self, client: kc.DRAClient, ref: ClaimRef, n: int,
+                          probes: dict[str, list[float]] | None = None) -> tuple[list[float], list[float]]:
+        """Prepare + unprepare `n` times; calls to the floor server between round trips keep the
+        floors' samples taken under the same machine conditions as the agent's."""
         prep, unprep = [], []
+        calls: dict[str, Call] = {"ping": self.floor.ping, "empty": self.floor.empty}
 
         async def prepare() -> None:
             r = await client.prepare([ref])
@@ -163,7 +124,8 @@ class Bench:
             await prepare()
             await client.unprepare([ref])
         for _ in range(n):
-            self.floor_samples.append(await timed(self.floor_call))
+            for name, samples in (probes or {}).items():
+                samples.append(await timed(calls[name]))
             prep.append(await timed(prepare))
             unprep.append(await timed(lambda: client.unprepare([ref])))
         return prep, unprep
@@ -199,49 +161,118 @@ class Bench:
             await unprepare_all()
         return statistics.median(seq) / statistics.median(conc)
 
-    async def run(self, n: int, fill_to: int) -> dict[str, Any]:
-        r = self.results
-        self.floor_call = self.start_floor()
+    def cli_seconds(self, *command: str) -> float:
+        return run_seconds([sys.executable, "-m", "agent", *command, *self.flags()], ROOT)
+
+    async def close(self) -> None:
+        await self.floor.close()
+
+
+async def _answered(call: Call, started: float) -> float:
+    """Seconds since `started` if the call is answered now, else 0."""
+    try:
+        await call()
+    except grpc.aio.AioRpcError:
+        return 0.0
+    return time.perf_counter() - started
+
+
+async def on_disk(work: Path, n: int, fill_to: int, r: dict[str, Any]) -> None:
+    b = Bench(work)
+    try:
         for _ in range(20):
-            await self.floor_call()
-        log = self.work / "agent.log"
-        r["startup_to_getinfo_s"] = await self.start_agent(log)
+            await b.floor.ping()
+        r["startup_to_getinfo_s"], r["startup_to_dra_ready_s"] = await b.start_agent()
+        await asyncio.sleep(1.0)  # the start-up's background work settles
+        assert b.proc is not None
+        r["rss_idle_mib"] = rss_mib(b.proc.pid)
+        r["cli_info_s"] = b.cli_seconds("kubelet", "info")
         nic = await asyncio.to_thread(first_nic)
-        one = self.write_claim("one-gpu", uid_of(1), ["gpu-0"])
-        eight = self.write_claim("eight-gpus", uid_of(8), [f"gpu-{i}" for i in range(8)])
-        async with kc.DRAClient(self.settings.dra_socket) as client:
-            prep, unprep = await self.round_trips(client, one, n)
-            r["floor_p50_ms"], r["floor_p99_ms"] = pct(self.floor_samples, 50), pct(self.floor_samples, 99)
+        one = b.write_claim("one-gpu", uid_of(1), ["gpu-0"])
+        eight = b.write_claim("eight-gpus", uid_of(8), [f"gpu-{i}" for i in range(8)])
+        async with kc.DRAClient(b.settings.dra_socket) as client:
+            floor: list[float] = []
+            prep, unprep = await b.round_trips(client, one, n, {"ping": floor})
             r["prepare_1gpu_p50_ms"], r["prepare_1gpu_p99_ms"] = pct(prep, 50), pct(prep, 99)
             r["unprepare_1gpu_p50_ms"] = pct(unprep, 50)
-            prep, _ = await self.round_trips(client, eight, n // 2)
+            prep, _ = await b.round_trips(client, eight, n // 2, {"ping": floor})
             r["prepare_8gpu_p50_ms"], r["prepare_8gpu_p99_ms"] = pct(prep, 50), pct(prep, 99)
             if nic:
-                prep, _ = await self.round_trips(client, self.write_claim("nic", uid_of(3), [nic]), n)
+                prep, _ = await b.round_trips(client, b.write_claim("nic", uid_of(3), [nic]), n, {"ping": floor})
                 r["prepare_nic_p50_ms"], r["prepare_nic_p99_ms"] = pct(prep, 50), pct(prep, 99)
             else:
                 r["prepare_nic_p50_ms"] = None
-            r["concurrent16_speedup"] = await self.concurrency(client)
-            await self.fill(client, 0, 10)
-            prep, _ = await self.round_trips(client, one, n)
+            r["floor_p50_ms"], r["floor_p99_ms"] = pct(floor, 50), pct(floor, 99)
+            r["concurrent16_speedup"] = await b.concurrency(client)
+            await b.fill(client, 0, 10)
+            prep, _ = await b.round_trips(client, one, n)
             r["p50_at_10_claims_ms"] = pct(prep, 50)
+            r["cli_claims_s"] = b.cli_seconds("claims")
             started = time.perf_counter()
-            await self.fill(client, 10, fill_to)
+            await b.fill(client, 10, fill_to)
             r["fill_claims_per_s"] = (fill_to - 10) / (time.perf_counter() - started)
-            prep, _ = await self.round_trips(client, one, n)
+            prep, _ = await b.round_trips(client, one, n)
             r[f"p50_at_{fill_to}_claims_ms"] = pct(prep, 50)
-        r["rss_mib"] = self.stop_agent()
-        r["agent_side_prepare_1gpu_p50_ms"] = agent_side_p50(log, "bench/one-gpu")
-        await self.floor_channel.close()
-        self.floor_proc.terminate()
-        self.floor_proc.wait()
+        r["rss_mib"] = r[f"rss_{fill_to}_mib"] = b.stop_agent()
+        r["agent_side_prepare_1gpu_p50_ms"] = agent_side_p50(b.log, "bench/one-gpu")
         # Restart with every claim prepared: recovery reads and checks all records first.
-        r[f"startup_to_getinfo_with_{fill_to}_claims_s"] = await self.start_agent(log)
-        self.stop_agent()
-        r["prepare_1gpu_vs_floor"] = r["prepare_1gpu_p50_ms"] / r["floor_p50_ms"]
-        r[f"p50_{fill_to}_vs_10_claims"] = r[f"p50_at_{fill_to}_claims_ms"] / r["p50_at_10_claims_ms"]
-        r["samples_per_figure"] = n
-        return r
+        info, dra = await b.start_agent()
+        r[f"startup_to_getinfo_with_{fill_to}_claims_s"] = info
+        r[f"startup_to_dra_ready_with_{fill_to}_claims_s"] = dra
+        async with kc.DRAClient(b.settings.dra_socket) as client:  # served while records are checked
+            r[f"first_prepare_after_start_with_{fill_to}_claims_ms"] = await timed(lambda: client.prepare([one]))
+        b.stop_agent()
+    finally:
+        if b.proc is not None and b.proc.poll() is None:
+            b.proc.kill()
+        await b.close()
+
+
+async def on_tmpfs(work: Path, n: int, r: dict[str, Any]) -> None:
+    """The agent's own time per prepare: the same round trips with every directory on a tmpfs,
+    against an empty call over the same kind of socket."""
+    b = Bench(work)
+    try:
+        for _ in range(20):
+            await b.floor.empty()
+        await b.start_agent()
+        one = b.write_claim("one-gpu", uid_of(1), ["gpu-0"])
+        async with kc.DRAClient(b.settings.dra_socket) as client:
+            empty: list[float] = []
+            floor: list[float] = []
+            prep, unprep = await b.round_trips(client, one, n, {"empty": empty, "ping": floor})
+        r["prepare_1gpu_tmpfs_p50_ms"], r["unprepare_1gpu_tmpfs_p50_ms"] = pct(prep, 50), pct(unprep, 50)
+        r["empty_call_tmpfs_p50_ms"], r["floor_tmpfs_p50_ms"] = pct(empty, 50), pct(floor, 50)
+        b.stop_agent()
+    finally:
+        if b.proc is not None and b.proc.poll() is None:
+            b.proc.kill()
+        await b.close()
+
+
+async def run(n: int, fill_to: int) -> dict[str, Any]:
+    r: dict[str, Any] = {}
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
+    if shm is not None:
+        work = Path(tempfile.mkdtemp(prefix="drab-", dir=shm))
+        try:
+            await on_tmpfs(work, n, r)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix="drab-", dir="/tmp"))  # short: unix socket paths
+    try:
+        await on_disk(work, n, fill_to, r)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    r["prepare_1gpu_vs_floor"] = r["prepare_1gpu_p50_ms"] / r["floor_p50_ms"]
+    r[f"p50_{fill_to}_vs_10_claims"] = r[f"p50_at_{fill_to}_claims_ms"] / r["p50_at_10_claims_ms"]
+    if shm is not None:
+        r["agent_ms_per_prepare_tmpfs"] = r["prepare_1gpu_tmpfs_p50_ms"] - r["empty_call_tmpfs_p50_ms"]
+    r["prepare_8gpu_vs_1gpu"] = r["prepare_8gpu_p50_ms"] / r["prepare_1gpu_p50_ms"]
+    if r["prepare_nic_p50_ms"] is not None:
+        r["prepare_nic_vs_1gpu"] = r["prepare_nic_p50_ms"] / r["prepare_1gpu_p50_ms"]
+    r["samples_per_figure"] = n
+    return dict(sorted(r.items()))
 
 
 def agent_side_p50(log: Path, claim: str) -> float | None:
@@ -282,11 +313,7 @@ def main() -> int:
     p.add_argument("--fill", type=int, default=10_000, help="claims prepared before the last figure")
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "results.json")
     args = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="drab-", dir="/tmp"))  # short: unix socket paths
-    try:
-        results = asyncio.run(Bench(work).run(args.samples, args.fill))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    results = asyncio.run(run(args.samples, args.fill))
     print(show(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2) + b"\n")
