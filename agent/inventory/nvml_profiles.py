@@ -35,9 +35,13 @@ SYSTEM_FUNCTIONS = frozenset({
 _GPU_KEYS = frozenset({
     "name", "busId", "memoryTotal", "numaNode", "nvmlNumaNode", "uuid", "minor", "pcieRoot", "brand",
     "architecture", "computeCapability", "migMode", "pciDeviceId", "pciSubSystemId", "inSysfs", "lost",
-    "errors",
+    "errors", "iommuGroup", "audio", "bridgeInGroup",
 })
-_TOP_KEYS = frozenset({"driverVersion", "cudaDriverVersion", "errors", "defaults", "gpus"})
+_TOP_KEYS = frozenset({"driverVersion", "cudaDriverVersion", "errors", "defaults", "gpus", "nics", "iommufd"})
+# Groups the profile does not name: a GPU's is 100 + its index, a NIC's functions 200 + 32 * NIC index + n.
+GPU_GROUP_BASE = 100
+NIC_GROUP_BASE = 200
+NIC_GROUP_STRIDE = 32
 
 
 class ProfileError(ValueError):
@@ -63,6 +67,14 @@ class SimGpu:
     in_sysfs: bool = True
     lost: bool = False
     errors: Mapping[str, int] = field(default_factory=dict)
+    iommu_group: int = -1  # parse_profile assigns it; -1 only in hand-built records (100 + index then)
+    audio: bool = False  # an HD audio function (class 0x0403) at function 1 of the slot, same group
+    bridge_in_group: bool = False  # the root port above the GPU is in the GPU's group (no ACS)
+
+    @property
+    def audio_bus_id(self) -> str:
+        """Function 1 of the GPU's slot, where its audio function sits."""
+        return self.bus_id[:-1] + "1"
 
     @property
     def nvml_bus_id(self) -> bytes:
@@ -72,12 +84,44 @@ class SimGpu:
 
 
 @dataclass(frozen=True)
+class SimNic:
+    """A NIC physical function, with SR-IOV virtual functions when `total_vfs` > 0."""
+
+    bus_id: str
+    interface: str  # the PF's netdev name; VF n's is `<interface>v<n>`
+    pcie_root: str
+    numa_node: int = -1
+    vendor: int = 0x15B3  # Mellanox
+    device: int = 0x1021  # ConnectX-7
+    vf_device: int = 0x101E  # ConnectX family VF
+    driver: str = "mlx5_core"
+    total_vfs: int = 0
+    num_vfs: int = 0
+    iommu_group: int = NIC_GROUP_BASE  # the PF's; VF n's is this + 1 + n
+
+    def vf_bus_id(self, n: int) -> str:
+        """VF n (from 0) at routing-ID offset 1 + n, stride 1, from the PF (ARI: device and function
+        numbers run together)."""
+        domain, bus, rest = self.bus_id.split(":")
+        dev, fn = rest.split(".")
+        rid = (int(dev, 16) << 3 | int(fn)) + 1 + n
+        return f"{domain}:{bus}:{rid >> 3:02x}.{rid & 7}"
+
+    def mac(self, vf: int | None = None) -> str:
+        """A stable locally administered MAC for the PF (None) or VF n."""
+        h = hashlib.sha256(f"nic-sim/{self.bus_id}/{vf}".encode()).digest()
+        return ":".join(f"{b:02x}" for b in (0x02, *h[:5]))
+
+
+@dataclass(frozen=True)
 class SimProfile:
     name: str
     driver_version: str
     cuda_driver_version: int
     gpus: tuple[SimGpu, ...]
     errors: Mapping[str, int] = field(default_factory=dict)
+    nics: tuple[SimNic, ...] = ()
+    iommufd: bool = True  # the host has /dev/iommu and VFIO device cdevs (/dev/vfio/devices/vfioN)
 
 
 def error_code(value: object, where: str) -> int:
@@ -180,7 +224,74 @@ def _gpu(profile: str, index: int, raw: Mapping[str, Any]) -> SimGpu:
         in_sysfs=bool(raw.get("inSysfs", True)),
         lost=bool(raw.get("lost", False)),
         errors=_faults(raw.get("errors", {}), DEVICE_FUNCTIONS, where),
+        iommu_group=_int(raw.get("iommuGroup", GPU_GROUP_BASE + index), f"{where}.iommuGroup"),
+        audio=_bool(raw.get("audio", False), f"{where}.audio"),
+        bridge_in_group=_bool(raw.get("bridgeInGroup", False), f"{where}.bridgeInGroup"),
     )
+
+
+def _bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProfileError(f"{where}: {value!r} is not true or false")
+    return value
+
+
+_NIC_KEYS = frozenset({"busId", "interface", "pcieRoot", "numaNode", "vendor", "device", "vfDevice", "driver",
+                       "totalVfs", "numVfs", "iommuGroup"})
+
+
+def _nic(index: int, raw: object) -> SimNic:
+    where = f"nics[{index}]"
+    if not isinstance(raw, Mapping):
+        raise ProfileError(f"{where} must be an object")
+    unknown = set(raw) - _NIC_KEYS
+    if unknown:
+        raise ProfileError(f"{where}: unknown keys {sorted(unknown)}")
+    if "busId" not in raw:
+        raise ProfileError(f"{where}: busId is required")
+    try:
+        bus_id = normalize_bus_id(str(raw["busId"]))
+    except ValueError as exc:
+        raise ProfileError(f"{where}.busId: {exc}") from None
+    domain, bus, _ = bus_id.split(":")
+    total = _int(raw.get("totalVfs", 0), f"{where}.totalVfs")
+    num = _int(raw.get("numVfs", 0), f"{where}.numVfs")
+    if not 0 <= num <= total <= NIC_GROUP_STRIDE - 1:
+        raise ProfileError(f"{where}: need 0 <= numVfs ({num}) <= totalVfs ({total}) <= {NIC_GROUP_STRIDE - 1}")
+    return SimNic(
+        bus_id=bus_id,
+        interface=str(raw.get("interface", f"simnic{index}")),
+        pcie_root=str(raw.get("pcieRoot") or f"pci{domain}:{max(int(bus, 16) - 1, 0):02x}"),
+        numa_node=_int(raw.get("numaNode", -1), f"{where}.numaNode"),
+        vendor=_int(raw.get("vendor", 0x15B3), f"{where}.vendor"),
+        device=_int(raw.get("device", 0x1021), f"{where}.device"),
+        vf_device=_int(raw.get("vfDevice", 0x101E), f"{where}.vfDevice"),
+        driver=str(raw.get("driver", "mlx5_core")),
+        total_vfs=total,
+        num_vfs=num,
+        iommu_group=_int(raw.get("iommuGroup", NIC_GROUP_BASE + NIC_GROUP_STRIDE * index), f"{where}.iommuGroup"),
+    )
+
+
+def _check_functions(gpus: list[SimGpu], nics: list[SimNic]) -> None:
+    """No two PCI functions share an address; groups are shared only where the profile says so (a
+    GPU's explicit `iommuGroup`), never by accident of the automatic numbering."""
+    owners: dict[str, str] = {}
+    for i, g in enumerate(gpus):
+        for bdf in (g.bus_id, g.audio_bus_id) if g.audio else (g.bus_id,):
+            if bdf in owners:
+                raise ProfileError(f"gpus[{i}]: PCI function {bdf} is also {owners[bdf]}")
+            owners[bdf] = f"gpus[{i}]"
+    nic_groups: dict[int, str] = {}
+    for i, n in enumerate(nics):
+        for k, bdf in enumerate([n.bus_id] + [n.vf_bus_id(v) for v in range(n.total_vfs)]):
+            if bdf in owners:
+                raise ProfileError(f"nics[{i}]: PCI function {bdf} is also {owners[bdf]}")
+            owners[bdf] = f"nics[{i}]"
+            nic_groups[n.iommu_group + k] = f"nics[{i}]"
+    for i, g in enumerate(gpus):
+        if g.iommu_group in nic_groups:
+            raise ProfileError(f"gpus[{i}]: IOMMU group {g.iommu_group} is also used by {nic_groups[g.iommu_group]}")
 
 
 def parse_profile(name: str, raw: object) -> SimProfile:
@@ -191,8 +302,9 @@ def parse_profile(name: str, raw: object) -> SimProfile:
         raise ProfileError(f"unknown keys {sorted(unknown)}")
     defaults = raw.get("defaults", {})
     gpus_raw = raw.get("gpus", [])
-    if not isinstance(defaults, Mapping) or not isinstance(gpus_raw, list):
-        raise ProfileError("defaults must be an object and gpus a list")
+    nics_raw = raw.get("nics", [])
+    if not isinstance(defaults, Mapping) or not isinstance(gpus_raw, list) or not isinstance(nics_raw, list):
+        raise ProfileError("defaults must be an object, gpus and nics lists")
     gpus = []
     for i, g in enumerate(gpus_raw):
         if not isinstance(g, Mapping):
@@ -203,12 +315,22 @@ def parse_profile(name: str, raw: object) -> SimProfile:
         dupes = sorted({str(v) for v in values if values.count(v) > 1})
         if dupes:
             raise ProfileError(f"two GPUs share {key} {', '.join(dupes)}")
+    for i, g in enumerate(gpus):
+        named = "iommuGroup" in gpus_raw[i] or "iommuGroup" in defaults
+        shared = [j for j, o in enumerate(gpus) if j != i and o.iommu_group == g.iommu_group]
+        if shared and not named:
+            raise ProfileError(f"gpus[{i}]: its automatic IOMMU group {g.iommu_group} is one gpus[{shared[0]}] "
+                               "names; give both an iommuGroup to share a group")
+    nics = [_nic(i, n) for i, n in enumerate(nics_raw)]
+    _check_functions(gpus, nics)
     return SimProfile(
         name=name,
         driver_version=str(raw.get("driverVersion", "570.124.06")),
         cuda_driver_version=_int(raw.get("cudaDriverVersion", 12080), "cudaDriverVersion"),
         gpus=tuple(gpus),
         errors=_faults(raw.get("errors", {}), SYSTEM_FUNCTIONS | DEVICE_FUNCTIONS, "profile"),
+        nics=tuple(nics),
+        iommufd=_bool(raw.get("iommufd", True), "iommufd"),
     )
 
 
@@ -230,9 +352,21 @@ _DGX_H100: dict[str, Any] = {
         for bus, numa in (("18", 0), ("2a", 0), ("3a", 0), ("5d", 0),
                           ("9a", 1), ("ab", 1), ("ba", 1), ("db", 1))
     ],
+    # A ConnectX-7 with SR-IOV on, four of its eight VFs enabled (for VF passthrough).
+    "nics": [{"busId": "0000:4b:00.0", "interface": "ens75f0np0", "numaNode": 0, "totalVfs": 8, "numVfs": 4}],
 }
 
-BUILTIN: dict[str, dict[str, Any]] = {"dgx-h100": _DGX_H100}
+# Sixteen H100s on two NUMA nodes, each GPU alone in its IOMMU group: more counter sets than one
+# ResourceSlice may carry (8), so the slices need two counter slices.
+_HGX_16: dict[str, Any] = {
+    "driverVersion": _DGX_H100["driverVersion"],
+    "cudaDriverVersion": _DGX_H100["cudaDriverVersion"],
+    "defaults": _DGX_H100["defaults"],
+    "gpus": [{"busId": f"0000:{0x0c + 0x0f * i:02x}:00.0", "numaNode": i // 8} for i in range(16)],
+    "nics": [{"busId": "0000:f5:00.0", "interface": "ens245f0np0", "numaNode": 1, "totalVfs": 8, "numVfs": 4}],
+}
+
+BUILTIN: dict[str, dict[str, Any]] = {"dgx-h100": _DGX_H100, "hgx-16": _HGX_16}
 
 
 def load_profile(spec: str) -> SimProfile:
