@@ -49,6 +49,7 @@ RESULTS = ("success", "error", "cancelled")
 SLICE_ACTIONS = ("create", "update", "delete")
 RECOVERY_ACTIONS = ("repaired", "removed", "quarantined")
 HEALTH_STATES = ("HEALTHY", "UNHEALTHY", "UNKNOWN")
+STATUS_WRITE_RESULTS = ("ok", "retry", "gave_up")
 
 
 @functools.cache
@@ -194,6 +195,15 @@ class Metrics:
             PREFIX + "claims_garbage_collected", "Prepared claims unprepared by garbage collection because "
             "their ResourceClaim was gone (deleted, or re-created with another UID) for longer than "
             "--gc-grace-period", registry=r)
+        self.claim_status_writes = Counter(
+            PREFIX + "claim_status_writes", "Writes of this driver's ResourceClaim status.devices entries (server-side "
+            "apply, or the offline file), by result: ok, retry (failed, tried again after a backoff) or gave_up "
+            "(the claim is gone or was re-created, or the API server refused the write)", ["result"], registry=r)
+        for result in STATUS_WRITE_RESULTS:
+            self.claim_status_writes.labels(result)
+        self.claim_status_queue = Gauge(
+            PREFIX + "claim_status_queue", "Claims whose status.devices write is waiting or in flight (coalesced: "
+            "one per claim)", registry=r)
         r.register(_StateCollector(lambda: self.state()))
 
     # -- events -------------------------------------------------------------------------------------

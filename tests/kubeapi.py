@@ -5,7 +5,9 @@ history, discovery and watch streams) with what the agent's client relies on
 and the stock emulator leaves out: server-chosen names for generateName, uid,
 creationTimestamp, a resourceVersion that moves on every write and a 409 for a
 PUT carrying a stale one, PUT replace, DELETE, the status subresource, field and
-label selectors on LIST, and fault injection (the next N matching requests
+label selectors on LIST, server-side apply of a ResourceClaim's status.devices with per-manager
+ownership of its entries and the API server's validation of them (kubeapi_ssa.py,
+kubeapi_rules.py), and fault injection (the next N matching requests
 answer an error, or hang first, or are carried out and then lose their answer).
 ResourceSlices are checked against the 1.37 OpenAPI schema on every write, as the
 API server would reject a bad one. SelfSubjectAccessReviews are answered from a
@@ -35,7 +37,17 @@ import kmock
 import kubernetes_validate
 import lightkube
 import pytest_asyncio
-from kubeapi_rules import ApiAnswer, field_matcher, label_matcher, merge_patch, status_body
+import yaml
+from kubeapi_rules import (
+    ApiAnswer,
+    device_status_causes,
+    field_matcher,
+    invalid_answer,
+    label_matcher,
+    merge_patch,
+    status_body,
+)
+from kubeapi_ssa import APPLY, apply_devices, check_apply_body, field_manager, update_owners, with_owners
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.config.models import Cluster, User
 
@@ -239,7 +251,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 if method == "GET":
                     return 200, copy.deepcopy(self._live(kind, key))
                 if method == "PUT":
-                    return 200, await self._replace(kind, key, request.data, status_only=sub == "status")
+                    return 200, await self._replace(kind, key, request, status_only=sub == "status")
                 if method == "PATCH":
                     return 200, await self._patch(kind, key, request, status_only=sub == "status")
                 if method == "DELETE":
@@ -346,6 +358,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 meta[kept] = current["metadata"][kept]
             else:
                 meta.pop(kept, None)
+        if "managedFields" not in meta and "managedFields" in current["metadata"]:
+            meta["managedFields"] = current["metadata"]["managedFields"]  # a write without them keeps them
         if new.get("spec") != current.get("spec"):
             meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
         self._default(kind, new)
@@ -373,19 +387,23 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         new["metadata"] = dict(new.get("metadata") or {})
         return new
 
-    async def _replace(self, kind: Kind, key: Any, body: Any, *, status_only: bool) -> dict[str, Any]:
+    async def _replace(self, kind: Kind, key: Any, request: kmock.Request, *, status_only: bool) -> dict[str, Any]:
         current = self._live(kind, key)
-        obj = self._check_body(kind, body)
+        obj = self._check_body(kind, request.data)
         if obj["metadata"].get("name") not in (None, key[2]):
             raise ApiAnswer(400, "BadRequest", "the name of the object does not match the URL")
         self._check_version(kind, current, obj["metadata"].get("resourceVersion"), key[2])
         new = self._scoped(kind, current, obj, status_only=status_only)
+        if status_only:
+            self._status_written(kind, current, new, field_manager(request.params, request.headers, apply=False))
         return await self._store_update(kind, key, current, new)
 
     async def _patch(self, kind: Kind, key: Any, request: kmock.Request, *,
                      status_only: bool) -> dict[str, Any]:
         current = self._live(kind, key)
         ctype = request.headers.get("Content-Type", "").split(";")[0].strip()
+        if ctype == APPLY and status_only and kind.resource == RESOURCE_CLAIMS:
+            return await self._apply_status(kind, key, current, request)
         if ctype not in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
             # Strategic merge is taken as a plain merge: lists are replaced, not merged by key.
             raise ApiAnswer(415, "UnsupportedMediaType", f"the emulator does not do {ctype!r} patches")
@@ -394,7 +412,50 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             raise ApiAnswer(400, "BadRequest", "the patch is not a JSON object")
         self._check_version(kind, current, (patch.get("metadata") or {}).get("resourceVersion"), key[2])
         new = self._scoped(kind, current, merge_patch(current, patch), status_only=status_only)
+        if status_only:
+            self._status_written(kind, current, new, field_manager(request.params, request.headers, apply=False))
         return await self._store_update(kind, key, current, new)
+
+    async def _apply_status(self, kind: Kind, key: Any, current: dict[str, Any],
+                            request: kmock.Request) -> dict[str, Any]:
+        """Server-side apply of a claim's status (kubeapi_ssa.py): status.devices entries by owner."""
+        manager = field_manager(request.params, request.headers, apply=True)
+        try:
+            body = yaml.safe_load(request.text or "")
+        except yaml.YAMLError as exc:
+            raise ApiAnswer(400, "BadRequest", f"error decoding YAML: {exc}") from exc
+        applied = check_apply_body(body, kind.api_version, kind.kind, key[2], key[1])
+        meta = applied.get("metadata") or {}
+        self._check_version(kind, current, meta.get("resourceVersion"), key[2])
+        if meta.get("uid") not in (None, "", current["metadata"]["uid"]):
+            # The apply's object keeps the UID it names; the update then fails validation.
+            raise invalid_answer(kind.kind, kind.resource.group, key[2], [{
+                "reason": "FieldValueInvalid", "field": "metadata.uid",
+                "message": f'Invalid value: "{meta["uid"]}": field is immutable'}])
+        devices, owners = apply_devices(current, applied, manager, request.params.get("force") == "true")
+        new = copy.deepcopy(current)
+        status = new.setdefault("status", {})
+        if devices:
+            status["devices"] = devices
+        else:
+            status.pop("devices", None)
+        self._check_claim_status(kind, new)
+        new["metadata"]["managedFields"] = with_owners(current["metadata"], owners, kind.api_version, _now())
+        return await self._store_update(kind, key, current, new)
+
+    def _status_written(self, kind: Kind, current: dict[str, Any], new: dict[str, Any], manager: str) -> None:
+        """A plain write of a claim's status: validated, and its manager owns what it changed."""
+        if kind.resource != RESOURCE_CLAIMS:
+            return
+        self._check_claim_status(kind, new)
+        owners = update_owners(current, new, manager)
+        if owners or current["metadata"].get("managedFields"):
+            new["metadata"]["managedFields"] = with_owners(current["metadata"], owners, kind.api_version, _now())
+
+    @staticmethod
+    def _check_claim_status(kind: Kind, obj: Mapping[str, Any]) -> None:
+        if causes := device_status_causes(obj):
+            raise invalid_answer(kind.kind, kind.resource.group, obj["metadata"]["name"], causes)
 
     async def _delete(self, kind: Kind, key: Any) -> dict[str, Any]:
         current = copy.deepcopy(self._live(kind, key))

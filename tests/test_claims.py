@@ -206,7 +206,9 @@ async def test_emulator_status_subresource_and_main_resource_stay_apart(kube_api
         assert int(after["metadata"]["resourceVersion"]) > int(stored["metadata"]["resourceVersion"])
         # ... and one to status cannot change anything else.
         devices = [{"driver": "dra.example.com", "pool": "node-a", "device": "gpu-0",
-                    "conditions": [{"type": "Ready", "status": "True"}]}]
+                    "shareID": "7c0a1a52-0000-4000-8000-00000000000a",
+                    "conditions": [{"type": "Ready", "status": "True", "reason": "Prepared", "message": "",
+                                    "lastTransitionTime": "2024-01-01T00:00:00Z"}]}]
         patch = await http.patch(f"{base}/status", json={"spec": {"x": 1}, "status": {"devices": devices}},
                                  headers={"Content-Type": "application/merge-patch+json"})
         assert patch.status_code == 200

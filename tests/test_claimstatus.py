@@ -1,0 +1,402 @@
+"""ResourceClaim status.devices (agent/claimstatus.py): the real prepare engine with a real inventory,
+the claim status written by server-side apply to the Kubernetes API emulator over HTTP (which
+enforces the API server's ownership and validation rules), and offline into a directory."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+import yaml
+from agentkit import DRIVER, NODE, Node, claim, make_node, nic, result, write_claim
+from kubeapi import RESOURCE_CLAIMS, KubeApi
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.resource_v1 import ResourceClaimStatus
+from lightkube.types import PatchType
+
+from agent.claims import ApiClaimSource
+from agent.claimstatus import ClaimStatusWriter, Readiness
+from agent.claimstatus_sinks import ApiStatusSink, DirectoryStatusSink
+from agent.kube import Backoff
+from agent.metrics import Metrics
+from agent.model import Device
+from agent.names import ClaimRef
+
+UID = "7a110000-0000-4000-8000-000000000001"
+UID2 = "7a110000-0000-4000-8000-000000000002"
+NIC = "nic-0000-3b-00-0"
+OTHER = "other.example.com"
+FAST = Backoff(initial=0.01, maximum=0.05)
+STATUS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/c/status"
+WAIT = 30.0  # a bound for background work, never an expected duration
+
+
+class Links:
+    """A readiness source a test sets: the devices in `down` are not ready (link down)."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+
+    def readiness(self, device: Device) -> Readiness:
+        if device.name in self.down:
+            return Readiness(False, "LinkDown", f"{device.node.interface} has no carrier")
+        return Readiness()
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> Node:
+    return await make_node(tmp_path)
+
+
+@pytest.fixture
+async def writers() -> AsyncIterator[list[ClaimStatusWriter]]:
+    made: list[ClaimStatusWriter] = []
+    yield made
+    for w in made:
+        await w.stop()
+
+
+@pytest.fixture
+def online(node: Node, kube_api: KubeApi, writers: list[ClaimStatusWriter]) -> Callable[..., ClaimStatusWriter]:
+    def make(**kw: Any) -> ClaimStatusWriter:
+        node.engine.claims = ApiClaimSource(kube_api.client())
+        w = ClaimStatusWriter(DRIVER, ApiStatusSink(kube_api.client(), DRIVER), node.inventory, node.engine.book,
+                              backoff=FAST, metrics=Metrics(process=False), **kw)
+        node.engine.listeners.append(w)
+        writers.append(w)
+        return w
+    return make
+
+
+def devices_of(kube_api: KubeApi, name: str = "c") -> dict[tuple[str, str], dict[str, Any]]:
+    obj = kube_api.get(RESOURCE_CLAIMS, name, "default")
+    assert obj is not None
+    return {(e["driver"], e["device"]): e for e in (obj.get("status") or {}).get("devices") or []}
+
+
+def owners_of(kube_api: KubeApi, name: str = "c") -> dict[str, set[str]]:
+    obj = kube_api.get(RESOURCE_CLAIMS, name, "default")
+    assert obj is not None
+    return {mf["manager"]: set(mf["fieldsV1"]["f:status"]["f:devices"])
+            for mf in obj["metadata"].get("managedFields") or [] if mf.get("subresource") == "status"}
+
+
+async def prepare(node: Node, uid: str = UID, name: str = "c") -> None:
+    out = await asyncio.wait_for(node.engine.prepare([ClaimRef("default", name, uid)]), WAIT)
+    assert out[uid].error == ""
+
+
+async def unprepare(node: Node, uid: str = UID, name: str = "c") -> None:
+    out = await asyncio.wait_for(node.engine.unprepare([ClaimRef("default", name, uid)]), WAIT)
+    assert out[uid] == ""
+
+
+async def settled(w: ClaimStatusWriter) -> None:
+    await asyncio.wait_for(w.idle(), WAIT)
+
+
+def writes(w: ClaimStatusWriter, result: str) -> float:
+    return w.metrics.claim_status_writes.labels(result)._value.get()
+
+
+def ready(entry: dict[str, Any]) -> dict[str, Any]:
+    (cond,) = entry["conditions"]
+    assert cond["type"] == "Ready"
+    return cond
+
+
+async def apply_as(kube_api: KubeApi, manager: str, entries: list[dict[str, Any]], name: str = "c") -> Any:
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"}, "status": {"devices": entries}}
+    return await kube_api.client().patch(ResourceClaimStatus, name, body, namespace="default",
+                                         patch_type=PatchType.APPLY, field_manager=manager, force=True)
+
+
+def other_entry(device: str = "dev-9") -> dict[str, Any]:
+    return {"driver": OTHER, "pool": "pool-x", "device": device, "data": {"from": "the other driver"},
+            "conditions": [{"type": "Ready", "status": "True", "reason": "Fine", "message": "",
+                            "lastTransitionTime": "2024-01-01T00:00:00Z"}]}
+
+
+# -- online ----------------------------------------------------------------------------------------
+
+async def test_prepare_writes_ready_entries_with_gpu_data_and_network_data(node, kube_api, online):
+    writer = online()
+    kube_api.add(claim("c", UID, [result("gpu-0", "gpu"), result(NIC, "net")]))
+    await prepare(node)
+    await settled(writer)
+    found = devices_of(kube_api)
+    assert set(found) == {(DRIVER, "gpu-0"), (DRIVER, NIC)}
+    gpu, net = found[DRIVER, "gpu-0"], found[DRIVER, NIC]
+    assert gpu["pool"] == NODE and "shareID" not in gpu
+    assert ready(gpu)["status"] == "True" and ready(gpu)["reason"] == "Prepared"
+    device = node.inventory.get("gpu-0")
+    assert device is not None
+    assert gpu["data"] == {"uuid": device.node.gpu_uuid, "productName": device.attributes["productName"]}
+    assert "networkData" not in gpu
+    assert net["networkData"] == {"interfaceName": "ens1f0", "ips": ["10.0.0.5/24"],
+                                  "hardwareAddress": "02:00:00:00:00:01"}
+    assert ready(net)["status"] == "True" and "data" not in net
+    assert set(owners_of(kube_api)) == {DRIVER}  # applied under the driver's name as field manager
+    assert writes(writer, "ok") == 1 and writer.queued == 0
+
+
+async def test_other_drivers_entries_are_untouched_by_our_writes_and_by_unprepare(node, kube_api, online):
+    writer = online()
+    kube_api.add(claim("c", UID, [result("gpu-0", "gpu"), result("dev-9", "x", driver=OTHER, pool="pool-x")]))
+    await apply_as(kube_api, OTHER, [other_entry()])
+    theirs = devices_of(kube_api)[OTHER, "dev-9"]
+
+    await prepare(node)
+    await settled(writer)
+    assert set(devices_of(kube_api)) == {(OTHER, "dev-9"), (DRIVER, "gpu-0")}
+    assert devices_of(kube_api)[OTHER, "dev-9"] == theirs
+    assert set(owners_of(kube_api)) == {OTHER, DRIVER}
+
+    await unprepare(node)
+    await settled(writer)
+    assert devices_of(kube_api) == {(OTHER, "dev-9"): theirs}  # only ours went
+    assert set(owners_of(kube_api)) == {OTHER}
+
+
+async def test_a_failed_write_is_retried_and_prepare_does_not_wait_for_it(node, kube_api, online):
+    writer = online()
+    kube_api.add(claim("c", UID, [result("gpu-0", "gpu")]))
+    fault = kube_api.fail("PATCH", STATUS, times=2, status=503)
+    await prepare(node)
+    await settled(writer)
+    assert fault.hits == 2
+    assert writes(writer, "retry") == 2 and writes(writer, "ok") == 1
+    assert ready(devices_of(kube_api)[DRIVER, "gpu-0"])["status"] == "True"
+
+    # The API server holds the write: unprepare answers all the same, and the removal lands later.
+    gate = kube_api.hold("PATCH", STATUS)
+    await unprepare(node)
+    await asyncio.sleep(0.1)
+    assert writer.queued == 1 and (DRIVER, "gpu-0") in devices_of(kube_api)
+    assert writer.metrics.claim_status_queue._value.get() == 1
+    gate.set()
+    await settled(writer)
+    assert devices_of(kube_api) == {}
+    assert writer.metrics.claim_status_queue._value.get() == 0
+
+
+async def test_a_claim_recreated_with_another_uid_is_never_written(node, kube_api, online):
+    writer = online()
+    kube_api.add(claim("c", UID, [result("gpu-0", "gpu")]))
+    await prepare(node)
+    await settled(writer)
+    kube_api.remove(RESOURCE_CLAIMS, "c", "default")
+    kube_api.add(claim("c", UID2, [result("gpu-0", "gpu")]))  # same name, another incarnation
+
+    kube_api.mark()
+    assert writer.devices_changed(["gpu-0"]) == 1
+    await settled(writer)
+    assert [w.status for w in kube_api.writes()] == [422]  # the UID in the apply body: refused
+    assert devices_of(kube_api) == {}
+    assert writes(writer, "gave_up") == 1 and writes(writer, "retry") == 0
+
+    kube_api.mark()
+    writer.devices_changed(["gpu-0"])
+    await settled(writer)
+    assert kube_api.writes() == []  # known gone: not tried again
+
+
+async def test_a_deleted_claim_stops_the_writes_and_its_unprepare_counts_as_done(node, kube_api, online):
+    writer = online()
+    kube_api.add(claim("c", UID, [result("gpu-0", "gpu")]))
+    gate = kube_api.hold("PATCH", STATUS)
+    await prepare(node)
+    kube_api.remove(RESOURCE_CLAIMS, "c", "default")
+    gate.set()
+    await settled(writer)
+    assert writes(writer, "gave_up") == 1 and writes(writer, "ok") == 0
+    await unprepare(node)
+    await settled(writer)
+    assert writes(writer, "ok") == 1  # a 404 on removal: nothing of ours is left anywhere
+
+
+async def test_readiness_false_after_devices_changed_and_back(node, kube_api, online):
+    links = Links()
+    writer = online(readiness=links)
+    kube_api.add(claim("c", UID, [result(NIC, "net"), result("gpu-0", "gpu")]))
+    await prepare(node)
+    await settled(writer)
+    first = ready(devices_of(kube_api)[DRIVER, NIC])
+    assert first["status"] == "True"
+
+    links.down.add(NIC)
+    assert writer.devices_changed([NIC]) == 1
+    await settled(writer)
+    down = ready(devices_of(kube_api)[DRIVER, NIC])
+    assert (down["status"], down["reason"], down["message"]) == ("False", "LinkDown", "ens1f0 has no carrier")
+    assert ready(devices_of(kube_api)[DRIVER, "gpu-0"])["status"] == "True"  # the other device is not affected
+
+    links.down.clear()
+    writer.devices_changed([NIC])
+    await settled(writer)
+    assert ready(devices_of(kube_api)[DRIVER, NIC])["status"] == "True"
+    assert writer.devices_changed(["gpu-7"]) == 0  # no prepared claim holds it
+
+
+async def test_new_addresses_are_applied_when_the_metadata_is_refreshed(node, kube_api, online):
+    writer = online()
+    kube_api.add(claim("c", UID, [result(NIC, "net")]))
+    await prepare(node)
+    await settled(writer)
+    node.nic_source.devices = [nic(ips=("10.0.0.5/24", "fd00::5/64"))]
+    await node.inventory.scan()
+    assert await node.engine.refresh_devices([NIC]) == 1  # generation + 1: claim_refreshed
+    await settled(writer)
+    assert devices_of(kube_api)[DRIVER, NIC]["networkData"]["ips"] == ["10.0.0.5/24", "fd00::5/64"]
+
+
+async def test_resync_writes_every_prepared_claim(node, kube_api, online):
+    first = online()
+    kube_api.add(claim("c", UID, [result("gpu-0", "gpu")]))
+    await prepare(node)
+    await settled(first)
+    await first.stop()
+    await apply_as(kube_api, DRIVER, [])  # the status was lost while no agent ran
+    assert devices_of(kube_api) == {}
+
+    again = online()
+    assert again.resync(node.engine.records.values()) == 1
+    await settled(again)
+    assert ready(devices_of(kube_api)[DRIVER, "gpu-0"])["status"] == "True"
+
+
+async def test_what_the_api_would_refuse_is_clipped_before_sending(tmp_path, kube_api, writers, caplog):
+    valid = [f"10.0.{i}.5/24" for i in range(20)]
+    many = ("10.1.0.005/24", *valid)  # not canonical (and not even parsed by the API server), then 20
+    node = await make_node(tmp_path, nics=[nic(ips=many)])
+    node.engine.claims = ApiClaimSource(kube_api.client())
+    writer = ClaimStatusWriter(DRIVER, ApiStatusSink(kube_api.client(), DRIVER), node.inventory, node.engine.book,
+                               backoff=FAST)
+    writers.append(writer)
+    node.engine.listeners.append(writer)
+    kube_api.add(claim("c", UID, [result(NIC, "net")]))
+    with caplog.at_level(logging.WARNING, "agent.claimstatus"):
+        await prepare(node)
+        await settled(writer)
+    assert devices_of(kube_api)[DRIVER, NIC]["networkData"]["ips"] == valid[:16]
+    assert writes(writer, "ok") == 1
+    assert "'10.1.0.005/24' must be an address in CIDR form" in caplog.text
+    assert "beyond the first 16" in caplog.text
+
+
+# -- the emulator is as strict as the API server ---------------------------------------------------
+
+@pytest.mark.parametrize(("entry", "field", "says"), [
+    ({"driver": DRIVER, "pool": NODE, "device": "gpu-3"}, "status.devices[0]", "must be an allocated device"),
+    ({"driver": DRIVER, "pool": NODE, "device": "gpu-0",
+      "networkData": {"ips": [f"10.0.0.{i}/24" for i in range(17)]}},
+     "status.devices[0].networkData.ips", "Too many: 17"),
+    ({"driver": DRIVER, "pool": NODE, "device": "gpu-0", "networkData": {"ips": ["10.0.0.1"]}},
+     "status.devices[0].networkData.ips[0]", "CIDR"),
+    ({"driver": DRIVER, "pool": NODE, "device": "gpu-0",
+      "conditions": [{"type": f"C{i}", "status": "True", "reason": "R", "message": "",
+                      "lastTransitionTime": "2024-01-01T00:00:00Z"} for i in range(9)]},
+     "status.devices[0].conditions", "Too many: 9"),
+    ({"driver": DRIVER, "pool": NODE, "device": "gpu-0", "data": {"x": "y" * 10240}},
+     "status.devices[0].data", "Too long"),
+])
+async def test_the_emulator_refuses_what_the_api_server_refuses(kube_api, entry, field, says):
+    kube_api.add(claim("c", UID, [result("gpu-0", "gpu")]))
+    before = kube_api.get(RESOURCE_CLAIMS, "c", "default")
+    with pytest.raises(ApiError) as caught:
+        await apply_as(kube_api, DRIVER, [entry])
+    status = caught.value.status
+    assert status.code == 422 and status.reason == "Invalid"
+    assert status.details is not None and status.details.causes
+    assert any(c.field == field and says in (c.message or "") for c in status.details.causes)
+    assert kube_api.get(RESOURCE_CLAIMS, "c", "default") == before
+
+
+async def test_the_emulator_wants_a_field_manager_and_a_matching_uid(kube_api):
+    kube_api.add(claim("c", UID, [result("gpu-0", "gpu")]))
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "c"}}
+    async with httpx2.AsyncClient(base_url=kube_api.url) as http:
+        answer = await http.patch(STATUS, content=yaml.safe_dump(body),
+                                  headers={"Content-Type": "application/apply-patch+yaml"})
+        assert answer.status_code == 422 and "fieldManager" in answer.json()["message"]
+        body["metadata"]["uid"] = UID2
+        answer = await http.patch(STATUS, content=yaml.safe_dump(body), params={"fieldManager": "m"},
+                                  headers={"Content-Type": "application/apply-patch+yaml"})
+        assert answer.status_code == 422
+        assert answer.json()["details"]["causes"][0]["field"] == "metadata.uid"
+        answer = await http.patch("/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/gone/status",
+                                  content=yaml.safe_dump({**body, "metadata": {"name": "gone"}}),
+                                  params={"fieldManager": "m"},
+                                  headers={"Content-Type": "application/apply-patch+yaml"})
+        assert answer.status_code == 404  # apply never creates through the status subresource
+
+
+async def test_an_entry_another_manager_owns_conflicts_unless_forced(kube_api):
+    kube_api.add(claim("c", UID, [result("dev-9", "x", driver=OTHER, pool="pool-x")]))
+    await apply_as(kube_api, OTHER, [other_entry()])
+    changed = {**other_entry(), "data": {"from": "someone else"}}
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "c"},
+            "status": {"devices": [changed]}}
+    with pytest.raises(ApiError) as caught:
+        await kube_api.client().patch(ResourceClaimStatus, "c", body, namespace="default",
+                                      patch_type=PatchType.APPLY, field_manager="intruder")
+    assert caught.value.status.code == 409
+    await kube_api.client().patch(ResourceClaimStatus, "c", body, namespace="default",
+                                  patch_type=PatchType.APPLY, field_manager="intruder", force=True)
+    assert devices_of(kube_api)[OTHER, "dev-9"]["data"] == {"from": "someone else"}
+    assert owners_of(kube_api) == {"intruder": {'k:{"device":"dev-9","driver":"other.example.com","pool":"pool-x"}'}}
+
+
+# -- offline ---------------------------------------------------------------------------------------
+
+async def test_offline_the_status_file_is_written_and_removed(node, writers):
+    assert node.settings.offline is not None
+    writer = ClaimStatusWriter(DRIVER, DirectoryStatusSink(node.settings.offline), node.inventory,
+                               node.engine.book, backoff=FAST)
+    writers.append(writer)
+    node.engine.listeners.append(writer)
+    obj = claim("c", UID, [result("gpu-0", "gpu"), result("dev-9", "x", driver=OTHER, pool="pool-x")])
+    obj["status"]["devices"] = [other_entry()]
+    write_claim(node.claims_dir, obj)
+    await prepare(node)
+    await settled(writer)
+    path = node.settings.offline / "resourceclaimstatus" / "default" / "c.yaml"
+    written = yaml.safe_load(path.read_text())
+    assert written["apiVersion"] == "resource.k8s.io/v1" and written["kind"] == "ResourceClaim"
+    assert written["metadata"] == {"name": "c", "namespace": "default", "uid": UID}
+    entries = {(e["driver"], e["device"]): e for e in written["status"]["devices"]}
+    assert set(entries) == {(OTHER, "dev-9"), (DRIVER, "gpu-0")}
+    assert ready(entries[DRIVER, "gpu-0"])["status"] == "True" and "uuid" in entries[DRIVER, "gpu-0"]["data"]
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp file left
+
+    await unprepare(node)
+    await settled(writer)
+    assert not path.exists()
+
+
+async def test_offline_a_claim_file_with_another_uid_is_not_written(node, writers):
+    assert node.settings.offline is not None
+    writer = ClaimStatusWriter(DRIVER, DirectoryStatusSink(node.settings.offline), node.inventory,
+                               node.engine.book, backoff=FAST)
+    writers.append(writer)
+    node.engine.listeners.append(writer)
+    write_claim(node.claims_dir, claim("c", UID, [result("gpu-0", "gpu")]))
+    gone = asyncio.Event()
+    real_write = writer.sink.write
+
+    async def after_recreate(target, entries):
+        write_claim(node.claims_dir, claim("c", UID2, [result("gpu-0", "gpu")]))
+        gone.set()
+        await real_write(target, entries)
+
+    writer.sink.write = after_recreate  # type: ignore[method-assign]
+    await prepare(node)
+    await settled(writer)
+    assert gone.is_set() and writes(writer, "gave_up") == 1
+    assert not (node.settings.offline / "resourceclaimstatus" / "default" / "c.yaml").exists()
