@@ -8,6 +8,7 @@
     dra-agent cdi validate [DIR...]
     dra-agent doctor [-o text|json]    check this node the way a person would when a pod is stuck
     dra-agent taints [-o table|json]   the device taints the agent holds; `taints clear DEVICE`
+    dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE   drive the simulated GPUs
 
 Every command accepts the same settings as `run` (flags or environment variables).
 """
@@ -233,9 +234,10 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--host-root", default="/", metavar="DIR",
                     help="the host's / (its /etc holds the container runtime's configuration), when doctor runs "
                          "in a container with it mounted (default: /)")
-    from agent import taintctl
+    from agent import simctl, taintctl
 
     taintctl.add_parser(sub, config.add_arguments)
+    simctl.add_sim_parser(sub, config.add_arguments)
     return p
 
 

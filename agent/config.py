@@ -95,6 +95,9 @@ OPTIONS: tuple[Option, ...] = (
            "seconds a prepared claim's ResourceClaim must stay gone (deleted, or re-created with another "
            "UID) before the claim is unprepared here; checked at start and every min(grace/4, 60) s",
            kind=float, metavar="SECONDS"),
+    Option("gpu_probe_interval", "--gpu-probe-interval", "DRA_GPU_PROBE_INTERVAL", 1.0,
+           "seconds between probes of every GPU for a lost, recovered or reset GPU (two NVML calls each)",
+           kind=float, metavar="SECONDS"),
     Option("taint_policy", "--taint-policy", "DRA_TAINT_POLICY", None,
            "YAML file laid over the default taint policy (XID -> effect, lost GPU, link down and its "
            "hold time; README: Device health and taints)", metavar="FILE"),
@@ -153,6 +156,7 @@ class Settings:
     claim_fetch_concurrency: int = 16
     api_timeout: float = 10.0
     gc_grace_period: float = 600.0
+    gpu_probe_interval: float = 1.0
     taint_policy: Path | None = None
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     log_format: str = "auto"
@@ -169,6 +173,8 @@ class Settings:
             raise ConfigError(f"--log-format must be auto, json or text, not {self.log_format!r}")
         if self.rescan_interval <= 0 or self.netlink_debounce < 0:
             raise ConfigError("--rescan-interval must be > 0 and --netlink-debounce >= 0")
+        if not self.gpu_probe_interval > 0:
+            raise ConfigError(f"--gpu-probe-interval must be > 0, not {self.gpu_probe_interval!r}")
         if self.claim_fetch_concurrency < 1:
             raise ConfigError("--claim-fetch-concurrency must be >= 1")
         if not self.gc_grace_period >= 0:  # also NaN

@@ -146,6 +146,9 @@ class Agent:
         log.info("state: %s", report.summary())
         self.metrics.recovered(len(report.repaired), len(report.removed), len(report.quarantined))
         await self.health.start()
+        for source in self.inventory.sources:
+            if isinstance(source, GpuSource):
+                self.health.watch_gpus(source)
         snapshot = self.inventory.snapshot()
         self._devices = snapshot.devices
         self.health.observe(snapshot)
@@ -246,9 +249,11 @@ class Agent:
         if changed and self.engine is not None:
             await self.engine.refresh_devices(changed)
 
-    async def _conditions_changed(self, devices: set[str]) -> None:
+    async def _conditions_changed(self, devices: set[str], rescan: set[str]) -> None:
         """Device conditions changed (an XID, a link down or up again, a taint cleared): the
         slices, the health stream and the claims holding those devices follow."""
+        if rescan and await self.inventory.scan(sorted(rescan)):
+            await self._changed()
         snapshot = self.inventory.snapshot()
         if self.publish is not None:
             self.publish.update(self.health.published(snapshot))
@@ -257,7 +262,7 @@ class Agent:
     async def stop(self) -> None:
         if self.selfheal is not None:  # first: the sockets removed below must not come back
             await self.selfheal.stop()
-        await self.health.stop()
+        await self.health.stop()  # first its GPU watcher: NVML is shut down below
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

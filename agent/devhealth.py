@@ -8,8 +8,9 @@ feeds them while the agent runs:
 - operators' clear requests (`agent.taintctl.RequestWatcher`);
 - time: informational XID taints expiring, link taints held until the link stays up.
 
-When the causes of devices change it calls the daemon's `changed(devices)` once per burst,
-which republishes the slices (`published` lays the taints over the inventory's devices),
+When the causes of devices change it calls the daemon's `changed(devices, kinds)` once per
+burst, which rescans the kinds named (a GPU lost or answering again changes what discovery
+finds), republishes the slices (`published` lays the taints over the inventory's devices),
 updates the health stream and re-applies the status of the claims holding those devices.
 
 A GPU that is lost drops out of discovery (no NVML call about it answers). While its
@@ -30,7 +31,10 @@ from collections.abc import Awaitable, Callable
 from agent.conditions import GPU_LOST, DeviceConditions, Readiness
 from agent.config import Settings
 from agent.inventory import Snapshot
+from agent.inventory.gpu_events import DoubleBitEcc, GpuAnswering, GpuEvent, GpuEventWatcher, GpuLost, XidError
+from agent.inventory.gpus import GpuSource
 from agent.model import Device
+from agent.simctl import control_dir
 from agent.taintctl import RequestWatcher, health_dir, requests_dir
 from agent.taintpolicy import TaintPolicy, load_policy
 
@@ -39,10 +43,11 @@ log = logging.getLogger(__name__)
 # The longest the service sleeps between looks at the clock when nothing is due (a bound, so a
 # wall-clock jump cannot leave a held link taint for long).
 IDLE_WAKE = 30.0
+DOUBLE_BIT_ECC_XID = 48  # the XID the driver logs for a double-bit ECC error
 
 
 class DeviceHealthService:
-    def __init__(self, settings: Settings, changed: Callable[[set[str]], Awaitable[None]],
+    def __init__(self, settings: Settings, changed: Callable[[set[str], set[str]], Awaitable[None]],
                  policy: TaintPolicy | None = None) -> None:
         self.settings = settings
         self.conditions = DeviceConditions(settings.driver_name,
@@ -54,8 +59,10 @@ class DeviceHealthService:
         self._last_seen: dict[str, Device] = {}
         self._nics: set[str] = set()
         self._dirty: set[str] = set()
+        self._rescan: set[str] = set()  # kinds to rescan: a lost GPU answering is back in discovery
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.gpu_events: GpuEventWatcher | None = None
 
     async def start(self) -> None:
         await asyncio.to_thread(self.conditions.load)
@@ -66,7 +73,29 @@ class DeviceHealthService:
             log.warning("taint clear requests are not watched: %s", exc)
         self._task = asyncio.create_task(self._run(), name="device-health")
 
+    def watch_gpus(self, source: GpuSource) -> None:
+        """Start the GPU event watcher on the source's NVML (real or simulated): its thread hands
+        each event to the loop. A node without NVML has no GPU events."""
+        if source.nvml is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def hand_over(event: GpuEvent) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is stopping
+                loop.call_soon_threadsafe(self.gpu_event, event)
+
+        self.gpu_events = GpuEventWatcher(source.nvml, hand_over, probe_interval=self.settings.gpu_probe_interval,
+                                          control_dir=control_dir(self.settings), name_hint=source.device_name)
+        self.gpu_events.start()
+
+    async def stop_gpus(self) -> None:
+        """Stop the watcher (before NVML is shut down)."""
+        if self.gpu_events is not None:
+            watcher, self.gpu_events = self.gpu_events, None
+            await asyncio.to_thread(watcher.stop)
+
     async def stop(self) -> None:
+        await self.stop_gpus()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -92,14 +121,18 @@ class DeviceHealthService:
         for name in set(self._last_seen) - set(snapshot.devices) - lost:
             del self._last_seen[name]
 
-    def xid(self, device: str, xid: int, action: str) -> None:
-        self.conditions.xid(device, xid, action)
-
-    def gpu_lost(self, device: str, reason: str) -> None:
-        self.conditions.gpu_lost(device, reason)
-
-    def gpu_answering(self, device: str, action: str) -> None:
-        self.conditions.gpu_answering(device, action)
+    def gpu_event(self, event: GpuEvent) -> None:
+        if isinstance(event, XidError):
+            self.conditions.xid(event.device, event.xid, event.recovery_action.value)
+        elif isinstance(event, DoubleBitEcc):
+            self.conditions.xid(event.device, DOUBLE_BIT_ECC_XID, event.recovery_action.value)
+        elif isinstance(event, GpuLost):
+            self._rescan.add("gpu")
+            self.conditions.gpu_lost(event.device, event.reason)
+        elif isinstance(event, GpuAnswering):
+            self._rescan.add("gpu")
+            self.conditions.gpu_answering(event.device, event.recovery_action.value)
+            self._wake.set()
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -131,10 +164,11 @@ class DeviceHealthService:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
             self.conditions.tick()
-            if not self._dirty:
+            if not self._dirty and not self._rescan:
                 continue
             devices, self._dirty = self._dirty, set()
+            kinds, self._rescan = self._rescan, set()
             try:
-                await self._changed_cb(devices)
+                await self._changed_cb(devices, kinds)
             except Exception:
                 log.exception("applying the device conditions of %s failed", ", ".join(sorted(devices)))

@@ -198,6 +198,10 @@ class GpuSource:
             found.append(f"NVIDIA display functions {', '.join(functions)} in {self.settings.sysfs_root}")
         return found
 
+    def device_name(self, index: int) -> str | None:
+        """The published name of the GPU at NVML index `index`, once a scan learned its minor."""
+        return None if (minor := self._minors.get(index)) is None else f"gpu-{minor}"
+
     def close(self) -> None:
         if not self._initialized:
             return

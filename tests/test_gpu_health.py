@@ -1,0 +1,145 @@
+"""GPU health end to end: `dra-agent sim` commands reach the running agent's simulated NVML, its
+event watcher turns them into device conditions, and the taints reach the ResourceSlices in the
+API emulator (over HTTP) while the kubelet's health stream says the same; a reset clears both.
+
+The agent runs in-process in cluster mode (`Agent(settings)` with a kubeconfig naming the
+emulator), the commands go through the same control directory the CLI writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agentkit import DRIVER, NODE, roots
+from kubeapi import KubeApi
+from test_agent_cluster import devices_of, eventually, our_slices, published, start, write_kubeconfig
+
+from agent import kubelet_client as kc
+from agent import simctl
+from agent.config import Settings
+from agent.daemon import Agent
+from agent.taintctl import submit_clear
+
+NODE_UID = "0b5c4a7e-0000-4000-8000-0000000000ab"
+
+
+@pytest.fixture
+def settings(short_tmp: Path, kube_api: KubeApi) -> Settings:
+    kubeconfig = write_kubeconfig(short_tmp / "kubeconfig", kube_api.url)
+    return roots(short_tmp, offline=None, kubeconfig=kubeconfig, rescan_interval=3600.0, api_timeout=2.0,
+                 gpu_probe_interval=0.2)
+
+
+class HealthFeed:
+    """The latest list the health stream sent, kept current by a background reader."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, dict[str, Any]] = {}
+
+    async def follow(self, agent: Agent) -> None:
+        async for response in kc.watch_health(agent.settings.dra_socket):
+            self.latest = {d["device"]["device_name"]: d for d in kc.to_dict(response)["devices"]}
+
+
+@contextlib.asynccontextmanager
+async def health_feed(agent: Agent) -> AsyncIterator[HealthFeed]:
+    feed = HealthFeed()
+    task = asyncio.create_task(feed.follow(agent))
+    try:
+        yield feed
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+def taints(api: KubeApi, device: str) -> dict[str, dict[str, Any]]:
+    return {t["key"]: t for t in devices_of(our_slices(api)).get(device, {}).get("taints") or []}
+
+
+def sim(agent: Agent, action: str, device: str, xid: int | None = None) -> None:
+    simctl.submit(agent.settings, simctl.make_command(agent.settings, action, device, xid))
+
+
+async def test_an_xid_taints_the_gpu_and_a_reset_clears_it(kube_api: KubeApi, settings: Settings, agents) -> None:
+    kube_api.add_node(NODE, uid=NODE_UID)
+    agent = await start(agents, settings)
+    await published(agent)
+    assert taints(kube_api, "gpu-3") == {}
+    async with health_feed(agent) as feed:
+        await eventually(lambda: feed.latest.get("gpu-3", {}).get("health") == "HEALTHY", "gpu-3 HEALTHY")
+
+        sim(agent, "xid", "gpu-3", 48)
+        xid = await eventually(lambda: taints(kube_api, "gpu-3").get(f"{DRIVER}/xid"), "the XID taint published")
+        assert (xid["value"], xid["effect"]) == ("48", "NoSchedule") and xid["timeAdded"].endswith("Z")
+        health = await eventually(lambda: (h := feed.latest["gpu-3"]) and h["health"] == "UNHEALTHY" and h,
+                                  "gpu-3 UNHEALTHY on the health stream")
+        assert "XID 48 (double-bit ECC error)" in health["message"]
+        assert "recovery action gpu-reset" in health["message"]
+        assert taints(kube_api, "gpu-2") == {} and feed.latest["gpu-2"]["health"] == "HEALTHY"
+
+        sim(agent, "recover", "gpu-3")
+        await eventually(lambda: not taints(kube_api, "gpu-3"), "the XID taint gone after the reset")
+        await eventually(lambda: feed.latest["gpu-3"]["health"] == "HEALTHY", "gpu-3 HEALTHY again")
+
+
+async def test_a_lost_gpu_stays_published_with_a_noexecute_taint(kube_api: KubeApi, settings: Settings,
+                                                                agents) -> None:
+    kube_api.add_node(NODE, uid=NODE_UID)
+    agent = await start(agents, settings)
+    await published(agent)
+    before = devices_of(our_slices(kube_api))["gpu-5"]
+    async with health_feed(agent) as feed:
+        sim(agent, "lose", "gpu-5")
+        lost = await eventually(lambda: taints(kube_api, "gpu-5").get(f"{DRIVER}/gpu-lost"), "the gpu-lost taint")
+        assert lost["effect"] == "NoExecute"
+        # Still the same device as last seen (attributes, capacity), only tainted.
+        now = devices_of(our_slices(kube_api))["gpu-5"]
+        assert {k: v for k, v in now.items() if k != "taints"} == before
+        await eventually(lambda: feed.latest.get("gpu-5", {}).get("health") == "UNHEALTHY", "gpu-5 UNHEALTHY")
+        assert "GPU lost" in feed.latest["gpu-5"]["message"]
+
+        # A rescan while it is lost (discovery fails it) keeps it published.
+        await agent.inventory.scan(["gpu"])
+        await agent._changed()
+        assert taints(kube_api, "gpu-5").get(f"{DRIVER}/gpu-lost")
+
+        sim(agent, "recover", "gpu-5")
+        await eventually(lambda: not taints(kube_api, "gpu-5"), "the gpu-lost taint gone")
+        await eventually(lambda: feed.latest["gpu-5"]["health"] == "HEALTHY", "gpu-5 HEALTHY again")
+
+
+async def test_an_application_xid_is_informational_and_an_operator_can_clear_it(
+        kube_api: KubeApi, settings: Settings, agents) -> None:
+    kube_api.add_node(NODE, uid=NODE_UID)
+    agent = await start(agents, settings)
+    await published(agent)
+    async with health_feed(agent) as feed:
+        sim(agent, "xid", "gpu-1", 13)
+        xid = await eventually(lambda: taints(kube_api, "gpu-1").get(f"{DRIVER}/xid"), "the XID 13 taint")
+        assert (xid["value"], xid["effect"]) == ("13", "None")
+        await eventually(lambda: "XID 13" in feed.latest.get("gpu-1", {}).get("message", ""), "the message")
+        assert feed.latest["gpu-1"]["health"] == "HEALTHY"
+
+        submit_clear(agent.settings, "gpu-1")
+        await eventually(lambda: not taints(kube_api, "gpu-1"), "the taint cleared by hand")
+        await eventually(lambda: feed.latest["gpu-1"].get("message", "") == "", "the message gone")
+
+
+async def test_xid_taints_survive_a_restart_of_the_agent(kube_api: KubeApi, settings: Settings, agents) -> None:
+    kube_api.add_node(NODE, uid=NODE_UID)
+    agent = await start(agents, settings)
+    await published(agent)
+    sim(agent, "xid", "gpu-6", 94)
+    first = await eventually(lambda: taints(kube_api, "gpu-6").get(f"{DRIVER}/xid"), "the XID 94 taint")
+    await agent.stop()
+    agents.remove(agent)
+
+    again = await start(agents, settings)
+    await published(again)
+    assert taints(kube_api, "gpu-6")[f"{DRIVER}/xid"] == first  # same taint, same time added
