@@ -22,16 +22,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
-import orjson
-import yaml
-
 from agent import config
+
+# Each command imports what it needs when it runs: `dra-agent kubelet info` and `dra-agent claims`
+# are commands a person waits for, and the agent's full set of modules takes most of a second
+# to import on a small node.
+_LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor"}
 
 
 def _dump(obj: Any, fmt: str) -> str:
     if fmt == "json":
+        import orjson
+
         return orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode()
+    import yaml
+
     docs = obj if isinstance(obj, list) and obj and all(isinstance(o, dict) and "kind" in o for o in obj) else None
     if docs is not None:
         return yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True)
@@ -106,17 +111,21 @@ def cmd_claims(args: argparse.Namespace, settings: config.Settings) -> int:
     return 1 if problems else 0
 
 
+class _NoClaim(Exception):
+    """The claim's UID could not be read from the claim source."""
+
+
 def cmd_kubelet(args: argparse.Namespace, settings: config.Settings) -> int:
+    import grpc
+
     from agent import kubelet_client as kc
-    from agent.claims import ClaimNotFound, ClaimSourceError
-    from agent.connection import StartupError
 
     try:
         return asyncio.run(_kubelet(args, settings, kc))
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
-    except (ClaimNotFound, ClaimSourceError, StartupError) as exc:
+    except _NoClaim as exc:
         print(f"error: {exc} (give --uid, or the agent's --offline DIR / cluster settings)", file=sys.stderr)
         return 2
 
@@ -151,8 +160,13 @@ async def _claim_ref(args: argparse.Namespace, settings: config.Settings) -> Any
     uid = args.uid
     if not uid:
         from agent import oneshot
+        from agent.claims import ClaimNotFound, ClaimSourceError
+        from agent.connection import StartupError
 
-        claim = await oneshot.fetch_claim(settings, namespace, name)
+        try:
+            claim = await oneshot.fetch_claim(settings, namespace, name)
+        except (ClaimNotFound, ClaimSourceError, StartupError) as exc:
+            raise _NoClaim(str(exc)) from exc
         uid = (claim.get("metadata") or {}).get("uid", "")
     return ClaimRef(namespace, name, uid)
 
@@ -185,7 +199,9 @@ def cmd_doctor(args: argparse.Namespace, settings: config.Settings) -> int:
 
 # -- parser -----------------------------------------------------------------------------------------
 
-def parser() -> argparse.ArgumentParser:
+def parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with `only` one of `_LIGHT_COMMANDS`, the commands defined in other
+    modules (taints, sim) are left out, so their imports are not paid for."""
     p = argparse.ArgumentParser(prog="dra-agent", description="Kubernetes DRA node agent")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -234,6 +250,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--host-root", default="/", metavar="DIR",
                     help="the host's / (its /etc holds the container runtime's configuration), when doctor runs "
                          "in a container with it mounted (default: /)")
+    if only in _LIGHT_COMMANDS:
+        return p
     from agent import simctl, taintctl
 
     taintctl.add_parser(sub, config.add_arguments)
@@ -242,7 +260,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = parser(words[0] if words else None).parse_args(words)
     try:
         settings = config.settings_from(args)
     except config.ConfigError as exc:
@@ -256,16 +275,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from agent.inventory import DiscoveryError
-
     try:
         return int(args.fn(args, settings) or 0)
-    except DiscoveryError as exc:
-        # Discovery cannot work as configured (--nvml real without NVML, say): one line, no traceback.
-        print(f"dra-agent: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        # Discovery cannot work as configured (--nvml real without NVML, say): one line, no traceback.
+        # Only a command that ran discovery imported agent.inventory, and only it can raise that.
+        inventory = sys.modules.get("agent.inventory")
+        if inventory is not None and isinstance(exc, inventory.DiscoveryError):
+            print(f"dra-agent: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

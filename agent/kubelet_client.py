@@ -1,37 +1,32 @@
 """A client that calls the agent's sockets the way the kubelet does.
 
 Used by `dra-agent kubelet ...` for a person at the node, by the tests as the
-kubelet stand-in, and by the benchmark.
+kubelet stand-in, and by the benchmark. Each call imports only the message modules it
+uses: `dra-agent kubelet info` is a command a person waits for.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf import json_format
 
-from agent.names import ClaimRef
-from agent.pb import (
-    dra_v1_pb2,
-    dra_v1_pb2_grpc,
-    dra_v1beta1_pb2,
-    dra_v1beta1_pb2_grpc,
-    health_v1_pb2,
-    health_v1_pb2_grpc,
-    health_v1alpha1_pb2,
-    health_v1alpha1_pb2_grpc,
-    registration_pb2,
-    registration_pb2_grpc,
-)
+if TYPE_CHECKING:
+    from agent.names import ClaimRef
 
 GET_INFO_TIMEOUT = 1.0  # the kubelet's
 PREPARE_TIMEOUT = 45.0  # the kubelet's
 
-_DRA = {"v1": (dra_v1_pb2, dra_v1_pb2_grpc), "v1beta1": (dra_v1beta1_pb2, dra_v1beta1_pb2_grpc)}
-_HEALTH = {"v1": (health_v1_pb2, health_v1_pb2_grpc), "v1alpha1": (health_v1alpha1_pb2, health_v1alpha1_pb2_grpc)}
+_DRA = {"v1": "dra_v1", "v1beta1": "dra_v1beta1"}
+_HEALTH = {"v1": "health_v1", "v1alpha1": "health_v1alpha1"}
+
+
+def _modules(stem: str) -> tuple[Any, Any]:
+    """The message and service modules of one API (`agent.pb.<stem>_pb2`, `..._pb2_grpc`)."""
+    return (importlib.import_module(f"agent.pb.{stem}_pb2"), importlib.import_module(f"agent.pb.{stem}_pb2_grpc"))
 
 
 def channel(socket: Path) -> grpc.aio.Channel:
@@ -39,10 +34,13 @@ def channel(socket: Path) -> grpc.aio.Channel:
 
 
 def to_dict(message: Any) -> dict[str, Any]:
+    from google.protobuf import json_format
+
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
 
 async def get_info(socket: Path, timeout: float = GET_INFO_TIMEOUT) -> Any:
+    registration_pb2, registration_pb2_grpc = _modules("registration")
     async with channel(socket) as ch:
         stub = registration_pb2_grpc.RegistrationStub(ch)
         return await stub.GetInfo(registration_pb2.InfoRequest(), timeout=timeout)
@@ -50,12 +48,14 @@ async def get_info(socket: Path, timeout: float = GET_INFO_TIMEOUT) -> Any:
 
 async def empty_prepare(socket: Path, timeout: float = GET_INFO_TIMEOUT) -> Any:
     """NodePrepareResources (v1) without claims: shows that the DRA server answers, and changes nothing."""
+    dra_v1_pb2, dra_v1_pb2_grpc = _modules("dra_v1")
     async with channel(socket) as ch:
         stub = dra_v1_pb2_grpc.DRAPluginStub(ch)
         return await stub.NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(), timeout=timeout)
 
 
 async def notify_registration(socket: Path, registered: bool, error: str = "") -> None:
+    registration_pb2, registration_pb2_grpc = _modules("registration")
     async with channel(socket) as ch:
         stub = registration_pb2_grpc.RegistrationStub(ch)
         await stub.NotifyRegistrationStatus(
@@ -68,7 +68,7 @@ class DRAClient:
     def __init__(self, socket: Path, api: str = "v1") -> None:
         if api not in _DRA:
             raise ValueError(f"api must be one of {', '.join(_DRA)}")
-        self.pb, grpc_mod = _DRA[api]
+        self.pb, grpc_mod = _modules(_DRA[api])
         self._channel = channel(socket)
         self._stub = grpc_mod.DRAPluginStub(self._channel)
 
@@ -96,7 +96,7 @@ class DRAClient:
 async def watch_health(socket: Path, api: str = "v1") -> AsyncIterator[Any]:
     if api not in _HEALTH:
         raise ValueError(f"api must be one of {', '.join(_HEALTH)}")
-    pb, grpc_mod = _HEALTH[api]
+    pb, grpc_mod = _modules(_HEALTH[api])
     async with channel(socket) as ch:
         stub = grpc_mod.DRAResourceHealthStub(ch)
         async for response in stub.NodeWatchResources(pb.NodeWatchResourcesRequest()):
