@@ -47,6 +47,7 @@ from typing import Any, Protocol
 from agent import apirules
 from agent.claimbook import ClaimBook
 from agent.claimstatus_sinks import ClaimGone, ClaimTarget, StatusSink, StatusWriteFailed
+from agent.conditions import Readiness
 from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.model import Device
@@ -56,13 +57,6 @@ log = logging.getLogger(__name__)
 
 READY = "Ready"
 DEFAULT_CONCURRENCY = 4
-
-
-@dataclass(frozen=True, slots=True)
-class Readiness:
-    ready: bool = True
-    reason: str = "Prepared"  # CamelCase, as a condition's reason must be
-    message: str = ""
 
 
 class DeviceReadiness(Protocol):

@@ -81,12 +81,15 @@ class Cause:
 
 @dataclass(frozen=True, slots=True)
 class Readiness:
-    ready: bool
-    reason: str = ""
+    """Whether a prepared device is ready for its workload now: the `Ready` condition of the
+    claims holding it (`agent.claimstatus`)."""
+
+    ready: bool = True
+    reason: str = "Prepared"  # CamelCase, as a condition's reason must be
     message: str = ""
 
 
-READY = Readiness(True)
+READY = Readiness()
 
 
 @dataclass(slots=True)

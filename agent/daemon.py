@@ -23,6 +23,8 @@ import grpc
 
 from agent import config as config_mod
 from agent import kubelet_client, slices
+from agent.claimstatus import ClaimStatusWriter
+from agent.claimstatus_sinks import sink_for
 from agent.config import Settings
 from agent.connection import Connection, StartupError, connect, wait_for_node
 from agent.devhealth import DeviceHealthService
@@ -121,6 +123,7 @@ class Agent:
         self.selfheal: SelfHealer | None = None
         self.publish: PublishLoop | None = None
         self.health = DeviceHealthService(settings, self._conditions_changed)
+        self.claim_status: ClaimStatusWriter | None = None
         self.metrics = Metrics()
         self.metrics.state = self.metrics_state
         self.inventory.on_scan = self.metrics.scanned
@@ -153,6 +156,12 @@ class Agent:
         self._devices = snapshot.devices
         self.health.observe(snapshot)
         await self.tracker.update(snapshot, self.health.conditions)
+        self.claim_status = ClaimStatusWriter(
+            s.driver_name, sink_for(self.conn.client, self.conn.offline, s.driver_name), self.inventory,
+            self.engine.book, readiness=self.health, metrics=self.metrics)
+        self.engine.listeners.append(self.claim_status)
+        # The API may have missed writes while no agent ran (or they were queued when it stopped).
+        self.claim_status.resync(self.engine.records.values())
         self.servers = Servers(s, self.engine, self.tracker)
         await self.servers.start_dra()
         await self.servers.start_registration()
@@ -248,6 +257,8 @@ class Agent:
         await self.tracker.update(snapshot, self.health.conditions)
         if changed and self.engine is not None:
             await self.engine.refresh_devices(changed)
+        if changed and self.claim_status is not None:
+            self.claim_status.devices_changed(changed)  # a device gone or back: its Ready condition
 
     async def _conditions_changed(self, devices: set[str], rescan: set[str]) -> None:
         """Device conditions changed (an XID, a link down or up again, a taint cleared): the
@@ -258,6 +269,8 @@ class Agent:
         if self.publish is not None:
             self.publish.update(self.health.published(snapshot))
         await self.tracker.update(snapshot, self.health.conditions)
+        if self.claim_status is not None:
+            self.claim_status.devices_changed(devices)
 
     async def stop(self) -> None:
         if self.selfheal is not None:  # first: the sockets removed below must not come back
@@ -272,6 +285,8 @@ class Agent:
             await self.servers.stop()
         if self.http is not None:
             await self.http.stop()
+        if self.claim_status is not None:  # what is still queued is written again by the next start's resync
+            await self.claim_status.stop()
         await asyncio.to_thread(self.inventory.close)
         if self.conn is not None:
             await self.conn.close()
@@ -325,7 +340,13 @@ class Agent:
         # A device that failed is known by name only; the names start with the kind (gpu-3, nic-...).
         devices = collections.Counter((kinds.get(h.device) or h.device.split("-", 1)[0], h.status)
                                       for h in self.tracker.current())
+        # One per published taint: a device's XIDs make one taint (agent.conditions).
+        taints = collections.Counter((c.kind, c.effect) for c in self.health.conditions.causes()
+                                     if c.kind != "xid")
+        taints.update(("xid", t.effect) for name in self.health.conditions.tainted()
+                      for t in self.health.conditions.taints(name) if t.key.endswith("/xid"))
         state = AgentState(devices=dict(devices), failing_sources=[f.kind for f in snapshot.failing_sources],
+                           taints=dict(taints),
                            prepared_claims=len(self.engine.records) if self.engine else 0,
                            health_watchers=self.tracker.watchers)
         if self.servers is not None:

@@ -147,8 +147,9 @@ class DeviceHealthService:
             out.append(dataclasses.replace(dev, taints=[*dev.taints, *taints]) if taints else dev)
         return out
 
-    def readiness(self, device: str) -> Readiness:
-        return self.conditions.readiness(device)
+    def readiness(self, device: Device) -> Readiness:
+        """For the claim status writer (`agent.claimstatus.DeviceReadiness`)."""
+        return self.conditions.readiness(device.name)
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -74,6 +74,7 @@ class AgentState:
     dropped_values: int = 0
     publish_up_to_date: bool = False
     publish_failures: int = 0  # in a row
+    taints: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (cause kind, effect) -> devices
 
 
 class ClaimOperation:
@@ -120,8 +121,13 @@ def _state_families(s: AgentState | None) -> list[Metric]:
                                 "health (as on the kubelet's health stream)", labels=["kind", "health"])
     failing = GaugeMetricFamily(PREFIX + "discovery_source_failing", "1 while a discovery source's scans "
                                 "fail (its last good devices stay published)", labels=["kind"])
-    out: list[Metric] = [devices, failing]
+    taints = GaugeMetricFamily(PREFIX + "device_taints", "Device taints the agent publishes now, by cause "
+                               "(xid, gpu-lost, link-down) and effect (None, NoSchedule, NoExecute)",
+                               labels=["cause", "effect"])
+    out: list[Metric] = [devices, failing, taints]
     if s is not None:
+        for (cause, effect), n in sorted(s.taints.items()):
+            taints.add_metric([cause, effect], n)
         for kind in sorted({kind for kind, _ in s.devices}):
             for health in HEALTH_STATES:
                 devices.add_metric([kind, health], s.devices.get((kind, health), 0))

@@ -213,6 +213,47 @@ def test_a_link_down_taints_the_nic_until_it_has_stayed_up(agent: RunningAgent) 
     assert _seconds(cleared) - _seconds(up) >= LINK_UP_HOLD - 0.01
 
 
+def status_entry(agent: RunningAgent, name: str, device: str = DEV_A0) -> dict[str, Any] | None:
+    """This driver's `status.devices` entry for `device` in the claim's offline status file."""
+    assert agent.settings.offline is not None
+    path = agent.settings.offline / "resourceclaimstatus" / "default" / f"{name}.yaml"
+    try:
+        obj = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        return None
+    for entry in (obj.get("status") or {}).get("devices") or []:
+        if entry["driver"] == DRIVER and entry["device"] == device:
+            return entry  # type: ignore[no-any-return]
+    return None
+
+
+def ready_of(entry: dict[str, Any] | None) -> dict[str, Any] | None:
+    return next((c for c in (entry or {}).get("conditions") or [] if c["type"] == "Ready"), None)
+
+
+def test_a_link_down_makes_a_prepared_claims_device_not_ready(agent: RunningAgent) -> None:
+    s = agent.settings
+    assert s.offline is not None
+    write_claim(s.offline / "resourceclaims", claim("nic-claim", NIC_CLAIM_UID, [result(DEV_A0, "nic")]))
+    done = agent.cli("kubelet", "prepare", "default/nic-claim")
+    assert done.returncode == 0, done.stdout + done.stderr
+    ready = agent.until(lambda: ready_of(status_entry(agent, "nic-claim")), "the claim's Ready condition")
+    assert (ready["status"], ready["reason"]) == ("True", "Prepared")
+
+    agent.ns.ip("link", "set", "vethA0", "down")
+    ready = agent.until(lambda: (r := ready_of(status_entry(agent, "nic-claim"))) and r["status"] == "False" and r,
+                        "Ready False while the link is down")
+    assert ready["reason"] == "LinkDown" and ready["message"].startswith("link down since ")
+    agent.ns.ip("link", "set", "vethA0", "up")
+    agent.until(lambda: (r := ready_of(status_entry(agent, "nic-claim"))) and r["status"] == "True",
+                "Ready True once the link has stayed up")
+    assert not agent.taints(DEV_A0)
+
+    done = agent.cli("kubelet", "unprepare", "default/nic-claim", "--uid", NIC_CLAIM_UID)
+    assert done.returncode == 0, done.stdout + done.stderr
+    agent.until(lambda: status_entry(agent, "nic-claim") is None, "the status entry removed at unprepare")
+
+
 def _seconds(event: dict[str, Any]) -> float:
     import datetime
 
@@ -277,6 +318,12 @@ def test_metadata_of_a_prepared_nic_claim_gets_the_address_added_later(agent: Ru
         assert dev["name"] == DEV_A0
         assert "10.30.0.7/24" in dev["networkData"]["ips"]
         assert dev["attributes"]["ipv4"] == {"string": "10.30.0.7/24"}
+
+    # The claim's status follows too (offline: DIR/resourceclaimstatus/<namespace>/<name>.yaml).
+    entry = agent.until(lambda: (e := status_entry(agent, "nic-claim")) and "10.30.0.7/24" in
+                        e.get("networkData", {}).get("ips", []) and e, "the claim status with the new IP")
+    assert entry["networkData"]["interfaceName"] == "vethA0"
+    assert entry["networkData"]["hardwareAddress"] == MAC_A0
 
     # The durable record follows, so a restart restores generation 2, not the stale file.
     record_path = ClaimStore(s.claims_state_dir).path(NIC_CLAIM_UID)

@@ -20,8 +20,9 @@ from lightkube.resources.resource_v1 import ResourceClaimStatus
 from lightkube.types import PatchType
 
 from agent.claims import ApiClaimSource
-from agent.claimstatus import ClaimStatusWriter, Readiness
+from agent.claimstatus import ClaimStatusWriter
 from agent.claimstatus_sinks import ApiStatusSink, DirectoryStatusSink
+from agent.conditions import Readiness
 from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.model import Device

@@ -38,7 +38,7 @@ from netns import FakeSysfs, network_namespace
 
 from agent import cli, config
 from agent.config import OPTIONS, build_settings, settings_from
-from agent.daemon import render_slices
+from agent.oneshot import render_slices
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -298,14 +298,11 @@ CLIENT_VERBS = {"get": {"get"}, "list": {"list"}, "watch": {"watch"}, "wait": {"
                 "delete": {"delete"}, "deletecollection": {"deletecollection"}}
 OTHER_CLIENT_CALLS = {"request", "log", "exec", "set"}  # not to be used without teaching this test
 
-# Granted before the code needs them: the claim status writes (status.devices: network data,
-# Ready condition) that are coming. Since 1.36 such a write is also authorized per driver on the
-# resourceclaims/driver subresource; `associated-node:` limits it to claims on the writer's node.
+# Granted though no code names them: since 1.36 a claim status write (status.devices, made by
+# agent/claimstatus_sinks.py) is also authorized per driver on the resourceclaims/driver
+# subresource; `associated-node:` limits it to claims on the writer's node.
 UPCOMING = {
-    ("resource.k8s.io", "resourceclaims/status", "patch", None),
-    ("resource.k8s.io", "resourceclaims/status", "update", None),
     ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),
-    ("resource.k8s.io", "resourceclaims/driver", "associated-node:update", DRIVER),
 }
 # What every authenticated user may do (the default system:basic-user role): a check of the
 # agent's own permissions (`dra-agent doctor`) needs nothing from the ClusterRole.
@@ -541,7 +538,7 @@ def selects(device_class: Mapping[str, Any], driver: str, device: Mapping[str, A
 RENDER = """
 import asyncio, json, sys
 from agent.config import build_settings
-from agent.daemon import render_slices
+from agent.oneshot import render_slices
 print(json.dumps(asyncio.run(render_slices(build_settings(json.loads(sys.argv[1]))))))
 """
 

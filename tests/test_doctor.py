@@ -195,8 +195,9 @@ async def test_cluster_checks_node_and_every_permission(cluster_settings, kube_a
     assert "CPU and memory are published as node-allocatable" in checks["Node"].detail
     assert checks["RBAC"].ok and checks["RBAC"].detail.startswith(f"all {len(doctor.PERMISSIONS)} permissions")
     reviews = [r for r in kube_api.since_mark() if r.method == "POST"]
-    asked = {(r.body["spec"]["resourceAttributes"]["verb"], r.body["spec"]["resourceAttributes"]["resource"])
-             for r in reviews}
+    # A subresource is asked as the API server expects it: resource and subresource apart.
+    asked = {(a["verb"], a["resource"] + (f"/{a['subresource']}" if a.get("subresource") else ""))
+             for a in (r.body["spec"]["resourceAttributes"] for r in reviews)}
     assert asked == {(p.verb, p.resource) for p in doctor.PERMISSIONS}
     # Doctor only reads: every write it sent is a SelfSubjectAccessReview.
     assert all(r.path.endswith("/selfsubjectaccessreviews") for r in kube_api.writes())

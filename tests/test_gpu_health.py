@@ -82,6 +82,7 @@ async def test_an_xid_taints_the_gpu_and_a_reset_clears_it(kube_api: KubeApi, se
         assert "XID 48 (double-bit ECC error)" in health["message"]
         assert "recovery action gpu-reset" in health["message"]
         assert taints(kube_api, "gpu-2") == {} and feed.latest["gpu-2"]["health"] == "HEALTHY"
+        assert agent.metrics_state().taints == {("xid", "NoSchedule"): 1}
 
         sim(agent, "recover", "gpu-3")
         await eventually(lambda: not taints(kube_api, "gpu-3"), "the XID taint gone after the reset")

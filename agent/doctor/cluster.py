@@ -26,7 +26,7 @@ class Permission:
 
 
 # Every API call the agent makes: agent/kube.py (the Node), agent/claims.py (claims), agent/publisher.py
-# (slices). A permission the agent does not use is not asked for.
+# (slices), agent/claimstatus_sinks.py (claim status). A permission the agent does not use is not asked for.
 PERMISSIONS: tuple[Permission, ...] = (
     Permission("get", "", "nodes", "read this Node: its UID (slice owner) and declared features"),
     Permission("get", "resource.k8s.io", "resourceclaims", "read a claim the kubelet asks to prepare",
@@ -36,6 +36,8 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("create", "resource.k8s.io", "resourceslices", "publish devices"),
     Permission("update", "resource.k8s.io", "resourceslices", "republish changed devices"),
     Permission("delete", "resource.k8s.io", "resourceslices", "remove slices of an older generation"),
+    Permission("patch", "resource.k8s.io", "resourceclaims/status",
+               "report the status.devices entries of prepared claims (server-side apply)", namespaced=True),
 )
 
 
@@ -100,7 +102,9 @@ class ClusterChecks(Checks):
         from lightkube.resources.authorization_v1 import SelfSubjectAccessReview
 
         async def review(p: Permission) -> tuple[Permission, bool | None, str]:
-            attributes = ResourceAttributes(verb=p.verb, group=p.group, resource=p.resource,
+            resource, _, subresource = p.resource.partition("/")
+            attributes = ResourceAttributes(verb=p.verb, group=p.group, resource=resource,
+                                            subresource=subresource or None,
                                             name=self.s.node_name if p.resource == "nodes" else None)
             try:
                 async with asyncio.timeout(self.s.api_timeout):
