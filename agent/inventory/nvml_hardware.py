@@ -172,16 +172,16 @@ def _write_function(tree: SimTree, f: SimFunction, boot: bool) -> None:
         bound = tree.driver_of(f.bdf)
         if bound is not None:
             link(tree.drivers / bound / f.bdf, f.path)
-    sync_net(tree, f)
+    sync_net(tree, f, tree.driver_of(f.bdf))
 
 
-def sync_net(tree: SimTree, f: SimFunction) -> None:
-    """The function's netdev (`net/<ifname>/address`) exists while its NIC driver drives it, as on a
-    real host: bound to vfio-pci, a VF has none."""
+def sync_net(tree: SimTree, f: SimFunction, driver: str | None) -> None:
+    """The function's netdev (`net/<ifname>/address`) exists while its NIC driver (`driver`, what it is
+    or is about to be bound to) drives it, as on a real host: bound to vfio-pci, a VF has none."""
     if f.net is None:
         return
     netdir = f.path / "net"
-    if tree.driver_of(f.bdf) == f.driver:
+    if driver == f.driver:
         function_dir(netdir / f.net[0], {"address": f.net[1]})
     else:
         shutil.rmtree(netdir, ignore_errors=True)

@@ -42,6 +42,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -55,6 +56,11 @@ from agent.inventory.nvml_profiles import SimProfile
 from agent.simkernel.tree import COMMAND_FILES, NO_OVERRIDE, VFIO_PCI, SimTree
 
 log = logging.getLogger(__name__)
+
+# watchdog's recursive inotify watch warns when a new directory (vfio-dev/vfioN, made in one go) is
+# found both by its event and by its own scan of the parent: the same watch is kept, nothing is lost.
+warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning,
+                        module=r"watchdog\.observers\.inotify")
 
 
 class WriteKind(StrEnum):
@@ -193,11 +199,11 @@ class KernelEmulator:
                 return
             if not text:
                 return  # emptied after the last write: nothing new
+            # Emptied before the write takes effect: a writer that waits for the effect and then writes
+            # the next command to the same file must not see it wiped.
+            path.write_text("")
             self._pause()
-            try:
-                self._command(write, text)
-            finally:
-                path.write_text("")
+            self._command(write, text)
 
     def _pause(self) -> None:
         if self.delay > 0:
@@ -228,10 +234,11 @@ class KernelEmulator:
         if bound != driver:
             self._refuse(WriteKind.UNBIND, bdf, driver, f"not bound to {driver} (bound: {bound or 'none'})")
             return
-        self.tree.unbind(bdf)
+        # The driver's remove runs before the link goes: once the agent sees the link gone, all is done.
         if driver == VFIO_PCI:
             self.tree.remove_vfio_nodes(bdf, self.tree.group_of(bdf))
-        sync_net(self.tree, self._native[bdf])
+        sync_net(self.tree, self._native[bdf], None)
+        self.tree.unbind(bdf)
 
     def _bind(self, kind: WriteKind, bdf: str, driver: str) -> None:
         bound = self.tree.driver_of(bdf)
@@ -247,11 +254,12 @@ class KernelEmulator:
         elif driver == VFIO_PCI and (holder := self._host_held_neighbour(bdf)):
             self._refuse(kind, bdf, driver, holder)
         else:
-            self.tree.bind(bdf, driver)
+            # The probe makes the driver's nodes before the link shows the binding, as in the kernel.
             group = self.tree.group_of(bdf)
             if driver == VFIO_PCI and group is not None:
                 self.tree.add_vfio_nodes(bdf, group, self._cdevs)
-            sync_net(self.tree, self._native[bdf])
+            sync_net(self.tree, self._native[bdf], driver)
+            self.tree.bind(bdf, driver)
 
     def _host_held_neighbour(self, bdf: str) -> str:
         group = self.tree.group_of(bdf)
@@ -309,7 +317,12 @@ class _Handler(FileSystemEventHandler):
     def on_any_event(self, event: FileSystemEvent) -> None:  # the observer's thread
         # A write is complete when its file is closed; reads (closed without writing) are not writes.
         if event.event_type == EVENT_TYPE_CLOSED and not event.is_directory:
-            self.kernel._on_write(Path(os.fsdecode(event.src_path)))
+            try:
+                self.kernel._on_write(Path(os.fsdecode(event.src_path)))
+            except OSError:
+                # A tree changed under the write (a test removing the machine): this write is lost, as
+                # it would be on a host whose device went away; the observer must keep running.
+                log.exception("simulated kernel: could not apply the write to %s", event.src_path)
 
 
 __all__ = ["KernelEmulator", "Refusal", "WriteKind"]

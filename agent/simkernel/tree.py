@@ -143,8 +143,8 @@ class SimTree:
         device_node(with_cdev / f"vfio{n}", VFIO_CDEV_MAJOR, n)
 
     def remove_vfio_nodes(self, bdf: str, group: int | None) -> None:
-        """Undo `add_vfio_nodes` for one function; the group's node goes with the group's last function
-        bound to vfio-pci."""
+        """Undo `add_vfio_nodes` for `bdf`, which is leaving vfio-pci; the group's node goes with the
+        group's last function bound to vfio-pci."""
         cdev = self.vfio_cdev_of(bdf)
         if cdev is not None:
             (self.dev / "vfio" / "devices" / cdev).unlink(missing_ok=True)
@@ -152,7 +152,8 @@ class SimTree:
             (node_dir / "dev").unlink(missing_ok=True)
             node_dir.rmdir()
             (self.function(bdf) / "vfio-dev").rmdir()
-        if group is not None and not any(self.driver_of(m) == VFIO_PCI for m in self.group_members(group)):
+        others = [m for m in self.group_members(group) if m != bdf] if group is not None else []
+        if group is not None and not any(self.driver_of(m) == VFIO_PCI for m in others):
             (self.dev / "vfio" / str(group)).unlink(missing_ok=True)
 
     def log(self, line: str) -> None:
