@@ -34,6 +34,14 @@ from watchdog.events import (
     EVENT_TYPE_DELETED,
     EVENT_TYPE_MODIFIED,
     EVENT_TYPE_MOVED,
+    DirCreatedEvent,
+    DirDeletedEvent,
+    DirMovedEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
     FileSystemEvent,
     FileSystemEventHandler,
 )
@@ -60,6 +68,12 @@ DEBOUNCE = 0.1  # seconds: a burst of events on one claim costs one check
 # Reads (opened, closed without writing) are left out: the checks read the files themselves.
 _RELEVANT = {EVENT_TYPE_CREATED, EVENT_TYPE_DELETED, EVENT_TYPE_MODIFIED, EVENT_TYPE_MOVED, EVENT_TYPE_CLOSED}
 _STRUCTURAL = {EVENT_TYPE_CREATED, EVENT_TYPE_DELETED, EVENT_TYPE_MOVED}
+# The same events as inotify's mask: opens and reads (IN_OPEN, IN_CLOSE_NOWRITE) never reach the
+# agent's process at all. Every prepare's writes and every check's reads of a claim's files caused
+# them, and parsing them in watchdog's threads cost more CPU than the prepare itself (issue 11).
+_EVENT_FILTER: list[type[FileSystemEvent]] = [
+    FileCreatedEvent, DirCreatedEvent, FileDeletedEvent, DirDeletedEvent, FileMovedEvent, DirMovedEvent,
+    FileModifiedEvent, FileClosedEvent]
 _ALL = "*"  # the key of a full check
 _SOCKETS = "sockets"
 
@@ -175,7 +189,7 @@ class SelfHealer:
                 now = _dir_identity(path)  # before the watch: a later replacement re-arms again
                 if now is None:
                     continue  # removed meanwhile: its directory event re-arms
-                watch = observer.schedule(_Handler(self), path, recursive=recursive)
+                watch = observer.schedule(_Handler(self), path, recursive=recursive, event_filter=_EVENT_FILTER)
                 self._watches[path] = (recursive, now, watch)
             except OSError as exc:  # removed meanwhile (the next directory event re-arms), or out of watches
                 log.warning("self-healing: cannot watch %s: %s", path, exc)
