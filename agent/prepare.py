@@ -93,6 +93,10 @@ class PrepareEngine:
         self.book = ClaimBook(store)
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
         self.listeners: list[ClaimListener] = []
+        # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is
+        # answered once per claim source (tests and tools may swap the source).
+        self._checked_source: ClaimSource | None = None
+        self._local_read: ClaimReader | None = None
 
     @property
     def records(self) -> dict[str, ClaimRecord]:
@@ -103,13 +107,27 @@ class PrepareEngine:
 
     async def prepare(self, refs: Iterable[ClaimRef]) -> dict[str, PrepareResult]:
         unique = {ref.uid: ref for ref in refs}
+        if len(unique) == 1:  # the kubelet's usual call: no task per claim
+            ((uid, ref),) = unique.items()
+            return {uid: await self.prepare_claim(ref)}
         results = await asyncio.gather(*(self.prepare_claim(ref) for ref in unique.values()))
         return dict(zip(unique, results, strict=True))
 
     async def unprepare(self, refs: Iterable[ClaimRef]) -> dict[str, str]:
         unique = {ref.uid: ref for ref in refs}
+        if len(unique) == 1:
+            ((uid, ref),) = unique.items()
+            return {uid: await self.unprepare_claim(ref)}
         results = await asyncio.gather(*(self.unprepare_claim(ref) for ref in unique.values()))
         return dict(zip(unique, results, strict=True))
+
+    def _local_reader(self) -> ClaimReader | None:
+        """The claim source's blocking `read` when it reads local files, else None."""
+        source = self.claims
+        if source is not self._checked_source:
+            self._checked_source = source
+            self._local_read = source.read if isinstance(source, LocalClaimSource) else None
+        return self._local_read
 
     async def prepare_claim(self, ref: ClaimRef) -> PrepareResult:
         with self.metrics.claim_operation("prepare") as op:
@@ -121,9 +139,9 @@ class PrepareEngine:
         started = time.monotonic()
         try:
             check_claim_ref(ref)
-            if isinstance(self.claims, LocalClaimSource):
+            if (read := self._local_reader()) is not None:
                 # A local source is read in the same worker thread as the side effects.
-                record = await asyncio.to_thread(self._prepare_blocking, ref, self.claims.read)
+                record = await asyncio.to_thread(self._prepare_blocking, ref, read)
                 assert record is not None  # with a reader, _prepare_blocking prepares or raises
             else:
                 record = await self._prepare_remote(ref, self.claims)
