@@ -25,11 +25,13 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and TEMP_MARK in name
 
 
-def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, durable: bool = False) -> None:
+def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, durable: bool = False,
+             sync_dir: bool = True) -> None:
     """Atomically write `data` as `name` in the directory `dir_fd`, with exactly `mode`.
 
     `durable` adds fsync of the file and of the directory, so the new file survives a
-    power loss once this returns.
+    power loss once this returns. With `sync_dir` false the directory's fsync is left to the
+    caller, who must do it before relying on the file (several writes may share one).
     """
     tmp = temp_name(name)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
@@ -50,5 +52,5 @@ def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, durable: bo
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
-    if durable:
+    if durable and sync_dir:
         os.fsync(dir_fd)

@@ -307,13 +307,14 @@ async def test_a_record_write_that_fails_after_its_rename_leaves_no_record(node,
     """The directory fsync after the rename can fail (EIO): the prepare is reported as failed, so
     the record that reached the disk must go as well, or the claim would read as prepared."""
     write_claim(node.claims_dir, claim("c", OLD, [result("gpu-0", "req")]))
-    real_write = node.engine.store.root.write
+    synced = []
 
-    def write_then_fail(path, data, mode=0o644, durable=False):
-        real_write(path, data, mode, durable)
+    def fsync_fails():
+        synced.append(os.listdir(node.settings.claims_state_dir))  # the record has been renamed
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(node.engine.store.root, "write", write_then_fail)
+    monkeypatch.setattr(node.engine.store.dir_sync, "sync", fsync_fails)
     out = await node.engine.prepare([ref("c", OLD)])
+    assert synced and f"{OLD}.rec" in synced[0]
     assert "Input/output error" in out[OLD].error
     assert node.engine.store.read(OLD) is None and nothing_of(node.settings, OLD)

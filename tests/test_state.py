@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+import time
 
 import pytest
 
-from agent.state import ClaimRecord, ClaimStore, FileRecord, PreparedDevice, RecordError, decode, encode
+from agent.state import (
+    ClaimRecord,
+    ClaimStore,
+    DirectorySync,
+    FileRecord,
+    PreparedDevice,
+    RecordError,
+    decode,
+    encode,
+)
 
 UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"
 
@@ -93,3 +104,53 @@ def test_record_named_for_another_uid_is_refused(tmp_path):
 def test_store_refuses_paths_from_bad_uids(tmp_path, uid):
     with pytest.raises(ValueError):
         ClaimStore(tmp_path).path(uid)
+
+
+def test_concurrent_directory_syncs_share_fsyncs_and_each_waits_for_one_that_began_after_it(tmp_path, monkeypatch):
+    """Group commit: 16 writers cost a few fsyncs, and none returns before an fsync that started
+    after it asked (so its rename is covered)."""
+    sync = DirectorySync(tmp_path)
+    started: list[float] = []
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        started.append(time.monotonic())
+        time.sleep(0.02)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    calls: list[tuple[float, float]] = []
+    gate = threading.Barrier(16)
+
+    def writer() -> None:
+        gate.wait()
+        asked = time.monotonic()
+        sync.sync()
+        calls.append((asked, time.monotonic()))
+
+    threads = [threading.Thread(target=writer) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 16
+    assert sync.fsyncs == len(started) < 16
+    for asked, returned in calls:
+        assert any(asked <= s <= returned - 0.02 for s in started), (asked, returned, started)
+
+
+def test_a_failed_directory_sync_raises_and_the_next_caller_syncs_again(tmp_path, monkeypatch):
+    sync = DirectorySync(tmp_path)
+    real_fsync = os.fsync
+    failures = [OSError(5, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", flaky)
+    with pytest.raises(OSError, match="Input/output"):
+        sync.sync()
+    sync.sync()
+    assert sync.fsyncs == 1
