@@ -117,7 +117,17 @@ class SimTree:
         return driver
 
     def set_override(self, bdf: str, driver: str | None) -> None:
-        write_if_changed(self.function(bdf) / "driver_override", driver or NO_OVERRIDE)
+        # Replaced whole: a reader (the agent waiting for "(null)") never sees it half written or empty,
+        # which the kernel's file never is.
+        path = self.function(bdf) / "driver_override"
+        try:
+            if path.read_text() == f"{driver or NO_OVERRIDE}\n":
+                return
+        except OSError:
+            pass
+        staged = path.with_name(".driver_override.new")
+        staged.write_text(f"{driver or NO_OVERRIDE}\n")
+        os.replace(staged, path)
 
     def vfio_cdev_of(self, bdf: str) -> str | None:
         try:

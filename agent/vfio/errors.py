@@ -1,0 +1,35 @@
+"""Why a PCI function cannot be passed through, or a binding step did not take: per-claim failures."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from agent.errors import ClaimFailure
+
+
+class VfioError(ClaimFailure):
+    """A VFIO passthrough problem with one claim's device; the message names the function and cause."""
+
+    retryable: ClassVar[bool] = False  # True: the same request may succeed later without a change here
+
+
+class NoSuchFunction(VfioError):
+    """sysfs does not know the PCI function (wrong address, or it fell off the bus)."""
+
+
+class GroupNotViable(VfioError):
+    """The function's IOMMU group holds another function the host uses: VFIO would refuse the group."""
+
+
+class DeviceBusy(VfioError):
+    """Something on the host still uses the device (an open handle, enabled SR-IOV VFs): unbinding it
+    now would block in the driver or pull it from under a process. Retry once it is released."""
+
+    retryable: ClassVar[bool] = True
+
+
+class StepFailed(VfioError):
+    """A binding step's write was refused, or its effect did not show within the bound; the message
+    says what the function is bound to now."""
+
+    retryable: ClassVar[bool] = True
