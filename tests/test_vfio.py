@@ -23,6 +23,7 @@ from agent.vfio.errors import DeviceBusy, GroupNotViable, StepFailed, VfioError
 from agent.vfio.inuse import check_gpu_idle, open_holders
 from agent.vfio.nodes import IommuBackend, vfio_device_nodes
 from agent.vfio.pci import Role, passthrough_set, read_function
+from agent.vfio.report import report
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
@@ -254,3 +255,18 @@ def test_real_sysfs_reads_agree_with_discovery() -> None:
         assert seen is not None and fn.driver == seen.driver and f"0x{fn.device_class:06x}" == seen.device_class
         if fn.iommu_group is not None:
             assert bdf in os.listdir(sys_root / "kernel" / "iommu_groups" / str(fn.iommu_group) / "devices")
+
+
+def test_read_only_report(machine: Machine, tmp_path: Path) -> None:
+    proc = tmp_path / "fakeproc"
+    fake_proc(proc, 9, "nvidia-smi", {4: "/dev/nvidia2"})
+    (proc / "driver").symlink_to(machine.tree.root / "proc" / "driver")
+    lines = report(machine.sys, proc, machine.dev)
+    assert lines[:3] == [
+        f"{GPU} (class 0x030200, 0x10de:2330): driver nvidia, override -, IOMMU group 100",
+        f"  passable: {GPU} target (nvidia)",
+        "  in use: no (nothing holds /dev/nvidia0, no SR-IOV VFs)"]
+    assert f"  passable: {AUDIO_GPU} target (nvidia), {AUDIO} companion (snd_hda_intel)" in lines
+    assert any(line.startswith("  not passable: PCI function 0000:3a:00.0 cannot") for line in lines)
+    assert "  in use: GPU 0000:3a:00.0 is in use on the host: pid 9 (nvidia-smi) fd 4 on /dev/nvidia2; it can " \
+           "leave the NVIDIA driver once they close it" in lines
