@@ -1,8 +1,26 @@
 """Machine descriptions for the simulated NVML: the builtin profiles and the JSON loader.
 
-The schema is documented in `agent.inventory.nvml_sim`. Parsing is strict (an
-unknown key or function name is an error) so that a misspelt fault in a profile
-fails loudly instead of silently injecting nothing.
+The schema is documented in `agent.inventory.nvml_sim`; the PCI keys below are for passthrough.
+Parsing is strict (an unknown key or function name is an error) so that a misspelt fault in a
+profile fails loudly instead of silently injecting nothing.
+
+Builtins: `dgx-h100` (8 GPUs, each alone in its IOMMU group, and a ConnectX-7 with 4 of 8 SR-IOV
+VFs on) and `hgx-16` (16 GPUs on two NUMA nodes, and such a NIC).
+
+PCI keys, per GPU:
+
+    iommuGroup      its group number (default 100 + index); GPUs naming the same one share it
+    audio           true: an HD audio function (class 0x0403) at function 1 of its slot, same group
+    bridgeInGroup   true: the root port above it is in its group too (no ACS)
+
+and at the top level:
+
+    iommufd         false: the host has no /dev/iommu nor VFIO device cdevs (default true)
+    nics            [{"busId": "0000:4b:00.0", "interface": "ens75f0np0", "numaNode": 0,
+                      "totalVfs": 8, "numVfs": 4, "driver": "mlx5_core", "vendor": 0x15b3,
+                      "device": 0x1021, "vfDevice": 0x101e, "iommuGroup": 200}]
+                    a NIC PF (own group, default 200 + 32 * index) and its enabled VFs (the next
+                    groups), VF n at routing ID PF + 1 + n, each with `net/<interface>[v<n>]/address`
 """
 
 from __future__ import annotations
