@@ -111,7 +111,9 @@ def test_a_bad_command_is_set_aside_and_the_rest_still_applied(tmp_path: Path, s
                            ("00000000000000000002-1-0000.json", b'{"command": "lose", "device": "gpu-99"}'),
                            ("00000000000000000003-1-0000.json", b'{"command": "xid", "device": "gpu-0", "xid": 0}'),
                            ("00000000000000000004-1-0000.json", b'{"command": "reboot", "device": "gpu-0"}')):
-            (directory / name).write_bytes(body)
+            # Whole files, as every writer of commands makes them (a half-written one is not a command).
+            (directory / f".{name}.tmp-0").write_bytes(body)
+            os.replace(directory / f".{name}.tmp-0", directory / name)
         good = simctl.submit(settings, simctl.make_command(settings, "lose", "gpu-4"))
         assert simctl.wait_applied(good) is True
         assert until(lambda: len(list(directory.glob("*.bad"))) == 4)
