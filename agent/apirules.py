@@ -1,4 +1,5 @@
-"""The API server's validation rules for what the agent sends (resource.k8s.io/v1, 1.37): ResourceSlices,
+"""The API server's validation rules for what the agent sends (resource.k8s.io/v1, 1.37): ResourceSlices
+(their devices, shared counter sets and counter consumption, and the rules spanning a pool's slices),
 and the `status.devices` entries of ResourceClaims.
 
 Each check returns a list of human-readable problems (empty = valid), so the
@@ -27,6 +28,14 @@ MAX_DRIVER_NAME = 63
 MAX_ID_LENGTH = 32
 MAX_DOMAIN_LENGTH = 63
 MAX_VALID_VALUES = 10
+# Shared counters (KEP-4815, DRAPartitionableDevices, on by default since 1.36). The limits as the 1.37
+# OpenAPI schema that tests validate against states them (kubernetes_validate's v1.37.0 schemas:
+# resourceslicespec-resource-v1.json, device-resource-v1.json, counterset-resource-v1.json,
+# devicecounterconsumption-resource-v1.json).
+MAX_COUNTER_SETS_PER_SLICE = 8
+MAX_COUNTERS_PER_SET = 32
+MAX_CONSUMPTIONS_PER_DEVICE = 2  # one entry per counter set
+MAX_COUNTERS_PER_CONSUMPTION = 32
 TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
 NODE_ALLOCATABLE_KEYS = re.compile(r"^(cpu|memory|ephemeral-storage|hugepages-[0-9A-Za-z.]+)\Z")
 
@@ -187,6 +196,83 @@ def device_limit(devices: list[Mapping[str, Any]]) -> int:
     return MAX_DEVICES_PER_SLICE_RESTRICTED if restricted else MAX_DEVICES_PER_SLICE
 
 
+def _counters_errors(counters: object, limit: int) -> list[str]:
+    """A counter map: 1 to `limit` entries, DNS-label names, `{value: <quantity>}` values."""
+    if not isinstance(counters, Mapping) or not counters:
+        return ["counters must name at least one counter"]
+    errs = []
+    if len(counters) > limit:
+        errs.append(f"{len(counters)} counters, more than {limit}")
+    for name, counter in counters.items():
+        errs += [f"counter {name!r} name {e}" for e in dns_label_errors(str(name))]
+        value = counter.get("value") if isinstance(counter, Mapping) else None
+        if not isinstance(value, str):
+            errs.append(f"counter {name!r} needs a value")
+        else:
+            errs += [f"counter {name!r} {e}" for e in quantity_errors(value)]
+    return errs
+
+
+def counter_set_errors(counter_set: Mapping[str, Any]) -> list[str]:
+    """One `sharedCounters[]` entry."""
+    errs = [f"name {e}" for e in dns_label_errors(str(counter_set.get("name", "")))]
+    return errs + _counters_errors(counter_set.get("counters"), MAX_COUNTERS_PER_SET)
+
+
+def consumption_errors(consumption: Mapping[str, Any]) -> list[str]:
+    """One `consumesCounters[]` entry of a device."""
+    errs = [f"counterSet {e}" for e in dns_label_errors(str(consumption.get("counterSet", "")))]
+    return errs + _counters_errors(consumption.get("counters"), MAX_COUNTERS_PER_CONSUMPTION)
+
+
+def shared_counters_errors(sets: list[Mapping[str, Any]]) -> list[str]:
+    """`spec.sharedCounters` of one slice."""
+    errs = []
+    if len(sets) > MAX_COUNTER_SETS_PER_SLICE:
+        errs.append(f"spec.sharedCounters has {len(sets)} counter sets, more than {MAX_COUNTER_SETS_PER_SLICE}")
+    seen: set[str] = set()
+    for i, cs in enumerate(sets):
+        name = str(cs.get("name", ""))
+        if name in seen:
+            errs.append(f"spec.sharedCounters[{i}].name {name!r} is duplicated")
+        seen.add(name)
+        errs += [f"spec.sharedCounters[{i}]: {e}" for e in counter_set_errors(cs)]
+    return errs
+
+
+def pool_errors(objs: list[Mapping[str, Any]]) -> list[str]:
+    """Rules that span the slices of one pool: each slice valid, one generation and the right slice
+    count, counter set names unique in the pool, and every counter a device consumes published by
+    a counter set of the same pool (the scheduler cannot allocate a device whose counters it cannot
+    find). Nothing is counted twice: the per-slice rules come from `slice_errors`."""
+    errs: list[str] = []
+    sets: dict[str, set[str]] = {}
+    for i, obj in enumerate(objs):
+        errs += [f"slice {i}: {e}" for e in slice_errors(obj)]
+        for cs in (obj.get("spec") or {}).get("sharedCounters") or []:
+            name = str(cs.get("name", ""))
+            if name in sets:
+                errs.append(f"slice {i}: counter set {name!r} is published twice in the pool")
+            sets[name] = set((cs.get("counters") or {}).keys())
+    pools = {(int(p.get("generation", -1)), int(p.get("resourceSliceCount", -1)))
+             for p in ((o.get("spec") or {}).get("pool") or {} for o in objs)}
+    if len(pools) > 1:
+        errs.append(f"the slices disagree on the pool's generation and slice count: {sorted(pools)}")
+    elif pools and (count := next(iter(pools))[1]) != len(objs):
+        errs.append(f"resourceSliceCount is {count} but the pool has {len(objs)} slices")
+    for obj in objs:
+        for dev in (obj.get("spec") or {}).get("devices") or []:
+            for c in dev.get("consumesCounters") or []:
+                known = sets.get(str(c.get("counterSet")))
+                if known is None:
+                    errs.append(f"device {dev.get('name')!r} consumes counter set {c.get('counterSet')!r}, "
+                                "which the pool does not publish")
+                elif missing := sorted(set(c.get("counters") or {}) - known):
+                    errs.append(f"device {dev.get('name')!r} consumes counters {missing} that counter set "
+                                f"{c.get('counterSet')!r} does not have")
+    return errs
+
+
 def slice_errors(obj: Mapping[str, Any]) -> list[str]:
     """Whole-object check of a ResourceSlice as the agent emits it; empty when the API would accept it."""
     spec = obj.get("spec") or {}
@@ -199,8 +285,10 @@ def slice_errors(obj: Mapping[str, Any]) -> list[str]:
     if not isinstance(pool.get("resourceSliceCount"), int) or pool["resourceSliceCount"] < 1:
         errs.append("spec.pool.resourceSliceCount must be >= 1")
     devices = spec.get("devices") or []
-    if devices and spec.get("sharedCounters"):
+    counter_sets = spec.get("sharedCounters") or []
+    if devices and counter_sets:
         errs.append("spec.devices and spec.sharedCounters are mutually exclusive")
+    errs += shared_counters_errors(counter_sets)
     if len(devices) > (limit := device_limit(devices)):
         errs.append(f"spec.devices has {len(devices)} entries, more than {limit}")
     seen: set[str] = set()
@@ -258,6 +346,16 @@ def device_wire_errors(dev: Mapping[str, Any]) -> list[str]:
         errs.append(f"{len(taints)} taints, more than {MAX_TAINTS}")
     for t in taints:
         errs += [f"taint {t.get('key')!r} {e}" for e in taint_errors(t)]
+    consumptions = dev.get("consumesCounters") or []
+    if len(consumptions) > MAX_CONSUMPTIONS_PER_DEVICE:
+        errs.append(f"{len(consumptions)} counter consumptions, more than {MAX_CONSUMPTIONS_PER_DEVICE}")
+    used: set[str] = set()
+    for c in consumptions:
+        where = f"consumesCounters[{c.get('counterSet')!r}]"
+        if c.get("counterSet") in used:
+            errs.append(f"{where} appears twice (one entry per counter set)")
+        used.add(str(c.get("counterSet")))
+        errs += [f"{where} {e}" for e in consumption_errors(c)]
     for key, res in (dev.get("nodeAllocatableResources") or {}).items():
         if not NODE_ALLOCATABLE_KEYS.match(key):
             errs.append(f"nodeAllocatableResources key {key!r} is not a node-allocatable resource")

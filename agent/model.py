@@ -89,6 +89,38 @@ class DeviceNode:
 
 
 @dataclass(frozen=True, slots=True)
+class CounterSet:
+    """A shared counter set (`ResourceSlice.spec.sharedCounters[]`): what one piece of hardware has,
+    which the devices made from it consume. `counters` maps DNS-label names to quantity strings."""
+
+    name: str
+    counters: Mapping[str, str]
+
+    def wire(self) -> dict[str, Any]:
+        return {"name": self.name, "counters": {k: {"value": v} for k, v in sorted(self.counters.items())}}
+
+
+@dataclass(frozen=True, slots=True)
+class CounterConsumption:
+    """What a device takes from one counter set when it is allocated (`consumesCounters[]`).
+
+    It holds the set itself, not just its name: the slice builder publishes every set some device
+    consumes, so a device can never refer to a set the pool does not have."""
+
+    counter_set: CounterSet
+    counters: Mapping[str, str]
+
+    @classmethod
+    def all_of(cls, counter_set: CounterSet) -> CounterConsumption:
+        """The whole set: a device that takes the hardware entirely (a whole GPU, a passthrough function)."""
+        return cls(counter_set, dict(counter_set.counters))
+
+    def wire(self) -> dict[str, Any]:
+        return {"counterSet": self.counter_set.name,
+                "counters": {k: {"value": v} for k, v in sorted(self.counters.items())}}
+
+
+@dataclass(frozen=True, slots=True)
 class NodeFacts:
     """What prepare needs about a device that the slice does not carry."""
 
@@ -99,18 +131,26 @@ class NodeFacts:
     mac: str = ""
     ips: tuple[str, ...] = ()  # CIDR, IPv4 first
     cpus: tuple[int, ...] = ()
+    # A passthrough (VFIO) device: its PCI function, IOMMU group, the driver it had when discovery
+    # read it (empty: none), and the host driver it goes back to at unprepare (its driver when
+    # discovery last saw it off vfio-pci; empty when never seen so: prepare's record then decides).
+    pci_bus_id: str = ""
+    iommu_group: int = -1
+    driver: str = ""
+    host_driver: str = ""
 
 
 @dataclass(slots=True)
 class Device:
     name: str
-    kind: str  # gpu | nic | cpu | memory
+    kind: str  # gpu | nic | cpu | memory | vfio (a GPU or NIC function for passthrough to a VM)
     attributes: dict[str, AttrValue] = field(default_factory=dict)
     capacity: dict[str, Capacity] = field(default_factory=dict)
     taints: list[Taint] = field(default_factory=list)
     allow_multiple_allocations: bool = False
     node_allocatable: dict[str, Any] | None = None
     node: NodeFacts = field(default_factory=NodeFacts)
+    consumes_counters: tuple[CounterConsumption, ...] = ()
 
     def wire(self) -> dict[str, Any]:
         """The device as it appears in `ResourceSlice.spec.devices[]`."""
@@ -125,6 +165,8 @@ class Device:
             out["allowMultipleAllocations"] = True
         if self.node_allocatable:
             out["nodeAllocatableResources"] = self.node_allocatable
+        if self.consumes_counters:
+            out["consumesCounters"] = [c.wire() for c in self.consumes_counters]
         return out
 
     def summary(self) -> dict[str, Any]:

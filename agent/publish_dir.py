@@ -93,7 +93,7 @@ class DirectoryPublisher:
                 unlink_quiet(self.dir / name)  # left by a crash mid-write
         return found
 
-    def _sync_blocking(self, chunks: list[list[dict[str, Any]]]) -> SyncResult:
+    def _sync_blocking(self, chunks: list[slices.Chunk]) -> SyncResult:
         makedirs(self.dir)
         raw = self.existing()
         existing = {key: _parse(data) for key, data in raw.items()}

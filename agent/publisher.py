@@ -163,7 +163,7 @@ class ApiPublisher:
         return {o["metadata"]["name"]: o for o in items
                 if slices.is_ours(o, driver=self.driver, node=self.node.name)}
 
-    async def _sync_once(self, chunks: list[list[dict[str, Any]]]) -> SyncResult:
+    async def _sync_once(self, chunks: list[slices.Chunk]) -> SyncResult:
         existing = await self.existing()
         plan = slices.plan_pool(existing, chunks, driver=self.driver, node=self.node.name,
                                 owner=owner_ref(self.node))

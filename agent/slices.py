@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent import apirules
+from agent import apirules, counters
 from agent.model import Device, attribute_wire
 
 log = logging.getLogger(__name__)
@@ -39,16 +39,32 @@ class NodeRef:
     uid: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class CounterChunk:
+    """One slice's worth of shared counter sets (API form): a slice carries `spec.sharedCounters` or
+    `spec.devices`, never both."""
+
+    sets: tuple[dict[str, Any], ...]
+
+
+# What one slice carries: devices (API form), or counter sets.
+Chunk = Sequence[Mapping[str, Any]] | CounterChunk
+
+
 @dataclass(slots=True)
 class Chunks:
-    """Devices (API form) split into slices, plus what had to be dropped on the way."""
+    """The pool split into slices, counter slices first, plus what had to be dropped on the way."""
 
-    slices: list[list[dict[str, Any]]] = field(default_factory=list)
+    slices: list[Chunk] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
 
     @property
     def device_count(self) -> int:
-        return sum(len(s) for s in self.slices)
+        return sum(len(s) for s in self.slices if not isinstance(s, CounterChunk))
+
+    @property
+    def counter_set_count(self) -> int:
+        return sum(len(s.sets) for s in self.slices if isinstance(s, CounterChunk))
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -124,6 +140,10 @@ def sanitize_device(dev: Device) -> tuple[dict[str, Any] | None, list[str]]:
         out["taints"] = taints
     if dev.allow_multiple_allocations:
         out["allowMultipleAllocations"] = True
+    if dev.consumes_counters:
+        # Never trimmed: a device that took less than its share would let the scheduler hand the
+        # hardware out twice. An invalid consumption fails the device below.
+        out["consumesCounters"] = [c.wire() for c in dev.consumes_counters]
     if alloc:
         kept = {}
         for key, res in alloc.items():
@@ -141,14 +161,16 @@ def sanitize_device(dev: Device) -> tuple[dict[str, Any] | None, list[str]]:
 
 
 def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None) -> Chunks:
-    """Validated devices sorted by name and packed greedily into as few slices as the limits allow.
+    """The pool's slices: the counter sets the devices consume (at most 8 per slice, `counters.pack`),
+    then the validated devices sorted by name and packed greedily into as few slices as the limits
+    allow (64 per slice once one of them consumes counters or has taints).
 
     Every problem is logged; pass `reported` (kept by the caller between calls) to log only the
     ones that are new since the last call, so a periodic republish does not repeat itself.
     """
     out = Chunks()
     seen: set[str] = set()
-    current: list[dict[str, Any]] = []
+    valid: list[tuple[Device, dict[str, Any]]] = []
     for dev in sorted(devices, key=lambda d: d.name):
         if dev.name in seen:
             out.dropped.append(f"device {dev.name!r} dropped: duplicate name")
@@ -156,8 +178,13 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
         seen.add(dev.name)
         wire, problems = sanitize_device(dev)
         out.dropped += problems
-        if wire is None:
-            continue
+        if wire is not None:
+            valid.append((dev, wire))
+    packed = counters.pack(valid)
+    out.dropped += packed.dropped
+    out.slices += [CounterChunk(tuple(sets)) for sets in packed.slices]
+    current: list[dict[str, Any]] = []
+    for _, wire in packed.devices:
         if current and len(current) + 1 > apirules.device_limit([*current, wire]):
             out.slices.append(current)
             current = []
@@ -194,22 +221,21 @@ def owner_references(owner: NodeRef | None) -> list[dict[str, Any]]:
     return [{"apiVersion": "v1", "kind": "Node", "name": owner.name, "uid": owner.uid, "controller": True}]
 
 
-def render_slice(devices: Sequence[Mapping[str, Any]], *, driver: str, node: str, owner: NodeRef | None,
+def render_slice(chunk: Chunk, *, driver: str, node: str, owner: NodeRef | None,
                  generation: int, count: int) -> dict[str, Any]:
     metadata: dict[str, Any] = {"generateName": generate_name(driver, node)}
     if refs := owner_references(owner):
         metadata["ownerReferences"] = refs
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": metadata,
-        "spec": {
-            "driver": driver,
-            "pool": {"name": node, "generation": generation, "resourceSliceCount": count},
-            "nodeName": node,
-            "devices": copy.deepcopy(list(devices)),
-        },
+    spec: dict[str, Any] = {
+        "driver": driver,
+        "pool": {"name": node, "generation": generation, "resourceSliceCount": count},
+        "nodeName": node,
     }
+    if isinstance(chunk, CounterChunk):
+        spec["sharedCounters"] = copy.deepcopy(list(chunk.sets))
+    else:
+        spec["devices"] = copy.deepcopy(list(chunk))
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
 
 
 def build_slices(devices: Iterable[Device], *, driver: str, node: str, owner: NodeRef | None = None,
@@ -251,8 +277,17 @@ def _slice_count(obj: Mapping[str, Any]) -> int | None:
     return ((obj.get("spec") or {}).get("pool") or {}).get("resourceSliceCount")
 
 
-def _device_names(devices: Iterable[Mapping[str, Any]]) -> frozenset[str]:
-    return frozenset(str(d.get("name")) for d in devices)
+def _content(chunk: Chunk) -> frozenset[str]:
+    """What a chunk holds, by name: `device/<name>` or `counters/<name>` entries."""
+    if isinstance(chunk, CounterChunk):
+        return frozenset(f"counters/{s.get('name')}" for s in chunk.sets)
+    return frozenset(f"device/{d.get('name')}" for d in chunk)
+
+
+def _held(obj: Mapping[str, Any]) -> frozenset[str]:
+    """What a stored slice holds, in `_content`'s terms."""
+    spec = obj.get("spec") or {}
+    return _content(spec.get("devices") or []) | _content(CounterChunk(tuple(spec.get("sharedCounters") or [])))
 
 
 def comparable(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -264,7 +299,7 @@ def comparable(obj: Mapping[str, Any]) -> dict[str, Any]:
 def _keep_taint_times(desired: dict[str, Any], existing: Mapping[str, Any]) -> None:
     """The API server stamps `timeAdded` on taints sent without one; keep the stamp it chose."""
     old = {str(d.get("name")): d for d in ((existing.get("spec") or {}).get("devices") or [])}
-    for dev in desired["spec"]["devices"]:
+    for dev in desired["spec"].get("devices") or []:
         before = old.get(dev["name"])
         if not before or not dev.get("taints"):
             continue
@@ -282,7 +317,7 @@ def same_slice(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     return comparable(wanted) == comparable(existing)
 
 
-def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequence[Mapping[str, Any]]], *,
+def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk], *,
               driver: str, node: str, owner: NodeRef | None = None,
               slots: Sequence[str] | None = None) -> PoolPlan:
     """Decide how to turn the `existing` slices of this pool (by key) into `chunks`.
@@ -344,9 +379,9 @@ def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequen
     return plan
 
 
-def _pair_in_place(top: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequence[Mapping[str, Any]]],
+def _pair_in_place(top: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk],
                    slots: Sequence[str] | None) -> list[list[str]] | None:
-    """For each chunk, the existing keys holding exactly its devices (copies included, in name
+    """For each chunk, the existing keys holding exactly its devices or counter sets (copies included, in name
     order), when the current generation holds exactly the chunks' device sets; else None."""
     if slots is not None:
         # Files have fixed names: one file per chunk, nothing else in the generation.
@@ -356,14 +391,13 @@ def _pair_in_place(top: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequen
         if set(keys) != set(top):
             return None
         for key, chunk in zip(keys, chunks, strict=True):
-            if _device_names((top[key].get("spec") or {}).get("devices") or []) != _device_names(chunk):
+            if _held(top[key]) != _content(chunk):
                 return None
         return [[key] for key in keys]
     by_names: dict[frozenset[str], list[str]] = {}
     for key in sorted(top):
-        names = _device_names((top[key].get("spec") or {}).get("devices") or [])
-        by_names.setdefault(names, []).append(key)
-    wanted = [_device_names(chunk) for chunk in chunks]
+        by_names.setdefault(_held(top[key]), []).append(key)
+    wanted = [_content(chunk) for chunk in chunks]
     # Every slice of the generation must be some chunk (or a copy of one): a slice holding any
     # other set of devices means the split changed, and that takes a new generation.
     if set(by_names) != set(wanted):
@@ -371,7 +405,7 @@ def _pair_in_place(top: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequen
     return [by_names[names] for names in wanted]
 
 
-def _reuse(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequence[Mapping[str, Any]]],
+def _reuse(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk],
            slots: Sequence[str] | None) -> dict[int, str]:
     """Chunk index -> existing key to overwrite; objects left over are deleted."""
     if slots is not None:
@@ -381,9 +415,9 @@ def _reuse(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Sequence[
     free = sorted(existing, key=lambda k: (-pool_generation(existing[k]), k))
     reuse: dict[int, str] = {}
     for i, chunk in enumerate(chunks):
-        names = _device_names(chunk)
+        names = _content(chunk)
         for key in free:
-            if _device_names((existing[key].get("spec") or {}).get("devices") or []) == names:
+            if _held(existing[key]) == names:
                 reuse[i] = key
                 free.remove(key)
                 break

@@ -94,7 +94,7 @@ def our_slices(api: KubeApi) -> list[dict[str, Any]]:
 
 
 def devices_of(slices: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {d["name"]: d for s in slices for d in s["spec"]["devices"]}
+    return {d["name"]: d for s in slices for d in s["spec"].get("devices", [])}  # counter slices have none
 
 
 # -- publishing -------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from agent.inventory import DeviceFailure, DiscoveryError, Inventory, ScanError,
 from agent.inventory.gpus import GpuSource, probe
 from agent.inventory.nvml_profiles import DEVICE_FUNCTIONS, SYSTEM_FUNCTIONS, load_profile
 from agent.inventory.nvml_sim import SimulatedNvml, materialize
-from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Capacity, DeviceNode, Version
+from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Capacity, Device, DeviceNode, Version
 
 DGX_LAYOUT = {  # bus ID -> (PCIe root, NUMA node)
     "0000:18:00.0": ("pci0000:17", 0), "0000:2a:00.0": ("pci0000:29", 0),
@@ -33,6 +33,11 @@ DGX_LAYOUT = {  # bus ID -> (PCIe root, NUMA node)
     "0000:ba:00.0": ("pci0000:b9", 1), "0000:db:00.0": ("pci0000:da", 1),
 }
 UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def gpus(result: ScanResult) -> list[Device]:
+    """The native GPU devices of a scan, without the passthrough variants (tests/test_passthrough_slices.py)."""
+    return [d for d in result.devices if d.kind == "gpu"]
 
 
 def sim_settings(tmp_path: Path, profile: str = "dgx-h100") -> Settings:
@@ -63,11 +68,14 @@ def nvml_is_real() -> bool:
 def test_dgx_h100_publishes_every_fact(dgx: GpuSource, tmp_path: Path) -> None:
     result = dgx.scan()
     assert result.failed_devices == [] and result.problems == []
-    assert [d.name for d in result.devices] == [f"gpu-{i}" for i in range(8)]
+    assert [d.name for d in gpus(result)] == [f"gpu-{i}" for i in range(8)]
+    # Besides them, only one passthrough variant per GPU (tests/test_passthrough_slices.py checks them).
+    assert sorted(d.name for d in result.devices if d not in gpus(result)) == sorted(
+        f"gpu-{bus.replace(':', '-').replace('.', '-')}-vfio" for bus in DGX_LAYOUT)
     sim_root = tmp_path / "state" / "nvml-sim"
     uuids = set()
     layout = DGX_LAYOUT.items()
-    for index, (dev, (bus_id, (root, numa))) in enumerate(zip(result.devices, layout, strict=True)):
+    for index, (dev, (bus_id, (root, numa))) in enumerate(zip(gpus(result), layout, strict=True)):
         uuid = dev.attributes["uuid"]
         assert isinstance(uuid, str) and UUID.match(uuid)
         uuids.add(uuid)
@@ -98,13 +106,13 @@ def test_dgx_h100_publishes_every_fact(dgx: GpuSource, tmp_path: Path) -> None:
         assert apirules.device_wire_errors(dev.wire()) == []
         assert apirules.dns_label_errors(dev.name) == []
     assert len(uuids) == 8
-    assert sum(1 for d in result.devices if d.attributes[NUMA_NODE] == 0) == 4
+    assert sum(1 for d in gpus(result) if d.attributes[NUMA_NODE] == 0) == 4
 
 
 def test_same_profile_same_uuids(tmp_path: Path) -> None:
     first, second = opened(sim_settings(tmp_path / "a")), opened(sim_settings(tmp_path / "b"))
     try:
-        uuids = [[d.node.gpu_uuid for d in s.scan().devices] for s in (first, second)]
+        uuids = [[d.node.gpu_uuid for d in gpus(s.scan())] for s in (first, second)]
         assert uuids[0] == uuids[1]
     finally:
         first.close()
@@ -166,7 +174,7 @@ def test_failing_gpu_is_skipped_and_named(dgx: GpuSource, caplog: pytest.LogCapt
     dgx.nvml.inject_error(2, "nvmlDeviceGetMemoryInfo", pynvml.NVML_ERROR_UNKNOWN)
     with caplog.at_level(logging.WARNING, logger="agent.inventory.gpus"):
         result = dgx.scan()
-    assert [d.name for d in result.devices] == [f"gpu-{i}" for i in (0, 1, 3, 4, 5, 6, 7)]
+    assert [d.name for d in gpus(result)] == [f"gpu-{i}" for i in (0, 1, 3, 4, 5, 6, 7)]
     assert result.failed_devices == [
         DeviceFailure("gpu-2", "nvmlDeviceGetMemoryInfo failed: Unknown Error (NVML_ERROR_UNKNOWN)")]
     assert result.problems == []
@@ -177,15 +185,15 @@ def test_failing_gpu_is_skipped_and_named(dgx: GpuSource, caplog: pytest.LogCapt
         assert [f.device for f in dgx.scan().failed_devices] == ["gpu-2"]
         assert not any("gpu-2" in r.getMessage() for r in caplog.records)  # said once, not every rescan
         dgx.nvml.clear_errors()
-        assert len(dgx.scan().devices) == 8
+        assert len(gpus(dgx.scan())) == 8
     assert any("gpu-2 answers again" in r.getMessage() for r in caplog.records)
 
 
 def test_gpu_lost_after_publishing_keeps_its_name(dgx: GpuSource) -> None:
-    assert len(dgx.scan().devices) == 8
+    assert len(gpus(dgx.scan())) == 8
     dgx.nvml.lose(5)
     result = dgx.scan()
-    assert "gpu-5" not in {d.name for d in result.devices} and len(result.devices) == 7
+    assert "gpu-5" not in {d.name for d in gpus(result)} and len(gpus(result)) == 7
     [failure] = result.failed_devices
     assert failure.device == "gpu-5" and "GPU is lost" in failure.reason
 
@@ -207,7 +215,7 @@ def test_gpu_lost_from_the_start_is_named_from_the_driver_list(tmp_path: Path) -
     source = opened(sim_settings(tmp_path, lost_profile(tmp_path, {1})))
     try:
         result = source.scan()
-        assert [d.name for d in result.devices] == ["gpu-0", "gpu-1"]
+        assert [d.name for d in gpus(result)] == ["gpu-0", "gpu-1"]
         # It never said its minor; the driver lists minors 0, 1, 2 and the others said 0 and 1.
         assert result.failed_devices == [DeviceFailure("gpu-2", f"NVML index 1, 0000:0f:00.0: {LOST}")]
         assert result.problems == []
@@ -223,7 +231,7 @@ def test_gpus_lost_from_the_start_are_all_named_when_the_rest_answer(tmp_path: P
     source = opened(sim_settings(tmp_path, lost_profile(tmp_path, {0, 1})))
     result = source.scan()
     source.close()
-    assert [d.name for d in result.devices] == ["gpu-1"]
+    assert [d.name for d in gpus(result)] == ["gpu-1"]
     # Both failing GPUs are among minors 0 and 2, and both fail: each is named, which reason is whose
     # does not matter when they agree.
     assert result.failed_devices == [DeviceFailure(f"gpu-{m}", f"one of NVML indexes 0, 1: {LOST}") for m in (0, 2)]
@@ -236,7 +244,7 @@ def test_gpu_lost_from_the_start_without_the_driver_list_names_no_device(tmp_pat
         top = source.proc_root / "driver" / "nvidia" / "gpus"
         shutil.rmtree(top / "0000:47:00.0" if damage == "remove one" else top)
         result = source.scan()
-        assert [d.name for d in result.devices] == ["gpu-0", "gpu-1"]
+        assert [d.name for d in gpus(result)] == ["gpu-0", "gpu-1"]
         assert result.failed_devices == []
         assert result.problems == [SourceProblem("GPU at NVML index 1", LOST)]
     source.close()
@@ -255,7 +263,7 @@ def test_an_unexpected_exception_costs_one_gpu(dgx: GpuSource, monkeypatch: pyte
     monkeypatch.setattr(sim, "nvmlDeviceGetName", name)
     with caplog.at_level(logging.WARNING, logger="agent.inventory.gpus"):
         result = dgx.scan()
-    assert [d.name for d in result.devices] == [f"gpu-{i}" for i in (0, 1, 2, 3, 5, 6, 7)]
+    assert [d.name for d in gpus(result)] == [f"gpu-{i}" for i in (0, 1, 2, 3, 5, 6, 7)]
     assert result.failed_devices == [DeviceFailure(
         "gpu-4", "unexpected UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0: "
                  "invalid start byte")]
@@ -276,7 +284,7 @@ def test_codes_the_agent_has_no_name_for_are_published_by_number(tmp_path: Path,
     ]}))
     with caplog.at_level(logging.WARNING, logger="agent.inventory.gpus"):
         source = opened(sim_settings(tmp_path, str(profile)))
-        first, second = source.scan().devices
+        first, second = gpus(source.scan())
         source.close()
     assert (first.attributes["brand"], first.attributes["architecture"]) == ("unknown-42", "unknown-77")
     assert apirules.device_wire_errors(first.wire()) == []
@@ -305,7 +313,7 @@ def test_json_profile_with_faults(tmp_path: Path, caplog: pytest.LogCaptureFixtu
         source = opened(sim_settings(tmp_path, str(profile)))
         result = source.scan()
         source.close()
-    first, second = result.devices
+    first, second = gpus(result)
     assert first.name == "gpu-0" and second.name == "gpu-4"
     assert "driverVersion" not in first.attributes  # the system call failed: omitted, not fatal
     assert first.attributes["cudaDriverVersion"] == Version("12.4.0")
@@ -320,7 +328,7 @@ def test_json_profile_with_faults(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     assert result.failed_devices == [
         DeviceFailure("gpu-2", "nvmlDeviceGetUUID failed: Corrupted infoROM (NVML_ERROR_CORRUPTED_INFOROM)")]
     assert any("nvmlSystemGetDriverVersion" in r.getMessage() for r in caplog.records)
-    for dev in result.devices:
+    for dev in gpus(result):
         assert apirules.device_wire_errors(dev.wire()) == []
 
 
@@ -361,7 +369,7 @@ def test_inventory_runs_the_source(tmp_path: Path) -> None:
     inventory.open()
     try:
         assert asyncio.run(inventory.scan())
-        assert inventory.get("gpu-7") is not None and len(inventory.devices()) == 8
+        assert inventory.get("gpu-7") is not None and len([d for d in inventory.devices() if d.kind == "gpu"]) == 8
     finally:
         inventory.close()
 

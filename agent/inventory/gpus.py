@@ -1,4 +1,5 @@
-"""NVIDIA GPUs through NVML: one device per GPU, named by its minor number.
+"""NVIDIA GPUs through NVML: one device per GPU, named by its minor number, consuming the GPU's
+counter set; and a passthrough variant per GPU that can go to a VM whole (`agent.inventory.passthrough`).
 
 The source holds either the real `pynvml` module or a `SimulatedNvml` and calls
 the same functions on both. In auto mode a node that shows NVIDIA hardware but
@@ -38,6 +39,7 @@ from agent.config import Settings
 from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult, SourceProblem
 from agent.inventory.nvml_profiles import ProfileError, error_name
 from agent.inventory.nvml_sim import SimulatedNvml
+from agent.inventory.passthrough import GpuVariants
 from agent.inventory.pci import normalize_bus_id, nvidia_display_functions, pci_function
 from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, NodeFacts, Version
 
@@ -127,6 +129,8 @@ class GpuSource:
         self._minors: dict[int, int] = {}  # NVML index -> minor, to name a GPU that stops answering
         self._reported: dict[str, str] = {}  # problems already logged, logged again only when they change
         self._tracebacks: dict[int, str] = {}  # NVML index -> unexpected exception whose traceback was logged
+        # Each GPU's counter set, and its passthrough variant (agent.inventory.passthrough).
+        self._variants = GpuVariants()
 
     @property
     def proc_root(self) -> Path:
@@ -243,6 +247,7 @@ class GpuSource:
             known = {self._minors[i] for i in range(count) if i not in unnamed and i in self._minors}
             self._name_the_rest(count, known, unnamed, result)
         self._log_failures(result)
+        result.devices = self._variants.apply(self.sysfs_root, result.devices)
         return result
 
     def _name_the_rest(self, count: int, known: set[int], unnamed: dict[int, str], result: ScanResult) -> None:

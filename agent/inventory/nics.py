@@ -1,4 +1,5 @@
-"""Network interfaces: PCI network functions and SR-IOV VFs, from netlink and sysfs.
+"""Network interfaces: PCI network functions and SR-IOV VFs, from netlink and sysfs; each PCI
+function's counter set, and passthrough variants of VFs (`agent.inventory.passthrough`).
 
 Netlink says which links exist, their addresses, MTU and state; sysfs
 (`class/net/<ifname>/...` under the sysfs root) says what hardware is behind
@@ -22,6 +23,7 @@ from agent.apirules import attribute_value_errors
 from agent.config import Settings
 from agent.inventory import DeviceFailure, ScanResult, SourceProblem
 from agent.inventory.netlink import Address, Link, dump
+from agent.inventory.passthrough import NicVariants
 from agent.inventory.pci import PciFunction, pci_function_of
 from agent.model import AttrValue, Device, NodeFacts
 
@@ -107,8 +109,12 @@ def _matches(ifname: str, globs: Sequence[str]) -> bool:
 class NicSource:
     kind = "nic"
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, passthrough: Sequence[str] = ()) -> None:
+        """`passthrough`: interface globs (`--nic-passthrough`) naming PFs without VFs that get a
+        passthrough variant too; every SR-IOV VF gets one anyway."""
         self.settings = settings
+        # Each PCI function's counter set, and the passthrough variants (agent.inventory.passthrough).
+        self._variants = NicVariants(passthrough=tuple(passthrough), exclude=tuple(settings.nic_exclude))
 
     def open(self) -> None:
         pass
@@ -121,8 +127,8 @@ class NicSource:
         picked = _Picked()
         for link in links:  # by index: on a name collision the older link keeps the name
             self._consider(link, addresses.get(link.index, []), picked)
-        return ScanResult(devices=picked.devices, failed_devices=picked.failed_devices,
-                          problems=picked.problems)
+        devices = self._variants.apply(self.settings.sysfs_root, picked.devices)
+        return ScanResult(devices=devices, failed_devices=picked.failed_devices, problems=picked.problems)
 
     def _consider(self, link: Link, addresses: list[Address], picked: _Picked) -> None:
         try:

@@ -1,0 +1,140 @@
+"""Shared counter sets: one per physical function (a GPU, a NIC PF or VF), and how the pool carries them.
+
+Every form in which one function can be handed out consumes the function's counter set, so the
+scheduler (with `DRAPartitionableDevices`, on by default since 1.36) never allocates two forms that
+do not fit together: the native device and its passthrough (VFIO) variant both consume all of it.
+
+Counters, named so that later partitioning only adds counters and never renames one:
+
+- GPU, set `gpu-<bus id>-counters`: `gpu` = 1 (the whole GPU: only the full device and its
+  passthrough variant take it) and `memory` = its memory in bytes (when NVML has said it). MIG
+  placements will consume part of `memory` and add their engine and `memory-slice-<i>` counters.
+- NIC function, set `nic-<bus id>-counters`: `ports` = the network ports of the function (1 for a
+  VF). Each native port device takes 1, the passthrough variant all of them, so two ports of one
+  function still go to two claims, and a function passed through takes both.
+
+Names derive from the PCI bus ID, never from NVML's minor number: a function bound to vfio-pci is
+gone from NVML and from the host driver's lists, and its devices must keep their names meanwhile
+(the scheduler matches allocations and counter consumption by name).
+
+`pack` turns validated devices into the pool's counter slices: each counter set any device consumes,
+once, at most `apirules.MAX_COUNTER_SETS_PER_SLICE` per slice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent import apirules, quantity
+from agent.model import CounterConsumption, CounterSet, Device
+
+GPU_COUNTER = "gpu"
+MEMORY_COUNTER = "memory"
+PORTS_COUNTER = "ports"
+VFIO_SUFFIX = "-vfio"
+COUNTERS_SUFFIX = "-counters"
+
+
+def fit_label(name: str, limit: int = 63) -> str:
+    """`name` when it is at most `limit` characters; else cut and given a digest of the whole, so two
+    long names stay apart and the same long name always gives the same label."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+    return f"{name[: limit - len(digest) - 1].rstrip('-')}-{digest}"
+
+
+def pci_label(prefix: str, bus_id: str) -> str:
+    """`gpu`, `0000:18:00.0` -> `gpu-0000-18-00-0`."""
+    return f"{prefix}-{bus_id.replace(':', '-').replace('.', '-')}"
+
+
+def passthrough_name(prefix: str, bus_id: str) -> str:
+    """The passthrough variant's device name: `gpu-0000-18-00-0-vfio`, `nic-0000-4b-00-2-vfio`."""
+    return fit_label(pci_label(prefix, bus_id) + VFIO_SUFFIX)
+
+
+def counter_set_name(prefix: str, bus_id: str) -> str:
+    """The function's counter set: `gpu-0000-18-00-0-counters`, `nic-0000-4b-00-2-counters`."""
+    return fit_label(pci_label(prefix, bus_id) + COUNTERS_SUFFIX)
+
+
+def gpu_counter_set(bus_id: str, memory: int | None) -> CounterSet:
+    counters = {GPU_COUNTER: "1"}
+    if memory is not None and memory > 0:
+        counters[MEMORY_COUNTER] = quantity.binary(memory)
+    return CounterSet(counter_set_name("gpu", bus_id), counters)
+
+
+def nic_counter_set(bus_id: str, ports: int) -> CounterSet:
+    return CounterSet(counter_set_name("nic", bus_id), {PORTS_COUNTER: str(max(ports, 1))})
+
+
+def one_port(counter_set: CounterSet) -> CounterConsumption:
+    """What one native port of a NIC function takes from its set."""
+    return CounterConsumption(counter_set, {PORTS_COUNTER: "1"})
+
+
+# -- the pool's counter slices ----------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Packed:
+    """Counter sets (API form) split into slices, the devices that may be published with them, and
+    what was dropped on the way."""
+
+    slices: list[list[dict[str, Any]]] = field(default_factory=list)
+    devices: list[tuple[Device, dict[str, Any]]] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+
+def pack(devices: Iterable[tuple[Device, dict[str, Any]]]) -> Packed:
+    """The counter slices for `devices` (each with its sanitized API form, in name order).
+
+    A device is kept only when every set it consumes can be published: a set that breaks a rule, or
+    whose definition differs from the one an earlier device (by name) brought, drops the devices
+    that consume it, since publishing them without it would let the scheduler hand out the hardware
+    twice (or not at all)."""
+    out = Packed()
+    sets: dict[str, CounterSet] = {}
+    bad: dict[str, str] = {}
+    for dev, wire in devices:
+        problem = ""
+        for c in dev.consumes_counters:
+            problem = _check_set(c.counter_set, sets, bad) or _check_use(c)
+            if problem:
+                break
+        if problem:
+            out.dropped.append(f"device {dev.name!r} dropped: {problem}")
+            continue
+        for c in dev.consumes_counters:
+            sets.setdefault(c.counter_set.name, c.counter_set)
+        out.devices.append((dev, wire))
+    ordered = [sets[name].wire() for name in sorted(sets)]
+    step = apirules.MAX_COUNTER_SETS_PER_SLICE
+    out.slices = [ordered[i: i + step] for i in range(0, len(ordered), step)]
+    return out
+
+
+def _check_set(cs: CounterSet, sets: Mapping[str, CounterSet], bad: dict[str, str]) -> str:
+    if cs.name in bad:
+        return bad[cs.name]
+    known = sets.get(cs.name)
+    if known is not None:
+        if known != cs:
+            return (f"counter set {cs.name!r} is defined as {dict(cs.counters)} here but as "
+                    f"{dict(known.counters)} by an earlier device")
+        return ""
+    if errs := apirules.counter_set_errors(cs.wire()):
+        bad[cs.name] = f"counter set {cs.name!r} is invalid: {'; '.join(errs)}"
+        return bad[cs.name]
+    return ""
+
+
+def _check_use(c: CounterConsumption) -> str:
+    missing = sorted(set(c.counters) - set(c.counter_set.counters))
+    if missing:
+        return f"it consumes counters {missing} that counter set {c.counter_set.name!r} does not have"
+    return ""
