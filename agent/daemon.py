@@ -122,7 +122,7 @@ class Agent:
         self.servers: Servers | None = None
         self.selfheal: SelfHealer | None = None
         self.publish: PublishLoop | None = None
-        self.health = DeviceHealthService(settings, self._conditions_changed)
+        self.health = DeviceHealthService(settings, self.inventory, self._conditions_changed)
         self.claim_status: ClaimStatusWriter | None = None
         self.metrics = Metrics()
         self.metrics.state = self.metrics_state
@@ -157,7 +157,7 @@ class Agent:
         self.health.observe(snapshot)
         await self.tracker.update(snapshot, self.health.conditions)
         self.claim_status = ClaimStatusWriter(
-            s.driver_name, sink_for(self.conn.client, self.conn.offline, s.driver_name), self.inventory,
+            s.driver_name, sink_for(self.conn.client, self.conn.offline, s.driver_name), self.health,
             self.engine.book, readiness=self.health, metrics=self.metrics)
         self.engine.listeners.append(self.claim_status)
         # The API may have missed writes while no agent ran (or they were queued when it stopped).

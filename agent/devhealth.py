@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 
 from agent.conditions import GPU_LOST, DeviceConditions, Readiness
 from agent.config import Settings
-from agent.inventory import Snapshot
+from agent.inventory import Inventory, Snapshot
 from agent.inventory.gpu_events import DoubleBitEcc, GpuAnswering, GpuEvent, GpuEventWatcher, GpuLost, XidError
 from agent.inventory.gpus import GpuSource
 from agent.model import Device
@@ -47,9 +47,10 @@ DOUBLE_BIT_ECC_XID = 48  # the XID the driver logs for a double-bit ECC error
 
 
 class DeviceHealthService:
-    def __init__(self, settings: Settings, changed: Callable[[set[str], set[str]], Awaitable[None]],
-                 policy: TaintPolicy | None = None) -> None:
+    def __init__(self, settings: Settings, inventory: Inventory,
+                 changed: Callable[[set[str], set[str]], Awaitable[None]], policy: TaintPolicy | None = None) -> None:
         self.settings = settings
+        self.inventory = inventory
         self.conditions = DeviceConditions(settings.driver_name,
                                            policy if policy is not None else load_policy(settings.taint_policy),
                                            health_dir(settings))
@@ -146,6 +147,14 @@ class DeviceHealthService:
             taints = self.conditions.taints(name)
             out.append(dataclasses.replace(dev, taints=[*dev.taints, *taints]) if taints else dev)
         return out
+
+    def get(self, name: str) -> Device | None:
+        """The device as published: the inventory's, or a lost GPU as last seen (so the status of a
+        claim holding it says GpuLost, not that the device is missing)."""
+        if (dev := self.inventory.get(name)) is not None:
+            return dev
+        lost = any(c.kind == GPU_LOST for c in self.conditions.causes(name))
+        return self._last_seen.get(name) if lost else None
 
     def readiness(self, device: Device) -> Readiness:
         """For the claim status writer (`agent.claimstatus.DeviceReadiness`)."""

@@ -15,17 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentkit import DRIVER, NODE, roots
-from kubeapi import KubeApi
+from agentkit import DRIVER, NODE, claim, result, roots
+from kubeapi import RESOURCE_CLAIMS, KubeApi
 from test_agent_cluster import devices_of, eventually, our_slices, published, start, write_kubeconfig
 
 from agent import kubelet_client as kc
 from agent import simctl
 from agent.config import Settings
 from agent.daemon import Agent
+from agent.names import ClaimRef
 from agent.taintctl import submit_clear
 
 NODE_UID = "0b5c4a7e-0000-4000-8000-0000000000ab"
+CLAIM_UID = "6a0e0000-0000-4000-8000-000000000005"
 
 
 @pytest.fixture
@@ -62,6 +64,15 @@ def taints(api: KubeApi, device: str) -> dict[str, dict[str, Any]]:
     return {t["key"]: t for t in devices_of(our_slices(api)).get(device, {}).get("taints") or []}
 
 
+def claim_ready(api: KubeApi) -> dict[str, Any] | None:
+    """The Ready condition of this driver's entry in the claim `default/holder`."""
+    obj = api.get(RESOURCE_CLAIMS, "holder", "default") or {}
+    for entry in (obj.get("status") or {}).get("devices") or []:
+        if entry["driver"] == DRIVER:
+            return next((c for c in entry.get("conditions") or [] if c["type"] == "Ready"), None)
+    return None
+
+
 def sim(agent: Agent, action: str, device: str, xid: int | None = None) -> None:
     simctl.submit(agent.settings, simctl.make_command(agent.settings, action, device, xid))
 
@@ -95,6 +106,11 @@ async def test_a_lost_gpu_stays_published_with_a_noexecute_taint(kube_api: KubeA
     agent = await start(agents, settings)
     await published(agent)
     before = devices_of(our_slices(kube_api))["gpu-5"]
+    kube_api.add(claim("holder", CLAIM_UID, [result("gpu-5", "gpu")]))
+    async with kc.DRAClient(agent.settings.dra_socket) as client:
+        response = await client.prepare([ClaimRef("default", "holder", CLAIM_UID)])
+    assert all(c.error == "" for c in response.claims.values())
+    await eventually(lambda: (r := claim_ready(kube_api)) and r["status"] == "True", "the claim's Ready True")
     async with health_feed(agent) as feed:
         sim(agent, "lose", "gpu-5")
         lost = await eventually(lambda: taints(kube_api, "gpu-5").get(f"{DRIVER}/gpu-lost"), "the gpu-lost taint")
@@ -104,6 +120,10 @@ async def test_a_lost_gpu_stays_published_with_a_noexecute_taint(kube_api: KubeA
         assert {k: v for k, v in now.items() if k != "taints"} == before
         await eventually(lambda: feed.latest.get("gpu-5", {}).get("health") == "UNHEALTHY", "gpu-5 UNHEALTHY")
         assert "GPU lost" in feed.latest["gpu-5"]["message"]
+        # The claim holding it says why it is not ready: lost, not missing.
+        ready = await eventually(lambda: (r := claim_ready(kube_api)) and r["status"] == "False" and r,
+                                 "the claim's Ready condition False")
+        assert ready["reason"] == "GpuLost" and "GPU lost" in ready["message"]
 
         # A rescan while it is lost (discovery fails it) keeps it published.
         await agent.inventory.scan(["gpu"])
@@ -113,6 +133,7 @@ async def test_a_lost_gpu_stays_published_with_a_noexecute_taint(kube_api: KubeA
         sim(agent, "recover", "gpu-5")
         await eventually(lambda: not taints(kube_api, "gpu-5"), "the gpu-lost taint gone")
         await eventually(lambda: feed.latest["gpu-5"]["health"] == "HEALTHY", "gpu-5 HEALTHY again")
+        await eventually(lambda: (r := claim_ready(kube_api)) and r["status"] == "True", "the claim Ready again")
 
 
 async def test_an_application_xid_is_informational_and_an_operator_can_clear_it(
