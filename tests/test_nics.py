@@ -202,6 +202,40 @@ def test_sriov_pf_vf_rdma_and_ports_from_sysfs(ns: NetNS, tmp_path: Path) -> Non
     assert "speedMbps" not in scan.attrs("p1")
 
 
+def with_iommu(fake: FakeSysfs, groups: dict[str, tuple[int, Path]]) -> None:
+    """`bus/pci/devices` links and IOMMU groups (bus ID -> (group, function directory)), as the kernel has them."""
+    for bus, (group, fn) in groups.items():
+        for link, target in ((fake.root / "bus" / "pci" / "devices" / bus, fn),
+                             (fake.root / "kernel" / "iommu_groups" / str(group) / "devices" / bus, fn),
+                             (fn / "iommu_group", fake.root / "kernel" / "iommu_groups" / str(group))):
+            link.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(target, link)
+
+
+def test_a_vf_gets_a_passthrough_variant_and_each_function_its_counter_set(ns: NetNS, tmp_path: Path) -> None:
+    fake = sriov_tree(tmp_path, ns)
+    top = fake.root / "devices"
+    pf = top / "pci0000:3a" / "0000:3a:00.0" / "0000:3b:00.0"
+    dual = top / "pci0000:5d" / "0000:5d:00.0" / "0000:5e:00.0"
+    with_iommu(fake, {"0000:3b:00.0": (30, pf), "0000:3b:00.2": (31, pf.parent / "0000:3b:00.2"),
+                      "0000:5e:00.0": (50, dual)})
+
+    scan = discover(ns, sysfs_root=str(fake.root), nic_include=HW)
+
+    variant = scan.by_name["nic-0000-3b-00-2-vfio"]  # the VF; the PF has a VF enabled: none
+    assert {d["name"] for d in scan.devices if d["kind"] == "vfio"} == {"nic-0000-3b-00-2-vfio"}
+    attrs = {k: next(iter(v.values())) for k, v in variant["attributes"].items()}
+    assert attrs == {"type": "vfio", "nativeType": "nic", PCI: "0000:3b:00.2", ROOT: "pci0000:3a", NUMA: 1,
+                     "iommuGroup": 31, "vendorID": "0x15b3", "deviceID": "0x101e",
+                     "macAddress": fake.links["vf0"]["address"]}
+    sets = {d["name"]: d["wire"]["consumesCounters"] for d in scan.devices}
+    assert sets["nic-0000-3b-00-2"] == sets["nic-0000-3b-00-2-vfio"] == [
+        {"counterSet": "nic-0000-3b-00-2-counters", "counters": {"ports": {"value": "1"}}}]
+    # Two ports of one function: one set with two ports, one each.
+    assert sets["nic-0000-5e-00-0"] == sets["nic-0000-5e-00-0-p1"] == [
+        {"counterSet": "nic-0000-5e-00-0-counters", "counters": {"ports": {"value": "1"}}}]
+
+
 def test_pci_functions_are_published_without_include_and_renames_keep_names(ns: NetNS,
                                                                              tmp_path: Path) -> None:
     fake = sriov_tree(tmp_path, ns)
