@@ -13,15 +13,16 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 from kubeapi import RESOURCE_SLICES, KubeApi
 
 from agent import apirules, counters
 from agent.config import NvmlMode, Settings
 from agent.inventory.gpus import GpuSource
 from agent.inventory.passthrough import NicVariants
-from agent.kube import Backoff, read_node
+from agent.kube import Backoff, NodeInfo, read_node
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, CounterConsumption, CounterSet, Device
-from agent.publisher import ApiPublisher
+from agent.publisher import ApiPublisher, DirectoryPublisher
 from agent.simkernel.tree import SimTree
 from agent.slices import CounterChunk, build_slices, chunk_devices, plan_pool
 
@@ -375,3 +376,38 @@ async def test_the_api_accepts_the_pool_and_a_second_publish_writes_nothing(kube
     kube_api.mark()
     again = await publisher.sync(devices)
     assert not again.changed and kube_api.writes() == []
+
+
+async def test_the_directory_publisher_writes_counter_slices_once(tmp_path: Path) -> None:
+    source, devices = scanned(tmp_path, "hgx-16")
+    source.close()
+    settings = Settings(driver_name=DRIVER, node_name=NODE, state_dir=tmp_path / "state")
+    publisher = DirectoryPublisher(tmp_path / "out", settings, NodeInfo(NODE))
+    first = await publisher.sync(devices)
+    assert (first.slices, first.devices, len(first.created)) == (3, 32, 3)
+    files = sorted((tmp_path / "out" / "resourceslices").iterdir())
+    objs = [yaml.safe_load(f.read_text()) for f in files]
+    valid_pool(objs)
+    assert ["sharedCounters" in o["spec"] for o in objs] == [True, True, False]
+    stamps = [f.stat().st_mtime_ns for f in files]
+    again = await publisher.sync(devices)
+    assert not again.changed and [f.stat().st_mtime_ns for f in files] == stamps
+
+
+async def test_a_counter_slice_whose_create_answer_is_lost_is_not_stored_twice(kube_api: KubeApi,
+                                                                              tmp_path: Path) -> None:
+    kube_api.add_node(NODE, uid="0d0c0b0a-1111-4222-8333-444455556666")
+    settings = Settings(driver_name=DRIVER, node_name=NODE, state_dir=tmp_path / "state")
+    publisher = ApiPublisher(kube_api.client(timeout=1.0), settings, await read_node(kube_api.client(), NODE),
+                             backoff=Backoff(initial=0.01, maximum=0.05, attempts=4))
+    devices = consuming(20)  # three counter slices (8, 8, 4 sets), then one device slice
+    fault = kube_api.lose_answer("POST", "/apis/resource.k8s.io/v1/resourceslices", hang=0.0)
+    await publisher.sync(devices)
+    assert fault.hits == 1
+    stored = [s for s in kube_api.items(RESOURCE_SLICES) if s["spec"]["nodeName"] == NODE]
+    assert len(stored) == 4
+    names = sorted(s["name"] for o in stored for s in o["spec"].get("sharedCounters", []))
+    assert names == [f"set-{i:03d}" for i in range(20)]  # each set exactly once
+    valid_pool(sorted(stored, key=lambda o: "devices" in o["spec"]))
+    kube_api.mark()
+    assert not (await publisher.sync(devices)).changed and kube_api.writes() == []
