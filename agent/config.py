@@ -78,6 +78,9 @@ OPTIONS: tuple[Option, ...] = (
            "comma-separated interface-name globs to publish even if virtual", metavar="GLOBS"),
     Option("nic_exclude", "--nic-exclude", "DRA_NIC_EXCLUDE", "",
            "comma-separated interface-name globs never to publish", metavar="GLOBS"),
+    Option("nic_passthrough", "--nic-passthrough", "DRA_NIC_PASSTHROUGH", "",
+           "comma-separated interface-name globs: PFs without SR-IOV VFs that also get a passthrough (VFIO) "
+           "variant (every VF gets one anyway; --nic-exclude wins)", metavar="GLOBS"),
     Option("rescan_interval", "--rescan-interval", "DRA_RESCAN_INTERVAL", 60.0,
            "seconds between NVML and sysfs rescans", kind=float, metavar="SECONDS"),
     Option("netlink_debounce", "--netlink-debounce", "DRA_NETLINK_DEBOUNCE", 0.5,
@@ -149,6 +152,7 @@ class Settings:
     offline_fallback: Path | None = None
     nic_include: tuple[str, ...] = ()
     nic_exclude: tuple[str, ...] = ()
+    nic_passthrough: tuple[str, ...] = ()
     rescan_interval: float = 60.0
     netlink_debounce: float = 0.5
     rolling_update_pod_uid: str = ""
@@ -293,7 +297,7 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
             continue
         if key == "nvml" and isinstance(value, str):
             value = NvmlMode.parse(value)
-        elif key in ("nic_include", "nic_exclude") and isinstance(value, str):
+        elif key in ("nic_include", "nic_exclude", "nic_passthrough") and isinstance(value, str):
             value = _globs(value)
         elif key in ("kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root", "dev_root",
                      "kubeconfig", "offline", "offline_fallback", "taint_policy") and not isinstance(value, Path):

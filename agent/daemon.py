@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 
 def build_sources(settings: Settings) -> list[Source]:
-    return [GpuSource(settings), NicSource(settings), CpuSource(settings), MemorySource(settings)]
+    return [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough), CpuSource(settings),
+            MemorySource(settings)]
 
 
 class PublishedForm:

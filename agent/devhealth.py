@@ -33,7 +33,7 @@ from agent.config import Settings
 from agent.inventory import Inventory, Snapshot
 from agent.inventory.gpu_events import DoubleBitEcc, GpuAnswering, GpuEvent, GpuEventWatcher, GpuLost, XidError
 from agent.inventory.gpus import GpuSource
-from agent.model import Device
+from agent.model import PCI_BUS_ID, Device
 from agent.simctl import control_dir
 from agent.taintctl import RequestWatcher, health_dir, requests_dir
 from agent.taintpolicy import TaintPolicy, load_policy
@@ -142,9 +142,14 @@ class DeviceHealthService:
         out = []
         names = set(snapshot.devices)
         names |= {c.device for c in self.conditions.causes() if c.kind == GPU_LOST and c.device in self._last_seen}
+        # A passthrough variant is the same hardware as its native device: it carries its taints.
+        native = {dev.attributes.get(PCI_BUS_ID): name for name in names
+                  if (dev := snapshot.devices.get(name) or self._last_seen.get(name)) is not None
+                  and dev.kind != "vfio"}
         for name in sorted(names):
             dev = snapshot.devices.get(name) or self._last_seen[name]
-            taints = self.conditions.taints(name)
+            source = native.get(dev.attributes.get(PCI_BUS_ID), name) if dev.kind == "vfio" else name
+            taints = self.conditions.taints(source)
             out.append(dataclasses.replace(dev, taints=[*dev.taints, *taints]) if taints else dev)
         return out
 

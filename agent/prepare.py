@@ -253,6 +253,12 @@ class PrepareEngine:
         except the toolkit lookup."""
         s = self.settings
         ref = alloc.ref
+        if passthrough := [a.device.name for a in alloc.devices if a.device.kind == "vfio"]:
+            # Published (their counters keep the scheduler from handing out both forms of a
+            # function), but binding to vfio-pci is not wired into prepare yet: refuse, never
+            # hand a VM a device still bound to its host driver.
+            raise PrepareFailed(f"passthrough (VFIO) device(s) {', '.join(passthrough)} cannot be prepared by "
+                                "this agent version yet (binding to vfio-pci is not built)")
         vendor = s.cdi_vendor
         files: list[FileRecord] = []
         spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, alloc.config_env)

@@ -94,6 +94,11 @@ async def test_an_xid_taints_the_gpu_and_a_reset_clears_it(kube_api: KubeApi, se
         assert "recovery action gpu-reset" in health["message"]
         assert taints(kube_api, "gpu-2") == {} and feed.latest["gpu-2"]["health"] == "HEALTHY"
         assert agent.metrics_state().taints == {("xid", "NoSchedule"): 1}
+        # Its passthrough variant is the same GPU: the same taint keeps VMs off it.
+        bus = devices_of(our_slices(kube_api))["gpu-3"]["attributes"]["resource.kubernetes.io/pciBusID"]
+        (variant,) = [d for d in devices_of(our_slices(kube_api)).values() if d["name"].endswith("-vfio")
+                      and d["attributes"]["resource.kubernetes.io/pciBusID"] == bus]
+        assert [t["key"] for t in variant["taints"]] == [f"{DRIVER}/xid"]
 
         sim(agent, "recover", "gpu-3")
         await eventually(lambda: not taints(kube_api, "gpu-3"), "the XID taint gone after the reset")
