@@ -156,7 +156,7 @@ class Agent:
         snapshot = self.inventory.snapshot()
         self._devices = snapshot.devices
         self.health.observe(snapshot)
-        await self.tracker.update(snapshot, self.health.conditions)
+        await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
         self.claim_status = ClaimStatusWriter(
             s.driver_name, sink_for(self.conn.client, self.conn.offline, s.driver_name), self.health,
             self.engine.book, readiness=self.health, metrics=self.metrics)
@@ -255,7 +255,7 @@ class Agent:
         self.health.observe(snapshot)
         if self.publish is not None:
             self.publish.update(self.health.published(snapshot))
-        await self.tracker.update(snapshot, self.health.conditions)
+        await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
         if changed and self.engine is not None:
             await self.engine.refresh_devices(changed)
         if changed and self.claim_status is not None:
@@ -269,7 +269,7 @@ class Agent:
         snapshot = self.inventory.snapshot()
         if self.publish is not None:
             self.publish.update(self.health.published(snapshot))
-        await self.tracker.update(snapshot, self.health.conditions)
+        await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
         if self.claim_status is not None:
             self.claim_status.devices_changed(devices)
 

@@ -117,9 +117,11 @@ class DeviceHealthService:
         if gone:
             self.conditions.forget(gone)
         self._nics = nics
-        # Forget devices gone for good, except lost GPUs that are still published from memory.
-        lost = {c.device for c in self.conditions.causes() if c.kind == GPU_LOST}
-        for name in set(self._last_seen) - set(snapshot.devices) - lost:
+        # Forget devices gone for good; keep lost GPUs (published from memory) and devices discovery
+        # still names but cannot read (a GPU failing its calls may be reported lost a moment later).
+        keep = {c.device for c in self.conditions.causes() if c.kind == GPU_LOST}
+        keep |= {f.device for f in snapshot.failed_devices}
+        for name in set(self._last_seen) - set(snapshot.devices) - keep:
             del self._last_seen[name]
 
     def gpu_event(self, event: GpuEvent) -> None:
@@ -142,14 +144,10 @@ class DeviceHealthService:
         out = []
         names = set(snapshot.devices)
         names |= {c.device for c in self.conditions.causes() if c.kind == GPU_LOST and c.device in self._last_seen}
-        # A passthrough variant is the same hardware as its native device: it carries its taints.
-        native = {dev.attributes.get(PCI_BUS_ID): name for name in names
-                  if (dev := snapshot.devices.get(name) or self._last_seen.get(name)) is not None
-                  and dev.kind != "vfio"}
+        aliases = self.aliases(snapshot)
         for name in sorted(names):
             dev = snapshot.devices.get(name) or self._last_seen[name]
-            source = native.get(dev.attributes.get(PCI_BUS_ID), name) if dev.kind == "vfio" else name
-            taints = self.conditions.taints(source)
+            taints = self.conditions.taints(aliases.get(name, name))
             out.append(dataclasses.replace(dev, taints=[*dev.taints, *taints]) if taints else dev)
         return out
 
@@ -160,6 +158,17 @@ class DeviceHealthService:
             return dev
         lost = any(c.kind == GPU_LOST for c in self.conditions.causes(name))
         return self._last_seen.get(name) if lost else None
+
+    def aliases(self, snapshot: Snapshot) -> dict[str, str]:
+        """Passthrough variant -> its native device (same PCI function): a variant is the same
+        hardware, so it carries the native device's taints and health. A GPU that is lost is found
+        by its last-seen form."""
+        native: dict[object, str] = {}
+        for name, dev in (*self._last_seen.items(), *snapshot.devices.items()):
+            if dev.kind != "vfio" and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
+                native[bus] = name
+        return {name: native[bus] for name, dev in snapshot.devices.items()
+                if dev.kind == "vfio" and (bus := dev.attributes.get(PCI_BUS_ID)) in native}
 
     def readiness(self, device: Device) -> Readiness:
         """For the claim status writer (`agent.claimstatus.DeviceReadiness`)."""

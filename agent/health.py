@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from agent.conditions import DeviceConditions
@@ -59,14 +59,21 @@ class HealthTracker:
     def current(self) -> list[DeviceHealth]:
         return [self._state[k] for k in sorted(self._state)]
 
-    async def update(self, snapshot: Snapshot, conditions: DeviceConditions | None = None) -> bool:
+    async def update(self, snapshot: Snapshot, conditions: DeviceConditions | None = None,
+                     aliases: Mapping[str, str] | None = None) -> bool:
         """Fold in a new inventory snapshot and the device conditions; True (and watchers woken)
-        when anything changed."""
+        when anything changed. `aliases`: devices that are another device's hardware (a
+        passthrough variant -> its native device), reported with that device's health."""
         now = int(time.time())
         new: dict[str, DeviceHealth] = {}
+        failed = {f.device: f.reason for f in snapshot.failed_devices}
         for name in snapshot.devices:
-            verdict = conditions.health(name) if conditions is not None else None
-            if verdict is not None and not verdict[0]:
+            source = (aliases or {}).get(name, name)
+            verdict = conditions.health(source) if conditions is not None else None
+            if source != name and source in failed:
+                lost = f"{verdict[1]}; {failed[source]}" if verdict else failed[source]
+                new[name] = self._keep(name, UNHEALTHY, _clip(f"{source}: {lost}"), now)
+            elif verdict is not None and not verdict[0]:
                 new[name] = self._keep(name, UNHEALTHY, _clip(verdict[1]), now)
             elif (why := snapshot.unknown.get(name)) is not None:
                 new[name] = self._keep(name, UNKNOWN, _clip(why), now)

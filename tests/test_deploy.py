@@ -555,7 +555,7 @@ def _offline_dir(root: Path, node_allocatable: bool) -> Path:
 
 
 def devices_of(slices: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    return [(s["spec"]["driver"], d) for s in slices for d in s["spec"]["devices"]]
+    return [(s["spec"]["driver"], d) for s in slices for d in s["spec"].get("devices", [])]
 
 
 @functools.cache
@@ -610,15 +610,16 @@ def _kind(kind: str) -> Callable[[Mapping[str, Any]], bool]:
 
 
 # What each class is meant to select, by its name without ".<driver>", said independently of its CEL:
-# (the kind of device it is for, which of those devices).
+# (the kind of device it is for — a passthrough class: vfio-<native kind> —, which of those devices).
 MEANT: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool]]] = {
     "gpu": ("gpu", _kind("gpu")),
     "nic": ("nic", _kind("nic")),
     "cpu": ("cpu", _kind("cpu")),
     "memory": ("memory", _kind("memory")),
-    "gpu-passthrough": ("gpu", lambda d: _kind("gpu")(d) and _attr(d, f"{STD}/pciBusID") is not None),
-    "nic-vf-passthrough": ("nic", lambda d: _kind("nic")(d) and _attr(d, "isVf") is True
-                           and _attr(d, f"{STD}/pciBusID") is not None),
+    "gpu-passthrough": ("vfio-gpu", lambda d: _kind("vfio")(d) and _attr(d, "nativeType") == "gpu"
+                        and _attr(d, f"{STD}/pciBusID") is not None),
+    "nic-passthrough": ("vfio-nic", lambda d: _kind("vfio")(d) and _attr(d, "nativeType") == "nic"
+                        and _attr(d, f"{STD}/pciBusID") is not None),
 }
 # The node-allocatable overlay's cpu and memory: only devices carrying node-allocatable mappings.
 MEANT_NODE_ALLOCATABLE = {
@@ -662,8 +663,8 @@ def check_classes(which: str, devices: list[tuple[str, dict[str, Any]]], kinds: 
 @pytest.mark.parametrize("which", EVERY)
 def test_device_classes_select_the_gpus_cpus_and_memory_the_agent_publishes(which: str) -> None:
     devices = node_devices(node_allocatable=which == "overlays/node-allocatable")
-    assert {_attr(d, "type") for _, d in devices} == {"gpu", "cpu", "memory"}
-    check_classes(which, devices, {"gpu", "cpu", "memory"})
+    assert {_attr(d, "type") for _, d in devices} == {"gpu", "vfio", "cpu", "memory"}
+    check_classes(which, devices, {"gpu", "vfio-gpu", "cpu", "memory"})
 
 
 @pytest.mark.parametrize("which", EVERY)

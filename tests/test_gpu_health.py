@@ -125,6 +125,12 @@ async def test_a_lost_gpu_stays_published_with_a_noexecute_taint(kube_api: KubeA
         assert {k: v for k, v in now.items() if k != "taints"} == before
         await eventually(lambda: feed.latest.get("gpu-5", {}).get("health") == "UNHEALTHY", "gpu-5 UNHEALTHY")
         assert "GPU lost" in feed.latest["gpu-5"]["message"]
+        # Its passthrough variant is the same GPU: UNHEALTHY too, saying whose loss it is.
+        variant = next(n for n, d in devices_of(our_slices(kube_api)).items() if n.endswith("-vfio") and
+                       d["attributes"]["resource.kubernetes.io/pciBusID"] == before["attributes"][
+                           "resource.kubernetes.io/pciBusID"])
+        await eventually(lambda: feed.latest.get(variant, {}).get("health") == "UNHEALTHY", "the variant UNHEALTHY")
+        assert feed.latest[variant]["message"].startswith("gpu-5: ")
         # The claim holding it says why it is not ready: lost, not missing.
         ready = await eventually(lambda: (r := claim_ready(kube_api)) and r["status"] == "False" and r,
                                  "the claim's Ready condition False")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import secrets
 import stat
 import subprocess
@@ -102,7 +103,8 @@ def test_devices_with_simulated_gpus_match_the_checkout(image, short_tmp):
     rc, out, err = in_container(image, args)
     assert rc == 0, err
     inside = devices(out)
-    assert [n for n in inside if n.startswith("gpu-")] == [f"gpu-{i}" for i in range(8)]
+    assert [n for n in inside if re.fullmatch(r"gpu-\d+", n)] == [f"gpu-{i}" for i in range(8)]
+    assert len([n for n in inside if n.startswith("gpu-") and n.endswith("-vfio")]) == 8
     assert inside["gpu-0"]["attributes"]["productName"] == {"string": "NVIDIA H100 80GB HBM3"}
     # The same command from this checkout on the host: the same machine, so the same devices.
     # (The container has no network devices of its own, so NICs are left out of the comparison.)

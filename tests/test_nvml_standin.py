@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -213,7 +214,11 @@ def test_slices_from_the_real_path_are_valid(env: dict[str, str]) -> None:
     docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
     for d in docs:
         kubernetes_validate.validate(d, "1.37.0", strict=True)
-    assert sorted(dev["name"] for d in docs for dev in d["spec"]["devices"]) == sorted(EXPECTED)
+    names = [dev["name"] for d in docs for dev in d["spec"].get("devices", [])]
+    assert sorted(n for n in names if not n.endswith("-vfio")) == sorted(EXPECTED)
+    # Each GPU has one counter set; the one in sysfs (with its IOMMU group) has a passthrough variant.
+    assert [n for n in names if n.endswith("-vfio")] == ["gpu-0000-18-00-0-vfio"]
+    assert sum(len(d["spec"].get("sharedCounters", [])) for d in docs) == len(EXPECTED)
 
 
 def test_an_older_driver_library_lacks_functions_and_discovery_falls_back(env: dict[str, str]) -> None:
@@ -361,11 +366,23 @@ def wait_health(env: dict[str, str], device: str, status: str) -> tuple[str, str
         time.sleep(0.2)
 
 
+def published_taints(env: dict[str, str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Published device -> its taints by key."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for path in (Path(env["DRA_OFFLINE"]) / "resourceslices").glob("*.yaml"):
+        try:
+            for dev in yaml.safe_load(path.read_text())["spec"].get("devices", []):
+                out[dev["name"]] = {t["key"]: t for t in dev.get("taints") or []}
+        except FileNotFoundError:
+            continue
+    return out
+
+
 def published(env: dict[str, str]) -> set[str]:
     names = set()
     for path in (Path(env["DRA_OFFLINE"]) / "resourceslices").glob("*.yaml"):
         try:
-            names |= {dev["name"] for dev in yaml.safe_load(path.read_text())["spec"]["devices"]}
+            names |= {dev["name"] for dev in yaml.safe_load(path.read_text())["spec"].get("devices", [])}
         except FileNotFoundError:
             continue  # a stale slice deleted meanwhile
     return names
@@ -373,14 +390,20 @@ def published(env: dict[str, str]) -> set[str]:
 
 def test_a_gpu_lost_while_the_agent_runs_is_unhealthy_under_its_name(
         agent: subprocess.Popen[str], env: dict[str, str]) -> None:
-    assert {name: h[0] for name, h in health(env).items() if name.startswith("gpu-")} == {
+    assert {name: h[0] for name, h in health(env).items() if re.fullmatch(r"gpu-\d+", name)} == {
         "gpu-0": "HEALTHY", "gpu-1": "HEALTHY", "gpu-3": "HEALTHY"}
     control(env, "lost 1")
     _, message = wait_health(env, "gpu-1", "UNHEALTHY")
     assert "GPU is lost (NVML_ERROR_GPU_IS_LOST)" in message
+    # Still published as last seen, tainted NoExecute, so the pods using it are evicted (issue 8).
     deadline = time.monotonic() + 30
-    while "gpu-1" in published(env):
-        assert time.monotonic() < deadline, "gpu-1 is still published"
+    while (taint := published_taints(env).get("gpu-1", {}).get(f"{DRIVER}/gpu-lost")) is None:
+        assert time.monotonic() < deadline, f"gpu-1 is not published with a gpu-lost taint: {published(env)}"
         time.sleep(0.2)
+    assert taint["effect"] == "NoExecute" and "gpu-1" in published(env)
     control(env)
     wait_health(env, "gpu-1", "HEALTHY")
+    deadline = time.monotonic() + 30
+    while published_taints(env).get("gpu-1"):
+        assert time.monotonic() < deadline, "the gpu-lost taint of gpu-1 stays after it answers again"
+        time.sleep(0.2)
