@@ -31,6 +31,9 @@ generation + 1) write the claim's entries; `claim_unprepared` removes ours;
 `devices_changed(names)` re-writes every prepared claim holding those devices (the
 integrator calls it when readiness changes: a link down or up); `resync(records)` at
 start writes every prepared claim (the API may have missed writes while the agent was down).
+A resync is fed to the queue a window at a time in the background: with 10,000 prepared
+claims, neither the start nor the API server takes them all at once, and a prepare's
+write is never stuck behind thousands of old ones.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ log = logging.getLogger(__name__)
 
 READY = "Ready"
 DEFAULT_CONCURRENCY = 4
+RESYNC_WINDOW = 16  # claims a resync keeps queued at most; it feeds more as writes finish
 
 
 class DeviceReadiness(Protocol):
@@ -119,6 +123,8 @@ class ClaimStatusWriter:
         self._idle = asyncio.Event()
         self._idle.set()
         self._worker: asyncio.Task[None] | None = None
+        self._resync: asyncio.Task[None] | None = None
+        self._drained = asyncio.Event()  # the queue is shorter than a resync window
         self._closed = False
 
     # -- ClaimListener (called on the event loop; never blocks, never raises) ----------------------
@@ -152,12 +158,30 @@ class ClaimStatusWriter:
         return queued
 
     def resync(self, records: Iterable[ClaimRecord]) -> int:
-        """Write the status of every prepared claim (at start)."""
-        n = 0
-        for record in records:
-            self.claim_prepared(record)
-            n += 1
-        return n
+        """Write the status of every prepared claim (at start), in the background a window at a
+        time; how many claims it will write."""
+        todo = list(records)
+        if todo and not self._closed:
+            self._idle.clear()
+            self._resync = asyncio.get_running_loop().create_task(self._feed(todo), name="claim-status-resync")
+        return len(todo)
+
+    async def _feed(self, records: list[ClaimRecord]) -> None:
+        told: set[str] = set(self._records)  # prepared or refreshed since: already written fresh
+        try:
+            for record in records:
+                while self.queued >= RESYNC_WINDOW:
+                    self._drained.clear()
+                    await self._drained.wait()
+                if record.uid in told or record.uid in self._records:
+                    continue
+                if self.book.record_of(record.uid) is None:
+                    continue  # unprepared meanwhile
+                self.claim_prepared(record)
+                await asyncio.sleep(0)  # building entries is work on the loop: let the kubelet in
+        finally:
+            self._resync = None
+            self._update_queue()
 
     def start(self) -> None:
         if self._worker is None and not self._closed:
@@ -166,7 +190,7 @@ class ClaimStatusWriter:
     async def stop(self) -> None:
         """Stop writing; what is queued is dropped (the next start's resync writes it)."""
         self._closed = True
-        tasks = [t for t in (self._worker, *self._in_flight.values()) if t is not None]
+        tasks = [t for t in (self._resync, self._worker, *self._in_flight.values()) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -264,7 +288,9 @@ class ClaimStatusWriter:
     def _update_queue(self) -> None:
         n = self.queued
         self.metrics.claim_status_queue.set(n)
-        if n:
+        if n < RESYNC_WINDOW:
+            self._drained.set()
+        if n or self._resync is not None:
             self._idle.clear()
         else:
             self._idle.set()

@@ -401,3 +401,36 @@ async def test_offline_a_claim_file_with_another_uid_is_not_written(node, writer
     await settled(writer)
     assert gone.is_set() and writes(writer, "gave_up") == 1
     assert not (node.settings.offline / "resourceclaimstatus" / "default" / "c.yaml").exists()
+
+
+class _CountingSink:
+    """Takes every write, a little slowly, and remembers the most claims ever queued at once."""
+
+    def __init__(self) -> None:
+        self.written: list[str] = []
+        self.writer: ClaimStatusWriter | None = None
+        self.most_queued = 0
+
+    async def write(self, claim: Any, entries: Any) -> None:
+        assert self.writer is not None
+        self.most_queued = max(self.most_queued, self.writer.queued)
+        await asyncio.sleep(0.001)
+        self.written.append(claim.uid)
+
+
+async def test_a_resync_of_many_claims_is_fed_a_window_at_a_time(node, writers) -> None:
+    from agent.claimstatus import RESYNC_WINDOW
+
+    uids = [f"7a110000-0000-4000-8000-{i:012d}" for i in range(3 * RESYNC_WINDOW)]
+    for i, uid in enumerate(uids):
+        write_claim(node.claims_dir, claim(f"c{i}", uid, [result("gpu-0", "gpu")]))
+        await prepare(node, uid, f"c{i}")
+    sink = _CountingSink()
+    writer = ClaimStatusWriter(DRIVER, sink, node.inventory, node.engine.book, backoff=FAST,
+                               metrics=Metrics(process=False))
+    sink.writer = writer
+    writers.append(writer)
+    assert writer.resync(node.engine.records.values()) == len(uids)
+    await settled(writer)
+    assert sorted(sink.written) == sorted(uids)
+    assert 0 < sink.most_queued <= RESYNC_WINDOW
