@@ -49,11 +49,12 @@ from typing import Any, Protocol
 
 from agent import apirules
 from agent.claimbook import ClaimBook
-from agent.claimstatus_sinks import ClaimGone, ClaimTarget, StatusSink, StatusWriteFailed
+from agent.claimstatus_sinks import ClaimGone, StatusSink, StatusWriteFailed
 from agent.conditions import Readiness
 from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.model import Device
+from agent.names import ClaimRef
 from agent.state import ClaimRecord, PreparedDevice
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class DeviceLookup(Protocol):
 
 @dataclass(slots=True)
 class _Pending:
-    target: ClaimTarget
+    target: ClaimRef
     entries: list[dict[str, Any]]
     failures: int = 0
     due: float = 0.0  # monotonic time before which it is not sent
@@ -96,8 +97,8 @@ def _rfc3339(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _target(record: ClaimRecord) -> ClaimTarget:
-    return ClaimTarget(record.namespace, record.name, record.uid)
+def _target(record: ClaimRecord) -> ClaimRef:
+    return ClaimRef(record.namespace, record.name, record.uid)
 
 
 @dataclass
@@ -274,7 +275,7 @@ class ClaimStatusWriter:
             return
         self._submit(_target(record), entries)
 
-    def _submit(self, target: ClaimTarget, entries: list[dict[str, Any]]) -> None:
+    def _submit(self, target: ClaimRef, entries: list[dict[str, Any]]) -> None:
         if self._closed or (entries and target.uid in self._gone):
             return
         old = self._pending.get(target.uid)
@@ -333,11 +334,11 @@ class ClaimStatusWriter:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("writing the status of claim %s failed unexpectedly", item.target)
+            log.exception("writing the status of %s failed unexpectedly", item.target)
             self._gave_up(item, repr(exc))
         else:
             self._count("ok")
-            log.debug("status of claim %s written (%d entries)", item.target, len(item.entries))
+            log.debug("status of %s written (%d entries)", item.target, len(item.entries))
         finally:
             self._in_flight.pop(uid, None)
             self._update_queue()
@@ -347,7 +348,7 @@ class ClaimStatusWriter:
         self._count("retry")
         failures = item.failures + 1
         delay = self.backoff.delay(failures)
-        log.warning("status of claim %s not written (%s); retrying in %.1fs", item.target, why, delay)
+        log.warning("status of %s not written (%s); retrying in %.1fs", item.target, why, delay)
         newer = self._pending.get(item.target.uid)
         again = newer if newer is not None else item
         again.failures, again.due = failures, self.clock() + delay
@@ -355,7 +356,7 @@ class ClaimStatusWriter:
 
     def _gave_up(self, item: _Pending, why: str) -> None:
         self._count("gave_up")
-        log.warning("status of claim %s not written, not retrying: %s", item.target, why)
+        log.warning("status of %s not written, not retrying: %s", item.target, why)
 
     def _count(self, result: str) -> None:
         self.metrics.claim_status_writes.labels(result).inc()

@@ -27,7 +27,6 @@ import asyncio
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +39,7 @@ from lightkube.types import PatchType
 from agent import kube
 from agent.claims import ClaimNotFound, ClaimSourceError, DirectoryClaimSource
 from agent.fsutil import Root
+from agent.names import ClaimRef
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceClaim"
@@ -47,18 +47,6 @@ STATUS_DIR = "resourceclaimstatus"
 NAME_MAX = 255
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimTarget:
-    """The one incarnation of a claim whose status is written."""
-
-    namespace: str
-    name: str
-    uid: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name} (UID {self.uid})"
 
 
 class StatusWriteFailed(Exception):
@@ -75,12 +63,12 @@ class ClaimGone(StatusWriteFailed):
 
 
 class StatusSink(Protocol):
-    async def write(self, claim: ClaimTarget, entries: Sequence[Mapping[str, Any]]) -> None:
+    async def write(self, claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> None:
         """Make this driver's entries in the claim's status.devices exactly `entries`."""
         ...
 
 
-def apply_body(claim: ClaimTarget, entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def apply_body(claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The apply configuration: no status at all when we have no entries, so we own none."""
     body: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND,
                             "metadata": {"name": claim.name, "namespace": claim.namespace, "uid": claim.uid}}
@@ -94,7 +82,7 @@ class ApiStatusSink:
         self.client = client
         self.field_manager = field_manager
 
-    async def write(self, claim: ClaimTarget, entries: Sequence[Mapping[str, Any]]) -> None:
+    async def write(self, claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> None:
         try:
             await self.client.patch(ResourceClaimStatus, claim.name, apply_body(claim, entries),
                                     namespace=claim.namespace, patch_type=PatchType.APPLY,
@@ -102,13 +90,13 @@ class ApiStatusSink:
         except Exception as exc:
             why = kube.describe(exc)
             if kube.is_not_found(exc):
-                raise ClaimGone(f"ResourceClaim {claim} is gone: {why}") from exc
+                raise ClaimGone(f"{claim} is gone: {why}") from exc
             if kube.is_conflict(exc) or _uid_refused(exc):
                 raise ClaimGone(f"ResourceClaim {claim.namespace}/{claim.name} is another incarnation than "
                                 f"UID {claim.uid}: {why}") from exc
             if kube.status_code(exc) is None and not kube.is_retryable(exc):
                 raise  # not an API answer nor a connection failure: a bug, not a status to report
-            raise StatusWriteFailed(f"applying the status of ResourceClaim {claim}: {why}",
+            raise StatusWriteFailed(f"applying the status of {claim}: {why}",
                                     retryable=kube.is_retryable(exc)) from exc
 
 
@@ -125,7 +113,7 @@ class DirectoryStatusSink:
         self.root = Root(Path(directory) / STATUS_DIR)
         self.claims = DirectoryClaimSource(directory)
 
-    def path(self, claim: ClaimTarget) -> Path:
+    def path(self, claim: ClaimRef) -> Path:
         """`<namespace>/<name>.yaml`; a name too long for one file name is shortened with a digest
         (the object inside names the claim)."""
         name = f"{claim.name}.yaml"
@@ -134,14 +122,14 @@ class DirectoryStatusSink:
             name = f"{claim.name[:200]}-{digest}.yaml"
         return self.root.path / claim.namespace / name
 
-    async def write(self, claim: ClaimTarget, entries: Sequence[Mapping[str, Any]]) -> None:
+    async def write(self, claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> None:
         try:
             await asyncio.to_thread(self._write_blocking, claim, entries)
         except OSError as exc:
-            raise StatusWriteFailed(f"writing the status of ResourceClaim {claim} under {self.root.path}: {exc}",
+            raise StatusWriteFailed(f"writing the status of {claim} under {self.root.path}: {exc}",
                                     retryable=True) from exc
 
-    def _write_blocking(self, claim: ClaimTarget, entries: Sequence[Mapping[str, Any]]) -> None:
+    def _write_blocking(self, claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> None:
         path = self.path(claim)
         if not entries:
             if self._uid_in(path) in (claim.uid, None):  # never another incarnation's file
