@@ -23,6 +23,11 @@ from agent.names import ClaimRef, InvalidName, base_request, check_request
 
 CONFIG_KIND = "DeviceConfig"
 CONFIG_FIELDS = {"apiVersion", "kind", "env"}
+VFIO_KIND = "VfioConfig"  # passthrough (VFIO) devices: the VFIO interface, a VF's MAC and VLAN
+VFIO_FIELDS = {"apiVersion", "kind", "iommu", "mac", "vlan"}
+IOMMU_BACKENDS = ("legacy", "iommufd")
+_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}\Z")
+MAX_VLAN = 4094
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 MAX_ENV_VALUE = 4096
 
@@ -34,12 +39,24 @@ class ClaimError(ClaimFailure, ValueError):
     """Why a claim cannot be prepared here (the message goes to the kubelet)."""
 
 
+@dataclass(frozen=True, slots=True)
+class VfioSettings:
+    """What a claim's `VfioConfig` asks for one passthrough device. `where` is the claim field of the
+    last entry that set something, for errors found when the device is bound."""
+
+    iommu: str = "legacy"  # legacy (/dev/vfio/vfio + /dev/vfio/<group>) | iommufd (/dev/iommu + cdev)
+    mac: str = ""  # set on a VF through its PF before binding ("" leaves it)
+    vlan: int = 0  # likewise (0: none)
+    where: str = ""
+
+
 @dataclass(slots=True)
 class Allocation:
     ref: ClaimRef
     pod_claim_name: str
     devices: list[AllocatedDevice] = field(default_factory=list)
     config_env: dict[str, dict[str, str]] = field(default_factory=dict)  # device name -> env
+    vfio: dict[str, VfioSettings] = field(default_factory=dict)  # passthrough device name -> its config
 
 
 def config_api_version(driver: str) -> str:
@@ -193,27 +210,54 @@ def _apply_configs(out: Allocation, configs: list[Any], driver: str) -> None:
     # Class configuration first, then the claim's own: later entries win.
     ours.sort(key=lambda c: (not c.from_class, c.index))
     for c in ours:
-        env = decode_config(c.parameters, driver, where=f"{_CONFIG}[{c.index}].opaque.parameters")
+        where = f"{_CONFIG}[{c.index}].opaque.parameters"
+        decoded = decode_config(c.parameters, driver, where=where)
         for alloc in out.devices:
-            if not c.requests or alloc.request in c.requests or base_request(alloc.request) in c.requests:
-                out.config_env.setdefault(alloc.device.name, {}).update(env)
+            if c.requests and alloc.request not in c.requests and base_request(alloc.request) not in c.requests:
+                continue
+            if isinstance(decoded, dict):
+                out.config_env.setdefault(alloc.device.name, {}).update(decoded)
+                continue
+            dev = alloc.device
+            if dev.kind != "vfio":
+                raise ClaimError(f"{where}: a {VFIO_KIND} applies to passthrough (VFIO) devices only; "
+                                 f"device {dev.name} of request {alloc.request!r} is a {dev.kind} device")
+            if decoded.fields & {"mac", "vlan"} and dev.attributes.get("nativeType") != "nic":
+                raise ClaimError(f"{where}.{'mac' if 'mac' in decoded.fields else 'vlan'}: only a NIC "
+                                 f"function (an SR-IOV VF) takes a MAC or VLAN; {dev.name} is not one")
+            old = out.vfio.get(dev.name, VfioSettings())
+            out.vfio[dev.name] = VfioSettings(
+                iommu=decoded.settings.iommu if "iommu" in decoded.fields else old.iommu,
+                mac=decoded.settings.mac if "mac" in decoded.fields else old.mac,
+                vlan=decoded.settings.vlan if "vlan" in decoded.fields else old.vlan, where=where)
 
 
-def decode_config(params: Any, driver: str, where: str = "parameters") -> dict[str, str]:
-    """Strictly decode `{"apiVersion": "<driver>/v1alpha1", "kind": "DeviceConfig", "env": {...}}`;
-    `where` is the path of `params` in the claim, for messages."""
+@dataclass(frozen=True, slots=True)
+class _VfioEntry:
+    settings: VfioSettings
+    fields: frozenset[str]  # the fields the entry sets (later entries override only those)
+
+
+def decode_config(params: Any, driver: str, where: str = "parameters") -> dict[str, str] | _VfioEntry:
+    """Strictly decode `{"apiVersion": "<driver>/v1alpha1", "kind": "DeviceConfig", "env": {...}}`
+    (its variables) or `{..., "kind": "VfioConfig", "iommu", "mac", "vlan"}`; `where` is the path of
+    `params` in the claim, for messages."""
     if not isinstance(params, Mapping):
         raise ClaimError(f"{where} must be an object, not {_kind(params)}")
+    vfio = params.get("kind") == VFIO_KIND
     # Keys of a YAML document need not be strings: compare and sort them as text.
-    unknown = sorted(str(k) for k in params if k not in CONFIG_FIELDS)
+    unknown = sorted(str(k) for k in params if k not in (VFIO_FIELDS if vfio else CONFIG_FIELDS))
     if unknown:
         shown = ", ".join(_key(k) for k in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
         raise ClaimError(f"{where}: unknown field(s) {shown}")
     if params.get("apiVersion") != config_api_version(driver):
         raise ClaimError(f"{where}.apiVersion must be {config_api_version(driver)!r}, "
                          f"not {_value(params.get('apiVersion'))}")
+    if vfio:
+        return _decode_vfio(params, where)
     if params.get("kind") != CONFIG_KIND:
-        raise ClaimError(f"{where}.kind must be {CONFIG_KIND!r}, not {_value(params.get('kind'))}")
+        raise ClaimError(f"{where}.kind must be {CONFIG_KIND!r} or {VFIO_KIND!r}, "
+                         f"not {_value(params.get('kind'))}")
     env = params.get("env")
     if env is None:
         return {}
@@ -231,3 +275,18 @@ def decode_config(params: Any, driver: str, where: str = "parameters") -> dict[s
             raise ClaimError(f"{where}.env[{_key(key)}] is longer than {MAX_ENV_VALUE} characters or has NUL")
         out[key] = value
     return out
+
+
+def _decode_vfio(params: Mapping[Any, Any], where: str) -> _VfioEntry:
+    iommu, mac, vlan = params.get("iommu", "legacy"), params.get("mac", ""), params.get("vlan", 0)
+    if iommu not in IOMMU_BACKENDS:
+        raise ClaimError(f"{where}.iommu must be 'legacy' or 'iommufd', not {_value(iommu)}")
+    if not isinstance(mac, str) or (mac and not _MAC.match(mac.lower())):
+        raise ClaimError(f"{where}.mac must be a MAC address like '02:00:00:00:00:01', not {_value(mac)}")
+    mac = mac.lower()
+    if mac and int(mac[:2], 16) & 1:
+        raise ClaimError(f"{where}.mac {mac!r} is a multicast address: a VF needs a unicast one")
+    if type(vlan) is not int or not 0 <= vlan <= MAX_VLAN:
+        raise ClaimError(f"{where}.vlan must be a VLAN ID from 0 (none) to {MAX_VLAN}, not {_value(vlan)}")
+    fields = frozenset(k for k in ("iommu", "mac", "vlan") if k in params)
+    return _VfioEntry(VfioSettings(iommu=str(iommu), mac=mac, vlan=vlan, where=where), fields)

@@ -27,6 +27,12 @@ class ClaimBook:
         with self._guard:
             return {uid: rec for uid, (rec, _) in self._records.items()}
 
+    def record_of(self, uid: str) -> ClaimRecord | None:
+        """The copy held for `uid` (no disk access)."""
+        with self._guard:
+            held = self._records.get(uid)
+        return held[0] if held is not None else None
+
     def claims_holding(self, devices: set[str]) -> list[str]:
         with self._guard:
             return sorted({uid for n in devices for uid in self._device_claims.get(n, ())})

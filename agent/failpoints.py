@@ -9,7 +9,10 @@ thus exercise the same code that runs in production. Unset, `hit()` is one looku
 
 The steps: prepare `after-claim-spec`, `after-metadata-file`, `after-metadata-spec`,
 `after-record`; unprepare `unprepare-after-record`, `unprepare-after-file`; metadata
-refresh `refresh-after-record`, `refresh-after-metadata-file`.
+refresh `refresh-after-record`, `refresh-after-metadata-file`. Passthrough (VFIO) devices
+add, in prepare, `after-bind-intent` and around every binding step `bind-before-step` (its
+"step k is next" record written) and `bind-after-step`; in unprepare
+`unprepare-after-restore-intent` and `restore-before-step` / `restore-after-step`.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ class AllocatedDevice:
     pool: str
     device: Device
     share_id: str = ""
+    mac: str = ""  # a passthrough VF's MAC set by the claim's VfioConfig (its networkData says so)
 
 
 def host_dir(metadata_root: Path, uid: str) -> Path:
@@ -49,8 +50,12 @@ def container_file(driver: str, claim_name: str, base_request: str, pod_claim_na
     return f"{parent}/{base_request}/{driver}-metadata.json"
 
 
-def network_data(device: Device) -> dict[str, Any] | None:
+def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
+    """A NIC's interface, IPs and MAC; a passthrough NIC function only its MAC (`mac` when the claim
+    set one), which is what a VM's SR-IOV network matches (it has no interface on the host)."""
     facts = device.node
+    if device.kind == "vfio" and device.attributes.get("nativeType") == "nic":
+        return {"hardwareAddress": mac or facts.mac} if mac or facts.mac else None
     if device.kind != "nic" or not facts.interface:
         return None
     out: dict[str, Any] = {"interfaceName": facts.interface}
@@ -72,7 +77,7 @@ def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: 
             "name": alloc.device.name,
             "attributes": {k: attribute_wire(v) for k, v in sorted(alloc.device.attributes.items())},
         }
-        if (net := network_data(alloc.device)) is not None:
+        if (net := network_data(alloc.device, alloc.mac)) is not None:
             entry["networkData"] = net
         requests.setdefault(alloc.request, []).append(entry)
     body: dict[str, Any] = {

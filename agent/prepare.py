@@ -18,6 +18,9 @@ Order of side effects, so that a crash at any point leaves all or nothing
   files are orphans that recovery removes.
 - unprepare: record removed (fsync'd) -> files. Without the record, the rest are orphans.
 - metadata refresh: new record (fsync'd) -> files. Recovery rewrites the files from the record.
+- passthrough (VFIO) devices bind PCI functions to vfio-pci: intent record -> each step (recorded
+  first) -> files -> final record; unprepare: restore intent -> files -> each restore step -> record
+  removed (`agent.vfioprep`).
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ from agent.inventory import Inventory
 from agent.locks import ClaimFileLock, LockTable
 from agent.metrics import Metrics
 from agent.names import ClaimRef, InvalidName, base_request, check_claim_ref
-from agent.state import ClaimRecord, ClaimStore, FileRecord, PreparedDevice, RecordError
+from agent.state import ClaimRecord, ClaimStore, DeviceBinding, FileRecord, PreparedDevice, RecordError, RecordState
 from agent.toolkit import ToolkitSpecs
+from agent.vfio.errors import VfioError
+from agent.vfio.host import VfioHost
+from agent.vfioprep import Passthrough, lock_key
 from cdi.store import encode_spec
 
 log = logging.getLogger(__name__)
@@ -91,6 +97,7 @@ class PrepareEngine:
         self.claim_lock = claim_lock or ClaimFileLock(settings.state_dir / "claims.lock")
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
         self.book = ClaimBook(store)
+        self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
         self.listeners: list[ClaimListener] = []
         # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is
@@ -248,17 +255,16 @@ class PrepareEngine:
 
     # -- side effects (worker thread) -------------------------------------------------------------
 
-    def plan(self, alloc: Allocation, generation: int = 1) -> ClaimRecord:
+    def plan(self, alloc: Allocation, generation: int = 1,
+             bindings: list[DeviceBinding] | None = None) -> ClaimRecord:
         """Every file of the prepared claim with its content, and the kubelet response. No I/O
-        except the toolkit lookup."""
+        except the toolkit lookup. Passthrough devices must be bound already (`bindings`), their
+        VFIO nodes in their facts (`Passthrough.bound_devices`)."""
         s = self.settings
         ref = alloc.ref
-        if passthrough := [a.device.name for a in alloc.devices if a.device.kind == "vfio"]:
-            # Published (their counters keep the scheduler from handing out both forms of a
-            # function), but binding to vfio-pci is not wired into prepare yet: refuse, never
-            # hand a VM a device still bound to its host driver.
-            raise PrepareFailed(f"passthrough (VFIO) device(s) {', '.join(passthrough)} cannot be prepared by "
-                                "this agent version yet (binding to vfio-pci is not built)")
+        if unbound := {a.device.name for a in alloc.devices if a.device.kind == "vfio"} - \
+                {b.device for b in bindings or ()}:
+            raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
         vendor = s.cdi_vendor
         files: list[FileRecord] = []
         spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, alloc.config_env)
@@ -289,15 +295,20 @@ class PrepareEngine:
         dirs = [str(metadata.host_dir(s.metadata_dir, ref.uid))] if alloc.devices else []
         return ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
                            pod_claim_name=alloc.pod_claim_name, devices=devices, files=files, dirs=dirs,
-                           prepared_at=time.time(), generation=generation)
+                           prepared_at=time.time(), generation=generation, bindings=list(bindings or ()))
 
     def _prepare_blocking(self, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
         """Prepare the claim unless it is prepared; with `read` None, only look it up."""
         with self.claim_locked(ref.uid):
             record = self.current_or_purge(ref.uid)
+            if record is not None and (record.namespace, record.name) != (ref.namespace, ref.name):
+                raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
+            if record is not None and not record.prepared:
+                # A prepare or unprepare of passthrough devices that stopped halfway: settle it first.
+                with self.locks.hold(self.passthrough.record_lock_keys(record)):
+                    self.settle(record)
+                record = None
             if record is not None:
-                if (record.namespace, record.name) != (ref.namespace, ref.name):
-                    raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
                 log.debug("%s already prepared", ref)
                 return record
             if read is None:
@@ -305,7 +316,7 @@ class PrepareEngine:
             claim = read(ref.namespace, ref.name)
             alloc = parse_claim(claim, ref, driver=self.settings.driver_name, pool=self.settings.node_name,
                                 lookup=self.inventory.get)
-            with self.locks.hold(f"device/{a.device.name}" for a in alloc.devices):
+            with self.locks.hold(lock_key(a.device) for a in alloc.devices):
                 return self._apply(alloc)
 
     def current_or_purge(self, uid: str) -> ClaimRecord | None:
@@ -321,22 +332,77 @@ class PrepareEngine:
             return None
 
     def _apply(self, alloc: Allocation) -> ClaimRecord:
+        self.passthrough.check_forms(alloc.ref.uid, alloc.devices)
         for a in alloc.devices:
             for node in a.device.node.device_nodes:
                 if not os.path.exists(node.host_path):
                     raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                         f"on the host ({node.host_path})")
-        record = self.plan(alloc)
+        bindings = self.passthrough.plan(alloc)
+        if not bindings:
+            record = self.plan(alloc)
+        else:
+            # The intent first: from here on a crash leaves a record that recovery rolls back.
+            ref = alloc.ref
+            intent = ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
+                                 pod_claim_name=alloc.pod_claim_name, prepared_at=time.time(),
+                                 devices=[PreparedDevice(a.request, a.pool, a.device.name, ()) for a in alloc.devices],
+                                 state=RecordState.BINDING, bindings=bindings)
+            self.book.write(intent)
+            failpoints.hit("after-bind-intent")
+            try:
+                bound = self.passthrough.bind(intent, self.book.write)
+                devices = self.passthrough.bound_devices(alloc.devices, bound.bindings)
+                alloc = dataclasses.replace(alloc, devices=devices)
+                record = self.plan(alloc, bindings=bound.bindings)
+            except BaseException:
+                self._unbind_after_failure(intent)
+                raise
         try:
             for f in record.files:
                 self.root_of(f.path).write(f.path, f.content, f.mode)
                 failpoints.hit(_step(f.path, self.settings))
             self.book.write(record)
         except BaseException:
-            self._roll_back(record)
+            if record.bindings:
+                self._unbind_after_failure(dataclasses.replace(record, state=RecordState.BINDING, files=[], dirs=[]))
+            else:
+                self._roll_back(record)
             raise
         failpoints.hit("after-record")
         return record
+
+    def _unbind_after_failure(self, intent: ClaimRecord) -> None:
+        """A prepare with bindings failed: put the functions back, then drop the record (its files are
+        removed by the caller or were never written). When the functions cannot be put back, the
+        `binding` record stays, and the next prepare, unprepare or start rolls it back again."""
+        try:
+            self.book.write(intent)  # the disk says `binding` (not `prepared`) while this runs
+            self.remove_claim_files(intent.uid)
+            self.passthrough.restore(intent, None)
+        except (VfioError, OSError) as exc:
+            log.error("claim %s/%s: could not put its PCI functions back after a failed prepare (%s); its record "
+                      "stays in state binding, to be rolled back by the next operation or start",
+                      intent.namespace, intent.name, exc)
+            return
+        with contextlib.suppress(OSError):
+            self.store.delete(intent.uid)
+        self.book.forget(intent.uid)
+
+    def settle(self, record: ClaimRecord) -> None:
+        """Finish a passthrough prepare or unprepare that stopped halfway (call with the claim's locks and
+        its devices' locks): `binding` is rolled back, `restoring` finished; the claim's files and record
+        go. Raises (record kept) when a function cannot be put back now."""
+        self.remove_claim_files(record.uid)
+        if record.state is RecordState.BINDING:
+            self.passthrough.restore(record, None)
+        else:
+            self.passthrough.restore(record, self.book.write)
+        self.store.delete(record.uid)
+        self.book.forget(record.uid)
+        log.info("claim %s/%s: %s settled: its PCI functions are back on their drivers", record.namespace,
+                 record.name, "an interrupted prepare" if record.state is RecordState.BINDING else
+                 "an interrupted unprepare")
 
     def _roll_back(self, record: ClaimRecord) -> None:
         # The record may be in place already (renamed, then its directory's fsync failed): the
@@ -356,7 +422,13 @@ class PrepareEngine:
             record = self.current_or_purge(ref.uid)
             if record is None:
                 return None
-            with self.locks.hold(f"device/{d.device}" for d in record.devices):
+            with self.locks.hold(self.passthrough.record_lock_keys(record)):
+                if not record.prepared:
+                    self.settle(record)
+                    return record
+                if record.bindings:
+                    self._unprepare_bound(record)
+                    return record
                 # The record goes first: a crash from here on leaves only files that no record
                 # owns, which the next start removes.
                 self.store.delete(record.uid)
@@ -364,6 +436,19 @@ class PrepareEngine:
                 failpoints.hit("unprepare-after-record")
                 self.remove_files(record)
             return record
+
+    def _unprepare_bound(self, record: ClaimRecord) -> None:
+        # The restore intent first (no files: from here on they are orphans the next start removes),
+        # then the files, then each function back on its driver, each step recorded first.
+        restoring = dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[],
+                                        bindings=[dataclasses.replace(b, step=0) for b in record.bindings])
+        self.book.write(restoring)
+        failpoints.hit("unprepare-after-restore-intent")
+        self.remove_files(record)
+        self.passthrough.restore(restoring, self.book.write)
+        self.store.delete(record.uid)
+        self.book.forget(record.uid)
+        failpoints.hit("unprepare-after-record")
 
     def remove_files(self, record: ClaimRecord) -> None:
         for f in reversed(record.files):
@@ -393,17 +478,18 @@ class PrepareEngine:
     def _refresh_blocking(self, uid: str) -> ClaimRecord | None:
         with self.claim_locked(uid):
             record = self.current_or_purge(uid)
-            if record is None:
+            if record is None or not record.prepared:
                 return None
             return self._refresh(record)
 
     def _refresh(self, record: ClaimRecord) -> ClaimRecord | None:
         allocated = []
+        macs = {b.device: b.mac for b in record.bindings}
         for d in record.devices:
             device = self.inventory.get(d.device)
             if device is None:
                 return None  # gone: health reports it; the file keeps the last known truth
-            allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id))
+            allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id, macs.get(d.device, "")))
         s = self.settings
         common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,
                                   "uid": record.uid, "pod_claim_name": record.pod_claim_name}

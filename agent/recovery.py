@@ -6,7 +6,9 @@ are stale (re-derived from the record), and files of a claim that has no record
 but not yet the files: removed). Every agent-owned file carries the claim UID in
 its name or lives in a directory named by it, so what is ours and what is
 orphaned is never a guess. An unreadable record is set aside as `*.corrupt` and
-its claim's files are removed.
+its claim's files are removed. A record with PCI functions bound to vfio-pci is settled first
+(`agent.vfioprep`): a bind that stopped halfway is rolled back, a restore finished, and a
+prepared claim's bindings made true again (a reboot forgets them).
 
 Another agent may be running beside this one (a rolling update). Each step on a
 claim therefore holds that claim's locks (`agent.locks`) and looks at its record
@@ -17,16 +19,18 @@ record is written.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from agent import cdispecs
+from agent.errors import ClaimFailure
 from agent.fsutil import UnsafePath, is_temp_name
 from agent.names import InvalidName, check_uid
 from agent.prepare import PrepareEngine
-from agent.state import SUFFIX, ClaimRecord
+from agent.state import SUFFIX, ClaimRecord, RecordState
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +41,14 @@ class RecoveryReport:
     repaired: list[str] = field(default_factory=list)  # file paths rewritten from their records
     removed: list[str] = field(default_factory=list)  # orphaned files and directories
     quarantined: list[str] = field(default_factory=list)  # unreadable records set aside
+    settled: list[str] = field(default_factory=list)  # passthrough prepares/unprepares finished or rolled back
+    dropped: list[str] = field(default_factory=list)  # prepared passthrough claims whose bindings failed
 
     def summary(self) -> str:
         return (f"{len(self.records)} prepared claims, {len(self.repaired)} files repaired, "
-                f"{len(self.removed)} orphans removed, {len(self.quarantined)} unreadable records set aside")
+                f"{len(self.removed)} orphans removed, {len(self.quarantined)} unreadable records set aside, "
+                f"{len(self.settled)} interrupted passthrough operations settled, "
+                f"{len(self.dropped)} passthrough claims dropped")
 
 
 def _uid_or_none(text: str) -> str | None:
@@ -68,6 +76,8 @@ def recover(engine: PrepareEngine) -> RecoveryReport:
             continue
         with engine.claim_locked(uid):
             record = engine.current_or_purge(uid)
+            if record is not None and (not record.prepared or record.bindings):
+                record = _settle_bindings(engine, record, report)
             if record is None:
                 continue
             report.records[uid] = record
@@ -80,6 +90,32 @@ def recover(engine: PrepareEngine) -> RecoveryReport:
     for path in report.removed:
         log.info("removed %s: no claim record owns it", path)
     return report
+
+
+def _settle_bindings(engine: PrepareEngine, record: ClaimRecord, report: RecoveryReport) -> ClaimRecord | None:
+    """A record with PCI functions bound to vfio-pci (call with the claim locked). Mid-bind: rolled back
+    (the kubelet retries the prepare); mid-restore: finished; prepared: the bindings made true again
+    (after a reboot the kernel forgot them). Returns the record when the claim stays prepared. A
+    prepared claim whose functions cannot be bound again is rolled back and dropped, loudly: the
+    kubelet's next prepare of it does it again and says why it fails."""
+    with engine.locks.hold(engine.passthrough.record_lock_keys(record)):
+        if record.prepared:
+            try:
+                return engine.passthrough.reapply(record, engine.book.write)
+            except (ClaimFailure, OSError) as exc:
+                log.error("claim %s/%s (%s): its passthrough devices cannot be bound again (%s): rolling it "
+                          "back; the claim is not prepared any more", record.namespace, record.name, record.uid, exc)
+                record = dataclasses.replace(record, state=RecordState.BINDING)
+                engine.book.write(record)
+                report.dropped.append(record.uid)
+        try:
+            engine.settle(record)
+        except (ClaimFailure, OSError) as exc:
+            log.error("claim %s/%s (%s): could not put its PCI functions back (%s); its record stays, for the next "
+                      "operation on it or the next start", record.namespace, record.name, record.uid, exc)
+            return None
+        report.settled.append(record.uid)
+        return None
 
 
 def repair_claim(engine: PrepareEngine, record: ClaimRecord) -> list[str]:

@@ -4,10 +4,17 @@ One file per claim (`<state dir>/claims/<uid>.rec`), so a prepare costs O(1)
 whatever else is prepared. A record holds everything needed to re-derive the
 claim's files after a crash (their exact content), and the kubelet response.
 
-On-disk format (version 1): one header line, then the body.
+On-disk format: one header line, then the body.
 
-    DRAREC 1 <sha256 of body, hex> <body length>\\n
+    DRAREC <version> <sha256 of body, hex> <body length>\\n
     <body: a JSON object>
+
+Version 1: a prepared claim that changed nothing outside the agent's files. Version 2: a claim
+with side effects on the host (PCI functions bound to vfio-pci): its `bindings`, and a state that
+may also be an intent (`binding`: bind steps under way; `restoring`: unprepare putting the host
+drivers back). A record without bindings is still written as version 1, so an agent that predates
+bindings reads it; one that predates them refuses a version-2 record by name instead of taking a
+half-bound device for a prepared one.
 
 The checksum catches torn or corrupted files; the version lets a later agent
 read (or refuse, clearly) what an earlier one wrote. Records are written
@@ -31,7 +38,9 @@ import hashlib
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +48,25 @@ import orjson
 
 from agent.fsutil import Root, is_temp_name
 from agent.names import InvalidName, check_uid
+from agent.vfio.bind import BindPlan
 from cdi.atomic import write_at
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"DRAREC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # records without host side effects
+BINDINGS_VERSION = 2  # records with `bindings` (and intent states)
+READABLE_VERSIONS = (FORMAT_VERSION, BINDINGS_VERSION)
 SUFFIX = ".rec"
 
-PREPARED = "prepared"  # the only state a record is written in
+
+class RecordState(StrEnum):
+    PREPARED = "prepared"  # the claim's files and bindings are in place
+    BINDING = "binding"  # prepare is binding functions (intent): recovery rolls it back
+    RESTORING = "restoring"  # unprepare is restoring host drivers (intent): recovery finishes it
+
+
+PREPARED = RecordState.PREPARED
 
 
 class RecordError(ValueError):
@@ -80,6 +99,40 @@ class PreparedDevice:
                    cdi_device_ids=tuple(ids), share_id=str(d.get("shareId", "")))
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceBinding:
+    """A passthrough device's PCI functions moved to vfio-pci for the claim.
+
+    `plan` holds every step and each function's original driver, written before the first step
+    takes effect; `step` is the next step to apply, written before it is applied: of `plan` while
+    the record is `binding`, of `plan.restore()` while it is `restoring`."""
+
+    device: str  # the claim's passthrough device (`gpu-0000-18-00-0-vfio`)
+    plan: BindPlan
+    step: int = 0
+    boot_id: str = ""  # the kernel boot the functions were bound in (a reboot forgets bindings)
+    iommu: str = "legacy"  # the VFIO interface the CDI spec gives: legacy | iommufd
+    mac: str = ""  # the MAC VfioConfig set on a VF (also its metadata's hardwareAddress)
+    vlan: int = 0  # the VLAN VfioConfig set on a VF (0: none)
+
+    def wire(self) -> dict[str, Any]:
+        return {"device": self.device, "plan": self.plan.wire(), "step": self.step, "bootId": self.boot_id,
+                "iommu": self.iommu, "mac": self.mac, "vlan": self.vlan}
+
+    @classmethod
+    def from_wire(cls, raw: object) -> DeviceBinding:
+        keys = {"device", "plan", "step", "bootId", "iommu", "mac", "vlan"}
+        if not isinstance(raw, Mapping) or set(raw) != keys:
+            raise ValueError(f"not a device binding: {raw!r}"[:200])
+        device, plan, step, boot, iommu, mac, vlan = (raw[k] for k in (
+            "device", "plan", "step", "bootId", "iommu", "mac", "vlan"))
+        if not (isinstance(device, str) and isinstance(plan, Mapping) and type(step) is int and step >= 0
+                and isinstance(boot, str) and iommu in ("legacy", "iommufd") and isinstance(mac, str)
+                and type(vlan) is int):
+            raise ValueError(f"device binding of {device!r} has a field of the wrong type"[:200])
+        return cls(device, BindPlan.from_wire(plan), step, boot, iommu, mac, vlan)
+
+
 @dataclass(slots=True)
 class FileRecord:
     path: str
@@ -99,27 +152,49 @@ class ClaimRecord:
     dirs: list[str] = field(default_factory=list)
     prepared_at: float = 0.0
     generation: int = 1
+    state: RecordState = PREPARED
+    bindings: list[DeviceBinding] = field(default_factory=list)  # version 2 only
+
+    @property
+    def version(self) -> int:
+        """The format version the record is written in."""
+        return BINDINGS_VERSION if self.bindings or self.state is not PREPARED else FORMAT_VERSION
+
+    @property
+    def prepared(self) -> bool:
+        return self.state is PREPARED
 
     def to_json(self) -> bytes:
-        return orjson.dumps({
+        body: dict[str, Any] = {
             "uid": self.uid,
             "namespace": self.namespace,
             "name": self.name,
-            "state": PREPARED,
+            "state": str(self.state),
             "podClaimName": self.pod_claim_name,
             "devices": [d.to_json() for d in self.devices],
             "files": [{"path": f.path, "mode": f.mode, "content": f.content.decode()} for f in self.files],
             "dirs": self.dirs,
             "preparedAt": self.prepared_at,
             "generation": self.generation,
-        })
+        }
+        if self.version == BINDINGS_VERSION:
+            body["bindings"] = [b.wire() for b in self.bindings]
+        return orjson.dumps(body)
 
     @classmethod
-    def from_json(cls, body: bytes) -> ClaimRecord:
+    def from_json(cls, body: bytes, version: int = FORMAT_VERSION) -> ClaimRecord:
         d = orjson.loads(body)
         try:
-            if d["state"] != PREPARED:
-                raise ValueError(f"record state {d['state']!r} is not {PREPARED!r}")
+            if version == FORMAT_VERSION:
+                if d["state"] != PREPARED or "bindings" in d:
+                    raise ValueError(f"a version-1 record is prepared and has no bindings (state {d['state']!r})")
+                state, bindings = PREPARED, []
+            else:
+                state = RecordState(d["state"])
+                raw = d["bindings"]
+                if not isinstance(raw, list):
+                    raise TypeError("bindings must be a list")
+                bindings = [DeviceBinding.from_wire(b) for b in raw]
             return cls(
                 uid=d["uid"],
                 namespace=d["namespace"],
@@ -130,6 +205,8 @@ class ClaimRecord:
                 dirs=list(d.get("dirs", [])),
                 prepared_at=float(d.get("preparedAt", 0.0)),
                 generation=int(d.get("generation", 1)),
+                state=state,
+                bindings=bindings,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(f"record body is incomplete: {exc!r}") from exc
@@ -137,7 +214,7 @@ class ClaimRecord:
 
 def encode(record: ClaimRecord) -> bytes:
     body = record.to_json()
-    header = b"%s %d %s %d\n" % (MAGIC, FORMAT_VERSION, hashlib.sha256(body).hexdigest().encode(), len(body))
+    header = b"%s %d %s %d\n" % (MAGIC, record.version, hashlib.sha256(body).hexdigest().encode(), len(body))
     return header + body
 
 
@@ -152,15 +229,15 @@ def decode(data: bytes) -> ClaimRecord:
         version, length = int(parts[1]), int(parts[3])
     except ValueError as exc:
         raise RecordError("malformed header") from exc
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise RecordError(f"record format version {version} is not supported (this agent reads "
-                          f"{FORMAT_VERSION})")
+                          f"{', '.join(map(str, READABLE_VERSIONS))})")
     if len(body) != length:
         raise RecordError(f"body is {len(body)} bytes, header says {length} (truncated?)")
     if hashlib.sha256(body).hexdigest().encode() != parts[2]:
         raise RecordError("checksum mismatch (corrupted)")
     try:
-        return ClaimRecord.from_json(body)
+        return ClaimRecord.from_json(body, version)
     except orjson.JSONDecodeError as exc:
         raise RecordError(f"body is not JSON: {exc}") from exc
 

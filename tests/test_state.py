@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import stat
 import threading
 import time
 
+import orjson
 import pytest
 
 from agent.state import (
     ClaimRecord,
     ClaimStore,
+    DeviceBinding,
     DirectorySync,
     FileRecord,
     PreparedDevice,
     RecordError,
+    RecordState,
     decode,
     encode,
 )
+from agent.vfio.bind import BindPlan, BindStep, FunctionBinding, StepKind
 
 UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"
 
@@ -154,3 +160,47 @@ def test_a_failed_directory_sync_raises_and_the_next_caller_syncs_again(tmp_path
         sync.sync()
     sync.sync()
     assert sync.fsyncs == 1
+
+
+# -- version 2: records with PCI functions bound to vfio-pci -----------------------------------------------
+
+def bound_record(state: RecordState = RecordState.PREPARED) -> ClaimRecord:
+    plan = BindPlan("vfio-pci", 100, (FunctionBinding("0000:18:00.0", "nvidia"),),
+                    (BindStep(StepKind.SET_OVERRIDE, "0000:18:00.0", "vfio-pci"),
+                     BindStep(StepKind.UNBIND, "0000:18:00.0", "nvidia"),
+                     BindStep(StepKind.BIND, "0000:18:00.0", "vfio-pci")))
+    return dataclasses.replace(record(), state=state, bindings=[
+        DeviceBinding("gpu-0000-18-00-0-vfio", plan, 2, "boot-1", "iommufd", "02:00:00:00:00:01", 7)])
+
+
+@pytest.mark.parametrize("state", list(RecordState))
+def test_bindings_round_trip_in_version_2(state):
+    rec = bound_record(state)
+    data = encode(rec)
+    assert data.startswith(b"DRAREC 2 ")
+    assert decode(data) == rec
+
+
+def test_records_without_bindings_stay_version_1_and_version_1_stays_strict():
+    assert encode(record()).startswith(b"DRAREC 1 ")
+    # A version-1 header over a body with bindings or another state is refused, not half read.
+    for body in (bound_record().to_json(), bound_record(RecordState.BINDING).to_json()):
+        data = b"DRAREC 1 %s %d\n" % (hashlib.sha256(body).hexdigest().encode(), len(body)) + body
+        with pytest.raises(RecordError, match="incomplete"):
+            decode(data)
+
+
+@pytest.mark.parametrize("damage", [
+    ("state", "half-bound"), ("step", -1), ("step", True), ("iommu", "vfio"), ("extra", 1), ("plan", {}),
+])
+def test_a_malformed_binding_is_refused(damage):
+    key, value = damage
+    body = orjson.loads(bound_record().to_json())
+    if key == "state":
+        body["state"] = value
+    else:
+        body["bindings"][0][key] = value
+    raw = orjson.dumps(body)
+    data = b"DRAREC 2 %s %d\n" % (hashlib.sha256(raw).hexdigest().encode(), len(raw)) + raw
+    with pytest.raises(RecordError):
+        decode(data)

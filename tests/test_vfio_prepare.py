@@ -1,24 +1,251 @@
-"""Prepare of passthrough (VFIO) devices. They are published (with counters that keep the
-scheduler from handing out both forms of a function), but binding to vfio-pci is not wired into
-prepare yet: a claim for one gets a precise error and leaves nothing behind, never a "prepared"
-device still bound to its host driver."""
+"""Prepare and unprepare of passthrough (VFIO) devices through the engine, on the simulated machine with
+its kernel emulator running (real sysfs files, the real watchdog thread): a GPU and a NIC VF bound to
+vfio-pci and back, the CDI spec's VFIO nodes, the metadata KubeVirt reads, VfioConfig, the two forms of
+one function kept apart, a busy GPU and a refusing kernel, and recovery from every state a crash can
+leave (mid-bind, mid-restore, a reboot)."""
 
 from __future__ import annotations
 
-from agentkit import claim, make_node, result, write_claim, written_files
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
+import pytest
+from agentkit import Node, claim, make_node, nic, restarted, result, write_claim, written_files
+from test_vfio import fake_proc
+
+from agent import metadata
+from agent.allocation import config_api_version
+from agent.inventory.nvml_hardware import materialize
+from agent.inventory.nvml_profiles import load_profile
+from agent.inventory.passthrough import NicVariants
 from agent.names import ClaimRef
+from agent.recovery import recover
+from agent.simkernel.emulator import KernelEmulator, WriteKind
+from agent.simkernel.tree import SimTree
+from agent.state import ClaimStore, RecordState
+from agent.vfio.bind import apply_step
+from agent.vfio.pci import current_driver, current_override
 
+pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
+
+GPU_BUS, GPU_GROUP = "0000:18:00.0", 100  # gpu-0 of dgx-h100
+GPU_VARIANT = "gpu-0000-18-00-0-vfio"
+VF_BUS = "0000:4b:00.1"  # VF 0 of the ConnectX-7
+VF_VARIANT = "nic-0000-4b-00-1-vfio"
 UID = "2f1a0000-0000-4000-8000-000000000001"
+UID2 = "2f1a0000-0000-4000-8000-000000000002"
+DRIVER = "dra.example.com"
 
 
-async def test_a_passthrough_device_is_refused_and_leaves_nothing(tmp_path) -> None:
+@dataclasses.dataclass
+class VmNode:
+    node: Node
+    kernel: KernelEmulator
+    tree: SimTree
+
+    def driver(self, bdf: str) -> str | None:
+        return current_driver(self.tree.sys, bdf)
+
+    async def prepare(self, name: str, uid: str, device: str, request: str = "vm",
+                      config: list[dict[str, Any]] | None = None) -> Any:
+        write_claim(self.node.claims_dir, claim(name, uid, [result(device, request)], config=config or []))
+        (res,) = (await self.node.engine.prepare([ClaimRef("default", name, uid)])).values()
+        return res
+
+    async def unprepare(self, name: str, uid: str) -> str:
+        (err,) = (await self.node.engine.unprepare([ClaimRef("default", name, uid)])).values()
+        return err
+
+
+@pytest.fixture
+async def vm(tmp_path: Path) -> AsyncIterator[VmNode]:
     node = await make_node(tmp_path)
-    variant = next(d for d in node.inventory.devices() if d.kind == "vfio" and d.attributes.get("nativeType") == "gpu")
-    before = written_files(node.settings)
-    write_claim(node.claims_dir, claim("vm-gpu", UID, [result(variant.name, "gpu")]))
-    (res,) = (await node.engine.prepare([ClaimRef("default", "vm-gpu", UID)])).values()
-    assert "passthrough (VFIO)" in res.error and variant.name in res.error and "not built" in res.error
-    assert res.devices == []
-    assert written_files(node.settings) == before
-    assert UID not in node.engine.records
+    root = node.settings.state_dir / "nvml-sim"
+    tree = SimTree(root)
+    # The NIC VFs' passthrough variants, as NIC discovery finds them in (this machine's) sysfs.
+    node.nic_source.devices = NicVariants().apply(tree.sys, [nic()])
+    await node.inventory.scan(["nic"])
+    with KernelEmulator(load_profile("dgx-h100"), root) as kernel:
+        yield VmNode(node, kernel, tree)
+
+
+def vfio_config(**fields: Any) -> list[dict[str, Any]]:
+    return [{"source": "FromClaim", "requests": ["vm"], "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": config_api_version(DRIVER), "kind": "VfioConfig", **fields}}}]
+
+
+def spec_of(vm: VmNode, uid: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((vm.node.settings.cdi_dir / f"{DRIVER}-claim_{uid}.json").read_text())
+    return data
+
+
+def kubevirt_device(vm: VmNode, uid: str, request: str = "vm") -> dict[str, Any]:
+    """What KubeVirt 1.9 reads: the v1alpha1 object, exactly one device in the request."""
+    stream = metadata.parse_stream(metadata.host_file(vm.node.settings.metadata_dir, uid, request).read_bytes())
+    (obj,) = [o for o in stream if o["apiVersion"] == "metadata.resource.k8s.io/v1alpha1"]
+    (req,) = obj["requests"]
+    (device,) = req["devices"]
+    return dict(device)
+
+
+async def test_gpu_bound_to_vfio_gets_vfio_nodes_and_comes_back(vm: VmNode) -> None:
+    before = written_files(vm.node.settings)
+    res = await vm.prepare("vm-gpu", UID, GPU_VARIANT)
+    assert res.error == ""
+    assert vm.driver(GPU_BUS) == "vfio-pci" and current_override(vm.tree.sys, GPU_BUS) == "vfio-pci"
+    (dev,) = spec_of(vm, UID)["devices"]
+    nodes = dev["containerEdits"]["deviceNodes"]
+    assert [n["path"] for n in nodes] == ["/dev/vfio/vfio", f"/dev/vfio/{GPU_GROUP}"]
+    assert all(os.path.exists(n["hostPath"]) for n in nodes)
+    assert "nvidia" not in json.dumps(spec_of(vm, UID))
+    kv = kubevirt_device(vm, UID)
+    assert kv["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": GPU_BUS}
+    assert "mdevUUID" not in kv["attributes"]
+    record = vm.node.engine.records[UID]
+    assert record.state is RecordState.PREPARED and [b.device for b in record.bindings] == [GPU_VARIANT]
+    assert (vm.node.settings.claims_state_dir / f"{UID}.rec").read_bytes().startswith(b"DRAREC 2 ")
+    # A second prepare is answered from the record.
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).devices == res.devices
+
+    assert await vm.unprepare("vm-gpu", UID) == ""
+    assert vm.driver(GPU_BUS) == "nvidia" and current_override(vm.tree.sys, GPU_BUS) is None
+    assert not (vm.tree.dev / "vfio" / str(GPU_GROUP)).exists()
+    assert written_files(vm.node.settings) == before
+    assert vm.kernel.refusals == []
+
+
+async def test_native_and_passthrough_forms_exclude_each_other(vm: VmNode) -> None:
+    assert (await vm.prepare("pod-gpu", UID, "gpu-0", request="gpu")).error == ""
+    res = await vm.prepare("vm-gpu", UID2, GPU_VARIANT)
+    assert f"PCI function {GPU_BUS} is prepared as gpu-0 for claim default/pod-gpu ({UID})" in res.error
+    assert vm.driver(GPU_BUS) == "nvidia" and UID2 not in vm.node.engine.records
+    assert await vm.unprepare("pod-gpu", UID) == ""
+
+    assert (await vm.prepare("vm-gpu", UID2, GPU_VARIANT)).error == ""
+    res = await vm.prepare("pod-gpu", UID, "gpu-0", request="gpu")
+    assert f"PCI function {GPU_BUS} is prepared as {GPU_VARIANT} for claim default/vm-gpu ({UID2})" in res.error
+    assert await vm.unprepare("vm-gpu", UID2) == ""
+    assert vm.driver(GPU_BUS) == "nvidia"
+
+
+async def test_vf_with_mac_vlan_and_iommufd(vm: VmNode, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO")
+    res = await vm.prepare("vm-net", UID, VF_VARIANT,
+                           config=vfio_config(iommu="iommufd", mac="02:aa:bb:cc:dd:01", vlan=42))
+    assert res.error == ""
+    assert vm.driver(VF_BUS) == "vfio-pci"
+    (dev,) = spec_of(vm, UID)["devices"]
+    assert [n["path"] for n in dev["containerEdits"]["deviceNodes"]] == ["/dev/iommu", "/dev/vfio/devices/vfio0"]
+    kv = kubevirt_device(vm, UID)
+    assert kv["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": VF_BUS}
+    assert kv["networkData"] == {"hardwareAddress": "02:aa:bb:cc:dd:01"}
+    assert "not setting VF 0 of ens75f0np0" in caplog.text and "vlan 42" in caplog.text
+    assert await vm.unprepare("vm-net", UID) == ""
+    assert vm.driver(VF_BUS) == "mlx5_core"
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"iommu": "vfio"}, "parameters.iommu must be 'legacy' or 'iommufd'"),
+    ({"mac": "02:00:00:00:00:01"}, "parameters.mac: only a NIC function"),
+    ({"vlan": 5000}, "parameters.vlan must be a VLAN ID from 0 (none) to 4094"),
+    ({"mtu": 9000}, "parameters: unknown field(s) 'mtu'"),
+])
+async def test_vfio_config_errors_name_the_field(vm: VmNode, fields: dict[str, Any], message: str) -> None:
+    res = await vm.prepare("vm-gpu", UID, GPU_VARIANT, config=vfio_config(**fields))
+    assert f"status.allocation.devices.config[0].opaque.{message}" in res.error
+    assert vm.driver(GPU_BUS) == "nvidia" and UID not in vm.node.engine.records
+
+
+async def test_gpu_open_on_the_host_is_busy_and_retryable(vm: VmNode) -> None:
+    # A process of the simulated machine (its /proc) holding the GPU open.
+    fake_proc(vm.tree.root / "proc", 4343, "python3", {7: "/dev/nvidia0"})
+    res = await vm.prepare("vm-gpu", UID, GPU_VARIANT)
+    assert f"GPU {GPU_BUS} is in use on the host: pid 4343 (python3) fd 7 on /dev/nvidia0" in res.error
+    assert vm.driver(GPU_BUS) == "nvidia" and UID not in vm.node.engine.records
+    shutil.rmtree(vm.tree.root / "proc" / "4343")  # it closes the GPU
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    assert await vm.unprepare("vm-gpu", UID) == ""
+
+
+async def test_a_refused_bind_is_rolled_back(vm: VmNode) -> None:
+    vm.node.engine.passthrough.timeout = 1.0
+    before = written_files(vm.node.settings)
+    vm.kernel.fail(WriteKind.BIND, GPU_BUS, reason="probe failed")
+    res = await vm.prepare("vm-gpu", UID, GPU_VARIANT)
+    assert f"bind {GPU_BUS} to vfio-pci: not done after 1s" in res.error
+    assert vm.driver(GPU_BUS) == "nvidia" and current_override(vm.tree.sys, GPU_BUS) is None
+    assert written_files(vm.node.settings) == before
+
+
+# -- recovery: what a crash leaves, settled by the next start ----------------------------------------------
+
+async def _crash_mid_bind(vm: VmNode, steps_done: int) -> None:
+    """The state a prepare killed after its intent record and `steps_done` bind steps leaves."""
+    engine = vm.node.engine
+    write_claim(vm.node.claims_dir, claim("vm-gpu", UID, [result(GPU_VARIANT, "vm")]))
+    from agent.allocation import parse_claim
+    from agent.state import ClaimRecord, PreparedDevice
+
+    alloc = parse_claim(engine.claims.read("default", "vm-gpu"), ClaimRef("default", "vm-gpu", UID),  # type: ignore[attr-defined]
+                        driver=DRIVER, pool=vm.node.settings.node_name, lookup=engine.inventory.get)
+    bindings = engine.passthrough.plan(alloc)
+    intent = ClaimRecord(uid=UID, namespace="default", name="vm-gpu", state=RecordState.BINDING, bindings=bindings,
+                         devices=[PreparedDevice("vm", vm.node.settings.node_name, GPU_VARIANT, ())])
+    engine.book.write(intent)
+    for step in bindings[0].plan.steps[:steps_done]:
+        apply_step(vm.tree.sys, step)
+
+
+@pytest.mark.parametrize("steps_done", [0, 1, 2, 3])
+async def test_recovery_rolls_back_a_bind_that_stopped(vm: VmNode, steps_done: int) -> None:
+    before = written_files(vm.node.settings)
+    await _crash_mid_bind(vm, steps_done)
+    report = recover(restarted(vm.node))
+    assert report.settled == [UID] and UID not in report.records
+    assert vm.driver(GPU_BUS) == "nvidia" and current_override(vm.tree.sys, GPU_BUS) is None
+    assert written_files(vm.node.settings) == before
+
+
+@pytest.mark.parametrize("steps_done", [0, 1, 2, 3])
+async def test_recovery_finishes_a_restore_that_stopped(vm: VmNode, steps_done: int) -> None:
+    before = written_files(vm.node.settings)
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    record = vm.node.engine.records[UID]
+    restoring = dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[],
+                                    bindings=[dataclasses.replace(b, step=steps_done) for b in record.bindings])
+    vm.node.engine.book.write(restoring)
+    for step in record.bindings[0].plan.restore().steps[:steps_done]:
+        apply_step(vm.tree.sys, step)
+    report = recover(restarted(vm.node))
+    assert report.settled == [UID]
+    assert vm.driver(GPU_BUS) == "nvidia" and current_override(vm.tree.sys, GPU_BUS) is None
+    assert written_files(vm.node.settings) == before
+
+
+async def test_a_prepare_that_stopped_is_settled_by_the_next_prepare(vm: VmNode) -> None:
+    await _crash_mid_bind(vm, 2)  # unbound from nvidia, not yet on vfio-pci
+    res = await vm.prepare("vm-gpu", UID, GPU_VARIANT)
+    assert res.error == "" and vm.driver(GPU_BUS) == "vfio-pci"
+    assert vm.node.engine.records[UID].state is RecordState.PREPARED
+    assert await vm.unprepare("vm-gpu", UID) == ""
+    assert vm.driver(GPU_BUS) == "nvidia"
+
+
+async def test_after_a_reboot_recovery_binds_again(vm: VmNode) -> None:
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    boot = vm.node.engine.records[UID].bindings[0].boot_id
+    materialize(load_profile("dgx-h100"), vm.tree.root, boot=True)  # the kernel forgot every binding
+    assert vm.driver(GPU_BUS) == "nvidia" and vm.tree.boot_id.read_text().strip() != boot
+    report = recover(restarted(vm.node))
+    assert UID in report.records and report.repaired == []
+    assert vm.driver(GPU_BUS) == "vfio-pci" and (vm.tree.dev / "vfio" / str(GPU_GROUP)).exists()
+    found = ClaimStore(vm.node.settings.claims_state_dir).read(UID)
+    assert found is not None
+    assert found[0].bindings[0].boot_id == vm.tree.boot_id.read_text().strip()
+    assert await vm.unprepare("vm-gpu", UID) == ""
+    assert vm.driver(GPU_BUS) == "nvidia"
