@@ -45,6 +45,7 @@ from agent.publisher import PublishLoop
 from agent.recovery import recover
 from agent.selfheal import SelfHealer
 from agent.server import Servers
+from agent.simkernel.emulator import KernelEmulator
 from agent.state import ClaimStore
 from agent.taintpolicy import PolicyError
 
@@ -54,6 +55,21 @@ log = logging.getLogger(__name__)
 def build_sources(settings: Settings) -> list[Source]:
     return [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough), CpuSource(settings),
             MemorySource(settings)]
+
+
+def start_sim_kernel(settings: Settings) -> KernelEmulator | None:
+    """With `--nvml sim`, the simulated machine's kernel, which applies binding writes (the agent's
+    VFIO binds, an operator's echo into sysfs) while the agent runs. The running agent starts it, not
+    GPU discovery: one-shot CLI commands open the same machine and must not run a second one on it.
+    Started before recovery, which may bind functions again."""
+    if settings.nvml.kind != "sim":
+        return None
+    from agent.inventory.nvml_profiles import load_profile
+    from agent.vfio.host import VfioHost
+
+    kernel = KernelEmulator(load_profile(settings.nvml.profile), VfioHost.of(settings).sysfs.parent)
+    kernel.start()
+    return kernel
 
 
 class PublishedForm:
@@ -129,6 +145,7 @@ class Agent:
         self.metrics.state = self.metrics_state
         self.inventory.on_scan = self.metrics.scanned
         self.http: MetricsServer | None = None
+        self.kernel: KernelEmulator | None = None  # the simulated machine's kernel (--nvml sim)
         self._tasks: list[asyncio.Task[Any]] = []
         self._devices: dict[str, Device] = {}
         self.refreshed = asyncio.Event()  # the start-up refresh of prepared claims is done
@@ -144,6 +161,7 @@ class Agent:
         log.info("mode: %s (%s)", self.conn.mode, self.conn.reason)
         await asyncio.to_thread(prepare_roots, s)
         await asyncio.to_thread(self.inventory.open)
+        self.kernel = await asyncio.to_thread(start_sim_kernel, s)
         set_node_allocatable(self.inventory, self.conn.node)
         self.engine = PrepareEngine(s, self.inventory, self.conn.claim_source(s), self.store, metrics=self.metrics)
         _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(recover, self.engine))
@@ -289,6 +307,8 @@ class Agent:
         if self.claim_status is not None:  # what is still queued is written again by the next start's resync
             await self.claim_status.stop()
         await asyncio.to_thread(self.inventory.close)
+        if self.kernel is not None:
+            await asyncio.to_thread(self.kernel.stop)
         if self.conn is not None:
             await self.conn.close()
 

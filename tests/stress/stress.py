@@ -1,13 +1,16 @@
 """`make stress`: the crash suite and the fuzzer that prove the claim bookkeeping.
 
-Crash rounds. A pool of claims (GPUs, a NIC, a CPU; plain and template claims) is
-prepared, unprepared and refreshed (the NIC's addresses change) in random
+Crash rounds. A pool of claims (GPUs, a NIC, a CPU; plain and template claims; a VM's
+passthrough GPU and a NIC VF with VfioConfig, bound to vfio-pci on the simulated machine by
+its kernel emulator) is prepared, unprepared and refreshed (the NIC's addresses change) in random
 concurrent batches by an agent process (the prepare engine over the real roots,
 forked from this one), which dies by SIGKILL at a random side-effect step
 (`failpoints`, `*@N=kill`). The next process is the restart: start-up recovery,
 then this process checks the whole disk (every record's files exist and match it;
 no agent file without a record; no temp file left; every prepare that returned
-success is prepared; every unprepare that returned success left nothing), then
+success is prepared; every unprepare that returned success left nothing; no record
+left mid-bind or mid-restore; each PCI function bound to exactly the driver the
+records say: vfio-pci for a prepared passthrough device, else its own), then
 the next round runs in it, and so on. A few rounds kill the real `dra-agent run`
 daemon, driven over its sockets by a kubelet stand-in.
 
@@ -52,13 +55,23 @@ from agent.daemon import PublishedForm  # noqa: E402
 from agent.fsutil import is_temp_name  # noqa: E402
 from agent.inventory import Inventory  # noqa: E402
 from agent.inventory.gpus import GpuSource  # noqa: E402
+from agent.inventory.nvml_hardware import sim_functions  # noqa: E402
+from agent.inventory.nvml_profiles import load_profile  # noqa: E402
+from agent.inventory.passthrough import NicVariants  # noqa: E402
 from agent.model import Device  # noqa: E402
 from agent.names import ClaimRef  # noqa: E402
 from agent.prepare import PrepareEngine  # noqa: E402
 from agent.recovery import recover  # noqa: E402
-from agent.state import ClaimStore  # noqa: E402
+from agent.simkernel.emulator import KernelEmulator  # noqa: E402
+from agent.simkernel.tree import SimTree  # noqa: E402
+from agent.state import ClaimRecord, ClaimStore  # noqa: E402
+from agent.vfio.host import VfioHost  # noqa: E402
 
 NIC = "nic-0000-3b-00-0"
+PROFILE = "dgx-h100"
+VM_GPU = "gpu-0000-ba-00-0-vfio"  # gpu-6's passthrough form: native claims take gpu-0..5
+VM_VF = "nic-0000-4b-00-1-vfio"  # the ConnectX-7's VF 0
+VM_CLAIMS = {4: VM_GPU, 5: VM_VF}
 NIC_VARIANTS: tuple[tuple[str, ...], ...] = ((), ("10.0.0.5/24",), ("10.0.0.6/24", "fd00::6/64"))
 
 
@@ -100,11 +113,33 @@ def check_disk(settings: Settings, expect: dict[str, str]) -> list[str]:
         for parent, _dirs, files in os.walk(settings.metadata_dir / name):
             problems += [f"orphan metadata file {os.path.join(parent, f)}" for f in files
                          if os.path.join(parent, f) not in owned]
+    problems += check_bindings(settings, records)
     for uid, state in sorted(expect.items()):
         if state == "prepared" and uid not in records:
             problems.append(f"claim {uid}: its prepare returned success, but it is not prepared")
         if state == "absent" and uid in records:
             problems.append(f"claim {uid}: its unprepare returned success, but it is prepared")
+    return problems
+
+
+def check_bindings(settings: Settings, records: dict[str, ClaimRecord]) -> list[str]:
+    """Each function of the simulated machine bound to exactly the driver the records say: vfio-pci
+    (with the override) for a prepared passthrough device, else its own driver and no override."""
+    problems = []
+    tree = SimTree(VfioHost.of(settings).sysfs.parent)
+    want: dict[str, tuple[str, str | None]] = {}
+    for uid, record in records.items():
+        if not record.prepared:
+            problems.append(f"claim {uid}: its record is left in state {record.state} after recovery")
+        for b in record.bindings:
+            for f in b.plan.functions:
+                want[f.bdf] = (b.plan.driver, b.plan.driver)
+    for fn in sim_functions(load_profile(PROFILE), tree):
+        driver, override = want.get(fn.bdf, (fn.driver, None))
+        now = (tree.driver_of(fn.bdf), tree.override_of(fn.bdf))
+        if now != (driver, override):
+            problems.append(f"PCI function {fn.bdf} is bound to {now[0]} (override {now[1]}), the records say "
+                            f"{driver} (override {override})")
     return problems
 
 
@@ -124,13 +159,21 @@ class CrashReport:
 def _claims(rng: random.Random, count: int) -> list[dict[str, Any]]:
     out = []
     for i in range(count):
-        results = [agentkit.result(f"gpu-{rng.randrange(8)}", "a")]
+        if i in VM_CLAIMS:  # a VM's claim: one passthrough device (a VF with its MAC and VLAN set)
+            config = [] if VM_CLAIMS[i] == VM_GPU else [{"requests": ["vm"], "opaque": {
+                "driver": agentkit.DRIVER, "parameters": {"apiVersion": f"{agentkit.DRIVER}/v1alpha1",
+                                                          "kind": "VfioConfig", "mac": f"02:00:00:00:01:{i:02x}",
+                                                          "vlan": 10 + i}}}]
+            out.append(agentkit.claim(f"claim-{i}", claim_uid(i), [agentkit.result(VM_CLAIMS[i], "vm")],
+                                      config=config))
+            continue
+        results = [agentkit.result(f"gpu-{rng.randrange(6)}", "a")]
         if rng.random() < 0.5:
             results.append(agentkit.result(NIC, "net"))
         if rng.random() < 0.3:
             results.append(agentkit.result("cpu-numa0", "b"))
         if rng.random() < 0.3:
-            results.append(agentkit.result(f"gpu-{rng.randrange(8)}", "a/sub"))
+            results.append(agentkit.result(f"gpu-{rng.randrange(6)}", "a/sub"))
         annotations = {"resource.kubernetes.io/pod-claim-name": f"pc{i}"} if i % 3 == 0 else None
         out.append(agentkit.claim(f"claim-{i}", claim_uid(i), results, annotations=annotations))
     return out
@@ -141,7 +184,8 @@ class _Agent:
 
     def __init__(self, settings: Settings, gpus: list[Device], nic_variant: int) -> None:
         self.settings = settings
-        self.nics = agentkit.StaticSource("nic", [agentkit.nic(ips=NIC_VARIANTS[nic_variant])])
+        self.vfs = [d for d in NicVariants().apply(VfioHost.of(settings).sysfs, []) if d.kind == "vfio"]
+        self.nics = agentkit.StaticSource("nic", [agentkit.nic(ips=NIC_VARIANTS[nic_variant]), *self.vfs])
         self.inventory = Inventory([agentkit.StaticSource("gpu", gpus), self.nics,
                                     agentkit.StaticSource("cpu", [agentkit.cpu()])], refine=PublishedForm())
         assert settings.offline is not None
@@ -168,12 +212,14 @@ def _child(settings: Settings, gpus: list[Device], uids: list[str], seed: int, k
             say("D", kind, uid, "ok" if not err else "err", orjson.dumps(err).decode())
 
     async def refresh(agent: _Agent) -> None:
-        agent.nics.devices = [agentkit.nic(ips=NIC_VARIANTS[rng.randrange(len(NIC_VARIANTS))])]
+        agent.nics.devices = [agentkit.nic(ips=NIC_VARIANTS[rng.randrange(len(NIC_VARIANTS))]), *agent.vfs]
         if await agent.inventory.scan(["nic"]):
             await agent.engine.refresh_devices({NIC})
 
     async def main() -> None:
         agent = _Agent(settings, gpus, rng.randrange(len(NIC_VARIANTS)))
+        # This process's simulated kernel (the last one died with its agent), before recovery binds.
+        KernelEmulator(load_profile(PROFILE), VfioHost.of(settings).sysfs.parent).start()
         await agent.inventory.scan()
         report = await asyncio.to_thread(recover, agent.engine)
         say("R", str(len(report.records)))
@@ -288,7 +334,8 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
     # The last restart, and its check.
     last = _Agent(settings, gpus, 0)
     asyncio.run(last.inventory.scan())
-    recover(last.engine)
+    with KernelEmulator(load_profile(PROFILE), VfioHost.of(settings).sysfs.parent):
+        recover(last.engine)
     problems = check_disk(settings, expect)
     report.inconsistencies += len(problems)
     report.problems += [f"final: {p}" for p in problems]
@@ -441,6 +488,8 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
 
     report = FuzzReport()
     node = asyncio.run(agentkit.make_node(work))
+    kernel = KernelEmulator(load_profile(PROFILE), VfioHost.of(node.settings).sysfs.parent)
+    kernel.start()  # fuzzed claims name passthrough devices too: they are bound and unbound
     source = _MemoryClaims()
     node.engine.claims = source
     s = node.settings
@@ -464,8 +513,11 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
     }, optional={"shareID": st.one_of(label, text), "adminAccess": st.booleans()})
     opaque = st.fixed_dictionaries({
         "apiVersion": st.sampled_from([f"{s.driver_name}/v1alpha1", "v1", ""]),
-        "kind": st.sampled_from(["DeviceConfig", "Other"]),
-    }, optional={"env": st.dictionaries(st.one_of(label.map(str.upper), text), st.one_of(text, json_value),
+        "kind": st.sampled_from(["DeviceConfig", "VfioConfig", "Other"]),
+    }, optional={"iommu": st.one_of(st.sampled_from(["legacy", "iommufd"]), json_value),
+                 "mac": st.one_of(st.sampled_from(["02:00:00:00:00:09", "03:00:00:00:00:01"]), json_value),
+                 "vlan": st.one_of(st.integers(-1, 5000), json_value),
+                 "env": st.dictionaries(st.one_of(label.map(str.upper), text), st.one_of(text, json_value),
                                         max_size=3), "extra": json_value})
     config = st.fixed_dictionaries({
         "opaque": st.fixed_dictionaries({"driver": st.sampled_from([s.driver_name, "x.example.com"]),
@@ -527,6 +579,7 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
             report.failures += 1
             report.problems.append(f"grpc: {exc!r}"[:2000])
     loop.close()
+    kernel.stop()
     outside_after = _tree(work, [*roots, s.state_dir / "nvml-sim", s.offline or work])
     if outside_after != outside_before:
         report.failures += 1
