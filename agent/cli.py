@@ -27,7 +27,7 @@ from agent import config
 # Each command imports what it needs when it runs: `dra-agent kubelet info` and `dra-agent claims`
 # are commands a person waits for, and the agent's full set of modules takes most of a second
 # to import on a small node.
-_LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor"}
+_LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor", "vfio"}
 
 
 def _dump(obj: Any, fmt: str) -> str:
@@ -62,21 +62,67 @@ def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
     from agent import oneshot
 
     devices, not_published = asyncio.run(oneshot.discover_once(settings))
+    functions = _pci_functions(settings, devices)
     if args.output == "table":
         rows = []
         for d in devices:
             attrs = d.attributes
             summary = ", ".join(f"{k}={attrs[k]}" for k in ("productName", "ifName", "ipv4", "socket")
                                 if k in attrs)
+            driver, group = functions.get(d.name, ("", None))
             rows.append((d.name, d.kind, ",".join(f"{k}={c.value}" for k, c in sorted(d.capacity.items())),
-                         str(attrs.get("resource.kubernetes.io/pciBusID", "")),
+                         str(attrs.get("resource.kubernetes.io/pciBusID", "")), driver,
+                         "" if group is None else str(group),
                          str(attrs.get("resource.kubernetes.io/numaNode", "")), summary))
-        print(_table(rows, ("NAME", "KIND", "CAPACITY", "PCI BUS ID", "NUMA", "DETAILS")))
+        print(_table(rows, ("NAME", "KIND", "CAPACITY", "PCI BUS ID", "DRIVER", "IOMMU", "NUMA", "DETAILS")))
         for line in not_published:
             print(f"not published: {line}", file=sys.stderr)
     else:
-        print(_dump([d.summary() for d in devices], args.output))
+        out = []
+        for d in devices:
+            shown = d.summary()
+            if d.name in functions:
+                shown["pciFunction"] = {"driver": functions[d.name][0], "iommuGroup": functions[d.name][1]}
+            out.append(shown)
+        print(_dump(out, args.output))
     return 0
+
+
+def _pci_functions(settings: config.Settings, devices: Sequence[Any]) -> dict[str, tuple[str, int | None]]:
+    """Device name -> (the driver its PCI function is bound to now, its IOMMU group), read from sysfs (the
+    simulated machine's with --nvml sim, which holds its GPUs and NIC; the host's for the rest)."""
+    from agent.vfio.host import VfioHost
+    from agent.vfio.pci import current_driver, function_dir, iommu_group
+
+    roots = [VfioHost.of(settings).sysfs, settings.sysfs_root]
+    out: dict[str, tuple[str, int | None]] = {}
+    for d in devices:
+        bus = d.node.pci_bus_id or d.attributes.get("resource.kubernetes.io/pciBusID")
+        if not isinstance(bus, str) or not bus:
+            continue
+        sysfs = next((r for r in roots if function_dir(r, bus).exists()), None)
+        if sysfs is not None:
+            out[d.name] = (current_driver(sysfs, bus) or "none", iommu_group(sysfs, bus))
+    return out
+
+
+def cmd_vfio(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent.state import ClaimStore
+    from agent.vfio.host import VfioHost
+    from agent.vfio.status import bound_functions
+
+    records, problems = ClaimStore(settings.claims_state_dir).load_all()
+    bound = bound_functions(VfioHost.of(settings).sysfs, list(records.values()))
+    if args.output == "json":
+        print(_dump([b.wire() for b in bound], "json"))
+    else:
+        rows = [(b.claim, b.state, b.device, b.function, b.role, "" if b.group is None else str(b.group), b.iommu,
+                 b.original, b.now + ("" if b.consistent else f" (record says {b.expected})")) for b in bound]
+        print(_table(rows, ("CLAIM", "STATE", "DEVICE", "FUNCTION", "ROLE", "IOMMU GROUP", "INTERFACE",
+                            "HOST DRIVER", "DRIVER NOW")))
+    for name, why in problems:
+        print(f"unreadable record {name}: {why}", file=sys.stderr)
+    return 1 if problems or not all(b.consistent for b in bound) else 0
 
 
 def cmd_slices(args: argparse.Namespace, settings: config.Settings) -> int:
@@ -219,6 +265,15 @@ def parser(only: str | None = None) -> argparse.ArgumentParser:
     sp = command("claims", "show the claims prepared on this node", cmd_claims)
     sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
     sp.add_argument("--files", action="store_true", help="also list each claim's files")
+
+    vfp = sub.add_parser("vfio", help="PCI functions this agent has bound to vfio-pci")
+    vsub = vfp.add_subparsers(dest="action", required=True, metavar="ACTION")
+    sp = vsub.add_parser("status", help="what the agent has bound to vfio-pci and for which claim (from the claim "
+                         "records), with each function's driver now; exit 1 when one is not bound as its record says",
+                         description="what the agent has bound to vfio-pci, from the claim records")
+    sp.set_defaults(fn=cmd_vfio)
+    config.add_arguments(sp)
+    sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
 
     kp = sub.add_parser("kubelet", help="call the running agent like the kubelet does")
     ksub = kp.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -6,6 +6,7 @@ leave (mid-bind, mid-restore, a reboot)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -249,3 +250,25 @@ async def test_after_a_reboot_recovery_binds_again(vm: VmNode) -> None:
     assert found[0].bindings[0].boot_id == vm.tree.boot_id.read_text().strip()
     assert await vm.unprepare("vm-gpu", UID) == ""
     assert vm.driver(GPU_BUS) == "nvidia"
+
+
+async def test_cli_vfio_status_and_devices_show_the_binding(vm: VmNode, capsys: pytest.CaptureFixture[str]) -> None:
+    from agent import cli
+
+    s = vm.node.settings
+    flags = ["--nvml", "sim", "--state-dir", str(s.state_dir), "--nic-exclude", "*", "--offline", str(s.offline)]
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    capsys.readouterr()
+    assert cli.main(["vfio", "status", *flags]) == 0
+    (row,) = capsys.readouterr().out.splitlines()[1:]
+    assert row.split() == ["default/vm-gpu", "prepared", GPU_VARIANT, GPU_BUS, "target", str(GPU_GROUP), "legacy",
+                           "nvidia", "vfio-pci"]
+    assert await asyncio.to_thread(cli.main, ["devices", "-o", "json", *flags]) == 0  # it runs its own loop
+    shown = {d["name"]: d for d in json.loads(capsys.readouterr().out)}
+    assert shown[GPU_VARIANT]["pciFunction"] == {"driver": "vfio-pci", "iommuGroup": GPU_GROUP}
+    assert shown["gpu-1"]["pciFunction"] == {"driver": "nvidia", "iommuGroup": 101}
+    # Someone puts the GPU back behind the agent's back: status says so and fails.
+    for step in vm.node.engine.records[UID].bindings[0].plan.restore().steps:
+        apply_step(vm.tree.sys, step)
+    assert cli.main(["vfio", "status", *flags]) == 1
+    assert "nvidia (record says vfio-pci)" in capsys.readouterr().out
