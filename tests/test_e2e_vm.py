@@ -7,7 +7,10 @@ back on its driver in the simulated sysfs."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,3 +99,32 @@ async def test_kubevirt_gets_a_passthrough_gpu_over_the_dra_socket(short_tmp: Pa
         assert tree.driver_of(GPU_BUS) == "nvidia" and tree.override_of(GPU_BUS) is None
         assert not (tree.dev / "vfio" / str(GROUP)).exists()
     assert not list(runtime.CDI_DIR.glob(f"{driver}*"))
+
+
+def test_make_run_prepares_the_vm_example(short_tmp: Path) -> None:
+    """README's quickstart with the VM example: seeded from examples/ as `make run` does, prepared with
+    `dra-agent kubelet prepare`, shown by `dra-agent vfio status`, unprepared."""
+    env = {**os.environ, "DRA_KUBELET_DIR": str(short_tmp / "kubelet"), "DRA_CDI_DIR": str(short_tmp / "cdi"),
+           "DRA_STATIC_CDI_DIR": str(short_tmp / "cdi-static"), "DRA_STATE_DIR": str(short_tmp / "state"),
+           "DRA_OFFLINE": str(short_tmp / "offline"), "DRA_NVML": "sim", "NODE_NAME": "node-vm"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120,
+                              env=env, cwd=ROOT)
+
+    seeded = subprocess.run([sys.executable, str(ROOT / "examples" / "seed.py"), str(short_tmp)],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert seeded.returncode == 0, seeded.stderr
+    example = short_tmp / "offline" / "resourceclaims" / "default" / "virt-launcher-vm-1-gpu-k8q2z.yaml"
+    assert f"device: {VARIANT}" in example.read_text()
+    tree = SimTree(short_tmp / "state" / "nvml-sim")
+    reg = short_tmp / "kubelet" / "plugins_registry" / "dra.example.com-reg.sock"
+    with agent_process(["run", "--metrics-address", ""], env, reg, ROOT):
+        prepared = cli("kubelet", "prepare", "default/virt-launcher-vm-1-gpu-k8q2z")
+        assert prepared.returncode == 0, prepared.stderr
+        assert tree.driver_of(GPU_BUS) == "vfio-pci"
+        status = cli("vfio", "status")
+        assert status.returncode == 0, status.stderr
+        assert f"default/virt-launcher-vm-1-gpu-k8q2z  prepared  {VARIANT}  {GPU_BUS}" in status.stdout
+        assert cli("kubelet", "unprepare", "default/virt-launcher-vm-1-gpu-k8q2z").returncode == 0
+        assert tree.driver_of(GPU_BUS) == "nvidia"
