@@ -182,11 +182,17 @@ class KernelEmulator:
             return
         with self._lock:
             try:
-                text = path.read_text().strip()
+                raw = path.read_text()
             except OSError:
                 return
+            text = raw.strip()
             if write.kind is WriteKind.OVERRIDE:
                 assert write.bdf is not None
+                if raw == "":
+                    # Truncated by a writer whose bytes have not landed yet (the kernel takes a write in one
+                    # call; a file is opened, emptied, then written): its own event follows. Taking the
+                    # empty file for a clear and rewriting it would swallow that write.
+                    return
                 override = None if text in ("", NO_OVERRIDE) else text
                 if path.read_text() == f"{override or NO_OVERRIDE}\n":
                     self._overrides[write.bdf] = override
