@@ -53,12 +53,14 @@ def test_devices_json_lists_the_simulated_gpus_in_api_form(run_env):
     gpus = [d for d in out if d["kind"] == "gpu"]
     assert [g["name"] for g in gpus] == [f"gpu-{i}" for i in range(8)]
     for d in out:
-        assert set(d) == {"name", "kind", "attributes", "capacity"}
+        # PCI functions also show their current driver and IOMMU group.
+        assert set(d) - {"pciFunction"} == {"name", "kind", "attributes", "capacity"}
         for value in d["attributes"].values():
             assert len(value) == 1 and next(iter(value)) in ("string", "int", "bool", "version")
     assert gpus[0]["attributes"]["productName"] == {"string": "NVIDIA H100 80GB HBM3"}
     assert gpus[0]["attributes"]["driverVersion"] == {"version": "570.124.6"}
     assert gpus[0]["capacity"]["memory"] == {"value": "81559Mi"}
+    assert gpus[0]["pciFunction"] == {"driver": "nvidia", "iommuGroup": 100}
     table = cli("devices", env=run_env).stdout
     assert table.splitlines()[0].split()[:2] == ["NAME", "KIND"] and "gpu-7" in table
 
