@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from agent.recovery import recover
 from agent.simkernel.emulator import KernelEmulator, WriteKind
 from agent.simkernel.tree import SimTree
 from agent.state import ClaimStore, RecordState
-from agent.vfio.bind import apply_step
+from agent.vfio.bind import BindStep, StepKind, apply_step
 from agent.vfio.pci import current_driver, current_override
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
@@ -272,3 +273,27 @@ async def test_cli_vfio_status_and_devices_show_the_binding(vm: VmNode, capsys: 
         apply_step(vm.tree.sys, step)
     assert cli.main(["vfio", "status", *flags]) == 1
     assert "nvidia (record says vfio-pci)" in capsys.readouterr().out
+
+
+async def test_the_crash_suites_binding_check_can_fail(vm: VmNode) -> None:
+    """`make stress` counts a function bound otherwise than the records say as an inconsistency."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "stress"))
+    import stress
+
+    settings = vm.node.settings
+    assert stress.check_bindings(settings, {}) == []
+    for step in (BindStep(StepKind.SET_OVERRIDE, GPU_BUS, "vfio-pci"), BindStep(StepKind.UNBIND, GPU_BUS, "nvidia"),
+                 BindStep(StepKind.BIND, GPU_BUS, "vfio-pci")):
+        apply_step(vm.tree.sys, step)
+    assert stress.check_bindings(settings, {}) == [
+        f"PCI function {GPU_BUS} is bound to vfio-pci (override vfio-pci), the records say nvidia (override None)"]
+    # The same binding made by a prepare: its record says so. (Prepared now, it would record vfio-pci as the
+    # driver to go back to, so the GPU goes back to nvidia first.)
+    for step in (BindStep(StepKind.CLEAR_OVERRIDE, GPU_BUS), BindStep(StepKind.UNBIND, GPU_BUS, "vfio-pci"),
+                 BindStep(StepKind.BIND, GPU_BUS, "nvidia")):
+        apply_step(vm.tree.sys, step)
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    assert stress.check_bindings(settings, vm.node.engine.records) == []
+    assert stress.check_bindings(settings, {}) != []
+    assert await vm.unprepare("vm-gpu", UID) == ""
+    assert stress.check_bindings(settings, {}) == []
