@@ -67,7 +67,10 @@ def start_sim_kernel(settings: Settings) -> KernelEmulator | None:
     from agent.inventory.nvml_profiles import load_profile
     from agent.vfio.host import VfioHost
 
-    kernel = KernelEmulator(load_profile(settings.nvml.profile), VfioHost.of(settings).sysfs.parent)
+    root = VfioHost.of(settings).sysfs.parent
+    if not (root / "sys" / "bus" / "pci" / "drivers").is_dir():
+        return None  # no simulated machine was written (GPU discovery is not among the sources)
+    kernel = KernelEmulator(load_profile(settings.nvml.profile), root)
     kernel.start()
     return kernel
 
