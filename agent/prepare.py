@@ -56,6 +56,10 @@ from cdi.store import encode_spec
 log = logging.getLogger(__name__)
 
 
+# The kinds of device the engine knows how to prepare; any other kind is refused, never half-prepared.
+PREPARABLE_KINDS = ("gpu", "nic", "cpu", "memory", "vfio")
+
+
 class PrepareFailed(ClaimFailure):
     """The claim is valid but this node cannot prepare it now (a device node missing, ...)."""
 
@@ -332,6 +336,10 @@ class PrepareEngine:
             return None
 
     def _apply(self, alloc: Allocation) -> ClaimRecord:
+        if unknown := sorted(a.device.name for a in alloc.devices if a.device.kind not in PREPARABLE_KINDS):
+            # Published ahead of their prepare path (MIG partitions): refused before any side effect.
+            raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
+                                f"(it prepares {', '.join(PREPARABLE_KINDS)} devices)")
         self.passthrough.check_forms(alloc.ref.uid, alloc.devices)
         for a in alloc.devices:
             for node in a.device.node.device_nodes:

@@ -297,3 +297,24 @@ async def test_the_crash_suites_binding_check_can_fail(vm: VmNode) -> None:
     assert stress.check_bindings(settings, {}) != []
     assert await vm.unprepare("vm-gpu", UID) == ""
     assert stress.check_bindings(settings, {}) == []
+
+
+async def test_a_device_of_a_kind_prepare_does_not_know_is_refused_before_any_side_effect(tmp_path) -> None:
+    import dataclasses
+
+    from agentkit import StaticSource
+
+    from agent.inventory import Inventory
+
+    node = await make_node(tmp_path)
+    gpu = node.inventory.get("gpu-0")
+    assert gpu is not None
+    mig = dataclasses.replace(gpu, name="gpu-0-mig-1g10gb-0", kind="mig")
+    node.engine.inventory = Inventory([StaticSource("mig", [mig])])
+    await node.engine.inventory.scan()
+    before = written_files(node.settings)
+    uid = "2f1a0000-0000-4000-8000-0000000000aa"
+    write_claim(node.claims_dir, claim("mig", uid, [result(mig.name, "gpu")]))
+    (res,) = (await node.engine.prepare([ClaimRef("default", "mig", uid)])).values()
+    assert "gpu-0-mig-1g10gb-0 cannot be prepared" in res.error and res.devices == []
+    assert written_files(node.settings) == before
