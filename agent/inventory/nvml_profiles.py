@@ -13,6 +13,9 @@ PCI keys, per GPU:
     audio           true: an HD audio function (class 0x0403) at function 1 of its slot, same group
     bridgeInGroup   true: the root port above it is in its group too (no ACS)
 
+MIG key, per GPU: `migProfiles` names the GPU's MIG profile table (`h100-80gb`, the builtins' default);
+with `migMode` set the GPU answers the MIG calls with that table's profiles and placements.
+
 and at the top level:
 
     iommufd         false: the host has no /dev/iommu nor VFIO device cdevs (default true)
@@ -34,6 +37,7 @@ from typing import Any
 
 import pynvml
 
+from agent.inventory.nvml_mig_profiles import MIG_TABLES
 from agent.inventory.pci import normalize_bus_id
 
 # The per-GPU calls the simulation answers; faults may name any of them.
@@ -53,7 +57,7 @@ SYSTEM_FUNCTIONS = frozenset({
 _GPU_KEYS = frozenset({
     "name", "busId", "memoryTotal", "numaNode", "nvmlNumaNode", "uuid", "minor", "pcieRoot", "brand",
     "architecture", "computeCapability", "migMode", "pciDeviceId", "pciSubSystemId", "inSysfs", "lost",
-    "errors", "iommuGroup", "audio", "bridgeInGroup",
+    "errors", "iommuGroup", "audio", "bridgeInGroup", "migProfiles",
 })
 _TOP_KEYS = frozenset({"driverVersion", "cudaDriverVersion", "errors", "defaults", "gpus", "nics", "iommufd"})
 # Groups the profile does not name: a GPU's is 100 + its index, a NIC's functions 200 + 32 * NIC index + n.
@@ -88,6 +92,7 @@ class SimGpu:
     iommu_group: int = -1  # parse_profile assigns it; -1 only in hand-built records (100 + index then)
     audio: bool = False  # an HD audio function (class 0x0403) at function 1 of the slot, same group
     bridge_in_group: bool = False  # the root port above the GPU is in the GPU's group (no ACS)
+    mig_profiles: str = ""  # the MIG profile table (nvml_mig_profiles.MIG_TABLES); "": no profile offered
 
     @property
     def audio_bus_id(self) -> str:
@@ -245,7 +250,14 @@ def _gpu(profile: str, index: int, raw: Mapping[str, Any]) -> SimGpu:
         iommu_group=_int(raw.get("iommuGroup", GPU_GROUP_BASE + index), f"{where}.iommuGroup"),
         audio=_bool(raw.get("audio", False), f"{where}.audio"),
         bridge_in_group=_bool(raw.get("bridgeInGroup", False), f"{where}.bridgeInGroup"),
+        mig_profiles=_mig_table(raw.get("migProfiles", ""), f"{where}.migProfiles"),
     )
+
+
+def _mig_table(value: object, where: str) -> str:
+    if value != "" and value not in MIG_TABLES:
+        raise ProfileError(f"{where}: {value!r} is not a MIG profile table ({', '.join(sorted(MIG_TABLES))})")
+    return str(value)
 
 
 def _bool(value: object, where: str) -> bool:
@@ -362,6 +374,7 @@ _DGX_H100: dict[str, Any] = {
         "architecture": "NVML_DEVICE_ARCH_HOPPER",
         "computeCapability": [9, 0],
         "migMode": [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE],
+        "migProfiles": "h100-80gb",
         "pciDeviceId": 0x233010DE,  # 10de:2330, H100 SXM5 80GB
         "pciSubSystemId": 0x16C110DE,
     },

@@ -37,6 +37,9 @@ GPU fields (only `name`, `busId` and `memoryTotal` are required):
 Error codes are numbers or names, with or without the `NVML_ERROR_` prefix.
 In-process tests inject the same faults with `inject_error` and `lose`.
 
+MIG (`nvml_sim_mig`): the pynvml MIG calls with real placement rules, for GPUs whose `migMode` is
+set and whose `migProfiles` names a profile table (`h100-80gb`, in `nvml_mig_profiles`).
+
 Events and health (`nvml_sim_events`): the pynvml event API (`nvmlEventSetCreate`,
 `nvmlDeviceGetSupportedEventTypes`, `nvmlDeviceRegisterEvents`, `nvmlEventSetWait_v2`,
 `nvmlEventSetFree`) and `nvmlDeviceGetFieldValues` for `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`.
@@ -58,6 +61,7 @@ from typing import Any
 import pynvml
 
 from agent.inventory.nvml_hardware import materialize
+from agent.inventory.nvml_mig_profiles import MIG_FUNCTIONS, MIG_TABLES
 from agent.inventory.nvml_profiles import (
     DEVICE_FUNCTIONS,
     SYSTEM_FUNCTIONS,
@@ -69,6 +73,7 @@ from agent.inventory.nvml_profiles import (
 )
 from agent.inventory.nvml_sim_control import ControlWatcher, SimCommand, device_index
 from agent.inventory.nvml_sim_events import APPLICATION_XIDS, SimEvent, SimEvents, event_data, field_values
+from agent.inventory.nvml_sim_mig import SimMig
 from agent.inventory.pci import normalize_bus_id
 
 __all__ = ["ProfileError", "SimulatedNvml", "load_profile", "materialize"]
@@ -96,6 +101,10 @@ class SimulatedNvml:
         self._resets: list[int] = [0] * len(profile.gpus)
         self._events = SimEvents(len(profile.gpus))
         self._control: ControlWatcher | None = None
+        # MIG (nvml_sim_mig): profiles, placements, GPU and compute instances, MIG devices.
+        self._mig = SimMig([MIG_TABLES.get(g.mig_profiles, ()) for g in profile.gpus],
+                           [None if g.mig_mode is None else g.mig_mode[0] for g in profile.gpus],
+                           self._mig_parent, lambda fn, i: self._checked(fn, i).uuid, _handle)
 
     @classmethod
     def from_profile(cls, spec: str) -> SimulatedNvml:
@@ -106,12 +115,14 @@ class SimulatedNvml:
         # and `nvml.NVML_ERROR_GPU_IS_LOST` mean the same on both.
         if _FORWARDED.match(name):
             return getattr(pynvml, name)
+        if name.startswith("nvml") and hasattr(self._mig, name):
+            return getattr(self._mig, name)
         raise AttributeError(f"the simulated NVML does not implement {name}")
 
     # Fault injection.
     def inject_error(self, index: int | None, function: str, code: int | str) -> None:
         """Make `function` fail with `code` on GPU `index` (None: a system call, or every GPU)."""
-        allowed = DEVICE_FUNCTIONS | EVENT_DEVICE_FUNCTIONS
+        allowed = DEVICE_FUNCTIONS | EVENT_DEVICE_FUNCTIONS | MIG_FUNCTIONS
         if index is None:
             allowed |= SYSTEM_FUNCTIONS | EVENT_SYSTEM_FUNCTIONS
         if function not in allowed:
@@ -270,6 +281,8 @@ class SimulatedNvml:
 
     # Per-GPU queries.
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        if self._mig.is_mig_handle(handle):
+            return self._mig.mig_uuid("nvmlDeviceGetUUID", handle)
         return self._device("nvmlDeviceGetUUID", handle)[1].uuid
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
@@ -310,10 +323,10 @@ class SimulatedNvml:
         return cc
 
     def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
-        mode = self._device("nvmlDeviceGetMigMode", device)[1].mig_mode
+        mode = self._mig.mode(self._device("nvmlDeviceGetMigMode", device)[0])
         if mode is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return [mode[0], mode[1]]
+        return mode
 
     def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
         node = self._device("nvmlDeviceGetNumaNodeId", handle)[1].nvml_numa_node
@@ -379,6 +392,17 @@ class SimulatedNvml:
             index = _index_of(handle, len(self.profile.gpus))
             self._raise_device(function, index)
         return index, self.profile.gpus[index]
+
+    def _mig_parent(self, function: str, handle: Any) -> tuple[int, str]:
+        index, gpu = self._device(function, handle)
+        return index, gpu.uuid
+
+    def _checked(self, function: str, index: int) -> SimGpu:
+        """GPU `index` after the faults of `function` on it (calls on MIG instance handles)."""
+        with self._lock:
+            self._raise_system(function)
+            self._raise_device(function, index)
+        return self.profile.gpus[index]
 
     def _handle_where(self, function: str, match: Callable[[SimGpu], bool]) -> Any:
         with self._lock:
