@@ -37,6 +37,7 @@ from agent.inventory.gpus import GpuSource
 from agent.inventory.memory import MemorySource
 from agent.inventory.netwatch import NetEvent, NetlinkWatcher, debounced
 from agent.inventory.nics import NicSource
+from agent.inventory.simnics import SimNicSource
 from agent.kube import NodeInfo
 from agent.metrics import AgentState, Check, Metrics, MetricsServer
 from agent.model import Device
@@ -53,8 +54,13 @@ log = logging.getLogger(__name__)
 
 
 def build_sources(settings: Settings) -> list[Source]:
-    return [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough), CpuSource(settings),
-            MemorySource(settings)]
+    sources: list[Source] = [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough),
+                             CpuSource(settings), MemorySource(settings)]
+    if settings.nvml.kind == "sim":
+        # The simulated NIC's functions have no netdev for NIC discovery to find; listed after GPU
+        # discovery, whose opening writes the simulated machine this source reads.
+        sources.append(SimNicSource(settings))
+    return sources
 
 
 def start_sim_kernel(settings: Settings) -> KernelEmulator | None:
