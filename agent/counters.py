@@ -7,8 +7,12 @@ do not fit together: the native device and its passthrough (VFIO) variant both c
 Counters, named so that later partitioning only adds counters and never renames one:
 
 - GPU, set `gpu-<bus id>-counters`: `gpu` = 1 (the whole GPU: only the full device and its
-  passthrough variant take it) and `memory` = its memory in bytes (when NVML has said it). MIG
-  placements will consume part of `memory` and add their engine and `memory-slice-<i>` counters.
+  passthrough variant take it) and `memory` = its memory in bytes (when NVML has said it). A GPU that
+  publishes MIG placements (`agent.inventory.mig`) also has one `memory-slice-<i>` = 1 per memory
+  slice, its engines (`multiprocessors`, `copy-engines`, `decoders`, `encoders`, `jpeg-engines`,
+  `ofa-engines`, those it has), and `instances-<profile>` for a profile NVML allows fewer instances of
+  than it has placements (`1g.10gb+me`: one). A MIG device takes its memory, engines, the slices its
+  placement covers and one instance; the full GPU and its variant still take all of the set.
 - NIC function, set `nic-<bus id>-counters`: `ports` = the network ports of the function (1 for a
   VF). Each native port device takes 1, the passthrough variant all of them, so two ports of one
   function still go to two claims, and a function passed through takes both.
@@ -33,6 +37,10 @@ from agent.model import CounterConsumption, CounterSet, Device
 
 GPU_COUNTER = "gpu"
 MEMORY_COUNTER = "memory"
+MEMORY_SLICE_PREFIX = "memory-slice-"
+INSTANCES_PREFIX = "instances-"
+# A GPU's engine counters (DNS labels), in the order MIG devices publish them as capacities.
+ENGINE_COUNTERS = ("multiprocessors", "copy-engines", "decoders", "encoders", "jpeg-engines", "ofa-engines")
 PORTS_COUNTER = "ports"
 VFIO_SUFFIX = "-vfio"
 COUNTERS_SUFFIX = "-counters"
@@ -67,6 +75,16 @@ def gpu_counter_set(bus_id: str, memory: int | None) -> CounterSet:
     if memory is not None and memory > 0:
         counters[MEMORY_COUNTER] = quantity.binary(memory)
     return CounterSet(counter_set_name("gpu", bus_id), counters)
+
+
+def memory_slice(index: int) -> str:
+    """The counter of one memory slice of a GPU: `memory-slice-3`."""
+    return f"{MEMORY_SLICE_PREFIX}{index}"
+
+
+def with_counters(counter_set: CounterSet, extra: Mapping[str, str]) -> CounterSet:
+    """`counter_set` with `extra` counters added (or replacing those of the same name)."""
+    return CounterSet(counter_set.name, {**counter_set.counters, **extra})
 
 
 def nic_counter_set(bus_id: str, ports: int) -> CounterSet:

@@ -49,8 +49,10 @@ def vfio(bus: str, prefix: str = "gpu") -> str:
     return f"{prefix}-{bus.replace(':', '-').replace('.', '-')}-vfio"
 
 
-def scanned(tmp_path: Path, profile: str) -> tuple[GpuSource, list[Device]]:
-    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=tmp_path / "state"))
+def scanned(tmp_path: Path, profile: str, dynamic_mig: bool = False) -> tuple[GpuSource, list[Device]]:
+    """The profile's GPUs and variants; MIG placements only when asked (tests/test_mig.py covers them)."""
+    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=tmp_path / "state"),
+                       dynamic_mig=dynamic_mig)
     source.open()
     return source, source.scan().devices
 
@@ -92,7 +94,7 @@ def counter_sets(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize(("profile", "gpus", "counter_slices"), [("dgx-h100", 8, 1), ("hgx-16", 16, 2)])
 def test_every_gpu_has_a_variant_and_one_counter_set_both_consume_whole(
         tmp_path: Path, profile: str, gpus: int, counter_slices: int) -> None:
-    source, devices = scanned(tmp_path, profile)
+    source, devices = scanned(tmp_path, profile, dynamic_mig=True)
     source.close()
     objs = build_slices(devices, driver=DRIVER, node=NODE)
     valid_pool(objs)
@@ -108,7 +110,8 @@ def test_every_gpu_has_a_variant_and_one_counter_set_both_consume_whole(
     assert len(sets) == gpus
     devs = by_name(objs)
     natives = {n: d for n, d in devs.items() if d["attributes"]["type"] == {"string": "gpu"}}
-    assert len(natives) == gpus and len(devs) == 2 * gpus
+    migs = {n for n, d in devs.items() if d["attributes"]["type"] == {"string": "mig"}}
+    assert len(natives) == gpus and len(migs) == 25 * gpus and len(devs) == 2 * gpus + len(migs)
     for name, native in natives.items():
         bus = native["attributes"][PCI_BUS_ID]["string"]
         variant = devs[vfio(bus)]

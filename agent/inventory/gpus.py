@@ -1,5 +1,7 @@
 """NVIDIA GPUs through NVML: one device per GPU, named by its minor number, consuming the GPU's
-counter set; and a passthrough variant per GPU that can go to a VM whole (`agent.inventory.passthrough`).
+counter set; a passthrough variant per GPU that can go to a VM whole (`agent.inventory.passthrough`);
+and, for MIG-capable GPUs unless dynamic MIG is off, one device per MIG placement on the same counter
+set (`agent.inventory.mig`).
 
 The source holds either the real `pynvml` module or a `SimulatedNvml` and calls
 the same functions on both. In auto mode a node that shows NVIDIA hardware but
@@ -37,6 +39,7 @@ from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
 from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult, SourceProblem
+from agent.inventory.mig import MigDevices
 from agent.inventory.nvml_profiles import ProfileError, error_name
 from agent.inventory.nvml_sim import SimulatedNvml
 from agent.inventory.passthrough import GpuVariants
@@ -120,8 +123,12 @@ class _GpuFailed(Exception):
 class GpuSource:
     kind = "gpu"
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, dynamic_mig: bool | None = None) -> None:
         self.settings = settings
+        # Publish MIG placements (`--dynamic-mig`, on by default); a Settings without the field reads as on.
+        configured = getattr(settings, "dynamic_mig", True)
+        self.dynamic_mig = dynamic_mig if dynamic_mig is not None else configured is not False
+        self._mig = MigDevices()
         self.nvml: Any = None  # the pynvml module, a SimulatedNvml, or None (no GPUs)
         self.sysfs_root: Path = settings.sysfs_root
         self.dev_root: Path = settings.dev_root
@@ -248,6 +255,8 @@ class GpuSource:
             self._name_the_rest(count, known, unnamed, result)
         self._log_failures(result)
         result.devices = self._variants.apply(self.sysfs_root, result.devices)
+        if self.dynamic_mig:
+            result.devices = self._mig.apply(result.devices)
         return result
 
     def _name_the_rest(self, count: int, known: set[int], unnamed: dict[int, str], result: ScanResult) -> None:
@@ -371,6 +380,8 @@ class GpuSource:
         mig = self._optional("nvmlDeviceGetMigMode", handle)
         attrs["migCapable"] = mig is not None
         attrs["migEnabled"] = mig is not None and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        if mig is not None and self.dynamic_mig:
+            self._mig.learn(self.nvml, handle, bus_id)
 
         function = pci_function(self.sysfs_root, bus_id)
         if function is not None:

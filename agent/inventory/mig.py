@@ -1,0 +1,287 @@
+"""Dynamic MIG: every valid placement of every MIG profile a GPU offers, published as a device on the
+GPU's counter set, so the scheduler only picks placements that fit together.
+
+NVML says what a GPU can be split into: `nvmlDeviceGetGpuInstanceProfileInfo` for each
+NVML_GPU_INSTANCE_PROFILE_* (NOT_SUPPORTED: the GPU does not offer it, skipped) and
+`nvmlDeviceGetGpuInstancePossiblePlacements` for each profile offered (a placement is a run of memory
+slices: `start`, `size`). These are facts of the hardware, read once per GPU and kept (a GPU bound to
+vfio-pci leaves NVML, and its counter set must not change meanwhile).
+
+Devices: `gpu-<minor>-mig-<profile>-<start>`, the profile name with everything but letters and digits
+dropped (`1g.10gb+me` at slice 3 -> `gpu-0-mig-1g10gbme-3`); kind `mig` (the prepare engine refuses
+kinds it cannot prepare). Attributes: `type=mig`, `profile`, `parentUUID`, `placementStart`,
+`placementSize`, the parent's product, brand, architecture, compute capability, driver and CUDA
+versions and standard PCI attributes. Capacities: `multiprocessors`, `copyEngines`, `decoders`,
+`encoders`, `jpegEngines`, `ofaEngines`, `memory`.
+
+The counter model (`agent.counters`): one `memory-slice-<i>` per memory slice, taken by each placement
+covering it, is exactly NVML's rule (two GPU instances never share a memory slice); an
+`instances-<profile>` counter carries a profile's instance limit where it binds; engines and memory
+are set to the most any set of placements NVML accepts can use together, so they never refuse such
+a set (tests/test_mig.py proves both directions against the simulated NVML).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+from agent import apirules, counters, quantity
+from agent.model import (
+    NUMA_NODE,
+    PCI_BUS_ID,
+    PCIE_ROOT,
+    AttrValue,
+    Capacity,
+    CounterConsumption,
+    CounterSet,
+    Device,
+    NodeFacts,
+)
+
+log = logging.getLogger(__name__)
+
+MIG_KIND = "mig"
+MIB = 1 << 20
+# Attributes a MIG device takes from its parent GPU.
+INHERITED = ("productName", "brand", "architecture", "cudaComputeCapability", "driverVersion",
+             "cudaDriverVersion", PCI_BUS_ID, PCIE_ROOT, NUMA_NODE)
+# Capacity name of each engine counter (same order as counters.ENGINE_COUNTERS).
+ENGINE_CAPACITIES = ("multiprocessors", "copyEngines", "decoders", "encoders", "jpegEngines", "ofaEngines")
+# NVML's answers for a profile this GPU or driver does not offer.
+_ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT,
+           pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+_NOT_LABEL = re.compile(r"[^a-z0-9]")
+
+
+class MigReadError(Exception):
+    """NVML failed while describing a GPU's MIG profiles (not a profile it lacks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MigProfile:
+    """One GPU instance profile as NVML describes it on one GPU."""
+
+    enum: int  # NVML_GPU_INSTANCE_PROFILE_*
+    id: int  # the profile id NVML uses for placements and creation
+    name: str  # "1g.10gb+me"
+    compute_slices: int
+    instances: int  # the most instances at once
+    engines: tuple[int, ...]  # in counters.ENGINE_COUNTERS order
+    memory: int  # bytes
+    starts: tuple[int, ...]  # placements: first memory slice of each
+    size: int  # memory slices a placement covers
+
+    @property
+    def label(self) -> str:
+        """The profile in device names: `1g.10gb+me` -> `1g10gbme`."""
+        return _NOT_LABEL.sub("", self.name.lower())
+
+
+@dataclass(frozen=True, slots=True)
+class MigLayout:
+    """What one GPU can be split into."""
+
+    profiles: tuple[MigProfile, ...]
+    memory_slices: int
+
+    def counters(self, gpu_memory: int) -> dict[str, str]:
+        """The MIG counters of the GPU's set (added to `gpu` and `memory`): every slice, the engines
+        and memory any accepted set of placements may use at most, the binding instance limits."""
+        most = _most_used(self)
+        out = {counters.memory_slice(i): "1" for i in range(self.memory_slices)}
+        out |= {name: str(n) for name, n in zip(counters.ENGINE_COUNTERS, most[1:], strict=True) if n > 0}
+        out |= {_instances(p): str(p.instances) for p in self.profiles if p.instances < len(p.starts)}
+        out[counters.MEMORY_COUNTER] = quantity.binary(max(gpu_memory, most[0]))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class MigPlacement:
+    """What prepare needs to create a published MIG device: the parent GPU, the profile (its name;
+    `find_profile` gives NVML's enum and id on that GPU) and the placement."""
+
+    parent_uuid: str
+    profile: str
+    start: int
+    size: int
+
+
+def device_name(minor: int, profile: MigProfile, start: int) -> str:
+    return counters.fit_label(f"gpu-{minor}-mig-{profile.label}-{start}")
+
+
+def _instances(profile: MigProfile) -> str:
+    return counters.fit_label(f"{counters.INSTANCES_PREFIX}{profile.label}")
+
+
+def read_layout(nvml: Any, handle: Any) -> MigLayout | None:
+    """The GPU's MIG profiles and placements from NVML; None when it offers none."""
+    profiles: dict[int, MigProfile] = {}
+    for enum in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+        try:
+            info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, enum)
+            if int(info.id) in profiles:
+                continue
+            count = ctypes.c_uint(0)
+            nvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, info.id, None, ctypes.byref(count))
+            placements = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
+            nvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, info.id, placements, ctypes.byref(count))
+        except pynvml.NVMLError as exc:
+            if exc.value in _ABSENT:
+                continue
+            raise MigReadError(f"GPU instance profile {enum}: {exc}") from exc
+        found = [(int(p.start), int(p.size)) for p in placements[: count.value]]
+        sizes = {size for _, size in found}
+        if len(sizes) != 1:
+            continue  # no placement, or placements of several sizes: not a shape this model knows
+        memory = int(info.memorySizeMB) * MIB
+        raw = _text(getattr(info, "name", b""))  # v1 structs have no name
+        name = raw.removeprefix("MIG ").strip() or f"{int(info.sliceCount)}g.{round(memory / 2**30)}gb"
+        profiles[int(info.id)] = MigProfile(
+            enum=enum, id=int(info.id), name=name, compute_slices=int(info.sliceCount),
+            instances=int(info.instanceCount),
+            engines=(int(info.multiprocessorCount), int(info.copyEngineCount), int(info.decoderCount),
+                     int(info.encoderCount), int(info.jpegCount), int(info.ofaCount)),
+            memory=memory, starts=tuple(sorted(start for start, _ in found)), size=sizes.pop())
+    if not profiles:
+        return None
+    slices = max(start + p.size for p in profiles.values() for start in p.starts)
+    return MigLayout(tuple(sorted(profiles.values(), key=lambda p: (p.size, p.compute_slices, p.name))), slices)
+
+
+def _text(value: object) -> str:
+    """A char array field as pynvml hands it over: bytes, or str where it decodes them."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value if isinstance(value, str) else ""
+
+
+def find_profile(nvml: Any, handle: Any, name: str) -> MigProfile | None:
+    """The profile called `name` on the GPU `handle`, for prepare (None: the GPU does not offer it)."""
+    layout = read_layout(nvml, handle)
+    return next((p for p in layout.profiles if p.name == name), None) if layout else None
+
+
+def placement_of(dev: Device) -> MigPlacement | None:
+    """The placement a published MIG device stands for (None: not a MIG device of this module)."""
+    a = dev.attributes
+    parent, profile, start, size = a.get("parentUUID"), a.get("profile"), a.get("placementStart"), \
+        a.get("placementSize")
+    if dev.kind != MIG_KIND or not isinstance(parent, str) or not isinstance(profile, str) \
+            or not isinstance(start, int) or not isinstance(size, int):
+        return None
+    return MigPlacement(parent, profile, start, size)
+
+
+@functools.lru_cache(maxsize=32)
+def _most_used(layout: MigLayout) -> tuple[int, ...]:
+    """(memory, *engines): the most of each that one set of placements NVML accepts uses together
+    (no shared memory slice, no profile beyond its instance limit)."""
+    options = [(p, s) for p in layout.profiles for s in p.starts]
+    best = [0] * (1 + len(counters.ENGINE_COUNTERS))
+
+    def walk(i: int, used: int, counts: dict[int, int], total: list[int]) -> None:
+        for k in range(len(best)):
+            best[k] = max(best[k], total[k])
+        for j in range(i, len(options)):
+            p, start = options[j]
+            mask = ((1 << p.size) - 1) << start
+            if used & mask or counts.get(p.id, 0) >= p.instances:
+                continue
+            counts[p.id] = counts.get(p.id, 0) + 1
+            walk(j + 1, used | mask, counts, [t + v for t, v in zip(total, (p.memory, *p.engines), strict=True)])
+            counts[p.id] -= 1
+
+    walk(0, 0, {}, [0] * len(best))
+    return tuple(best)
+
+
+@dataclass(slots=True)
+class MigDevices:
+    """MIG devices and the MIG counters of each GPU's set, kept across scans by bus ID."""
+
+    layouts: dict[str, MigLayout] = field(default_factory=dict)
+    _said: dict[str, str] = field(default_factory=dict)
+
+    def learn(self, nvml: Any, handle: Any, bus_id: str) -> None:
+        """Read the GPU's profiles once (they do not change); a failure is logged once and retried
+        at the next scan, without costing the GPU."""
+        if bus_id in self.layouts:
+            return
+        try:
+            layout = read_layout(nvml, handle)
+        except MigReadError as exc:
+            self._note(bus_id, f"GPU {bus_id}: MIG profiles not read, no MIG devices yet: {exc}")
+            return
+        if layout is None:
+            self._note(bus_id, f"GPU {bus_id}: MIG capable but NVML lists no MIG profile (with MIG mode "
+                       "off some drivers answer only once it is on): no MIG devices")
+            return
+        extra = layout.counters(0)
+        if len(extra) + 2 > apirules.MAX_COUNTERS_PER_SET:
+            self._note(bus_id, f"GPU {bus_id}: its MIG counters ({len(extra)}) do not fit one counter set "
+                       f"of {apirules.MAX_COUNTERS_PER_SET}: no MIG devices", logging.WARNING)
+            return
+        self._said.pop(bus_id, None)
+        self.layouts[bus_id] = layout
+
+    def apply(self, devices: Sequence[Device]) -> list[Device]:
+        """`devices` with each known GPU's set extended by its MIG counters (every device consuming
+        the set takes all of it, as before), plus the MIG devices of each native GPU."""
+        out: list[Device] = []
+        for dev in devices:
+            bus = dev.attributes.get(PCI_BUS_ID)
+            layout = self.layouts.get(bus) if isinstance(bus, str) else None
+            name = counters.counter_set_name("gpu", bus) if isinstance(bus, str) else ""
+            if layout is None or not any(c.counter_set.name == name for c in dev.consumes_counters):
+                out.append(dev)
+                continue
+            uses = tuple(CounterConsumption.all_of(_extended(c.counter_set, layout))
+                         if c.counter_set.name == name else c for c in dev.consumes_counters)
+            dev = dataclasses.replace(dev, consumes_counters=uses)
+            out.append(dev)
+            if dev.kind == "gpu":
+                out += _partitions(dev, layout, next(c.counter_set for c in uses if c.counter_set.name == name))
+        return out
+
+    def _note(self, key: str, message: str, level: int = logging.INFO) -> None:
+        if self._said.get(key) != message:
+            self._said[key] = message
+            log.log(level, "%s", message)
+
+
+def _extended(cs: CounterSet, layout: MigLayout) -> CounterSet:
+    memory = cs.counters.get(counters.MEMORY_COUNTER)
+    return counters.with_counters(cs, layout.counters(quantity.parse_int(memory) if memory else 0))
+
+
+def _partitions(parent: Device, layout: MigLayout, cs: CounterSet) -> list[Device]:
+    minor, uuid = parent.attributes.get("minor"), parent.attributes.get("uuid")
+    if not isinstance(minor, int) or not isinstance(uuid, str):
+        return []
+    inherited = {k: parent.attributes[k] for k in INHERITED if k in parent.attributes}
+    out = []
+    for p in layout.profiles:
+        for start in p.starts:
+            attrs: dict[str, AttrValue] = {"type": MIG_KIND, "profile": p.name, "parentUUID": uuid,
+                                           "placementStart": start, "placementSize": p.size, **inherited}
+            caps = {c: Capacity(str(n)) for c, n in zip(ENGINE_CAPACITIES, p.engines, strict=True)}
+            caps["memory"] = Capacity(quantity.binary(p.memory))
+            use = {counters.memory_slice(i): "1" for i in range(start, start + p.size)}
+            use |= {k: str(n) for k, n in zip(counters.ENGINE_COUNTERS, p.engines, strict=True)
+                    if n > 0 and k in cs.counters}
+            if _instances(p) in cs.counters:
+                use[_instances(p)] = "1"
+            use[counters.MEMORY_COUNTER] = quantity.binary(p.memory)
+            out.append(Device(
+                name=device_name(minor, p, start), kind=MIG_KIND, attributes=attrs, capacity=caps,
+                node=NodeFacts(gpu_uuid=uuid, gpu_index=parent.node.gpu_index),
+                consumes_counters=(CounterConsumption(cs, use),)))
+    return out
