@@ -46,6 +46,10 @@ IDLE_WAKE = 30.0
 DOUBLE_BIT_ECC_XID = 48  # the XID the driver logs for a double-bit ECC error
 
 
+# Kinds that are another form of a native device on the same PCI function (its health is theirs).
+_FORMS = ("vfio", "mig")
+
+
 class DeviceHealthService:
     def __init__(self, settings: Settings, inventory: Inventory,
                  changed: Callable[[set[str], set[str]], Awaitable[None]], policy: TaintPolicy | None = None) -> None:
@@ -160,15 +164,15 @@ class DeviceHealthService:
         return self._last_seen.get(name) if lost else None
 
     def aliases(self, snapshot: Snapshot) -> dict[str, str]:
-        """Passthrough variant -> its native device (same PCI function): a variant is the same
-        hardware, so it carries the native device's taints and health. A GPU that is lost is found
-        by its last-seen form."""
+        """Passthrough variant or MIG device -> its native device (same PCI function): a variant or a
+        partition is the same hardware, so it carries the native device's taints and health. A GPU
+        that is lost is found by its last-seen form."""
         native: dict[object, str] = {}
         for name, dev in (*self._last_seen.items(), *snapshot.devices.items()):
-            if dev.kind != "vfio" and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
+            if dev.kind not in _FORMS and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
                 native[bus] = name
         return {name: native[bus] for name, dev in snapshot.devices.items()
-                if dev.kind == "vfio" and (bus := dev.attributes.get(PCI_BUS_ID)) in native}
+                if dev.kind in _FORMS and (bus := dev.attributes.get(PCI_BUS_ID)) in native}
 
     def readiness(self, device: Device) -> Readiness:
         """For the claim status writer (`agent.claimstatus.DeviceReadiness`)."""
