@@ -670,11 +670,15 @@ def test_device_classes_select_the_gpus_cpus_and_memory_the_agent_publishes(whic
 @pytest.mark.parametrize("which", EVERY)
 def test_device_classes_select_the_nics_the_agent_publishes(which: str,
                                                             nic_devices: list[tuple[str, dict[str, Any]]]) -> None:
-    by_if = {_attr(d, "ifName"): d for _, d in nic_devices}
+    by_if = {_attr(d, "ifName"): d for _, d in nic_devices if _kind("nic")(d)}
     assert set(by_if) == {"pf0", "vf0", "soft0"}
     assert _attr(by_if["vf0"], "isVf") is True and _attr(by_if["pf0"], "isVf") is False
     assert _attr(by_if["soft0"], f"{STD}/pciBusID") is None
-    check_classes(which, nic_devices, {"nic"})
+    # In --nvml sim the simulated ConnectX-7's enabled VFs are published as passthrough devices (the
+    # fake sysfs above has no IOMMU groups: its VF has none).
+    assert sorted(d["name"] for _, d in nic_devices if _kind("vfio")(d)) == [
+        f"nic-0000-4b-00-{n}-vfio" for n in range(1, 5)]
+    check_classes(which, nic_devices, {"nic", "vfio-nic"})
 
 
 def test_the_gpu_class_serves_unchanged_pods_asking_for_example_com_gpu() -> None:
