@@ -1,8 +1,10 @@
 """The running agent: discovery, publishing, the kubelet's sockets, and keeping it all current.
 
-Start-up order (docs/architecture.md, "Start-up order"): metrics and probes server ->
-connect -> open discovery -> first scan and state recovery (concurrently) -> DRA socket ->
-registration socket -> background work (publishing, rescans, netlink events, health).
+Start-up order: roots checked -> registration socket (this module and the servers' import light;
+the rest is imported in a worker thread meanwhile) -> metrics and probes server -> connect -> open
+discovery -> first scan and the listing of claim records (concurrently) -> DRA socket -> background
+work (each record's check, then orphan removal and the claims' status and metadata; publishing,
+rescans, netlink events, health).
 SIGTERM stops the servers and removes the sockets.
 """
 
@@ -12,48 +14,50 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import importlib
 import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from agent import config as config_mod
-from agent import kubelet_client, slices
-from agent.claimstatus import ClaimStatusWriter
-from agent.claimstatus_sinks import sink_for
+from agent import kubelet_client
 from agent.config import Settings
-from agent.connection import Connection, StartupError, connect, wait_for_node
-from agent.devhealth import DeviceHealthService
 from agent.fsutil import UnsafeRoot, check_root, makedirs
-from agent.gc import ClaimCollector
-from agent.health import HealthTracker
-from agent.inventory import DiscoveryError, Inventory, Source
-from agent.inventory.cpus import CpuSource
-from agent.inventory.gpus import GpuSource
-from agent.inventory.memory import MemorySource
-from agent.inventory.netwatch import NetEvent, NetlinkWatcher, debounced
-from agent.inventory.nics import NicSource
-from agent.inventory.simnics import SimNicSource
-from agent.kube import NodeInfo
-from agent.metrics import AgentState, Check, Metrics, MetricsServer
-from agent.model import Device
-from agent.prepare import PrepareEngine
-from agent.publisher import PublishLoop
-from agent.recovery import recover
-from agent.selfheal import SelfHealer
 from agent.server import Servers
-from agent.simkernel.emulator import KernelEmulator
-from agent.state import ClaimStore
-from agent.taintpolicy import PolicyError
+
+# This module is imported light (issue 11): the registration socket opens before discovery, the
+# engine, the API client and their dependencies are imported. They are imported where first used.
+if TYPE_CHECKING:
+    from agent.claimstatus import ClaimStatusWriter
+    from agent.connection import Connection
+    from agent.inventory import Inventory, Source
+    from agent.inventory.netwatch import NetEvent
+    from agent.kube import NodeInfo
+    from agent.metrics import AgentState, Check, MetricsServer
+    from agent.model import Device
+    from agent.prepare import PrepareEngine
+    from agent.publisher import PublishLoop
+    from agent.recovery import RecoveryReport
+    from agent.selfheal import SelfHealer
+    from agent.simkernel.emulator import KernelEmulator
 
 log = logging.getLogger(__name__)
 
+RECOVERY_BATCH = 64  # records checked per worker-thread call in the background start-up check
+
 
 def build_sources(settings: Settings) -> list[Source]:
+    from agent.inventory.cpus import CpuSource
+    from agent.inventory.gpus import GpuSource
+    from agent.inventory.memory import MemorySource
+    from agent.inventory.nics import NicSource
+    from agent.inventory.simnics import SimNicSource
+
     sources: list[Source] = [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough),
                              CpuSource(settings), MemorySource(settings)]
     if settings.nvml.kind == "sim":
@@ -71,6 +75,7 @@ def start_sim_kernel(settings: Settings) -> KernelEmulator | None:
     if settings.nvml.kind != "sim":
         return None
     from agent.inventory.nvml_profiles import load_profile
+    from agent.simkernel.emulator import KernelEmulator
     from agent.vfio.host import VfioHost
 
     root = VfioHost.of(settings).sysfs.parent
@@ -99,6 +104,8 @@ class PublishedForm:
 
 def published_form(device: Device) -> tuple[Device | None, list[str]]:
     """The device without what the API server would reject, and what was removed."""
+    from agent import slices
+
     wire, problems = slices.sanitize_device(device)
     if wire is None:
         return None, problems
@@ -126,6 +133,8 @@ def prepare_roots(settings: Settings) -> None:
             check_root(path, what)
         except UnsafeRoot as exc:
             if not settings.allow_unsafe_roots:
+                from agent.connection import StartupError
+
                 raise StartupError(f"{exc}: refusing to start (--allow-unsafe-roots overrides)") from None
             log.warning("%s (allowed by --allow-unsafe-roots)", exc)
 
@@ -138,14 +147,20 @@ def set_node_allocatable(inventory: Inventory, node: NodeInfo | None) -> None:
 
 
 class Agent:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, servers: Servers | None = None) -> None:
+        from agent.devhealth import DeviceHealthService
+        from agent.health import HealthTracker
+        from agent.inventory import Inventory
+        from agent.metrics import Metrics
+        from agent.state import ClaimStore
+
         self.settings = settings
         self.inventory = Inventory(build_sources(settings), refine=PublishedForm())
         self.store = ClaimStore(settings.claims_state_dir)
         self.tracker = HealthTracker(pool=settings.node_name)
         self.conn: Connection | None = None
         self.engine: PrepareEngine | None = None
-        self.servers: Servers | None = None
+        self.servers = servers  # with the registration server started already (`open_registration`)
         self.selfheal: SelfHealer | None = None
         self.publish: PublishLoop | None = None
         self.health = DeviceHealthService(settings, self.inventory, self._conditions_changed)
@@ -157,9 +172,31 @@ class Agent:
         self.kernel: KernelEmulator | None = None  # the simulated machine's kernel (--nvml sim)
         self._tasks: list[asyncio.Task[Any]] = []
         self._devices: dict[str, Device] = {}
+        self.recovered = asyncio.Event()  # every record listed at start-up is checked, orphans removed
         self.refreshed = asyncio.Event()  # the start-up refresh of prepared claims is done
 
     async def start(self) -> None:
+        """Registration first (unless `run` opened it already), then the rest; a start that fails
+        closes the sockets before the error goes on."""
+        if self.servers is None:
+            self.servers = await open_registration(self.settings)
+        try:
+            await self._start(self.servers)
+        except BaseException:
+            await self.servers.stop(grace=0)
+            raise
+
+    async def _start(self, servers: Servers) -> None:
+        from agent.claimstatus import ClaimStatusWriter
+        from agent.claimstatus_sinks import sink_for
+        from agent.connection import connect
+        from agent.gc import ClaimCollector
+        from agent.inventory.gpus import GpuSource
+        from agent.metrics import MetricsServer
+        from agent.prepare import PrepareEngine
+        from agent.recovery import begin_recovery
+        from agent.selfheal import SelfHealer
+
         s = self.settings
         started = time.monotonic()
         if s.metrics_endpoint is not None:
@@ -168,14 +205,14 @@ class Agent:
             await self.http.start()
         self.conn = await connect(s)
         log.info("mode: %s (%s)", self.conn.mode, self.conn.reason)
-        await asyncio.to_thread(prepare_roots, s)
+        await asyncio.to_thread(prepare_roots, s)  # again: checked before the engine writes below them
         await asyncio.to_thread(self.inventory.open)
         self.kernel = await asyncio.to_thread(start_sim_kernel, s)
         set_node_allocatable(self.inventory, self.conn.node)
         self.engine = PrepareEngine(s, self.inventory, self.conn.claim_source(s), self.store, metrics=self.metrics)
-        _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(recover, self.engine))
-        log.info("state: %s", report.summary())
-        self.metrics.recovered(len(report.repaired), len(report.removed), len(report.quarantined))
+        # Records are only listed here; each is checked in the background or by the first operation
+        # on its claim, whichever comes first (agent.recovery).
+        _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(begin_recovery, self.engine))
         await self.health.start()
         for source in self.inventory.sources:
             if isinstance(source, GpuSource):
@@ -188,25 +225,40 @@ class Agent:
             s.driver_name, sink_for(self.conn.client, self.conn.offline, s.driver_name), self.health,
             self.engine.book, readiness=self.health, metrics=self.metrics)
         self.engine.listeners.append(self.claim_status)
-        # The API may have missed writes while no agent ran (or they were queued when it stopped).
-        self.claim_status.resync(self.engine.records.values())
-        self.servers = Servers(s, self.engine, self.tracker)
-        await self.servers.start_dra()
-        await self.servers.start_registration()
-        self.selfheal = SelfHealer(s, self.engine, self.servers)
+        servers.attach(self.engine, self.tracker)
+        await servers.start_dra()
+        self.selfheal = SelfHealer(s, self.engine, servers)
         try:
             await self.selfheal.start()
         except OSError as exc:  # out of inotify instances or watches: the agent still serves
             log.warning("self-healing is off: %s", exc)
             await self.selfheal.stop()
             self.selfheal = None
-        log.info("ready in %.2fs: %d devices, %d prepared claims", time.monotonic() - started,
-                 len(self._devices), len(self.engine.records))
-        self._spawn(self._refresh_prepared(), "refresh")
+        log.info("ready in %.2fs: %d devices, %d claim records (checked in the background)",
+                 time.monotonic() - started, len(self._devices), len(self.engine.unverified()))
+        self._spawn(self._recover(report), "recover")
         self._spawn(self._publishing(), "publish")
         self._spawn(self._rescans(), "rescan")
         self._spawn(self._netlink_events(), "netlink")
         self._spawn(ClaimCollector(self.engine, s.gc_grace_period, metrics=self.metrics).run(), "gc")
+
+    async def _recover(self, report: RecoveryReport) -> None:
+        """Check every record listed at start-up, a batch per worker-thread call with the event loop
+        free in between (prepares keep being answered meanwhile), then remove orphaned files and bring
+        the claims' status and metadata up to date."""
+        from agent.recovery import check_records, finish_recovery
+
+        assert self.engine is not None and self.claim_status is not None
+        pending = self.engine.unverified()
+        for i in range(0, len(pending), RECOVERY_BATCH):
+            await asyncio.to_thread(check_records, self.engine, pending[i:i + RECOVERY_BATCH])
+        await asyncio.to_thread(finish_recovery, self.engine, report)
+        log.info("state: %s", report.summary())
+        self.metrics.recovered(len(report.repaired), len(report.removed), len(report.quarantined))
+        # The API may have missed writes while no agent ran (or they were queued when it stopped).
+        self.claim_status.resync(self.engine.records.values())
+        self.recovered.set()
+        await self._refresh_prepared()
 
     async def _refresh_prepared(self) -> None:
         """Devices may have changed while no agent was running (a NIC got its IP): bring every
@@ -229,6 +281,9 @@ class Agent:
             log.error("background task %s died", task.get_name(), exc_info=task.exception())
 
     async def _publishing(self) -> None:
+        from agent.connection import wait_for_node
+        from agent.publisher import PublishLoop
+
         assert self.conn is not None
         node = self.conn.node
         if node is None:
@@ -252,6 +307,8 @@ class Agent:
                 await self._changed()
 
     async def _netlink_events(self) -> None:
+        from agent.inventory.netwatch import NetlinkWatcher, debounced
+
         try:
             watcher = NetlinkWatcher()
             await watcher.start()
@@ -326,17 +383,24 @@ class Agent:
 
     async def healthz(self) -> list[Check]:
         """Alive: this answer comes from the event loop, and both gRPC servers answer a call."""
+        from agent.metrics import Check
+
         checks = [Check("event-loop", True)]
         if self.servers is None:
             why = "starting: recovering state and scanning devices before the sockets open"
             return [*checks, Check("registration-server", False, why), Check("dra-server", False, why)]
         s = self.settings
+        registration = _answers("registration-server", lambda: kubelet_client.get_info(s.registration_socket))
+        if not self.servers.dra_started:
+            why = "starting: scanning devices and listing claim records before the DRA socket opens"
+            return [*checks, await registration, Check("dra-server", False, why)]
         return [*checks, *await asyncio.gather(
-            _answers("registration-server", lambda: kubelet_client.get_info(s.registration_socket)),
-            _answers("dra-server", lambda: kubelet_client.empty_prepare(s.dra_socket)))]
+            registration, _answers("dra-server", lambda: kubelet_client.empty_prepare(s.dra_socket)))]
 
     async def readyz(self) -> list[Check]:
         """Ready: the kubelet registered the plugin, and this node's slices have been published."""
+        from agent.metrics import Check
+
         if self.servers is None:
             registration = Check("kubelet-registration", False, "starting: the sockets are not open yet")
         else:
@@ -365,6 +429,8 @@ class Agent:
         return [registration, slices_check]
 
     def metrics_state(self) -> AgentState:
+        from agent.metrics import AgentState
+
         snapshot = self.inventory.snapshot()
         kinds = {name: d.kind for name, d in snapshot.devices.items()}
         # A device that failed is known by name only; the names start with the kind (gpu-3, nic-...).
@@ -394,6 +460,8 @@ PROBE_TIMEOUT = 2.0
 
 
 async def _answers(name: str, call: Callable[[], Awaitable[Any]]) -> Check:
+    from agent.metrics import Check
+
     started = time.monotonic()
     try:
         async with asyncio.timeout(PROBE_TIMEOUT):
@@ -407,13 +475,36 @@ async def _answers(name: str, call: Callable[[], Awaitable[Any]]) -> Check:
     return Check(name, True, f"answered in {(time.monotonic() - started) * 1000:.1f} ms")
 
 
+_MODULES = ("agent.prepare", "agent.recovery", "agent.connection", "agent.devhealth", "agent.claimstatus",
+            "agent.claimstatus_sinks", "agent.selfheal", "agent.gc", "agent.publisher", "agent.metrics",
+            "agent.inventory.gpus", "agent.inventory.nics", "agent.inventory.cpus", "agent.inventory.memory",
+            "agent.inventory.netwatch")
+
+
+def _import_modules() -> None:
+    for name in _MODULES:
+        importlib.import_module(name)
+
+
+async def open_registration(settings: Settings) -> Servers:
+    """The agent's roots checked and its registration server listening: the kubelet's GetInfo is
+    answered while discovery and the engine start (the kubelet retries its calls to the DRA socket,
+    GetInfo's endpoint, until that socket answers)."""
+    await asyncio.to_thread(prepare_roots, settings)
+    servers = Servers(settings)
+    await servers.start_registration()
+    return servers
+
+
 async def run(settings: Settings) -> int:
+    from agent.taintpolicy import PolicyError, load_policy
+
     for flag, value in config_mod.describe(settings):
         log.debug("setting %s = %s", flag, value)
     log.info("dra-agent starting: driver %s, node %s, nvml %s", settings.driver_name, settings.node_name,
              settings.nvml)
     try:
-        agent = Agent(settings)
+        load_policy(settings.taint_policy)  # a configuration error stops the agent before any socket opens
     except PolicyError as exc:
         log.error("cannot start: %s", exc)
         return 1
@@ -424,12 +515,33 @@ async def run(settings: Settings) -> int:
     loop.set_default_executor(ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra-io"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    agent: Agent | None = None
     try:
-        await agent.start()
-    except (DiscoveryError, StartupError, OSError, RuntimeError) as exc:
+        servers = await open_registration(settings)
+    except Exception as exc:
+        from agent.connection import StartupError  # (imported on this path only: it pulls in the API client)
+
+        if not isinstance(exc, (StartupError, OSError, RuntimeError)):
+            raise
         log.error("cannot start: %s", exc)
-        await agent.stop()
         return 1
+    # The rest of the agent's modules are imported in a worker thread: the event loop keeps
+    # answering GetInfo meanwhile (an import holds the interpreter only in short slices).
+    await asyncio.to_thread(_import_modules)
+    from agent.connection import StartupError
+    from agent.inventory import DiscoveryError
+
+    try:
+        agent = Agent(settings, servers)
+        await agent.start()
+    except (DiscoveryError, StartupError, OSError, RuntimeError, PolicyError) as exc:
+        log.error("cannot start: %s", exc)
+        await (agent.stop() if agent is not None else servers.stop())
+        return 1
+    except BaseException:
+        # The registration socket is open already: it goes before the error does.
+        await (agent.stop() if agent is not None else servers.stop())
+        raise
     await stop.wait()
     log.info("stopping")
     await agent.stop()

@@ -108,6 +108,10 @@ class PrepareEngine:
         # answered once per claim source (tests and tools may swap the source).
         self._checked_source: ClaimSource | None = None
         self._local_read: ClaimReader | None = None
+        # Records listed at start-up but not yet checked (`agent.recovery`): any operation on one of
+        # these claims runs the check first, under the claim's lock, and never serves the record unchecked.
+        self._unverified: set[str] = set()
+        self._check: Callable[[str], None] | None = None
 
     @property
     def records(self) -> dict[str, ClaimRecord]:
@@ -251,6 +255,23 @@ class PrepareEngine:
         with self.locks.hold([f"claim/{uid}"]), self.claim_lock.hold(uid):
             yield
 
+    def defer_checks(self, uids: Iterable[str], check: Callable[[str], None]) -> None:
+        """Claims whose records must pass `check` (called with the claim locked) before any operation
+        on them: start-up recovery lists the records at once and checks them in the background."""
+        self._check = check
+        self._unverified.update(uids)
+
+    def unverified(self) -> list[str]:
+        return sorted(self._unverified)
+
+    def ensure_checked(self, uid: str) -> None:
+        """Run the deferred start-up check of the claim, if it is still due (call with the claim locked:
+        the claim's lock makes the check run once)."""
+        if uid in self._unverified:
+            assert self._check is not None
+            self._check(uid)
+            self._unverified.discard(uid)
+
     def root_of(self, path: str) -> Root:
         for root in (self.cdi_root, self.metadata_root):
             if root.contains(path):
@@ -304,6 +325,7 @@ class PrepareEngine:
     def _prepare_blocking(self, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
         """Prepare the claim unless it is prepared; with `read` None, only look it up."""
         with self.claim_locked(ref.uid):
+            self.ensure_checked(ref.uid)
             record = self.current_or_purge(ref.uid)
             if record is not None and (record.namespace, record.name) != (ref.namespace, ref.name):
                 raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
@@ -427,6 +449,7 @@ class PrepareEngine:
 
     def _unprepare_blocking(self, ref: ClaimRef) -> ClaimRecord | None:
         with self.claim_locked(ref.uid):
+            self.ensure_checked(ref.uid)
             record = self.current_or_purge(ref.uid)
             if record is None:
                 return None
@@ -485,6 +508,7 @@ class PrepareEngine:
 
     def _refresh_blocking(self, uid: str) -> ClaimRecord | None:
         with self.claim_locked(uid):
+            self.ensure_checked(uid)
             record = self.current_or_purge(uid)
             if record is None or not record.prepared:
                 return None

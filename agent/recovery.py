@@ -1,4 +1,4 @@
-"""Start-up recovery, run before the DRA socket accepts calls.
+"""Start-up recovery: listed before the DRA socket accepts calls, checked in the background.
 
 A crash can leave two things behind: prepared claims whose files went missing or
 are stale (re-derived from the record), and files of a claim that has no record
@@ -9,6 +9,12 @@ orphaned is never a guess. An unreadable record is set aside as `*.corrupt` and
 its claim's files are removed. A record with PCI functions bound to vfio-pci is settled first
 (`agent.vfioprep`): a bind that stopped halfway is rolled back, a restore finished, and a
 prepared claim's bindings made true again (a reboot forgets them).
+
+With 10,000 records a full check takes seconds, so only what is O(1) per record runs before the
+DRA socket opens (`begin_recovery`: temp files removed, records listed). Each record's full check
+runs in the background (`check_records`), or first in any operation on its claim, under the
+claim's lock: a prepare or unprepare is never served from an unchecked record. Orphans are
+removed once every record is checked (`finish_recovery`).
 
 Another agent may be running beside this one (a rolling update). Each step on a
 claim therefore holds that claim's locks (`agent.locks`) and looks at its record
@@ -60,36 +66,62 @@ def _uid_or_none(text: str) -> str | None:
 
 
 def recover(engine: PrepareEngine) -> RecoveryReport:
-    """Blocking: run in a worker thread."""
+    """The whole recovery at once (blocking: run in a worker thread)."""
+    report = begin_recovery(engine)
+    check_records(engine, engine.unverified())
+    return finish_recovery(engine, report)
+
+
+def begin_recovery(engine: PrepareEngine) -> RecoveryReport:
+    """What must happen before the DRA socket opens, and costs O(1) per record: temp files of record
+    writes that never reached their rename are removed, and the records are listed. Each listed
+    claim is checked later (`check_records`, in the background) or first thing in the next operation
+    on it, whichever comes first: no operation is ever served from an unchecked record. Blocking."""
     report = RecoveryReport()
     store = engine.store
     store.ensure()
-    for name in store.temp_files():  # record writes that never reached their rename
+    for name in store.temp_files():
         uid = _uid_or_none(name[1:].split(SUFFIX, 1)[0])
         if uid is None:
             continue
         with engine.claim_locked(uid):
             if engine.store.root.unlink(store.directory / name):
                 report.removed.append(str(store.directory / name))
-    for uid in sorted(store.uids()):
-        if _uid_or_none(uid) is None:
-            continue
+    uids = [uid for uid in store.uids() if _uid_or_none(uid) is not None]
+    engine.defer_checks(uids, lambda uid: _check_claim(engine, uid, report))
+    return report
+
+
+def check_records(engine: PrepareEngine, uids: list[str]) -> None:
+    """The deferred checks of these claims, each under its lock (a claim an operation checked
+    meanwhile is skipped). Blocking."""
+    for uid in uids:
         with engine.claim_locked(uid):
-            record = engine.current_or_purge(uid)
-            if record is not None and (not record.prepared or record.bindings):
-                record = _settle_bindings(engine, record, report)
-            if record is None:
-                continue
-            report.records[uid] = record
-            report.repaired += repair_claim(engine, record)
+            engine.ensure_checked(uid)
+
+
+def finish_recovery(engine: PrepareEngine, report: RecoveryReport) -> RecoveryReport:
+    """Once every record is checked: files no record owns are removed, and the report logged. Blocking."""
     report.quarantined = list(engine.quarantined)
     report.removed += _remove_orphan_specs(engine)
-    report.removed += _remove_orphan_metadata(engine, report.records)
+    report.removed += _remove_orphan_metadata(engine)
     for path in report.repaired:
         log.warning("repaired %s from its claim record", path)
     for path in report.removed:
         log.info("removed %s: no claim record owns it", path)
     return report
+
+
+def _check_claim(engine: PrepareEngine, uid: str, report: RecoveryReport) -> None:
+    """The full check of one record (with the claim locked): decoded (or set aside when unreadable),
+    interrupted passthrough work settled, and its files rewritten where they differ from it."""
+    record = engine.current_or_purge(uid)
+    if record is not None and (not record.prepared or record.bindings):
+        record = _settle_bindings(engine, record, report)
+    if record is None:
+        return
+    report.records[uid] = record
+    report.repaired += repair_claim(engine, record)
 
 
 def _settle_bindings(engine: PrepareEngine, record: ClaimRecord, report: RecoveryReport) -> ClaimRecord | None:
@@ -162,9 +194,10 @@ def _remove_orphan_specs(engine: PrepareEngine) -> list[str]:
     return removed
 
 
-def _remove_orphan_metadata(engine: PrepareEngine, records: dict[str, ClaimRecord]) -> list[str]:
+def _remove_orphan_metadata(engine: PrepareEngine) -> list[str]:
     root = engine.metadata_root
     removed: list[str] = []
+    records = engine.records
     for name in root.listdir():
         path = root.path / name
         uid = _uid_or_none(name)

@@ -134,7 +134,9 @@ class SelfHealer:
         observer.daemon = True
         self._observer = observer
         await asyncio.to_thread(self._arm)
-        observer.start()
+        # In a worker thread: starting the recursive watch of the metadata directory adds a watch per
+        # claim directory (20,000 with 10,000 prepared claims), which must not hold up the event loop.
+        await asyncio.to_thread(observer.start)
         log.info("self-healing: watching %s", ", ".join(sorted(self.targets)))
 
     async def stop(self) -> None:
@@ -275,6 +277,7 @@ class SelfHealer:
     def _check_claim(self, uid: str) -> None:
         """Worker thread: restore the claim's files from its record, under the claim's locks."""
         with self.engine.claim_locked(uid):
+            self.engine.ensure_checked(uid)  # a record listed at start-up and not yet checked: now
             record = self.engine.current_or_purge(uid)
             if record is None:
                 return  # not prepared: nothing of it is restored

@@ -4,8 +4,9 @@
 - DRA v1 + v1beta1 and health v1 + v1alpha1 on `plugins/<driver>/dra.sock`.
 
 Registration runs on its own server so GetInfo (1 s kubelet timeout) never
-queues behind prepares. Handlers never let an exception out as a traceback:
-errors are per claim, in the response.
+queues behind prepares, and it starts first: this module imports the engine's modules only for
+types, so the registration socket answers before discovery and the engine are even imported.
+Handlers never let an exception out as a traceback: errors are per claim, in the response.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from agent.config import UNIX_PATH_MAX, Settings
-from agent.health import HEALTHY, UNHEALTHY, UNKNOWN, HealthTracker
 from agent.names import ClaimRef, base_request
 from agent.pb import (
     dra_v1_pb2,
@@ -38,7 +38,10 @@ from agent.pb import (
     registration_pb2,
     registration_pb2_grpc,
 )
-from agent.prepare import PrepareEngine, PrepareResult
+
+if TYPE_CHECKING:  # the registration server starts before the engine's modules are imported
+    from agent.health import HealthTracker
+    from agent.prepare import PrepareEngine
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,8 @@ class _DRA:
         try:
             results = await self.engine.prepare(refs)
         except Exception as exc:  # the engine reports per claim; this is a last line of defence
+            from agent.prepare import PrepareResult
+
             log.exception("NodePrepareResources failed")
             results = {r.uid: PrepareResult(error=f"internal error: {exc!r}") for r in refs}
         for uid, result in results.items():
@@ -139,6 +144,8 @@ class _Health:
         self.pb = pb
 
     async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        from agent.health import HEALTHY, UNHEALTHY, UNKNOWN
+
         status = {HEALTHY: self.pb.HEALTHY, UNHEALTHY: self.pb.UNHEALTHY, UNKNOWN: self.pb.UNKNOWN}
         async for devices in self.tracker.watch():
             now = int(time.time())
@@ -227,15 +234,31 @@ async def _start(server: grpc.aio.Server, path: Path) -> SocketIdentity:
 
 
 class Servers:
-    def __init__(self, settings: Settings, engine: PrepareEngine, tracker: HealthTracker) -> None:
+    """Both servers. The registration server needs nothing but the settings, so it can start first
+    (the kubelet's GetInfo answered while devices are discovered and records listed); the DRA server
+    gets its servicers from `attach` once the engine exists, and starts after that."""
+
+    def __init__(self, settings: Settings, engine: PrepareEngine | None = None,
+                 tracker: HealthTracker | None = None) -> None:
         self.settings = settings
         self.registration_state = RegistrationState()
         self._listening: list[tuple[grpc.aio.Server, Path, SocketIdentity]] = []
         self._retiring: set[asyncio.Task[None]] = set()  # replaced servers, stopping in the background
         self._registration_servicer = Registration(settings, self.registration_state)
-        self._dra_servicers = (DRAv1(engine), DRAv1beta1(engine), Healthv1(tracker), Healthv1alpha1(tracker))
+        self._dra_servicers: tuple[DRAv1, DRAv1beta1, Healthv1, Healthv1alpha1] | None = None
         self.registration = self._new_registration()
+        self.dra: grpc.aio.Server | None = None
+        if engine is not None and tracker is not None:
+            self.attach(engine, tracker)
+
+    def attach(self, engine: PrepareEngine, tracker: HealthTracker) -> None:
+        """The DRA and health servicers (before `start_dra`)."""
+        self._dra_servicers = (DRAv1(engine), DRAv1beta1(engine), Healthv1(tracker), Healthv1alpha1(tracker))
         self.dra = self._new_dra()
+
+    @property
+    def dra_started(self) -> bool:
+        return any(path == self.settings.dra_socket for _, path, _ in self._listening)
 
     @staticmethod
     def _server() -> grpc.aio.Server:
@@ -247,6 +270,8 @@ class Servers:
         return server
 
     def _new_dra(self) -> grpc.aio.Server:
+        if self._dra_servicers is None:
+            raise RuntimeError("the DRA servicers are not attached")
         server = self._server()
         v1, v1beta1, h1, h1alpha1 = self._dra_servicers
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, server)
@@ -256,6 +281,8 @@ class Servers:
         return server
 
     async def start_dra(self) -> None:
+        if self.dra is None:
+            raise RuntimeError("the DRA servicers are not attached")
         identity = await _start(self.dra, self.settings.dra_socket)
         self._listening.append((self.dra, self.settings.dra_socket, identity))
         log.info("DRA service listening on %s", self.settings.dra_socket)

@@ -3,6 +3,8 @@ simulated GPUs and hand-made NICs/CPUs, and claims written where the offline sou
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import subprocess
@@ -15,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from agent import kubelet_client as kc
 from agent.claims import DirectoryClaimSource
 from agent.config import NvmlMode, Settings, build_settings
 from agent.daemon import PublishedForm
@@ -116,6 +119,15 @@ def agent_process(args: Sequence[str], env: dict[str, str], registration_socket:
         if proc.poll() is not None:
             raise AssertionError(proc.communicate())
         assert time.monotonic() < deadline, "agent did not start"
+        time.sleep(0.05)
+    # The registration socket opens first; the DRA socket (GetInfo's endpoint) once devices are scanned.
+    # (In a thread of its own: the caller may be running an event loop.)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        endpoint = Path(pool.submit(asyncio.run, kc.get_info(registration_socket, timeout=10)).result().endpoint)
+    while not endpoint.exists():
+        if proc.poll() is not None:
+            raise AssertionError(proc.communicate())
+        assert time.monotonic() < deadline, "agent did not open its DRA socket"
         time.sleep(0.05)
     try:
         yield proc
