@@ -135,8 +135,11 @@ def gpus(env: dict[str, str], *args: str) -> tuple[dict[str, Any], list[str]]:
     proc = cli(env, "devices", "-o", "json", *args)
     assert proc.returncode == 0, proc.stderr
     found = {d.pop("name"): d for d in json.loads(proc.stdout) if d["kind"] == "gpu"}
-    for d in found.values():
+    for name, d in found.items():
         assert d.pop("kind") == "gpu"
+        # gpu-0 is in the stand-in host's sysfs (its driver and IOMMU group shown); the others are not.
+        function = d.pop("pciFunction", None)
+        assert function == ({"driver": "nvidia", "iommuGroup": 100} if name == "gpu-0" else None), (name, function)
     said = "WARNING agent.inventory: gpu not published: "
     return found, [line.removeprefix(said) for line in proc.stderr.splitlines() if line.startswith(said)]
 

@@ -194,14 +194,16 @@ class KernelEmulator:
                     # empty file for a clear and rewriting it would swallow that write.
                     return
                 override = None if text in ("", NO_OVERRIDE) else text
-                if path.read_text() == f"{override or NO_OVERRIDE}\n":
+                # Judged on the one read above: reading again could see the agent's next write, and
+                # rewriting the file after it would swallow that write.
+                if raw == f"{override or NO_OVERRIDE}\n":
                     self._overrides[write.bdf] = override
                     return  # already as the kernel shows it (our own rewrite's event)
                 self._pause()
                 if self._injected(write.kind, write.bdf, None):
                     override = self._overrides.get(write.bdf)  # a refused write leaves the old value
                 self._overrides[write.bdf] = override
-                self.tree.set_override(write.bdf, override)
+                self.tree.set_override(write.bdf, override, written=raw)
                 return
             if not text:
                 return  # emptied after the last write: nothing new

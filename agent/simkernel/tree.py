@@ -116,15 +116,19 @@ class SimTree:
         (self.function(bdf) / "driver").unlink(missing_ok=True)
         return driver
 
-    def set_override(self, bdf: str, driver: str | None) -> None:
+    def set_override(self, bdf: str, driver: str | None, *, written: str | None = None) -> None:
+        """Show `driver` (None: none) as the function's override. `written`: the content this answers;
+        when the file holds something else by now, a newer write came, and it is left alone (its own
+        event follows)."""
         # Replaced whole: a reader (the agent waiting for "(null)") never sees it half written or empty,
         # which the kernel's file never is.
         path = self.function(bdf) / "driver_override"
         try:
-            if path.read_text() == f"{driver or NO_OVERRIDE}\n":
-                return
+            now = path.read_text()
         except OSError:
-            pass
+            now = None
+        if now == f"{driver or NO_OVERRIDE}\n" or (written is not None and now != written):
+            return
         staged = path.with_name(".driver_override.new")
         staged.write_text(f"{driver or NO_OVERRIDE}\n")
         os.replace(staged, path)
