@@ -74,8 +74,10 @@ class SimTree:
         return Path(os.path.realpath(self.devices / bdf))
 
     def driver_of(self, bdf: str) -> str | None:
-        link = self.devices / bdf / "driver"
-        return os.path.basename(os.readlink(link)) if link.is_symlink() else None
+        try:  # read once: the link may go between a look and a read (an unbind applied meanwhile)
+            return os.path.basename(os.readlink(self.devices / bdf / "driver"))
+        except OSError:  # no link (unbound), or not a link
+            return None
 
     def group_of(self, bdf: str) -> int | None:
         link = self.devices / bdf / "iommu_group"
