@@ -98,6 +98,9 @@ OPTIONS: tuple[Option, ...] = (
            "seconds a prepared claim's ResourceClaim must stay gone (deleted, or re-created with another "
            "UID) before the claim is unprepared here; checked at start and every min(grace/4, 60) s",
            kind=float, metavar="SECONDS"),
+    Option("dynamic_mig", "--dynamic-mig", "DRA_DYNAMIC_MIG", False,
+           "publish every MIG placement of MIG-capable GPUs as a device on the GPU's counter set "
+           "(true/false; off until MIG prepare is built: prepare refuses MIG devices)", kind=bool, metavar="BOOL"),
     Option("gpu_probe_interval", "--gpu-probe-interval", "DRA_GPU_PROBE_INTERVAL", 1.0,
            "seconds between probes of every GPU for a lost, recovered or reset GPU (two NVML calls each)",
            kind=float, metavar="SECONDS"),
@@ -160,6 +163,7 @@ class Settings:
     claim_fetch_concurrency: int = 16
     api_timeout: float = 10.0
     gc_grace_period: float = 600.0
+    dynamic_mig: bool = False
     gpu_probe_interval: float = 1.0
     taint_policy: Path | None = None
     metrics_address: str = DEFAULT_METRICS_ADDRESS

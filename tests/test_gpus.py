@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -52,7 +53,8 @@ def opened(settings: Settings) -> GpuSource:
 
 @pytest.fixture
 def dgx(tmp_path: Path):  # type: ignore[no-untyped-def]
-    source = opened(sim_settings(tmp_path))
+    # With --dynamic-mig on (off by default until MIG prepare is built), every fact is published.
+    source = opened(dataclasses.replace(sim_settings(tmp_path), dynamic_mig=True))
     yield source
     source.close()
 

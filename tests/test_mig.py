@@ -50,7 +50,7 @@ def code(call: Any, *args: Any) -> int:
     return int(err.value.value)
 
 
-def scan(tmp_path: Path, profile: str, dynamic_mig: bool | None = None) -> list[Device]:
+def scan(tmp_path: Path, profile: str, dynamic_mig: bool | None = True) -> list[Device]:
     source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=tmp_path / "state"),
                        dynamic_mig=dynamic_mig)
     source.open()

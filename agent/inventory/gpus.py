@@ -126,8 +126,7 @@ class GpuSource:
     def __init__(self, settings: Settings, dynamic_mig: bool | None = None) -> None:
         self.settings = settings
         # Publish MIG placements (`--dynamic-mig`, on by default); a Settings without the field reads as on.
-        configured = getattr(settings, "dynamic_mig", True)
-        self.dynamic_mig = dynamic_mig if dynamic_mig is not None else configured is not False
+        self.dynamic_mig = dynamic_mig if dynamic_mig is not None else settings.dynamic_mig
         self._mig = MigDevices()
         self.nvml: Any = None  # the pynvml module, a SimulatedNvml, or None (no GPUs)
         self.sysfs_root: Path = settings.sysfs_root
