@@ -43,7 +43,7 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,9 +55,28 @@ from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.model import Device
 from agent.names import ClaimRef
-from agent.state import ClaimRecord, PreparedDevice
+from agent.state import PreparedDevice
 
 log = logging.getLogger(__name__)
+
+
+class ClaimView(Protocol):
+    """What a claim's status is built from: a whole record (from an operation) or the book's summary."""
+
+    @property
+    def uid(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def devices(self) -> Sequence[PreparedDevice]: ...
+
+    @property
+    def prepared_at(self) -> float: ...
 
 READY = "Ready"
 DEFAULT_CONCURRENCY = 4
@@ -97,7 +116,7 @@ def _rfc3339(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _target(record: ClaimRecord) -> ClaimRef:
+def _target(record: ClaimView) -> ClaimRef:
     return ClaimRef(record.namespace, record.name, record.uid)
 
 
@@ -114,7 +133,9 @@ class ClaimStatusWriter:
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
-        self._records: dict[str, ClaimRecord] = {}  # prepared claims by UID, as last told
+        # Claims whose latest record was told since the start (prepared, refreshed, or re-written for a
+        # device change): a start-up resync skips them. The records themselves are the book's.
+        self._told: set[str] = set()
         self._pending: dict[str, _Pending] = {}  # waiting to be written (the latest state per claim)
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._transitions: dict[tuple[str, str, str], _Transition] = {}  # (uid, device, share) -> Ready
@@ -130,15 +151,15 @@ class ClaimStatusWriter:
 
     # -- ClaimListener (called on the event loop; never blocks, never raises) ----------------------
 
-    def claim_prepared(self, record: ClaimRecord) -> None:
-        self._records[record.uid] = record
+    def claim_prepared(self, record: ClaimView) -> None:
+        self._told.add(record.uid)
         self._enqueue(record)
 
-    def claim_refreshed(self, record: ClaimRecord) -> None:
+    def claim_refreshed(self, record: ClaimView) -> None:
         self.claim_prepared(record)
 
-    def claim_unprepared(self, record: ClaimRecord) -> None:
-        self._records.pop(record.uid, None)
+    def claim_unprepared(self, record: ClaimView) -> None:
+        self._told.discard(record.uid)
         self._gone.discard(record.uid)
         for key in [k for k in self._transitions if k[0] == record.uid]:
             del self._transitions[key]
@@ -151,14 +172,14 @@ class ClaimStatusWriter:
         Returns how many claims were queued."""
         queued = 0
         for uid in self.book.claims_holding(set(names)):
-            record = self._records.get(uid) or self.book.records().get(uid)
+            record = self.book.record_of(uid)
             if record is not None:
-                self._records[uid] = record
+                self._told.add(uid)
                 self._enqueue(record)
                 queued += 1
         return queued
 
-    def resync(self, records: Iterable[ClaimRecord]) -> int:
+    def resync(self, records: Iterable[ClaimView]) -> int:
         """Write the status of every prepared claim (at start), in the background a window at a
         time; how many claims it will write."""
         todo = list(records)
@@ -167,14 +188,14 @@ class ClaimStatusWriter:
             self._resync = asyncio.get_running_loop().create_task(self._feed(todo), name="claim-status-resync")
         return len(todo)
 
-    async def _feed(self, records: list[ClaimRecord]) -> None:
-        told: set[str] = set(self._records)  # prepared or refreshed since: already written fresh
+    async def _feed(self, records: list[ClaimView]) -> None:
+        told = set(self._told)  # prepared or refreshed since: already written fresh
         try:
             for record in records:
                 while self.queued >= RESYNC_WINDOW:
                     self._drained.clear()
                     await self._drained.wait()
-                if record.uid in told or record.uid in self._records:
+                if record.uid in told or record.uid in self._told:
                     continue
                 if self.book.record_of(record.uid) is None:
                     continue  # unprepared meanwhile
@@ -212,7 +233,7 @@ class ClaimStatusWriter:
 
     # -- entries ------------------------------------------------------------------------------------
 
-    def entries(self, record: ClaimRecord) -> list[dict[str, Any]]:
+    def entries(self, record: ClaimView) -> list[dict[str, Any]]:
         """This driver's entries for the claim, as the API accepts them."""
         allocated = {(self.driver, d.pool, d.device, d.share_id) for d in record.devices}
         out = []
@@ -225,7 +246,7 @@ class ClaimStatusWriter:
                 out.append(entry)
         return out
 
-    def _entry(self, record: ClaimRecord, d: PreparedDevice) -> dict[str, Any]:
+    def _entry(self, record: ClaimView, d: PreparedDevice) -> dict[str, Any]:
         entry: dict[str, Any] = {"driver": self.driver, "pool": d.pool, "device": d.device}
         if d.share_id:
             entry["shareID"] = d.share_id
@@ -254,7 +275,7 @@ class ClaimStatusWriter:
                 entry["networkData"] = net
         return entry
 
-    def _condition(self, record: ClaimRecord, d: PreparedDevice, ready: Readiness) -> dict[str, Any]:
+    def _condition(self, record: ClaimView, d: PreparedDevice, ready: Readiness) -> dict[str, Any]:
         status = "True" if ready.ready else "False"
         key = (record.uid, d.device, d.share_id)
         last = self._transitions.get(key)
@@ -267,7 +288,7 @@ class ClaimStatusWriter:
 
     # -- the queue ----------------------------------------------------------------------------------
 
-    def _enqueue(self, record: ClaimRecord) -> None:
+    def _enqueue(self, record: ClaimView) -> None:
         try:
             entries = self.entries(record)
         except Exception:

@@ -255,6 +255,7 @@ class Agent:
         await asyncio.to_thread(finish_recovery, self.engine, report)
         log.info("state: %s", report.summary())
         self.metrics.recovered(len(report.repaired), len(report.removed), len(report.quarantined))
+        report.records.clear()  # every record, whole: the book keeps what is needed, and far less
         # The API may have missed writes while no agent ran (or they were queued when it stopped).
         self.claim_status.resync(self.engine.records.values())
         self.recovered.set()

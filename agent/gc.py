@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from agent.claimbook import ClaimSummary
 from agent.claims import ClaimNotFound, ClaimSource, ClaimSourceError
 from agent.metrics import Metrics
 from agent.names import ClaimRef
 from agent.prepare import PrepareEngine
-from agent.state import ClaimRecord
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class ClaimCollector:
                 collected.append(rec.uid)
         return collected
 
-    async def observe(self, rec: ClaimRecord) -> tuple[str, str]:
+    async def observe(self, rec: ClaimSummary) -> tuple[str, str]:
         """(PRESENT | GONE | UNKNOWN, why) for the record's ResourceClaim."""
         try:
             obj = await self.source.get(rec.namespace, rec.name)
@@ -120,7 +120,7 @@ class ClaimCollector:
             return UNKNOWN, "the claim has no metadata.uid"
         return GONE, f"the ResourceClaim {rec.namespace}/{rec.name} now has UID {uid}"
 
-    async def collect(self, rec: ClaimRecord, gone_for: float) -> bool:
+    async def collect(self, rec: ClaimSummary, gone_for: float) -> bool:
         ref = ClaimRef(rec.namespace, rec.name, rec.uid)
         seen, why = await self.observe(rec)  # a last look, right before acting
         if seen != GONE:

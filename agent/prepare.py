@@ -30,14 +30,17 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agent import cdispecs, failpoints, metadata
+from agent import cdispecs, failpoints
 from agent.allocation import Allocation, parse_claim
-from agent.claimbook import ClaimBook
+from agent.claimbook import ClaimBook, ClaimSummary
+from agent.claimfiles import ClaimFiles
+from agent.claimplan import plan_record, refreshed
 from agent.claims import ClaimSource, LocalClaimSource
 from agent.config import Settings
 from agent.errors import ClaimFailure
@@ -45,13 +48,11 @@ from agent.fsutil import Root, UnsafePath
 from agent.inventory import Inventory
 from agent.locks import ClaimFileLock, LockTable
 from agent.metrics import Metrics
-from agent.names import ClaimRef, InvalidName, base_request, check_claim_ref
-from agent.state import ClaimRecord, ClaimStore, DeviceBinding, FileRecord, PreparedDevice, RecordError, RecordState
+from agent.names import ClaimRef, InvalidName, check_claim_ref
+from agent.state import ClaimRecord, ClaimStore, DeviceBinding, PreparedDevice, RecordError, RecordState
 from agent.toolkit import ToolkitSpecs
-from agent.vfio.errors import VfioError
 from agent.vfio.host import VfioHost
 from agent.vfioprep import Passthrough, lock_key
-from cdi.store import encode_spec
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class PrepareEngine:
                                                skip_prefixes=(settings.cdi_vendor,))
         self.cdi_root = Root(settings.cdi_dir)
         self.metadata_root = Root(settings.metadata_dir)
+        self.files = ClaimFiles(settings, self.cdi_root, self.metadata_root)
         self.locks = LockTable()
         self.claim_lock = claim_lock or ClaimFileLock(settings.state_dir / "claims.lock")
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
@@ -111,12 +113,19 @@ class PrepareEngine:
         # Records listed at start-up but not yet checked (`agent.recovery`): any operation on one of
         # these claims runs the check first, under the claim's lock, and never serves the record unchecked.
         self._unverified: set[str] = set()
+        self._unverified_guard = threading.Lock()
         self._check: Callable[[str], None] | None = None
 
     @property
-    def records(self) -> dict[str, ClaimRecord]:
-        """The prepared claims this agent knows of (a copy)."""
+    def records(self) -> dict[str, ClaimSummary]:
+        """The prepared claims this agent knows of (a copy; the whole records are in their files)."""
         return self.book.records()
+
+    def whole_record(self, uid: str) -> ClaimRecord | None:
+        """The claim's whole record (its files' contents, its bindings), read from its file: for tools,
+        reports and tests. An operation reads it under the claim's lock (`book.current`)."""
+        found = self.store.read(uid)
+        return found[0] if found is not None else None
 
     # -- kubelet entry points -------------------------------------------------------------------
 
@@ -259,68 +268,41 @@ class PrepareEngine:
         """Claims whose records must pass `check` (called with the claim locked) before any operation
         on them: start-up recovery lists the records at once and checks them in the background."""
         self._check = check
-        self._unverified.update(uids)
+        with self._unverified_guard:
+            self._unverified.update(uids)
 
     def unverified(self) -> list[str]:
-        return sorted(self._unverified)
+        with self._unverified_guard:
+            return sorted(self._unverified)
 
     def ensure_checked(self, uid: str) -> None:
         """Run the deferred start-up check of the claim, if it is still due (call with the claim locked:
         the claim's lock makes the check run once)."""
-        if uid in self._unverified:
-            assert self._check is not None
+        if uid in self._unverified and self._check is not None:
             self._check(uid)
-            self._unverified.discard(uid)
+            with self._unverified_guard:
+                self._unverified.discard(uid)
+                if not self._unverified:
+                    self._check = None  # (it holds the start-up report, with every record it checked)
 
     def root_of(self, path: str) -> Root:
-        for root in (self.cdi_root, self.metadata_root):
-            if root.contains(path):
-                return root
-        raise UnsafePath(0, f"{path} lies outside the agent's CDI and metadata directories")
+        return self.files.root_of(path)
+
+    def settle(self, record: ClaimRecord) -> None:
+        """Finish a passthrough prepare or unprepare that stopped halfway (`Passthrough.settle`)."""
+        self.passthrough.settle(record, self.files)
 
     # -- side effects (worker thread) -------------------------------------------------------------
 
     def plan(self, alloc: Allocation, generation: int = 1,
              bindings: list[DeviceBinding] | None = None) -> ClaimRecord:
-        """Every file of the prepared claim with its content, and the kubelet response. No I/O
-        except the toolkit lookup. Passthrough devices must be bound already (`bindings`), their
-        VFIO nodes in their facts (`Passthrough.bound_devices`)."""
-        s = self.settings
-        ref = alloc.ref
+        """Every file of the prepared claim with its content, and the kubelet response
+        (`agent.claimplan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
+        in their facts (`Passthrough.bound_devices`)."""
         if unbound := {a.device.name for a in alloc.devices if a.device.kind == "vfio"} - \
                 {b.device for b in bindings or ()}:
             raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
-        vendor = s.cdi_vendor
-        files: list[FileRecord] = []
-        spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, alloc.config_env)
-        files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec)))
-        devices: list[PreparedDevice] = []
-        first_of_request: set[str] = set()
-        for a in alloc.devices:
-            ids = [cdispecs.claim_device_id(vendor, ref.uid, a.device.name)]
-            if a.device.kind == "gpu" and (tk := self.toolkit.device_id(a.device.node.gpu_uuid,
-                                                                        a.device.node.gpu_index)):
-                ids.append(tk)
-            base = base_request(a.request)
-            if base not in first_of_request:
-                first_of_request.add(base)
-                ids.append(cdispecs.metadata_device_id(vendor, ref.uid, base))
-            devices.append(PreparedDevice(request=a.request, pool=a.pool, device=a.device.name,
-                                          cdi_device_ids=tuple(ids), share_id=a.share_id))
-        for base, allocs in metadata.group_by_base_request(alloc.devices).items():
-            host = metadata.host_file(s.metadata_dir, ref.uid, base)
-            content = metadata.render(driver=s.driver_name, namespace=ref.namespace, name=ref.name,
-                                      uid=ref.uid, pod_claim_name=alloc.pod_claim_name,
-                                      generation=generation, devices=allocs)
-            files.append(FileRecord(str(host), content))
-            container = metadata.container_file(s.driver_name, ref.name, base, alloc.pod_claim_name)
-            mspec = cdispecs.metadata_spec(vendor, ref.uid, base, str(host), container)
-            files.append(FileRecord(str(s.cdi_dir / cdispecs.metadata_spec_name(vendor, ref.uid, base)),
-                                    encode_spec(mspec)))
-        dirs = [str(metadata.host_dir(s.metadata_dir, ref.uid))] if alloc.devices else []
-        return ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
-                           pod_claim_name=alloc.pod_claim_name, devices=devices, files=files, dirs=dirs,
-                           prepared_at=time.time(), generation=generation, bindings=list(bindings or ()))
+        return plan_record(self.settings, self.toolkit, alloc, generation, bindings or [])
 
     def _prepare_blocking(self, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
         """Prepare the claim unless it is prepared; with `read` None, only look it up."""
@@ -354,7 +336,7 @@ class PrepareEngine:
             log.error("claim record of %s is unreadable (%s): setting it aside, removing its files", uid, exc)
             self.book.forget(uid)
             self.quarantined.append(str(self.store.quarantine(self.store.path(uid).name)))
-            self.remove_claim_files(uid)
+            self.files.remove_claim_files(uid)
             return None
 
     def _apply(self, alloc: Allocation) -> ClaimRecord:
@@ -386,66 +368,22 @@ class PrepareEngine:
                 alloc = dataclasses.replace(alloc, devices=devices)
                 record = self.plan(alloc, bindings=bound.bindings)
             except BaseException:
-                self._unbind_after_failure(intent)
+                self.passthrough.unbind_after_failure(intent, self.files)
                 raise
         try:
             for f in record.files:
-                self.root_of(f.path).write(f.path, f.content, f.mode)
+                self.files.root_of(f.path).write(f.path, f.content, f.mode)
                 failpoints.hit(_step(f.path, self.settings))
             self.book.write(record)
         except BaseException:
             if record.bindings:
-                self._unbind_after_failure(dataclasses.replace(record, state=RecordState.BINDING, files=[], dirs=[]))
+                self.passthrough.unbind_after_failure(
+                    dataclasses.replace(record, state=RecordState.BINDING, files=[], dirs=[]), self.files)
             else:
-                self._roll_back(record)
+                self.files.roll_back(record, self.book)
             raise
         failpoints.hit("after-record")
         return record
-
-    def _unbind_after_failure(self, intent: ClaimRecord) -> None:
-        """A prepare with bindings failed: put the functions back, then drop the record (its files are
-        removed by the caller or were never written). When the functions cannot be put back, the
-        `binding` record stays, and the next prepare, unprepare or start rolls it back again."""
-        try:
-            self.book.write(intent)  # the disk says `binding` (not `prepared`) while this runs
-            self.remove_claim_files(intent.uid)
-            self.passthrough.restore(intent, None)
-        except (VfioError, OSError) as exc:
-            log.error("claim %s/%s: could not put its PCI functions back after a failed prepare (%s); its record "
-                      "stays in state binding, to be rolled back by the next operation or start",
-                      intent.namespace, intent.name, exc)
-            return
-        with contextlib.suppress(OSError):
-            self.store.delete(intent.uid)
-        self.book.forget(intent.uid)
-
-    def settle(self, record: ClaimRecord) -> None:
-        """Finish a passthrough prepare or unprepare that stopped halfway (call with the claim's locks and
-        its devices' locks): `binding` is rolled back, `restoring` finished; the claim's files and record
-        go. Raises (record kept) when a function cannot be put back now."""
-        self.remove_claim_files(record.uid)
-        if record.state is RecordState.BINDING:
-            self.passthrough.restore(record, None)
-        else:
-            self.passthrough.restore(record, self.book.write)
-        self.store.delete(record.uid)
-        self.book.forget(record.uid)
-        log.info("claim %s/%s: %s settled: its PCI functions are back on their drivers", record.namespace,
-                 record.name, "an interrupted prepare" if record.state is RecordState.BINDING else
-                 "an interrupted unprepare")
-
-    def _roll_back(self, record: ClaimRecord) -> None:
-        # The record may be in place already (renamed, then its directory's fsync failed): the
-        # prepare is reported as failed, so no record may say otherwise.
-        with contextlib.suppress(OSError):
-            self.store.delete(record.uid)
-        self.book.forget(record.uid)
-        for f in reversed(record.files):
-            with contextlib.suppress(OSError):
-                self.root_of(f.path).unlink(f.path)
-        for d in record.dirs:
-            with contextlib.suppress(OSError):
-                self.metadata_root.remove_tree(d)
 
     def _unprepare_blocking(self, ref: ClaimRef) -> ClaimRecord | None:
         with self.claim_locked(ref.uid):
@@ -458,53 +396,15 @@ class PrepareEngine:
                     self.settle(record)
                     return record
                 if record.bindings:
-                    self._unprepare_bound(record)
+                    self.passthrough.unprepare_bound(record, self.files)
                     return record
                 # The record goes first: a crash from here on leaves only files that no record
                 # owns, which the next start removes.
                 self.store.delete(record.uid)
                 self.book.forget(record.uid)
                 failpoints.hit("unprepare-after-record")
-                self.remove_files(record)
+                self.files.remove_files(record)
             return record
-
-    def _unprepare_bound(self, record: ClaimRecord) -> None:
-        # The restore intent first (no files: from here on they are orphans the next start removes),
-        # then the files, then each function back on its driver, each step recorded first.
-        restoring = dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[],
-                                        bindings=[dataclasses.replace(b, step=0) for b in record.bindings])
-        self.book.write(restoring)
-        failpoints.hit("unprepare-after-restore-intent")
-        self.remove_files(record)
-        self.passthrough.restore(restoring, self.book.write)
-        self.store.delete(record.uid)
-        self.book.forget(record.uid)
-        failpoints.hit("unprepare-after-record")
-
-    def remove_files(self, record: ClaimRecord) -> None:
-        for f in reversed(record.files):
-            try:
-                self.root_of(f.path).unlink(f.path)
-            except UnsafePath as exc:
-                log.error("claim %s: not removing %s: %s", record.uid, f.path, exc)
-            failpoints.hit("unprepare-after-file")
-        for d in record.dirs:
-            try:
-                self.metadata_root.remove_tree(d)
-            except UnsafePath as exc:
-                log.error("claim %s: not removing %s: %s", record.uid, d, exc)
-
-    def remove_claim_files(self, uid: str) -> list[str]:
-        """Every agent-owned file named by this UID (call with the claim locked)."""
-        removed = []
-        for name in self.cdi_root.listdir():
-            if cdispecs.claim_uid_of_spec(name, self.settings.cdi_vendor) == uid and self.cdi_root.unlink(
-                    self.cdi_root.path / name):
-                removed.append(str(self.cdi_root.path / name))
-        path = metadata.host_dir(self.settings.metadata_dir, uid)
-        if self.metadata_root.remove_tree(path):
-            removed.append(str(path))
-        return removed
 
     def _refresh_blocking(self, uid: str) -> ClaimRecord | None:
         with self.claim_locked(uid):
@@ -515,30 +415,14 @@ class PrepareEngine:
             return self._refresh(record)
 
     def _refresh(self, record: ClaimRecord) -> ClaimRecord | None:
-        allocated = []
-        macs = {b.device: b.mac for b in record.bindings}
-        for d in record.devices:
-            device = self.inventory.get(d.device)
-            if device is None:
-                return None  # gone: health reports it; the file keeps the last known truth
-            allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id, macs.get(d.device, "")))
-        s = self.settings
-        common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,
-                                  "uid": record.uid, "pod_claim_name": record.pod_claim_name}
-        contents = {str(metadata.host_file(s.metadata_dir, record.uid, base)): allocs
-                    for base, allocs in metadata.group_by_base_request(allocated).items()}
-        current = {f.path: f.content for f in record.files}
-        if all(current.get(path) == metadata.render(generation=record.generation, devices=allocs, **common)
-               for path, allocs in contents.items()):
+        change = refreshed(self.settings, self.inventory.get, record)
+        if change is None:
             return None
-        generation = record.generation + 1
-        files = [FileRecord(f.path, metadata.render(generation=generation, devices=contents[f.path], **common),
-                            f.mode) if f.path in contents else f for f in record.files]
-        new = dataclasses.replace(record, files=files, generation=generation)
+        new, paths = change
         self.book.write(new)
         failpoints.hit("refresh-after-record")
-        for f in files:
-            if f.path in contents:
+        for f in new.files:
+            if f.path in paths:
                 self.metadata_root.write(f.path, f.content, f.mode)
                 failpoints.hit("refresh-after-metadata-file")
         return new

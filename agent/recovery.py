@@ -32,6 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from agent import cdispecs
+from agent.claimbook import ClaimSummary
 from agent.errors import ClaimFailure
 from agent.fsutil import UnsafePath, is_temp_name
 from agent.names import InvalidName, check_uid
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RecoveryReport:
-    records: dict[str, ClaimRecord] = field(default_factory=dict)
+    records: dict[str, ClaimSummary] = field(default_factory=dict)  # the claims prepared after recovery
     repaired: list[str] = field(default_factory=list)  # file paths rewritten from their records
     removed: list[str] = field(default_factory=list)  # orphaned files and directories
     quarantined: list[str] = field(default_factory=list)  # unreadable records set aside
@@ -120,7 +121,7 @@ def _check_claim(engine: PrepareEngine, uid: str, report: RecoveryReport) -> Non
         record = _settle_bindings(engine, record, report)
     if record is None:
         return
-    report.records[uid] = record
+    report.records[uid] = engine.book.record_of(uid) or ClaimSummary.of(record)  # (the book's: not a copy)
     report.repaired += repair_claim(engine, record)
 
 

@@ -22,6 +22,7 @@ retryable DeviceBusy before anything moves; a step the kernel does not complete 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -29,12 +30,13 @@ from collections.abc import Callable, Iterable, Sequence
 from agent import counters, failpoints
 from agent.allocation import Allocation, VfioSettings
 from agent.claimbook import ClaimBook
+from agent.claimfiles import ClaimFiles
 from agent.errors import ClaimFailure
 from agent.inventory import Inventory
 from agent.inventory.gpus import driver_minors
 from agent.metadata import AllocatedDevice
 from agent.model import PCI_BUS_ID, Device, DeviceNode
-from agent.state import ClaimRecord, DeviceBinding
+from agent.state import ClaimRecord, DeviceBinding, RecordState
 from agent.vfio.bind import DEFAULT_TIMEOUT, BindStep, apply_step, plan_bind
 from agent.vfio.errors import VfioError
 from agent.vfio.host import VfioHost
@@ -193,6 +195,54 @@ class Passthrough:
             else:
                 record = self._run(record, i, steps, write, "restore")
         return record
+
+    # -- a claim's passthrough operations (with the claim's and its devices' locks) -------------------
+
+    def unbind_after_failure(self, intent: ClaimRecord, files: ClaimFiles) -> None:
+        """A prepare with bindings failed: put the functions back, then drop the record (its files are
+        removed by the caller or were never written). When the functions cannot be put back, the
+        `binding` record stays, and the next prepare, unprepare or start rolls it back again."""
+        try:
+            self.book.write(intent)  # the disk says `binding` (not `prepared`) while this runs
+            files.remove_claim_files(intent.uid)
+            self.restore(intent, None)
+        except (VfioError, OSError) as exc:
+            log.error("claim %s/%s: could not put its PCI functions back after a failed prepare (%s); its record "
+                      "stays in state binding, to be rolled back by the next operation or start",
+                      intent.namespace, intent.name, exc)
+            return
+        with contextlib.suppress(OSError):
+            self.book.store.delete(intent.uid)
+        self.book.forget(intent.uid)
+
+    def settle(self, record: ClaimRecord, files: ClaimFiles) -> None:
+        """Finish a passthrough prepare or unprepare that stopped halfway: `binding` is rolled back,
+        `restoring` finished; the claim's files and record go. Raises (record kept) when a function
+        cannot be put back now."""
+        files.remove_claim_files(record.uid)
+        if record.state is RecordState.BINDING:
+            self.restore(record, None)
+        else:
+            self.restore(record, self.book.write)
+        self.book.store.delete(record.uid)
+        self.book.forget(record.uid)
+        log.info("claim %s/%s: %s settled: its PCI functions are back on their drivers", record.namespace,
+                 record.name, "an interrupted prepare" if record.state is RecordState.BINDING else
+                 "an interrupted unprepare")
+
+    def unprepare_bound(self, record: ClaimRecord, files: ClaimFiles) -> None:
+        """Unprepare a claim with bindings: the restore intent first (no files: from here on they are
+        orphans the next start removes), then the files, then each function back on its driver, each
+        step recorded first; the record last."""
+        restoring = dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[],
+                                        bindings=[dataclasses.replace(b, step=0) for b in record.bindings])
+        self.book.write(restoring)
+        failpoints.hit("unprepare-after-restore-intent")
+        files.remove_files(record)
+        self.restore(restoring, self.book.write)
+        self.book.store.delete(record.uid)
+        self.book.forget(record.uid)
+        failpoints.hit("unprepare-after-record")
 
     def _run(self, record: ClaimRecord, i: int, steps: Sequence[BindStep], write: WriteRecord,
              what: str) -> ClaimRecord:

@@ -79,10 +79,12 @@ async def test_killed_mid_prepare_then_restart_gives_all_or_nothing(node, tmp_pa
     child = _prepare_in_child(tmp_path, step)
     assert child.returncode == -9, child.stderr  # SIGKILL at the failpoint
     assert written_files(node.settings) != before  # something was left behind
-    report = recover(restarted(node))
+    engine = restarted(node)
+    report = recover(engine)
     if step == "after-record":
         assert set(report.records) == {UID}
-        rec = report.records[UID]
+        rec = engine.whole_record(UID)
+        assert rec is not None
         for f in rec.files:
             assert Path(f.path).read_bytes() == f.content
     else:
@@ -93,7 +95,8 @@ async def test_killed_mid_prepare_then_restart_gives_all_or_nothing(node, tmp_pa
 
 async def test_restart_repairs_missing_and_damaged_files_from_the_record(node):
     await node.engine.prepare([ClaimRef("default", "c", UID)])
-    rec = node.engine.records[UID]
+    rec = node.engine.whole_record(UID)
+    assert rec is not None
     good = {f.path: f.content for f in rec.files}
     paths = list(good)
     os.unlink(paths[0])  # the claim's CDI spec

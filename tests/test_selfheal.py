@@ -36,7 +36,9 @@ async def prepared(agent, name: str, uid: str, device: str = "gpu-0") -> dict[st
     results = await agent.engine.prepare([ClaimRef("default", name, uid)])
     assert results[uid].error == ""
     await asyncio.sleep(0.3)  # the agent's own writes raised events: let their checks pass
-    return {f.path: f.content for f in agent.engine.records[uid].files}
+    record = agent.engine.whole_record(uid)
+    assert record is not None
+    return {f.path: f.content for f in record.files}
 
 
 async def within(seconds: float, ok: Callable[[], bool]) -> float:

@@ -29,7 +29,7 @@ from agent.names import ClaimRef
 from agent.recovery import recover
 from agent.simkernel.emulator import KernelEmulator, WriteKind
 from agent.simkernel.tree import SimTree
-from agent.state import ClaimStore, RecordState
+from agent.state import ClaimRecord, ClaimStore, RecordState
 from agent.vfio.bind import BindStep, StepKind, apply_step
 from agent.vfio.pci import current_driver, current_override
 
@@ -81,6 +81,12 @@ def vfio_config(**fields: Any) -> list[dict[str, Any]]:
         "apiVersion": config_api_version(DRIVER), "kind": "VfioConfig", **fields}}}]
 
 
+def whole(vm: VmNode, uid: str) -> ClaimRecord:
+    record = vm.node.engine.whole_record(uid)
+    assert record is not None
+    return record
+
+
 def spec_of(vm: VmNode, uid: str) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((vm.node.settings.cdi_dir / f"{DRIVER}-claim_{uid}.json").read_text())
     return data
@@ -108,7 +114,7 @@ async def test_gpu_bound_to_vfio_gets_vfio_nodes_and_comes_back(vm: VmNode) -> N
     kv = kubevirt_device(vm, UID)
     assert kv["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": GPU_BUS}
     assert "mdevUUID" not in kv["attributes"]
-    record = vm.node.engine.records[UID]
+    record = whole(vm, UID)
     assert record.state is RecordState.PREPARED and [b.device for b in record.bindings] == [GPU_VARIANT]
     assert (vm.node.settings.claims_state_dir / f"{UID}.rec").read_bytes().startswith(b"DRAREC 2 ")
     # A second prepare is answered from the record.
@@ -217,7 +223,7 @@ async def test_recovery_rolls_back_a_bind_that_stopped(vm: VmNode, steps_done: i
 async def test_recovery_finishes_a_restore_that_stopped(vm: VmNode, steps_done: int) -> None:
     before = written_files(vm.node.settings)
     assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
-    record = vm.node.engine.records[UID]
+    record = whole(vm, UID)
     restoring = dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[],
                                     bindings=[dataclasses.replace(b, step=steps_done) for b in record.bindings])
     vm.node.engine.book.write(restoring)
@@ -233,14 +239,14 @@ async def test_a_prepare_that_stopped_is_settled_by_the_next_prepare(vm: VmNode)
     await _crash_mid_bind(vm, 2)  # unbound from nvidia, not yet on vfio-pci
     res = await vm.prepare("vm-gpu", UID, GPU_VARIANT)
     assert res.error == "" and vm.driver(GPU_BUS) == "vfio-pci"
-    assert vm.node.engine.records[UID].state is RecordState.PREPARED
+    assert whole(vm, UID).state is RecordState.PREPARED
     assert await vm.unprepare("vm-gpu", UID) == ""
     assert vm.driver(GPU_BUS) == "nvidia"
 
 
 async def test_after_a_reboot_recovery_binds_again(vm: VmNode) -> None:
     assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
-    boot = vm.node.engine.records[UID].bindings[0].boot_id
+    boot = whole(vm, UID).bindings[0].boot_id
     materialize(load_profile("dgx-h100"), vm.tree.root, boot=True)  # the kernel forgot every binding
     assert vm.driver(GPU_BUS) == "nvidia" and vm.tree.boot_id.read_text().strip() != boot
     report = recover(restarted(vm.node))
@@ -269,7 +275,7 @@ async def test_cli_vfio_status_and_devices_show_the_binding(vm: VmNode, capsys: 
     assert shown[GPU_VARIANT]["pciFunction"] == {"driver": "vfio-pci", "iommuGroup": GPU_GROUP}
     assert shown["gpu-1"]["pciFunction"] == {"driver": "nvidia", "iommuGroup": 101}
     # Someone puts the GPU back behind the agent's back: status says so and fails.
-    for step in vm.node.engine.records[UID].bindings[0].plan.restore().steps:
+    for step in whole(vm, UID).bindings[0].plan.restore().steps:
         apply_step(vm.tree.sys, step)
     assert cli.main(["vfio", "status", *flags]) == 1
     assert "nvidia (record says vfio-pci)" in capsys.readouterr().out
@@ -293,7 +299,7 @@ async def test_the_crash_suites_binding_check_can_fail(vm: VmNode) -> None:
                  BindStep(StepKind.BIND, GPU_BUS, "nvidia")):
         apply_step(vm.tree.sys, step)
     assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
-    assert stress.check_bindings(settings, vm.node.engine.records) == []
+    assert stress.check_bindings(settings, vm.node.engine.store.load_all()[0]) == []
     assert stress.check_bindings(settings, {}) != []
     assert await vm.unprepare("vm-gpu", UID) == ""
     assert stress.check_bindings(settings, {}) == []

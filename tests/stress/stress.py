@@ -369,16 +369,34 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
             "--log-format", "json", "--metrics-address", ""]
 
     async def ready(proc: subprocess.Popen[bytes]) -> None:
-        """Until the new process answers GetInfo: a socket file left by a killed agent says nothing."""
+        """Until the new process answers on its DRA socket (it opens after the registration socket): a
+        socket file left by a killed agent says nothing."""
         for _ in range(300):
             if proc.poll() is not None:
                 raise RuntimeError(f"the agent exited with {proc.returncode} before it was ready")
             try:
                 await kc.get_info(settings.registration_socket, timeout=0.5)
+                await kc.empty_prepare(settings.dra_socket, timeout=0.5)
                 return
             except Exception:
                 await asyncio.sleep(0.05)
-        raise RuntimeError("the agent did not answer GetInfo within 15 s")
+        raise RuntimeError("the agent did not answer on its sockets within 15 s")
+
+    def recoveries() -> int:
+        """Start-up recoveries finished so far, by the daemon's log (its summary line)."""
+        log_path = work / "daemon.log"
+        return log_path.read_bytes().count(b'"msg":"state: ') if log_path.exists() else 0
+
+    async def recovered(proc: subprocess.Popen[bytes], before: int) -> None:
+        """Until the new process has checked every record and removed orphans (in the background,
+        after its sockets opened)."""
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the agent exited with {proc.returncode} before recovery ended")
+            if recoveries() > before:
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError("the agent did not finish its recovery within 30 s")
 
     async def drive(proc: subprocess.Popen[bytes]) -> None:
         await ready(proc)
@@ -427,10 +445,12 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
             report.problems.append(f"daemon round: the agent exited with {proc.returncode} (see {work}/daemon.log)")
         # The restart: a daemon start runs recovery before its sockets; then the disk is checked.
         env = dict(os.environ, PYTHONPATH=str(ROOT))
+        before = recoveries()
         with open(work / "daemon.log", "ab") as logf:
             proc = subprocess.Popen(args, env=env, stdout=logf, stderr=logf, cwd=ROOT)
         try:
-            asyncio.run(ready(proc))  # recovery runs before the sockets: the disk is settled now
+            asyncio.run(ready(proc))
+            asyncio.run(recovered(proc, before))  # every record checked, orphans removed: the disk is settled
             problems = check_disk(settings, expect)
         except RuntimeError as exc:
             problems = [f"the restarted agent did not come up: {exc} (see {work / 'daemon.log'})"]
