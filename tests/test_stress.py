@@ -15,7 +15,9 @@ import stress
 
 def test_crashes_and_fuzzed_inputs_leave_every_claim_all_or_nothing(tmp_path: Path) -> None:
     results = stress.run(kills=40, daemon_kills=2, engine_inputs=300, grpc_inputs=60, seed=7,
-                         max_seconds=240, work=tmp_path, log=lambda _line: None)
+                         # A budget, not a target: on a loaded machine the VM claims' binds are slow, and a
+                         # sample cut short by the clock proves less than it should.
+                         max_seconds=900, work=tmp_path, log=lambda _line: None)
     assert results["problems"] == []
     assert results["inconsistencies"] == 0 and results["fuzz_failures"] == 0
     assert results["kills"] >= 40 and results["daemon_kills"] >= 2
