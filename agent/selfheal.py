@@ -50,7 +50,7 @@ from watchdog.observers.api import BaseObserver, ObservedWatch
 
 from agent import cdispecs
 from agent.config import Settings
-from agent.fsutil import makedirs
+from agent.fsutil import is_temp_name, makedirs
 from agent.names import InvalidName, check_uid
 from agent.prepare import PrepareEngine
 from agent.recovery import repair_claim
@@ -99,9 +99,13 @@ class _Handler(FileSystemEventHandler):
             return
         if event.is_directory and event.event_type not in _STRUCTURAL:
             return  # a directory's content changed: its files have their own events
-        paths = [_decode(event.src_path)]
-        if event.dest_path:
-            paths.append(_decode(event.dest_path))
+        # A temp file is a write in progress (the agent's atomic writes: created, written, closed, then
+        # renamed onto the file's name): only the rename's destination is a claim's file. Dropped here,
+        # they cost no wake-up of the event loop (three per file the agent writes).
+        paths = [path for path in (_decode(event.src_path), _decode(event.dest_path or b""))
+                 if path and not is_temp_name(os.path.basename(path))]
+        if not paths:
+            return
         with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is stopping
             self.healer.loop.call_soon_threadsafe(self.healer.on_event, paths, event.is_directory)
 
