@@ -106,7 +106,7 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 # -- ResourceClaim status.devices, as the API server validates a status write (1.37) -----------------
-# Written from the API server's validation rules, apart from agent/apirules.py, so that a test
+# Written from the API server's validation rules, apart from agent/apirules/, so that a test
 # catches the agent sending what the server refuses.
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
