@@ -1,6 +1,6 @@
 """Self-healing: files and sockets removed or changed from under the running agent come back.
 
-Watched with inotify (`watchdog`), design target 1 s from the event:
+Watched with inotify, design target 1 s from the event:
 - a prepared claim's CDI specs (`<cdi dir>`) and metadata files (`<metadata dir>/<uid>/...`):
   deleted or changed by someone else -> rewritten from the claim's record. Each check holds the
   claim's locks (`PrepareEngine.claim_locked`) and reads the record as it is then, so it never
@@ -11,8 +11,9 @@ Watched with inotify (`watchdog`), design target 1 s from the event:
   sees the registration socket appear.
 - the CDI directory: removed -> re-created, and the prepared claims' specs restored into it.
 
-Events come from watchdog's observer thread and are handed to the event loop; they are
-debounced per claim, so a burst of events costs one check. A watched directory that is removed
+Events are read from inotify on the event loop (`agent.inotify`: no thread, one parse per event;
+the temp files of the agent's own atomic writes are dropped by name); they are debounced per
+claim, so a burst of events costs one check. A watched directory that is removed
 is watched again once it exists again: the nearest existing ancestor of each directory is
 watched too, and any directory event on the way re-arms the watches and checks everything
 (events missed while a directory was gone are covered by that full check).
@@ -25,32 +26,12 @@ import contextlib
 import logging
 import os
 import threading
-import warnings
 from pathlib import Path
-
-from watchdog.events import (
-    EVENT_TYPE_CLOSED,
-    EVENT_TYPE_CREATED,
-    EVENT_TYPE_DELETED,
-    EVENT_TYPE_MODIFIED,
-    EVENT_TYPE_MOVED,
-    DirCreatedEvent,
-    DirDeletedEvent,
-    DirMovedEvent,
-    FileClosedEvent,
-    FileCreatedEvent,
-    FileDeletedEvent,
-    FileModifiedEvent,
-    FileMovedEvent,
-    FileSystemEvent,
-    FileSystemEventHandler,
-)
-from watchdog.observers import Observer
-from watchdog.observers.api import BaseObserver, ObservedWatch
 
 from agent import cdispecs
 from agent.config import Settings
 from agent.fsutil import is_temp_name, makedirs
+from agent.inotify import IN_CREATE, IN_MOVED_TO, Event, Inotify
 from agent.names import InvalidName, check_uid
 from agent.prepare import PrepareEngine
 from agent.recovery import repair_claim
@@ -58,28 +39,9 @@ from agent.server import Servers
 
 log = logging.getLogger(__name__)
 
-# watchdog's recursive inotify watch warns when a new subdirectory is found both by its event and
-# by its own scan of the parent (a claim's metadata directory written at once): the same watch is
-# kept, nothing is lost.
-warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning,
-                        module=r"watchdog\.observers\.inotify")
-
 DEBOUNCE = 0.1  # seconds: a burst of events on one claim costs one check
-# Reads (opened, closed without writing) are left out: the checks read the files themselves.
-_RELEVANT = {EVENT_TYPE_CREATED, EVENT_TYPE_DELETED, EVENT_TYPE_MODIFIED, EVENT_TYPE_MOVED, EVENT_TYPE_CLOSED}
-_STRUCTURAL = {EVENT_TYPE_CREATED, EVENT_TYPE_DELETED, EVENT_TYPE_MOVED}
-# The same events as inotify's mask: opens and reads (IN_OPEN, IN_CLOSE_NOWRITE) never reach the
-# agent's process at all. Every prepare's writes and every check's reads of a claim's files caused
-# them, and parsing them in watchdog's threads cost more CPU than the prepare itself (issue 11).
-_EVENT_FILTER: list[type[FileSystemEvent]] = [
-    FileCreatedEvent, DirCreatedEvent, FileDeletedEvent, DirDeletedEvent, FileMovedEvent, DirMovedEvent,
-    FileModifiedEvent, FileClosedEvent]
 _ALL = "*"  # the key of a full check
 _SOCKETS = "sockets"
-
-
-def _decode(path: str | bytes) -> str:
-    return os.fsdecode(path)
 
 
 def _dir_identity(path: str) -> tuple[int, int] | None:
@@ -88,26 +50,6 @@ def _dir_identity(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
-
-
-class _Handler(FileSystemEventHandler):
-    def __init__(self, healer: SelfHealer) -> None:
-        self.healer = healer
-
-    def on_any_event(self, event: FileSystemEvent) -> None:  # the observer's thread
-        if event.event_type not in _RELEVANT:
-            return
-        if event.is_directory and event.event_type not in _STRUCTURAL:
-            return  # a directory's content changed: its files have their own events
-        # A temp file is a write in progress (the agent's atomic writes: created, written, closed, then
-        # renamed onto the file's name): only the rename's destination is a claim's file. Dropped here,
-        # they cost no wake-up of the event loop (three per file the agent writes).
-        paths = [path for path in (_decode(event.src_path), _decode(event.dest_path or b""))
-                 if path and not is_temp_name(os.path.basename(path))]
-        if not paths:
-            return
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is stopping
-            self.healer.loop.call_soon_threadsafe(self.healer.on_event, paths, event.is_directory)
 
 
 class SelfHealer:
@@ -125,8 +67,8 @@ class SelfHealer:
             key = str(path)
             self.targets[key] = self.targets.get(key, False) or recursive
         self.sockets = {str(settings.dra_socket), str(settings.registration_socket)}
-        self._observer: BaseObserver | None = None
-        self._watches: dict[str, tuple[bool, tuple[int, int], ObservedWatch]] = {}
+        self._inotify: Inotify | None = None
+        self._watches: dict[str, tuple[bool, tuple[int, int]]] = {}  # each planned directory: recursive, identity
         self._arming = threading.Lock()
         self._pending: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -134,20 +76,19 @@ class SelfHealer:
         self.restored = 0  # files and sockets restored (for tests and logs)
 
     async def start(self) -> None:
-        observer = Observer()
-        observer.daemon = True
-        self._observer = observer
+        self._inotify = Inotify()
+        # In a worker thread: the recursive watch of the metadata directory adds a watch per claim
+        # directory (20,000 with 10,000 prepared claims), which must not hold up the event loop.
         await asyncio.to_thread(self._arm)
-        # In a worker thread: starting the recursive watch of the metadata directory adds a watch per
-        # claim directory (20,000 with 10,000 prepared claims), which must not hold up the event loop.
-        await asyncio.to_thread(observer.start)
+        self.loop.add_reader(self._inotify.fd, self._readable)
         log.info("self-healing: watching %s", ", ".join(sorted(self.targets)))
 
     async def stop(self) -> None:
-        observer, self._observer = self._observer, None
-        if observer is not None:
-            observer.stop()
-            await asyncio.to_thread(observer.join, 5.0)
+        inotify, self._inotify = self._inotify, None
+        if inotify is not None:
+            self.loop.remove_reader(inotify.fd)
+            with self._arming:
+                inotify.close()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -176,17 +117,19 @@ class SelfHealer:
             self._arm_locked()
 
     def _arm_locked(self) -> None:
-        observer = self._observer
-        if observer is None:
+        inotify = self._inotify
+        if inotify is None:
             return
         plan = self._plan()
-        # A watched directory that was removed ends its watch (the emitter stops), and one
-        # re-created under the same name is another directory (its inode may be reused, hence both).
-        alive = {e.watch for e in observer.emitters if e.is_alive() and e.should_keep_running()}
-        for path, (recursive, identity, watch) in list(self._watches.items()):
-            if plan.get(path) != recursive or watch not in alive or _dir_identity(path) != identity:
-                with contextlib.suppress(Exception):
-                    observer.unschedule(watch)
+        # A watched directory that was removed lost its watch (the kernel dropped it), and one re-created
+        # under the same name is another directory (its inode may be reused, hence both).
+        for path, (recursive, identity) in list(self._watches.items()):
+            if plan.get(path) != recursive or path not in inotify or _dir_identity(path) != identity:
+                inotify.remove(path)
+                if recursive:
+                    for sub in inotify.watched():
+                        if sub.startswith(path + os.sep):
+                            inotify.remove(sub)
                 del self._watches[path]
         for path, recursive in plan.items():
             if path in self._watches:
@@ -195,10 +138,51 @@ class SelfHealer:
                 now = _dir_identity(path)  # before the watch: a later replacement re-arms again
                 if now is None:
                     continue  # removed meanwhile: its directory event re-arms
-                watch = observer.schedule(_Handler(self), path, recursive=recursive, event_filter=_EVENT_FILTER)
-                self._watches[path] = (recursive, now, watch)
+                inotify.add(path)
+                self._watches[path] = (recursive, now)
+                if recursive:
+                    self._watch_below(inotify, path)
             except OSError as exc:  # removed meanwhile (the next directory event re-arms), or out of watches
                 log.warning("self-healing: cannot watch %s: %s", path, exc)
+
+    @staticmethod
+    def _watch_below(inotify: Inotify, path: str) -> None:
+        for parent, dirs, _files in os.walk(path):
+            for name in dirs:
+                with contextlib.suppress(OSError):  # removed meanwhile: its parent's event says so
+                    inotify.add(os.path.join(parent, name))
+
+    def _readable(self) -> None:
+        """The inotify descriptor is readable (the event loop)."""
+        inotify = self._inotify
+        if inotify is None:
+            return
+        try:
+            events = inotify.read()
+        except OSError as exc:
+            log.error("self-healing: reading inotify events failed: %s", exc)
+            return
+        for event in events:
+            self._on_inotify(inotify, event)
+
+    def _on_inotify(self, inotify: Inotify, event: Event) -> None:
+        if event.overflow:  # events were lost: everything is checked
+            self._want(_ALL)
+            return
+        path = event.path
+        if event.mask & (IN_CREATE | IN_MOVED_TO) and event.is_dir and self._below_recursive(path):
+            # A new claim directory (or one of its request directories): watched too, with what is in it.
+            with contextlib.suppress(OSError):
+                inotify.add(path)
+                self._watch_below(inotify, path)
+        # A temp file is a write in progress (the agent's atomic writes: created, written, closed, then
+        # renamed onto the file's name): only the rename's destination is a claim's file.
+        if is_temp_name(os.path.basename(path)):
+            return
+        self.on_event([path], event.is_dir)
+
+    def _below_recursive(self, path: str) -> bool:
+        return any(recursive and path.startswith(target + os.sep) for target, recursive in self.targets.items())
 
     # -- events (the event loop) -----------------------------------------------------------------
 
@@ -227,14 +211,14 @@ class SelfHealer:
         return None
 
     def _want(self, key: str) -> None:
-        if key in self._pending or self._observer is None:
+        if key in self._pending or self._inotify is None:
             return
         self._pending.add(key)
         self.loop.call_later(self.debounce, self._fire, key)
 
     def _fire(self, key: str) -> None:
         self._pending.discard(key)
-        if self._observer is None:
+        if self._inotify is None:
             return
         task = asyncio.create_task(self._check(key), name=f"selfheal {key}")
         self._tasks.add(task)
