@@ -92,8 +92,12 @@ class Bench:
         while not (info and dra):
             if self.proc.poll() is not None:
                 raise SystemExit(f"the agent exited ({self.proc.returncode}); see {self.log}")
-            info = info or await _answered(lambda: kc.get_info(s.registration_socket, timeout=1.0), started)
-            dra = dra or await _answered(lambda: kc.empty_prepare(s.dra_socket, timeout=1.0), started)
+            # A call only once the socket exists: a call to a missing socket puts gRPC's (shared)
+            # subchannel into its reconnect backoff, and the next calls would measure that backoff.
+            if not info and s.registration_socket.exists():
+                info = await _answered(lambda: kc.get_info(s.registration_socket, timeout=1.0), started)
+            if not dra and s.dra_socket.exists():
+                dra = await _answered(lambda: kc.empty_prepare(s.dra_socket, timeout=1.0), started)
             if not (info and dra):
                 await asyncio.sleep(0.002)
         return info, dra
