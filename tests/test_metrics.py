@@ -147,6 +147,8 @@ async def test_recovery_counts_what_the_start_removed(started, http, short_tmp):
     settings.cdi_dir.mkdir(parents=True)
     (settings.cdi_dir / f"{DRIVER}-claim_{ORPHAN}.json").write_text("{}")  # no record owns it
     agent = await started()
+    # Orphans are removed in the background once every record is checked (the sockets open before).
+    await asyncio.wait_for(agent.recovered.wait(), 30)
     samples = await scrape(http, agent)
     assert value(samples, "dra_agent_recovery_actions_total", action="removed") == 1
     assert value(samples, "dra_agent_recovery_actions_total", action="quarantined") == 0
