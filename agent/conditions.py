@@ -171,10 +171,8 @@ class DeviceConditions:
         if rule.effect == IGNORE:
             return False
         now = self.clock()
-        state = self._devices.get(device)
         if not up:
-            if state is None:
-                state = self._devices.setdefault(device, _Device())
+            state = self._devices.setdefault(device, _Device())
             state.link_up_since = None
             if state.link_down is not None:
                 return False
@@ -182,12 +180,15 @@ class DeviceConditions:
             log.warning("%s: link down: taint %s/link-down:%s", device, self.driver, rule.effect,
                         extra={"device": device})
             return self._changed({device})
-        if state is None or state.link_down is None:
+        held = self._devices.get(device)
+        if held is None or held.link_down is None:
             return False
+        state = held
         if state.link_up_since is None:
             state.link_up_since = now
             log.info("%s: link up again; its taint goes after %gs up", device, rule.up_hold)
-        return self._expire_link(device, now)  # at once when the hold time is 0
+        # At once when the hold time is 0; else `tick` lets it go when the time has come.
+        return self._release_link(device, state, now) and self._changed({device})
 
     def clear(self, device: str) -> list[Cause]:
         """An operator clears the device's XID causes (`dra-agent taints clear`); the causes cleared.
@@ -233,25 +234,20 @@ class DeviceConditions:
             for x in expired:
                 log.info("%s: informational %s expired", name, state.xids.pop(x).detail)
                 changed.add(name)
-            if self._link_due(state, now):
-                state.link_down, state.link_up_since = None, None
-                log.info("%s: link up for %gs: link-down taint cleared", name, self.policy.link_down.up_hold)
+            if self._release_link(name, state, now):
                 changed.add(name)
         if changed:
             self._changed(changed)
         return len(changed)
 
-    def _link_due(self, state: _Device, now: float) -> bool:
-        return (state.link_down is not None and state.link_up_since is not None
-                and now - state.link_up_since >= self.policy.link_down.up_hold)
-
-    def _expire_link(self, device: str, now: float) -> bool:
-        state = self._devices[device]
-        if not self._link_due(state, now):
+    def _release_link(self, device: str, state: _Device, now: float) -> bool:
+        """Drop the link taint of a link up for the hold time; whether it went."""
+        if (state.link_down is None or state.link_up_since is None
+                or now - state.link_up_since < self.policy.link_down.up_hold):
             return False
         state.link_down, state.link_up_since = None, None
         log.info("%s: link up for %gs: link-down taint cleared", device, self.policy.link_down.up_hold)
-        return self._changed({device})
+        return True
 
     # -- outputs ----------------------------------------------------------------------------------
 
