@@ -207,10 +207,11 @@ async def test_a_claim_deleted_from_the_api_server_is_unprepared_by_the_running_
     await eventually(lambda: OLD not in agent.engine.records if agent.engine else None,
                      "the deleted claim is garbage-collected")
     assert time.monotonic() - deleted > grace
-    assert nothing_of(s, OLD)
-    # Logged once the unprepare has finished, a moment after the record left the book.
+    # Logged once the unprepare has finished, a moment after the record left the book (the
+    # record goes first, then the files): only then must nothing of the claim be left.
     await eventually(lambda: any("garbage-collected" in r.getMessage() and OLD in r.getMessage()
                                  for r in caplog.records), "the collection logged")
+    assert nothing_of(s, OLD)
     assert agent.metrics.claims_garbage_collected._value.get() == 1
     # The claim that still exists stays prepared.
     await asyncio.sleep(3 * gc_interval(grace))
