@@ -14,7 +14,11 @@ with side effects on the host (PCI functions bound to vfio-pci): its `bindings`,
 may also be an intent (`binding`: bind steps under way; `restoring`: unprepare putting the host
 drivers back). A record without bindings is still written as version 1, so an agent that predates
 bindings reads it; one that predates them refuses a version-2 record by name instead of taking a
-half-bound device for a prepared one.
+half-bound device for a prepared one. Version 3: a claim with GPU partitions created on the host for
+it (MIG GPU/compute instances, mediated devices): its `partitions`, beside any `bindings`, with the
+same intent states. Only a record with partitions is written as version 3, so versions 1 and 2 are
+written as before and an older agent refuses a version-3 record by its version, never taking a
+claim whose MIG instance it cannot see for one it can clean up.
 
 The checksum catches torn or corrupted files; the version lets a later agent
 read (or refuse, clearly) what an earlier one wrote. Records are written
@@ -37,7 +41,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -46,6 +49,7 @@ from typing import Any
 
 import orjson
 
+from agent.dirsync import DirectorySync as DirectorySync  # re-exported: callers import it from here
 from agent.fsutil import Root, is_temp_name
 from agent.names import InvalidName, check_uid
 from agent.vfio.bind import BindPlan
@@ -56,7 +60,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"DRAREC"
 FORMAT_VERSION = 1  # records without host side effects
 BINDINGS_VERSION = 2  # records with `bindings` (and intent states)
-READABLE_VERSIONS = (FORMAT_VERSION, BINDINGS_VERSION)
+PARTITIONS_VERSION = 3  # records with `partitions` (and maybe bindings)
+READABLE_VERSIONS = (FORMAT_VERSION, BINDINGS_VERSION, PARTITIONS_VERSION)
 SUFFIX = ".rec"
 
 
@@ -133,6 +138,53 @@ class DeviceBinding:
         return cls(device, BindPlan.from_wire(plan), step, boot, iommu, mac, vlan)
 
 
+class PartitionKind(StrEnum):
+    MIG = "mig"  # a MIG GPU instance and its compute instance
+    MDEV = "mdev"  # a mediated device (vGPU)
+
+
+_PARTITION_KEYS = ("device", "kind", "parent", "profile", "start", "step", "uuid", "gpuInstance",
+                   "computeInstance", "modeChanged", "bootId")
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePartition:
+    """A partition of a GPU created on the host for the claim (a MIG GPU + compute instance, or a
+    mediated device). Written in the record before each step takes effect; the steps themselves
+    are the business of the kind's module (agent/migprep.py, agent/vgpuprep.py)."""
+
+    device: str  # the claim's device as published (gpu-3-mig-1g10gb-4, gpu-3-vgpu-<type>)
+    kind: PartitionKind
+    parent: str  # MIG: the parent GPU's UUID; mdev: the parent's PCI bus ID (0000:18:00.0)
+    profile: str  # MIG profile name (1g.10gb) | mdev type id (nvidia-1021)
+    start: int = 0  # MIG placement start (memory slice); 0 for mdev
+    step: int = 0  # next step to apply
+    uuid: str = ""  # mdev: chosen BEFORE creation (so recovery can remove it); MIG: MIG-... once created
+    gpu_instance: int = -1  # MIG GI id once created
+    compute_instance: int = -1  # MIG CI id once created
+    mode_changed: bool = False  # MIG: this claim turned MIG mode on (turn it off at unprepare when unused)
+    boot_id: str = ""  # kernel boot the partition was made in (a reboot forgets mdevs; MIG GIs too)
+
+    def wire(self) -> dict[str, Any]:
+        return {"device": self.device, "kind": str(self.kind), "parent": self.parent, "profile": self.profile,
+                "start": self.start, "step": self.step, "uuid": self.uuid, "gpuInstance": self.gpu_instance,
+                "computeInstance": self.compute_instance, "modeChanged": self.mode_changed,
+                "bootId": self.boot_id}
+
+    @classmethod
+    def from_wire(cls, raw: object) -> DevicePartition:
+        if not isinstance(raw, Mapping) or set(raw) != set(_PARTITION_KEYS):
+            raise ValueError(f"not a device partition: {raw!r}"[:200])
+        device, kind, parent, profile, start, step, uuid, gi, ci, changed, boot = (raw[k] for k in _PARTITION_KEYS)
+        strings = (device, parent, profile, uuid, boot)
+        ints = (start, step, gi, ci)
+        if not (all(isinstance(v, str) for v in strings) and all(type(v) is int for v in ints)
+                and start >= 0 and step >= 0 and gi >= -1 and ci >= -1 and type(changed) is bool
+                and kind in PartitionKind.__members__.values()):
+            raise ValueError(f"device partition of {device!r} has a field of the wrong type"[:200])
+        return cls(device, PartitionKind(kind), parent, profile, start, step, uuid, gi, ci, changed, boot)
+
+
 @dataclass(slots=True)
 class FileRecord:
     path: str
@@ -153,11 +205,14 @@ class ClaimRecord:
     prepared_at: float = 0.0
     generation: int = 1
     state: RecordState = PREPARED
-    bindings: list[DeviceBinding] = field(default_factory=list)  # version 2 only
+    bindings: list[DeviceBinding] = field(default_factory=list)  # version 2 or 3
+    partitions: list[DevicePartition] = field(default_factory=list)  # version 3 only
 
     @property
     def version(self) -> int:
-        """The format version the record is written in."""
+        """The format version the record is written in: the oldest one that holds it."""
+        if self.partitions:
+            return PARTITIONS_VERSION
         return BINDINGS_VERSION if self.bindings or self.state is not PREPARED else FORMAT_VERSION
 
     @property
@@ -177,24 +232,35 @@ class ClaimRecord:
             "preparedAt": self.prepared_at,
             "generation": self.generation,
         }
-        if self.version == BINDINGS_VERSION:
+        if self.version >= BINDINGS_VERSION:
             body["bindings"] = [b.wire() for b in self.bindings]
+        if self.version >= PARTITIONS_VERSION:
+            body["partitions"] = [p.wire() for p in self.partitions]
         return orjson.dumps(body)
 
     @classmethod
     def from_json(cls, body: bytes, version: int = FORMAT_VERSION) -> ClaimRecord:
         d = orjson.loads(body)
         try:
+            bindings: list[DeviceBinding] = []
+            partitions: list[DevicePartition] = []
             if version == FORMAT_VERSION:
-                if d["state"] != PREPARED or "bindings" in d:
+                if d["state"] != PREPARED or "bindings" in d or "partitions" in d:
                     raise ValueError(f"a version-1 record is prepared and has no bindings (state {d['state']!r})")
-                state, bindings = PREPARED, []
+                state = PREPARED
             else:
                 state = RecordState(d["state"])
                 raw = d["bindings"]
                 if not isinstance(raw, list):
                     raise TypeError("bindings must be a list")
                 bindings = [DeviceBinding.from_wire(b) for b in raw]
+                if version == BINDINGS_VERSION and "partitions" in d:
+                    raise ValueError("a version-2 record has no partitions")
+                if version == PARTITIONS_VERSION:
+                    parts = d["partitions"]
+                    if not isinstance(parts, list) or not parts:
+                        raise TypeError("partitions must be a non-empty list")
+                    partitions = [DevicePartition.from_wire(p) for p in parts]
             return cls(
                 uid=d["uid"],
                 namespace=d["namespace"],
@@ -207,6 +273,7 @@ class ClaimRecord:
                 generation=int(d.get("generation", 1)),
                 state=state,
                 bindings=bindings,
+                partitions=partitions,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(f"record body is incomplete: {exc!r}") from exc
@@ -243,51 +310,6 @@ def decode(data: bytes) -> ClaimRecord:
 
 
 RecordStamp = tuple[int, int, int]  # (inode, mtime ns, size) of a record file
-
-
-class DirectorySync:
-    """fsync of one directory, shared by the threads that ask for it at the same time.
-
-    `sync()` returns once an fsync that began after the call completed. While one thread's
-    fsync runs, the threads that arrive meanwhile wait for it to end and then one of them
-    runs the next fsync for all of them: n concurrent writers cost about two fsyncs, not n.
-    A failed fsync raises in the thread that ran it; the others then run their own.
-    """
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._cond = threading.Condition()
-        self._asked = 0  # tickets handed out
-        self._covered = 0  # every ticket up to this one has had its fsync
-        self._running = False
-        self.fsyncs = 0  # for tests
-
-    def sync(self) -> None:
-        with self._cond:
-            self._asked += 1
-            ticket = self._asked
-            while self._covered < ticket:
-                if self._running:
-                    self._cond.wait()
-                    continue
-                self._running = True
-                covers = self._asked  # every rename before this point is covered by the fsync below
-                ok = False
-                self._cond.release()
-                try:
-                    fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    ok = True
-                finally:
-                    self._cond.acquire()
-                    self._running = False
-                    if ok:
-                        self.fsyncs += 1
-                        self._covered = max(self._covered, covers)
-                    self._cond.notify_all()
 
 
 class ClaimStore:

@@ -16,8 +16,10 @@ from agent.state import (
     ClaimRecord,
     ClaimStore,
     DeviceBinding,
+    DevicePartition,
     DirectorySync,
     FileRecord,
+    PartitionKind,
     PreparedDevice,
     RecordError,
     RecordState,
@@ -202,5 +204,67 @@ def test_a_malformed_binding_is_refused(damage):
         body["bindings"][0][key] = value
     raw = orjson.dumps(body)
     data = b"DRAREC 2 %s %d\n" % (hashlib.sha256(raw).hexdigest().encode(), len(raw)) + raw
+    with pytest.raises(RecordError):
+        decode(data)
+
+
+# -- version 3: records with GPU partitions created for the claim -------------------------------------------
+
+def partitioned_record(state: RecordState = RecordState.PREPARED, bindings: bool = False) -> ClaimRecord:
+    base = bound_record(state) if bindings else dataclasses.replace(record(), state=state)
+    return dataclasses.replace(base, partitions=[
+        DevicePartition("gpu-3-mig-1g10gb-4", PartitionKind.MIG, "GPU-0b4c", "1g.10gb", 4, 3, "MIG-5e1f", 7, 0,
+                        True, "boot-1"),
+        DevicePartition("gpu-3-vgpu-nvidia-1021", PartitionKind.MDEV, "0000:18:00.0", "nvidia-1021",
+                        uuid="7d9c9b4e-0000-4f34-9a0e-3f5b8f1b2c3d")])
+
+
+@pytest.mark.parametrize("state", list(RecordState))
+@pytest.mark.parametrize("bindings", [False, True])
+def test_partitions_round_trip_in_version_3(state, bindings):
+    rec = partitioned_record(state, bindings)
+    data = encode(rec)
+    assert data.startswith(b"DRAREC 3 ")
+    back = decode(data)
+    assert back == rec and back.partitions[0].kind is PartitionKind.MIG and back.partitions[0].mode_changed
+
+
+def test_records_without_partitions_keep_versions_1_and_2():
+    assert encode(record()).startswith(b"DRAREC 1 ")
+    assert encode(bound_record()).startswith(b"DRAREC 2 ")
+    assert encode(dataclasses.replace(record(), state=RecordState.BINDING)).startswith(b"DRAREC 2 ")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_header_over_a_body_with_partitions_is_refused(version):
+    body = partitioned_record().to_json()
+    if version == 2:
+        assert b'"bindings"' in body  # a version-2 reader would find its fields, and must still refuse
+    data = b"DRAREC %d %s %d\n" % (version, hashlib.sha256(body).hexdigest().encode(), len(body)) + body
+    with pytest.raises(RecordError, match="incomplete"):
+        decode(data)
+
+
+def test_an_agent_that_reads_only_versions_1_and_2_refuses_a_version_3_record_by_version(monkeypatch):
+    """What an agent from before partitions does with a record of this one: refuse it by name."""
+    import agent.state as state_module
+    monkeypatch.setattr(state_module, "READABLE_VERSIONS", (1, 2))
+    with pytest.raises(RecordError, match="format version 3 is not supported"):
+        decode(encode(partitioned_record()))
+
+
+@pytest.mark.parametrize("damage", [
+    ("kind", "vgpu"), ("step", -1), ("start", True), ("gpuInstance", -2), ("modeChanged", 1), ("uuid", None),
+    ("extra", 1), ("partitions", []), ("partitions", {}),
+])
+def test_a_malformed_partition_is_refused(damage):
+    key, value = damage
+    body = orjson.loads(partitioned_record().to_json())
+    if key == "partitions":
+        body["partitions"] = value
+    else:
+        body["partitions"][0][key] = value
+    raw = orjson.dumps(body)
+    data = b"DRAREC 3 %s %d\n" % (hashlib.sha256(raw).hexdigest().encode(), len(raw)) + raw
     with pytest.raises(RecordError):
         decode(data)
