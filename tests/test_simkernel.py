@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from agent.config import NvmlMode, Settings
 from agent.inventory.gpus import GpuSource
 from agent.inventory.nvml_hardware import materialize
 from agent.inventory.nvml_profiles import ProfileError, SimProfile, load_profile, parse_profile
+from agent.simkernel import mdev as simmdev
 from agent.simkernel.emulator import KernelEmulator, WriteKind
 from agent.simkernel.tree import SimTree
 
@@ -284,3 +286,78 @@ def test_writes_made_while_the_emulator_was_down_apply_at_start(tmp_path: Path) 
     with KernelEmulator(profile, tmp_path):
         wait_for(lambda: tree.driver_of(GPU) is None)
         assert text(tree.drivers / "nvidia" / "unbind") == ""
+
+
+# -- mediated devices (vGPU) -------------------------------------------------------------------------
+
+def test_gpus_offer_vgpu_types_and_the_nic_none(tmp_path: Path) -> None:
+    profile = load_profile("dgx-h100")
+    materialize(profile, tmp_path)
+    simmdev.materialize(profile, tmp_path)
+    tree = SimTree(tmp_path)
+    assert sorted(os.listdir(tree.sys / "class" / "mdev_bus")) == sorted(g.bus_id for g in profile.gpus)
+    types = tree.devices / "0000:18:00.0" / "mdev_supported_types"
+    assert len(os.listdir(types)) == 6
+    one = types / "nvidia-1021"
+    assert (text(one / "name"), text(one / "device_api"), text(one / "available_instances")) == \
+        ("GRID H100-4C\n", "vfio-pci\n", "20\n")
+    assert "framebuffer=4096M" in text(one / "description") and "max_instance=20" in text(one / "description")
+    assert text(types / "nvidia-1026" / "name") == "GRID H100-80C\n"
+    assert not (tree.devices / "0000:4b:00.0" / "mdev_supported_types").exists()
+
+
+def test_mdev_create_and_remove_as_the_host_driver(tmp_path: Path) -> None:
+    profile = machine_profile()
+    materialize(profile, tmp_path)
+    simmdev.materialize(profile, tmp_path)
+    tree = SimTree(tmp_path)
+    types = tree.devices / GPU / "mdev_supported_types"
+    a, b, c = (str(uuid.uuid4()) for _ in range(3))
+    with KernelEmulator(profile, tmp_path) as kernel:
+        (types / "nvidia-1023" / "create").write_text(a)
+        mdev_dir = tree.sys / "bus" / "mdev" / "devices" / a
+        wait_for(mdev_dir.exists)
+        assert os.path.basename(os.readlink(mdev_dir / "mdev_type")) == "nvidia-1023"
+        assert (mdev_dir / "remove").is_file() and text(types / "nvidia-1023" / "create") == ""
+        group = int(os.path.basename(os.readlink(mdev_dir / "iommu_group")))
+        assert (tree.dev / "vfio" / str(group)).exists() and tree.group_members(group) == [a]
+        # One type per GPU: the type in use counts down, every other type offers none.
+        assert text(types / "nvidia-1023" / "available_instances") == "7\n"
+        assert {text(types / t / "available_instances") for t in os.listdir(types) if t != "nvidia-1023"} == {"0\n"}
+        (types / "nvidia-1021" / "create").write_text(b)
+        wait_for(lambda: len(kernel.refusals) == 1)
+        assert "no instance of nvidia-1021" in str(kernel.refusals[0]) and not (types.parent / b).exists()
+        # The parent cannot leave its driver while it has mediated devices.
+        (tree.drivers / "nvidia" / "unbind").write_text(GPU)
+        wait_for(lambda: len(kernel.refusals) == 2)
+        assert tree.driver_of(GPU) == "nvidia" and "mediated devices" in str(kernel.refusals[1])
+        (mdev_dir / "remove").write_text("1")
+        wait_for(lambda: not os.path.lexists(mdev_dir))
+        assert not (types.parent / a).exists() and not (tree.dev / "vfio" / str(group)).exists()
+        assert text(types / "nvidia-1021" / "available_instances") == "20\n"
+        # Not on its host driver: no creation.
+        (tree.drivers / "nvidia" / "unbind").write_text(GPU)
+        wait_for(lambda: tree.driver_of(GPU) is None)
+        (types / "nvidia-1021" / "create").write_text(c)
+        wait_for(lambda: len(kernel.refusals) == 3)
+        assert "bound to no driver" in str(kernel.refusals[2]) and not (types.parent / c).exists()
+
+
+def test_mdevs_survive_a_rewrite_of_the_machine_and_a_boot_forgets_them(tmp_path: Path) -> None:
+    profile = machine_profile()
+    materialize(profile, tmp_path)
+    simmdev.materialize(profile, tmp_path)
+    tree = SimTree(tmp_path)
+    u = str(uuid.uuid4())
+    (tree.devices / GPU / "mdev_supported_types" / "nvidia-1024" / "create").write_text(u)
+    with KernelEmulator(profile, tmp_path):  # a write made while no emulator ran applies at its start
+        wait_for((tree.sys / "bus" / "mdev" / "devices" / u).exists)
+    group = int(os.path.basename(os.readlink(tree.sys / "bus" / "mdev" / "devices" / u / "iommu_group")))
+    materialize(profile, tmp_path)  # an agent restart: the PCI tree's rewrite drops groups it does not know
+    simmdev.materialize(profile, tmp_path)
+    assert tree.group_members(group) == [u] and (tree.dev / "vfio" / str(group)).exists()
+    materialize(profile, tmp_path, boot=True)
+    simmdev.materialize(profile, tmp_path, boot=True)
+    assert not os.path.lexists(tree.sys / "bus" / "mdev" / "devices" / u)
+    assert not (tree.devices / GPU / u).exists() and tree.group_members(group) == []
+    assert text(tree.devices / GPU / "mdev_supported_types" / "nvidia-1024" / "available_instances") == "4\n"

@@ -21,6 +21,14 @@ What it does, per write (the content is a bus ID, except for `driver_override` a
 - `drivers/<drv>/new_id` (`"vvvv dddd"`): the driver now matches that ID, and unbound functions with
   it are probed, as the kernel does; `remove_id` forgets it.
 
+Mediated devices (vGPU, `agent.simkernel.mdev`), per write:
+
+- `<GPU>/mdev_supported_types/<type>/create` (a UUID): the mediated device appears, with its own IOMMU
+  group and `/dev/vfio/<group>`; the types' `available_instances` follow the driver's rule (one type
+  per GPU at a time). Refused: a parent not on its NVIDIA driver, a malformed or taken UUID, a type
+  with no instance available.
+- `<GPU>/<uuid>/remove` (`1`): the mediated device and its group go.
+
 A write the kernel would refuse with an errno cannot fail here (the file write already succeeded),
 so a refusal is reported the way an operator sees it on a real host besides the errno: nothing
 changes (the function stays unbound, or on its driver), and a line saying why goes to the simulated
@@ -28,7 +36,8 @@ kernel log (`<root>/kmsg.log`, see `SimTree.kernel_log`) and to `KernelEmulator.
 agent detects it as it detects any refusal: reading the `driver` link back, which never shows the
 target. Refused: bind of a function that is bound, or that the driver does not match; unbind from a
 driver the function is not bound to; bind to vfio-pci while another function of its IOMMU group is
-held by a host driver (not vfio-pci, not a bridge). That last refusal is stricter than Linux, which
+held by a host driver (not vfio-pci, not a bridge); unbind of a GPU from nvidia while it has mediated
+devices. That last refusal is stricter than Linux, which
 lets the bind succeed and makes the group unusable (not viable) when QEMU opens it: the emulator
 surfaces the same mistake at the step that caused it.
 
@@ -53,6 +62,7 @@ from watchdog.observers.api import BaseObserver
 
 from agent.inventory.nvml_hardware import SimFunction, sim_functions, sync_net
 from agent.inventory.nvml_profiles import SimProfile
+from agent.simkernel import mdev
 from agent.simkernel.tree import COMMAND_FILES, NO_OVERRIDE, VFIO_PCI, SimTree
 
 log = logging.getLogger(__name__)
@@ -70,6 +80,8 @@ class WriteKind(StrEnum):
     PROBE = "drivers_probe"
     NEW_ID = "new_id"
     REMOVE_ID = "remove_id"
+    MDEV_CREATE = "create"  # a type's create: a new mediated device of the parent `bdf`
+    MDEV_REMOVE = "remove"  # a mediated device's remove
 
 
 @dataclass(frozen=True)
@@ -99,7 +111,7 @@ class _Write:
     kind: WriteKind
     path: Path
     driver: str | None  # the driver directory written in (bind, unbind, new_id, remove_id)
-    bdf: str | None  # the function whose driver_override was written
+    bdf: str | None  # the function whose driver_override was written; a mediated device's parent
 
 
 class KernelEmulator:
@@ -139,6 +151,10 @@ class KernelEmulator:
             for command in COMMAND_FILES:
                 self._on_write(driver / command)
         self._on_write(self.tree.pci / WriteKind.PROBE)
+        for bdf in sorted(self._native):
+            parent = self.tree.devices / bdf
+            for pending in (*parent.glob(f"{mdev.TYPES_DIR}/*/create"), *parent.glob("*-*-*-*-*/remove")):
+                self._on_write(Path(os.path.realpath(pending)))
         log.info("simulated kernel: applying binding writes under %s", self.tree.sys)
 
     def stop(self) -> None:
@@ -174,6 +190,12 @@ class KernelEmulator:
             return _Write(WriteKind.PROBE, path, None, None)
         if path.parent.parent == self.tree.drivers and path.name in COMMAND_FILES:
             return _Write(WriteKind(path.name), path, path.parent.name, None)
+        if path.name == WriteKind.MDEV_CREATE and path.parent.parent.name == mdev.TYPES_DIR \
+                and path.parent.parent.parent.name in self._native:
+            return _Write(WriteKind.MDEV_CREATE, path, None, path.parent.parent.parent.name)
+        if path.name == WriteKind.MDEV_REMOVE and mdev.UUID_RE.match(path.parent.name) \
+                and path.parent.parent.name in self._native:
+            return _Write(WriteKind.MDEV_REMOVE, path, None, path.parent.parent.name)
         return None
 
     def _on_write(self, path: Path) -> None:  # the observer's thread
@@ -218,6 +240,9 @@ class KernelEmulator:
             time.sleep(self.delay)
 
     def _command(self, write: _Write, text: str) -> None:
+        if write.kind in (WriteKind.MDEV_CREATE, WriteKind.MDEV_REMOVE):
+            self._mdev(write, text)
+            return
         driver = write.driver
         if write.kind in (WriteKind.NEW_ID, WriteKind.REMOVE_ID):
             assert driver is not None
@@ -237,10 +262,34 @@ class KernelEmulator:
         elif self.tree.driver_of(bdf) is None:  # drivers_probe of a bound function changes nothing
             self._bind(WriteKind.PROBE, bdf, self.tree.override_of(bdf) or self._native[bdf].driver)
 
+    def _mdev(self, write: _Write, text: str) -> None:
+        assert write.bdf is not None
+        bdf, where = write.bdf, write.path.parent
+        if self._injected(write.kind, bdf, None):
+            return
+        if write.kind is WriteKind.MDEV_REMOVE:
+            if text != "1":
+                self._refuse(write.kind, bdf, None, f"mdev {where.name}: remove takes 1, not {text!r} (EINVAL)")
+            elif where.is_dir():
+                mdev.remove(self.tree, where)
+            return
+        kinds = mdev.types_for(self._native[bdf].files)
+        type_id = where.name
+        reason = mdev.check_create(self.tree, bdf, kinds, type_id, text)
+        if reason:
+            self._refuse(write.kind, bdf, None, f"{type_id}: {reason}")
+        else:
+            mdev.create(self.tree, bdf, kinds, type_id, text)
+
     def _unbind(self, bdf: str, driver: str) -> None:
         bound = self.tree.driver_of(bdf)
         if bound != driver:
             self._refuse(WriteKind.UNBIND, bdf, driver, f"not bound to {driver} (bound: {bound or 'none'})")
+            return
+        if driver == mdev.NVIDIA_HOST_DRIVER and (children := mdev.mdevs_of(self.tree, bdf)):
+            # Stricter than Linux, whose driver removal waits for (or tears down) the mediated devices: the
+            # emulator shows the mistake at the write that makes it.
+            self._refuse(WriteKind.UNBIND, bdf, driver, f"it has mediated devices {', '.join(sorted(children))}")
             return
         # The driver's remove runs before the link goes: once the agent sees the link gone, all is done.
         if driver == VFIO_PCI:
