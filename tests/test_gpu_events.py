@@ -245,6 +245,18 @@ def test_lost_and_recovered(sim: SimulatedNvml, watch) -> None:  # type: ignore[
     assert back == GpuAnswering("gpu-6", RecoveryAction.NONE, back.at)
 
 
+def test_a_gpu_back_after_being_lost_is_heard_again(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
+    watcher, events = watch(sim)
+    sim.lose(6)  # off the bus: its event registrations are gone with it
+    assert isinstance(events.next(lambda e: True), GpuLost)
+    sim.recover(6)
+    assert isinstance(events.next(lambda e: True), GpuAnswering)
+    assert watcher.stats.registered.count("gpu-6") == 2
+    sim.raise_xid(6, 48)
+    event = events.next(lambda e: isinstance(e, XidError))
+    assert (event.device, event.xid) == ("gpu-6", 48)
+
+
 def test_a_reset_after_an_application_xid_is_reported(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
     _, events = watch(sim)
     sim.raise_xid(3, 13)
@@ -375,7 +387,8 @@ def test_real_pynvml_through_the_standin_library(short_tmp: Path, build: str) ->
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["registered"] == ["gpu-0", "gpu-1", "gpu-3"] and out["errors"] == 0, proc.stderr
+    # gpu-0 is registered again once it answers after being lost.
+    assert out["registered"] == ["gpu-0", "gpu-1", "gpu-3", "gpu-0"] and out["errors"] == 0, proc.stderr
     if build == "current":
         assert out["events"] == [["XidError", "gpu-3", 79, "gpu-reset"], ["GpuLost", "gpu-0", None, None],
                                  ["GpuAnswering", "gpu-0", None, "none"], ["GpuAnswering", "gpu-3", None, "none"]]

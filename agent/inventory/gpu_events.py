@@ -11,7 +11,8 @@
   (`nvmlDeviceGetHandleByIndex`, `nvmlDeviceGetFieldValues` for the GPU recovery action): a GPU
   whose calls fail with `GPU_IS_LOST`, or that NVML no longer lists, is lost; a lost GPU that
   answers again, or whose recovery action changes, is reported answering with its action. GPUs
-  that appear later are registered on the next probe.
+  that appear later are registered on the next probe, and so is a lost GPU once it answers again
+  (a GPU that fell off the bus lost its registrations).
 
 Each finding goes to `on_event(event)` as a frozen dataclass, called on the watcher's thread
 (wrap it with `loop.call_soon_threadsafe` to get it onto the loop). Devices are named as
@@ -314,6 +315,7 @@ class GpuEventWatcher:
         if gpu.answering is False:
             return
         gpu.answering = False
+        gpu.registered = False  # a GPU off the bus loses its registrations: registered afresh once back
         name = gpu.name or (self.name_hint(gpu.index) if self.name_hint is not None else None)
         if name is None:
             self._error(f"<gpu {gpu.index}>", f"GPU at NVML index {gpu.index} is lost ({reason}); it never "

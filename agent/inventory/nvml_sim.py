@@ -135,9 +135,11 @@ class SimulatedNvml:
                 self._gpu_errors[self._checked_index(index)][function] = value
 
     def lose(self, index: int) -> None:
-        """The GPU falls off the bus: every call about it fails with GPU_IS_LOST."""
+        """The GPU falls off the bus: every call about it fails with GPU_IS_LOST, and its event
+        registrations are gone (the GPU that comes back after a reset is registered afresh)."""
         with self._lock:
             self._lost[self._checked_index(index)] = True
+        self._events.forget(index)
 
     def raise_xid(self, index: int, xid: int) -> int:
         """An XID on GPU `index`: queued to every event set registered for it and for XID critical
@@ -230,8 +232,10 @@ class SimulatedNvml:
         return self._refcount > 0
 
     def materialize(self, root: Path) -> None:
-        """Write this machine's sysfs and device nodes under `root` (see `nvml_hardware.materialize`)."""
+        """Write this machine's sysfs and device nodes under `root` (see `nvml_hardware.materialize`); the
+        MIG state is kept there from now on, as hardware keeps it across an agent restart."""
         materialize(self.profile, root)
+        self._mig.attach(root, [g.minor for g in self.profile.gpus])
 
     # System queries.
     def nvmlSystemGetDriverVersion(self) -> str:

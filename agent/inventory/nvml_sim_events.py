@@ -87,6 +87,12 @@ class SimEvents:
             registrations = self._sets[number].registrations
             registrations[index] = registrations.get(index, 0) | event_types
 
+    def forget(self, index: int) -> None:
+        """GPU `index` left the bus: no event set hears from it until it is registered again."""
+        with self._cond:
+            for entry in self._sets.values():
+                entry.registrations.pop(index, None)
+
     def wait(self, event_set: Any, timeout_ms: int) -> SimEvent:
         """The next event of the set; NVML_ERROR_TIMEOUT when none arrives within `timeout_ms`."""
         deadline = time.monotonic() + max(int(timeout_ms), 0) / 1000
