@@ -110,8 +110,8 @@ def sync_types(tree: SimTree, bdf: str, kinds: tuple[VgpuType, ...]) -> None:
     existing = mdevs_of(tree, bdf)
     for t in kinds:
         where = parent / TYPES_DIR / t.id
-        function_dir(where, {"name": t.name, "description": t.description(), "device_api": "vfio-pci",
-                             "available_instances": str(available(kinds, existing, t.id))})
+        function_dir(where, {"name": t.name, "description": t.description(), "device_api": "vfio-pci"})
+        _show(where / "available_instances", str(available(kinds, existing, t.id)))
         (where / "devices").mkdir(exist_ok=True)
         if not (where / "create").is_file():
             (where / "create").touch()
@@ -175,16 +175,15 @@ def create(tree: SimTree, bdf: str, kinds: tuple[VgpuType, ...], type_id: str, u
 
 
 def remove(tree: SimTree, where: Path) -> None:
-    """Remove the mediated device whose directory is `where` (below its parent's): the registration
-    first (the agent waits for it to go), then the rest."""
+    """Remove the mediated device whose directory is `where` (below its parent's); its registration
+    goes last, so an agent that sees it gone sees everything else done (as after the kernel's write)."""
     u = where.name
-    (mdev_devices(tree) / u).unlink(missing_ok=True)
     group = _group_of(where)
     if group is not None:
         (tree.dev / "vfio" / str(group)).unlink(missing_ok=True)
         shutil.rmtree(tree.groups / str(group), ignore_errors=True)
     try:
-        type_dir = Path(os.path.realpath(where / "mdev_type"))
+        type_dir: Path | None = Path(os.path.realpath(where / "mdev_type"))
     except OSError:
         type_dir = None
     if type_dir is not None:
@@ -195,6 +194,17 @@ def remove(tree: SimTree, where: Path) -> None:
         kinds = types_for({name: _read(tree.devices / bdf / name) for name in ("vendor", "device")})
         if kinds:
             sync_types(tree, bdf, kinds)
+    (mdev_devices(tree) / u).unlink(missing_ok=True)
+
+
+def _show(path: Path, text: str) -> None:
+    """A value that changes while the agent reads it, replaced whole: a reader never sees it empty or
+    half written, as a sysfs read never is."""
+    if _read(path) == text and path.is_file():
+        return
+    staged = path.with_name(f".{path.name}.new")
+    staged.write_text(text + "\n")
+    os.replace(staged, path)
 
 
 def _read(path: Path) -> str:

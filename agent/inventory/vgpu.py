@@ -1,0 +1,182 @@
+"""vGPU (mediated device) types published as devices on each GPU's counter set.
+
+A GPU whose host driver offers mediated device types (`mdev_supported_types`, `agent.mdev`) gets,
+for each type, one device per instance the type allows: `gpu-<minor>-vgpu-<type id>-<i>` for
+i < the type's instance limit (`gpu-0-vgpu-nvidia-1021-0` .. `-19`), kind `vgpu`. Attributes:
+`type=vgpu`, `vgpuType` (the type's name, `GRID H100-4C`), `mdevType` (its id, `nvidia-1021`),
+`parentUUID`, and the parent's product, brand, architecture, compute capability, driver and CUDA
+versions and standard PCI attributes. Capacity: `memory` (the type's framebuffer). Prepare creates
+the mediated device (`agent.vgpuprep`) and gives its UUID as the `mdevUUID` attribute.
+
+Why one device per instance: a device goes to at most one claim (without `allowMultipleAllocations`,
+which needs DRAConsumableCapacity and would make each allocation's share a capacity request rather
+than a device); several claims get vGPUs of one type by getting different devices of it, and each
+device stands for exactly one mediated device on the host.
+
+The counter model (the GPU's set, `agent.counters`; nothing is added to it): each vGPU device
+consumes `memory` = the set's memory divided by the type's instance limit (rounded down to MiB), so
+
+- at most the limit of one type fit together (and its devices are only that many anyway);
+- the whole GPU and its passthrough variant, which consume all of the set, never go with a vGPU.
+
+What counters cannot say: "one type per GPU at a time" (NVIDIA's time-sliced vGPU), nor "no MIG
+with vGPU". Counters are sums, and any two kinds of device of which two or more fit alone also fit
+one and one together (the counters' feasible region is convex). Those rules need compatibility
+groups (`consumesCounters[].compatibilityGroups`, one group per vGPU type, `compatibility_group`),
+published only where the cluster has the gate on; without them the scheduler may pick a mix, and
+prepare refuses it (the type's `available_instances` is 0: a retryable NoInstanceAvailable).
+
+Types are read once per GPU and kept (by bus ID): a GPU passed through to a VM leaves its host
+driver and lists no types meanwhile, and its devices must come back under the same names. A type
+without an instance limit in its description gets it from `available_instances` when the GPU has
+no mediated device yet; until then it is not published (logged once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent import counters, quantity
+from agent.inventory.mig import INHERITED
+from agent.mdev import sysfs as mdev
+from agent.model import PCI_BUS_ID, AttrValue, Capacity, CounterConsumption, CounterSet, Device, NodeFacts
+
+log = logging.getLogger(__name__)
+
+VGPU_KIND = "vgpu"
+MDEV_TYPE = "mdevType"
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class VgpuType:
+    """A type as published: its id, name, framebuffer and instance limit."""
+
+    id: str
+    name: str
+    framebuffer: int | None  # bytes
+    instances: int
+
+    @property
+    def label(self) -> str:
+        return counters.fit_label(self.id.lower().replace("_", "-").replace(".", "-"), 40)
+
+
+@dataclass(frozen=True, slots=True)
+class VgpuTarget:
+    """What prepare needs to create a published vGPU device: the parent GPU's bus ID and the type id."""
+
+    parent: str
+    type_id: str
+
+
+def device_name(minor: int, t: VgpuType, i: int) -> str:
+    return counters.fit_label(f"gpu-{minor}-vgpu-{t.label}-{i}")
+
+
+def compatibility_group(type_id: str) -> str:
+    """The compatibility group of a type's devices (for the publisher of compatibility groups)."""
+    return counters.fit_label(f"vgpu-{type_id.lower()}")
+
+
+
+def target_of(dev: Device) -> VgpuTarget | None:
+    """The parent and type a published vGPU device stands for (None: not a vGPU device of this module)."""
+    bus, type_id = dev.attributes.get(PCI_BUS_ID), dev.attributes.get(MDEV_TYPE)
+    if dev.kind != VGPU_KIND or not isinstance(bus, str) or not isinstance(type_id, str):
+        return None
+    return VgpuTarget(bus, type_id)
+
+
+def share(cs: CounterSet, t: VgpuType) -> str | None:
+    """The memory one device of `t` takes from the set (None: the set has no memory counter)."""
+    total = cs.counters.get(counters.MEMORY_COUNTER)
+    if total is None or t.instances < 1:
+        return None
+    each = quantity.parse_int(total) // t.instances
+    return quantity.binary(each // MIB * MIB if each >= MIB else each)
+
+
+@dataclass(slots=True)
+class VgpuDevices:
+    """The vGPU types of each GPU, kept across scans by bus ID, and the devices made from them."""
+
+    types: dict[str, tuple[VgpuType, ...]] = field(default_factory=dict)
+    _said: dict[str, str] = field(default_factory=dict)
+
+    def learn(self, sysfs: Path, bus_id: str) -> None:
+        """Read the GPU's types once it lists them all with their limits (they do not change)."""
+        if bus_id in self.types:
+            return
+        offered = mdev.list_types(sysfs, bus_id)
+        if not offered:
+            return  # no vGPU host driver here (or not now): nothing to say
+        empty = not mdev.mdevs_of(sysfs, bus_id)
+        out, unknown = [], []
+        for t in offered:
+            limit = t.max_instances if t.max_instances is not None else (t.available if empty else None)
+            if limit is None or limit < 1:
+                unknown.append(t.id)
+                continue
+            out.append(VgpuType(t.id, t.name or t.id, t.framebuffer, limit))
+        if unknown:
+            self._note(bus_id, f"GPU {bus_id}: vGPU types {', '.join(unknown)} say no instance limit and the GPU has "
+                       "mediated devices already: not published until their limit can be read", logging.WARNING)
+            return
+        self._said.pop(bus_id, None)
+        self.types[bus_id] = tuple(out)
+        log.info("GPU %s: %d vGPU types (%s)", bus_id, len(out), ", ".join(f"{t.name}: {t.instances}" for t in out))
+
+    def apply(self, sysfs: Path, devices: Sequence[Device]) -> list[Device]:
+        """`devices` plus the vGPU devices of each native GPU whose host driver offers types, on the
+        counter set the GPU device consumes (apply after every step that extends that set)."""
+        out = list(devices)
+        for dev in devices:
+            bus = dev.attributes.get(PCI_BUS_ID)
+            if dev.kind != "gpu" or not isinstance(bus, str):
+                continue
+            self.learn(sysfs, bus)
+            name = counters.counter_set_name("gpu", bus)
+            cs = next((c.counter_set for c in dev.consumes_counters if c.counter_set.name == name), None)
+            if bus in self.types and cs is not None:
+                out += self._devices(dev, cs, self.types[bus])
+        return out
+
+    def _devices(self, parent: Device, cs: CounterSet, types: Sequence[VgpuType]) -> list[Device]:
+        minor, uuid = parent.attributes.get("minor"), parent.attributes.get("uuid")
+        if not isinstance(minor, int) or not isinstance(uuid, str):
+            return []
+        inherited = {k: parent.attributes[k] for k in INHERITED if k in parent.attributes}
+        out = []
+        for t in types:
+            memory = share(cs, t)
+            if memory is None:
+                self._note(f"{cs.name}/memory", f"counter set {cs.name} has no memory counter: no vGPU devices "
+                           "(the scheduler could not keep them from the whole GPU)", logging.WARNING)
+                return []
+            attrs: dict[str, AttrValue] = {"type": VGPU_KIND, "vgpuType": t.name, MDEV_TYPE: t.id,
+                                           "parentUUID": uuid, **inherited}
+            caps = {"memory": Capacity(quantity.binary(t.framebuffer))} if t.framebuffer else {}
+            use = (CounterConsumption(cs, {counters.MEMORY_COUNTER: memory}),)
+            node = NodeFacts(gpu_uuid=uuid, gpu_index=parent.node.gpu_index)
+            out += [Device(name=device_name(minor, t, i), kind=VGPU_KIND, attributes=dict(attrs),
+                           capacity=dict(caps), node=node, consumes_counters=use) for i in range(t.instances)]
+        return out
+
+    def forget(self, bus_id: str) -> None:
+        """Read the GPU's types again at the next scan (the host driver changed)."""
+        self.types.pop(bus_id, None)
+
+    def _note(self, key: str, message: str, level: int = logging.INFO) -> None:
+        if self._said.get(key) != message:
+            self._said[key] = message
+            log.log(level, "%s", message)
+
+
+def with_uuid(dev: Device, uuid: str) -> Device:
+    """The device as a prepared claim sees it: with the mediated device's UUID as `mdevUUID`."""
+    return dataclasses.replace(dev, attributes={**dev.attributes, "mdevUUID": uuid})

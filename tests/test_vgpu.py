@@ -1,0 +1,290 @@
+"""vGPU mediated devices: the types the simulated machine's GPUs offer, read and created through
+`agent.mdev` against the kernel emulator; the vGPU devices published on each GPU's counter set (valid
+under the 1.37 schema and the API's counter rules, and what the counters allow against what the host
+driver accepts); the mdev Partitioner's create and destroy, and its convergence after a crash at any
+step."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from agent import apirules, failpoints, quantity
+from agent.config import NvmlMode, Settings
+from agent.inventory import vgpu
+from agent.inventory.gpus import SIM_DIR, GpuSource
+from agent.inventory.nvml_hardware import materialize
+from agent.inventory.nvml_profiles import load_profile
+from agent.mdev import sysfs as mdev
+from agent.mdev.errors import MdevStepFailed, NoInstanceAvailable, ParentUnavailable, TypeNotOffered
+from agent.metadata import AllocatedDevice
+from agent.model import Device
+from agent.simkernel import mdev as simmdev
+from agent.simkernel.emulator import KernelEmulator, WriteKind
+from agent.simkernel.tree import SimTree
+from agent.slices import build_slices
+from agent.state import DevicePartition, PartitionKind
+from agent.vfio.host import VfioHost
+from agent.vgpuprep import CREATED, VgpuPartitioner
+
+pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
+
+DRIVER = "dra.example.com"
+NODE = "node-a"
+GPU = "0000:18:00.0"
+LIMITS = {"nvidia-1021": 20, "nvidia-1022": 10, "nvidia-1023": 8, "nvidia-1024": 4, "nvidia-1025": 2,
+          "nvidia-1026": 1}
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    mdev._wait(check, timeout, lambda: "the simulated kernel did not act in time")
+
+
+@dataclass
+class Machine:
+    tree: SimTree
+    kernel: KernelEmulator
+    host: VfioHost
+    devices: list[Device]
+
+
+def scan(state: Path, profile: str = "dgx-h100") -> list[Device]:
+    """The GPU source's devices with the vGPU devices added as the gpus.py hook adds them."""
+    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=state))
+    source.open()
+    try:
+        simmdev.materialize(load_profile(profile), state / SIM_DIR)  # the nvml_hardware.materialize hook
+        return vgpu.VgpuDevices().apply(source.sysfs_root, source.scan().devices)
+    finally:
+        source.close()
+
+
+@pytest.fixture(scope="module")
+def dgx(tmp_path_factory: pytest.TempPathFactory) -> list[Device]:
+    return scan(tmp_path_factory.mktemp("vgpu") / "state")
+
+
+@pytest.fixture
+def machine(tmp_path: Path) -> Iterator[Machine]:
+    state = tmp_path / "state"
+    devices = scan(state)
+    root = state / SIM_DIR
+    with KernelEmulator(load_profile("dgx-h100"), root) as kernel:
+        yield Machine(SimTree(root), kernel, VfioHost(root / "sys", root / "proc", root / "dev", True), devices)
+
+
+def alloc(devices: list[Device], name: str) -> AllocatedDevice:
+    return AllocatedDevice("vm", DRIVER, next(d for d in devices if d.name == name))
+
+
+# -- agent.mdev against the simulated kernel ------------------------------------------------------------
+
+def test_types_read_and_devices_made_and_removed(machine: Machine) -> None:
+    sysfs = machine.host.sysfs
+    assert GPU in mdev.parents(sysfs)
+    types = {t.id: t for t in mdev.list_types(sysfs, GPU)}
+    assert {k: t.max_instances for k, t in types.items()} == LIMITS
+    assert types["nvidia-1023"] == mdev.MdevType("nvidia-1023", "GRID H100-10C", "vfio-pci", 8, 10 << 30, 8)
+    u = "0f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"
+    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=5)
+    assert mdev.exists(sysfs, u) and mdev.parent_of(sysfs, u) == GPU and mdev.type_of(sysfs, u) == "nvidia-1023"
+    assert mdev.mdevs_of(sysfs, GPU) == {u: "nvidia-1023"}
+    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=5)  # there already: nothing written
+    assert len(machine.kernel.refusals) == 0
+    group = mdev.iommu_group(sysfs, u)
+    assert [n.path for n in mdev.vfio_nodes(sysfs, machine.host.dev, u)] == ["/dev/vfio/vfio", f"/dev/vfio/{group}"]
+    with pytest.raises(MdevStepFailed, match="available_instances is 0"):
+        mdev.create(sysfs, GPU, "nvidia-1021", "1f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01", timeout=0.5)
+    mdev.remove(sysfs, u, timeout=5)
+    mdev.remove(sysfs, u, timeout=5)  # gone already: nothing to do
+    assert not mdev.exists(sysfs, u) and mdev.read_type(sysfs, GPU, "nvidia-1021") is not None
+    machine.kernel.fail(WriteKind.MDEV_CREATE, GPU, reason="the GPU is resetting")
+    with pytest.raises(MdevStepFailed, match="did not appear"):
+        mdev.create(sysfs, GPU, "nvidia-1021", u, timeout=0.5)
+
+
+# -- publication -----------------------------------------------------------------------------------------
+
+def valid_pool(devices: list[Device]) -> list[dict[str, Any]]:
+    objs = build_slices(devices, driver=DRIVER, node=NODE)
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.37.0", strict=True)
+    assert apirules.pool_errors(objs) == []
+    return objs
+
+
+def test_vgpu_devices_published_per_instance_within_the_api_limits(dgx: list[Device]) -> None:
+    objs = valid_pool(dgx)
+    published = {d["name"] for o in objs for d in o["spec"].get("devices", [])}
+    assert published == {d.name for d in dgx}  # nothing dropped
+    vgpus = [d for d in dgx if d.kind == "vgpu"]
+    assert len(vgpus) == 8 * sum(LIMITS.values())
+    gpu0 = next(d for d in dgx if d.name == "gpu-0")
+    mine = {d.name: d for d in vgpus if d.name.startswith("gpu-0-")}
+    assert set(mine) == {f"gpu-0-vgpu-{t}-{i}" for t, n in LIMITS.items() for i in range(n)}
+    dev = mine["gpu-0-vgpu-nvidia-1022-9"]
+    assert {k: dev.attributes[k] for k in ("type", "vgpuType", "mdevType", "parentUUID")} == {
+        "type": "vgpu", "vgpuType": "GRID H100-8C", "mdevType": "nvidia-1022", "parentUUID": gpu0.attributes["uuid"]}
+    for key in ("productName", "architecture", "driverVersion", "resource.kubernetes.io/pciBusID",
+                "resource.kubernetes.io/numaNode"):
+        assert dev.attributes[key] == gpu0.attributes[key]
+    assert dev.capacity["memory"].value == "8Gi"
+    [use] = dev.consumes_counters
+    assert use.counter_set == gpu0.consumes_counters[0].counter_set and set(use.counters) == {"memory"}
+    assert vgpu.target_of(dev) == vgpu.VgpuTarget(GPU, "nvidia-1022")
+    assert all(not apirules.dns_label_errors(n) for n in published)
+
+
+def fits(devices: Iterable[Device]) -> bool:
+    used: dict[str, int] = {}
+    total: dict[str, str] = {}
+    for dev in devices:
+        for c in dev.consumes_counters:
+            total.update(c.counter_set.counters)
+            for k, v in c.counters.items():
+                used[k] = used.get(k, 0) + quantity.parse_int(v)
+    return all(n <= quantity.parse_int(total[k]) for k, n in used.items())
+
+
+def test_what_the_counters_allow_against_what_the_driver_accepts(dgx: list[Device]) -> None:
+    gpu0 = [d for d in dgx if d.attributes.get("resource.kubernetes.io/pciBusID") == GPU]
+    whole = [d for d in gpu0 if d.kind in ("gpu", "vfio")]
+    by_type = {t: [d for d in gpu0 if d.attributes.get("mdevType") == t] for t in LIMITS}
+    assert len(whole) == 2
+    for t, devs in by_type.items():
+        assert len(devs) == LIMITS[t] and fits(devs)  # every instance of one type together: the driver's limit
+        for w in whole:
+            assert not fits([w, devs[0]])  # never with the whole GPU or its passthrough form
+    # Counters are sums: two types of which two or more fit alone also fit one and one, which the
+    # driver refuses (one type per GPU). Compatibility groups, or prepare, keep them apart.
+    assert fits([by_type["nvidia-1021"][0], by_type["nvidia-1022"][0]])
+    assert vgpu.compatibility_group("nvidia-1021") != vgpu.compatibility_group("nvidia-1022")
+
+
+def test_no_vgpu_devices_where_the_host_driver_offers_no_types(tmp_path: Path) -> None:
+    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path))
+    source.open()
+    try:
+        devices = vgpu.VgpuDevices().apply(source.sysfs_root, source.scan().devices)
+    finally:
+        source.close()
+    assert [d for d in devices if d.kind == "vgpu"] == []
+
+
+# -- the Partitioner ----------------------------------------------------------------------------------------
+
+DEVICE = "gpu-0-vgpu-nvidia-1024-1"
+
+
+def test_plan_checks_without_a_side_effect(machine: Machine) -> None:
+    p = VgpuPartitioner(machine.host, timeout=5)
+    part = p.plan("uid-1", alloc(machine.devices, DEVICE))
+    assert part == DevicePartition(DEVICE, PartitionKind.MDEV, GPU, "nvidia-1024", boot_id=machine.host.boot_id())
+    assert mdev.mdevs_of(machine.host.sysfs, GPU) == {}
+    done = p.create(part, lambda _: None)
+    with pytest.raises(NoInstanceAvailable, match="one type at a time"):
+        p.plan("uid-2", alloc(machine.devices, "gpu-0-vgpu-nvidia-1021-0"))
+    p.destroy(done, None)
+    gone = Device("gpu-0-vgpu-nvidia-9999-0", "vgpu", {"resource.kubernetes.io/pciBusID": GPU,
+                                                        "mdevType": "nvidia-9999"})
+    with pytest.raises(TypeNotOffered, match="nvidia-9999"):
+        p.plan("uid-3", AllocatedDevice("vm", DRIVER, gone))
+    (machine.tree.drivers / "nvidia" / "unbind").write_text(GPU)
+    wait_for(lambda: machine.tree.driver_of(GPU) is None)
+    (machine.tree.devices / GPU / "driver_override").write_text("vfio-pci")
+    wait_for(lambda: machine.tree.override_of(GPU) == "vfio-pci")
+    (machine.tree.drivers / "vfio-pci" / "bind").write_text(GPU)
+    wait_for(lambda: machine.tree.driver_of(GPU) == "vfio-pci")
+    with pytest.raises(ParentUnavailable, match="passed through"):
+        p.plan("uid-4", alloc(machine.devices, DEVICE))
+
+
+def test_create_records_the_uuid_first_then_destroy(machine: Machine) -> None:
+    p = VgpuPartitioner(machine.host, timeout=5)
+    allocated = alloc(machine.devices, DEVICE)
+    written: list[DevicePartition] = []
+
+    def write(part: DevicePartition) -> None:
+        assert part.uuid and not mdev.exists(machine.host.sysfs, part.uuid)  # recorded before it is made
+        written.append(part)
+
+    done = p.create(p.plan("uid-1", allocated), write)
+    assert [w.step for w in written] == [0] and done.step == CREATED and done.uuid == written[0].uuid
+    assert p.exists(done) and mdev.type_of(machine.host.sysfs, done.uuid) == "nvidia-1024"
+    assert p.create(done, write) == done and len(written) == 1  # made already: nothing again
+    ready = p.device(done, allocated)
+    assert ready.device.attributes["mdevUUID"] == done.uuid and ready.device.name == DEVICE
+    assert all(os.path.exists(n.host_path) for n in ready.device.node.device_nodes)
+    assert [n.path for n in ready.device.node.device_nodes] == [
+        "/dev/vfio/vfio", f"/dev/vfio/{mdev.iommu_group(machine.host.sysfs, done.uuid)}"]
+    p.destroy(done, None)
+    assert not p.exists(done) and mdev.mdevs_of(machine.host.sysfs, GPU) == {}
+    p.destroy(done, None)  # idempotent
+
+
+def test_a_reboot_forgets_the_device_and_create_makes_it_again_under_its_uuid(machine: Machine) -> None:
+    p = VgpuPartitioner(machine.host, timeout=5)
+    done = p.create(p.plan("uid-1", alloc(machine.devices, DEVICE)), lambda _: None)
+    root = machine.tree.root
+    materialize(load_profile("dgx-h100"), root, boot=True)
+    simmdev.materialize(load_profile("dgx-h100"), root, boot=True)
+    assert not p.exists(done)
+    again = p.create(done, lambda _: None)
+    assert again.uuid == done.uuid and again.boot_id != done.boot_id and p.exists(again)
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["write", "mdev-before-create", "mdev-after-create"])
+def test_destroy_converges_after_a_crash_at_any_step_of_create(machine: Machine, where: str) -> None:
+    p = VgpuPartitioner(machine.host, timeout=5)
+    last: list[DevicePartition] = []
+
+    def write(part: DevicePartition) -> None:
+        last.append(part)
+        if where == "write":
+            raise Crash
+
+    failpoints.configure(f"{where}=raise" if where != "write" else "")
+    try:
+        with pytest.raises((Crash, failpoints.FailpointError)):
+            p.create(p.plan("uid-1", alloc(machine.devices, DEVICE)), write)
+    finally:
+        failpoints.configure("")
+    [recorded] = last  # what the record says after the crash
+    assert recorded.uuid and recorded.step == 0
+    assert mdev.exists(machine.host.sysfs, recorded.uuid) == (where == "mdev-after-create")
+    p.destroy(recorded, None)  # recovery rolls the prepare back
+    assert mdev.mdevs_of(machine.host.sysfs, GPU) == {} and not p.exists(recorded)
+    assert mdev.read_type(machine.host.sysfs, GPU, "nvidia-1021") == mdev.MdevType(
+        "nvidia-1021", "GRID H100-4C", "vfio-pci", 20, 4 << 30, 20)
+
+
+def test_destroy_converges_after_a_crash_in_destroy_and_waits_out_a_pending_create(machine: Machine) -> None:
+    p = VgpuPartitioner(machine.host, timeout=5)
+    done = p.create(p.plan("uid-1", alloc(machine.devices, DEVICE)), lambda _: None)
+    failpoints.configure("mdev-before-remove=raise")
+    try:
+        with pytest.raises(failpoints.FailpointError):
+            p.destroy(done, None)
+    finally:
+        failpoints.configure("")
+    assert p.exists(done)
+    p.destroy(done, None)
+    assert not p.exists(done)
+    # A write to `create` the (slow) kernel has not applied when a crashed prepare is rolled back: the
+    # device that appears a moment later is removed too.
+    machine.kernel.delay = 0.3
+    pending = DevicePartition(DEVICE, PartitionKind.MDEV, GPU, "nvidia-1024",
+                              uuid="2f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01")
+    (machine.tree.devices / GPU / "mdev_supported_types" / "nvidia-1024" / "create").write_text(pending.uuid)
+    p.destroy(pending, None)
+    assert mdev.mdevs_of(machine.host.sysfs, GPU) == {}
