@@ -15,8 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.apirules import dns_label_errors
+from agent import quantity
+from agent.apirules import dns_label_errors, quantity_errors
 from agent.errors import ClaimFailure
+from agent.inventory.gpushare import SHARE_KIND
 from agent.metadata import POD_CLAIM_NAME, AllocatedDevice
 from agent.model import Device
 from agent.names import ClaimRef, InvalidName, base_request, check_request
@@ -161,6 +163,7 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
         device_name = _string(result, "device", path)
         result_pool = _string(result, "pool", path)
         share_id = _string(result, "shareID", path, default="")
+        consumed = _consumed(result.get("consumedCapacity"), f"{path}.consumedCapacity")
         try:
             check_request(request)
         except InvalidName as exc:
@@ -171,9 +174,41 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
         device = lookup(device_name)
         if device is None:
             raise ClaimError(f"device {device_name} is not on this node")
-        out.devices.append(AllocatedDevice(request=request, pool=pool, device=device, share_id=share_id))
+        if device.kind == SHARE_KIND:
+            _check_share(device, share_id, consumed, path)
+        out.devices.append(AllocatedDevice(request=request, pool=pool, device=device, share_id=share_id,
+                                           consumed=consumed))
     _apply_configs(out, _list(device_alloc.get("config"), _CONFIG), driver)
     return out
+
+
+def _consumed(value: object, path: str) -> dict[str, str]:
+    """`consumedCapacity`: capacity name -> quantity (absent: nothing consumed)."""
+    out: dict[str, str] = {}
+    for name, amount in _object(value, path).items():
+        if not isinstance(name, str) or not isinstance(amount, str) or quantity_errors(amount):
+            raise ClaimError(f"{path}[{_key(name)}] must be a quantity, not {_value(amount)}")
+        out[name] = amount
+    return out
+
+
+def _check_share(device: Device, share_id: str, consumed: dict[str, str], path: str) -> None:
+    """A shared GPU is given out only as a share: the result must say which one and how much memory
+    (the scheduler always sets both for a device that allows multiple allocations), within the GPU."""
+    if not share_id:
+        raise ClaimError(f"{path}: device {device.name} is a shared device, but the result has no shareID")
+    amount = consumed.get("memory")
+    if amount is None:
+        raise ClaimError(f"{path}: device {device.name} is a shared device, but the result has no "
+                         "consumedCapacity.memory")
+    capacity = device.capacity.get("memory")
+    try:
+        ok = 0 < quantity.parse_int(amount) <= (quantity.parse_int(capacity.value) if capacity else 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ClaimError(f"{path}.consumedCapacity.memory {amount!r} is not a share of device {device.name} "
+                         f"(whole bytes, more than 0, at most {capacity.value if capacity else 0})")
 
 
 def _check_name(what: str, value: str) -> None:

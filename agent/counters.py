@@ -21,12 +21,25 @@ Names derive from the PCI bus ID, never from NVML's minor number: a function bou
 gone from NVML and from the host driver's lists, and its devices must keep their names meanwhile
 (the scheduler matches allocations and counter consumption by name).
 
+Compatibility groups (`consumesCounters[].compatibilityGroups`, KEP-5963, alpha in 1.37 behind
+`DRADeviceCompatibilityGroups`, off by default): devices consuming one counter set may be allocated
+together only when all of them share a group, and a device without groups only with siblings without
+groups. `with_compatibility_groups` marks, by kind, MIG placements `mig` and vGPU (mediated) devices
+`vgpu`, so the scheduler never mixes the two on one GPU (MIG and time-sliced vGPU exclude each other in
+the driver; the counters alone would let a small vGPU sit beside a small MIG instance). The full GPU,
+its passthrough variant and its shared form (`gpushare`) get no group: each takes the whole set, so
+the counters already keep everything else off the GPU while one of them is allocated, and "no group"
+says the same a second time (never co-allocatable with a grouped device). The slice builder applies
+it only when the cluster has the gate on: with the gate off the API server drops the field and the
+scheduler then skips the pool's devices that had it as an incomplete pool.
+
 `pack` turns validated devices into the pool's counter slices: each counter set any device consumes,
 once, at most `apirules.MAX_COUNTER_SETS_PER_SLICE` per slice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +57,8 @@ ENGINE_COUNTERS = ("multiprocessors", "copy-engines", "decoders", "encoders", "j
 PORTS_COUNTER = "ports"
 VFIO_SUFFIX = "-vfio"
 COUNTERS_SUFFIX = "-counters"
+# Device kind -> its compatibility groups on the counter sets it consumes (see the module docstring).
+COMPATIBILITY_GROUPS: Mapping[str, tuple[str, ...]] = {"mig": ("mig",), "vgpu": ("vgpu",)}
 
 
 def fit_label(name: str, limit: int = 63) -> str:
@@ -94,6 +109,16 @@ def nic_counter_set(bus_id: str, ports: int) -> CounterSet:
 def one_port(counter_set: CounterSet) -> CounterConsumption:
     """What one native port of a NIC function takes from its set."""
     return CounterConsumption(counter_set, {PORTS_COUNTER: "1"})
+
+
+def with_compatibility_groups(dev: Device) -> Device:
+    """`dev` with the compatibility groups of its kind on every counter set it consumes (unchanged when
+    its kind has none)."""
+    groups = COMPATIBILITY_GROUPS.get(dev.kind, ())
+    if not groups or not dev.consumes_counters:
+        return dev
+    uses = tuple(dataclasses.replace(c, compatibility_groups=groups) for c in dev.consumes_counters)
+    return dataclasses.replace(dev, consumes_counters=uses)
 
 
 # -- the pool's counter slices ----------------------------------------------------------------------

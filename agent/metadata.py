@@ -3,12 +3,18 @@
 One file per claim request with devices, a JSON stream of the same content in
 each API version, newest first, so a reader takes the first object whose
 apiVersion it knows (KubeVirt 1.9 reads v1alpha1).
+
+A device held as a share (a result with a `shareID`, consumable capacity) also
+carries `shareID` and `consumedCapacity` ({"memory": "4Gi"}), named as in the
+allocation result. These two fields are the agent's addition: no source here
+confirms that the upstream DeviceMetadata type has them (readers that ignore
+unknown fields, as Go's encoding/json does by default, are unaffected).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +36,8 @@ class AllocatedDevice:
     device: Device
     share_id: str = ""
     mac: str = ""  # a passthrough VF's MAC set by the claim's VfioConfig (its networkData says so)
+    # The result's consumedCapacity (capacity name -> quantity): what a shared device's claim got.
+    consumed: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 def host_dir(metadata_root: Path, uid: str) -> Path:
@@ -79,6 +87,12 @@ def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: 
         }
         if (net := network_data(alloc.device, alloc.mac)) is not None:
             entry["networkData"] = net
+        # A share of a device (consumable capacity): which one, and how much of the device it holds,
+        # under the names the allocation result gives them.
+        if alloc.share_id:
+            entry["shareID"] = alloc.share_id
+        if alloc.consumed:
+            entry["consumedCapacity"] = dict(sorted(alloc.consumed.items()))
         requests.setdefault(alloc.request, []).append(entry)
     body: dict[str, Any] = {
         "kind": "DeviceMetadata",

@@ -105,10 +105,13 @@ class CounterConsumption:
     """What a device takes from one counter set when it is allocated (`consumesCounters[]`).
 
     It holds the set itself, not just its name: the slice builder publishes every set some device
-    consumes, so a device can never refer to a set the pool does not have."""
+    consumes, so a device can never refer to a set the pool does not have. `compatibility_groups`
+    (KEP-5963, alpha in 1.37) is set by the slice builder only, by device kind
+    (`counters.with_compatibility_groups`), never by discovery."""
 
     counter_set: CounterSet
     counters: Mapping[str, str]
+    compatibility_groups: tuple[str, ...] = ()
 
     @classmethod
     def all_of(cls, counter_set: CounterSet) -> CounterConsumption:
@@ -116,8 +119,11 @@ class CounterConsumption:
         return cls(counter_set, dict(counter_set.counters))
 
     def wire(self) -> dict[str, Any]:
-        return {"counterSet": self.counter_set.name,
-                "counters": {k: {"value": v} for k, v in sorted(self.counters.items())}}
+        out: dict[str, Any] = {"counterSet": self.counter_set.name,
+                               "counters": {k: {"value": v} for k, v in sorted(self.counters.items())}}
+        if self.compatibility_groups:
+            out["compatibilityGroups"] = list(self.compatibility_groups)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +149,9 @@ class NodeFacts:
 @dataclass(slots=True)
 class Device:
     name: str
-    kind: str  # gpu | nic | cpu | memory | vfio (a GPU or NIC function for passthrough to a VM)
+    # gpu | nic | cpu | memory | vfio (a GPU or NIC function for passthrough to a VM) | mig (a MIG placement)
+    # | gpushare (a GPU shared by claims, agent.inventory.gpushare) | vgpu (a mediated device)
+    kind: str
     attributes: dict[str, AttrValue] = field(default_factory=dict)
     capacity: dict[str, Capacity] = field(default_factory=dict)
     taints: list[Taint] = field(default_factory=list)

@@ -102,7 +102,7 @@ def sanitize_device(dev: Device) -> tuple[dict[str, Any] | None, list[str]]:
     for key, cap in sorted(dev.capacity.items()):
         errs = apirules.qualified_name_errors(key) + apirules.quantity_errors(str(cap.value))
         if cap.request_policy:
-            errs += apirules.request_policy_errors(cap.request_policy)
+            errs += apirules.request_policy_errors(cap.request_policy, cap.value)
         if errs:
             problems.append(f"device {dev.name}: capacity {key!r} dropped: {'; '.join(errs)}")
         else:
@@ -147,7 +147,7 @@ def sanitize_device(dev: Device) -> tuple[dict[str, Any] | None, list[str]]:
     if alloc:
         kept = {}
         for key, res in alloc.items():
-            errs = apirules.device_wire_errors({"capacity": caps, "nodeAllocatableResources": {key: res}})
+            errs = apirules.node_allocatable_errors(key, res, caps)
             if errs:
                 problems.append(f"device {dev.name}: nodeAllocatableResources {key!r} dropped: "
                                 f"{'; '.join(errs)}")
@@ -160,10 +160,15 @@ def sanitize_device(dev: Device) -> tuple[dict[str, Any] | None, list[str]]:
     return out, problems
 
 
-def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None) -> Chunks:
+def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None,
+                  compatibility_groups: bool = False) -> Chunks:
     """The pool's slices: the counter sets the devices consume (at most 8 per slice, `counters.pack`),
     then the validated devices sorted by name and packed greedily into as few slices as the limits
     allow (64 per slice once one of them consumes counters or has taints).
+
+    `compatibility_groups`: the cluster has `DRADeviceCompatibilityGroups` on; each device's counter
+    consumption then carries the groups of its kind (`counters.with_compatibility_groups`). Off, none
+    is sent: the API server would drop them, and the stored slices would never match what is sent.
 
     Every problem is logged; pass `reported` (kept by the caller between calls) to log only the
     ones that are new since the last call, so a periodic republish does not repeat itself.
@@ -176,6 +181,8 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
             out.dropped.append(f"device {dev.name!r} dropped: duplicate name")
             continue
         seen.add(dev.name)
+        if compatibility_groups:
+            dev = counters.with_compatibility_groups(dev)
         wire, problems = sanitize_device(dev)
         out.dropped += problems
         if wire is not None:
@@ -239,9 +246,9 @@ def render_slice(chunk: Chunk, *, driver: str, node: str, owner: NodeRef | None,
 
 
 def build_slices(devices: Iterable[Device], *, driver: str, node: str, owner: NodeRef | None = None,
-                 generation: int = 1) -> list[dict[str, Any]]:
+                 generation: int = 1, compatibility_groups: bool = False) -> list[dict[str, Any]]:
     """The slices for `devices` as one fresh pool (what `dra-agent slices` shows)."""
-    chunks = chunk_devices(devices).slices
+    chunks = chunk_devices(devices, compatibility_groups=compatibility_groups).slices
     return [render_slice(c, driver=driver, node=node, owner=owner, generation=generation, count=len(chunks))
             for c in chunks]
 

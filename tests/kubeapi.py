@@ -41,6 +41,7 @@ import yaml
 from kubeapi_rules import (
     ApiAnswer,
     device_status_causes,
+    drop_disabled_slice_fields,
     field_matcher,
     invalid_answer,
     label_matcher,
@@ -140,6 +141,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     ignore_field_selectors: bool = attrs.field(default=False, init=False)
     max_in_flight: int = attrs.field(default=0, init=False)
     denied: set[tuple[str, str, str]] = attrs.field(factory=set, init=False)  # (verb, group, resource)
+    gates: set[str] = attrs.field(factory=set, init=False)  # alpha feature gates turned on (kubeapi_rules)
     _background: set[asyncio.Task[Any]] = attrs.field(factory=set, init=False)  # held requests
 
     def __attrs_post_init__(self) -> None:
@@ -334,6 +336,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         for volatile in ("resourceVersion", "deletionTimestamp", "managedFields"):
             meta.pop(volatile, None)
         self._default(kind, obj)
+        if kind.resource == RESOURCE_SLICES:
+            drop_disabled_slice_fields(obj, None, self.gates)
         self._validate(kind, obj)
         meta["resourceVersion"] = self._next_version()
         if key in self.objects:
@@ -363,6 +367,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         if new.get("spec") != current.get("spec"):
             meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
         self._default(kind, new)
+        if kind.resource == RESOURCE_SLICES:
+            drop_disabled_slice_fields(new, current, self.gates)
         self._validate(kind, new)
         same_version = {**meta, "resourceVersion": current["metadata"]["resourceVersion"]}
         if {**new, "metadata": same_version} == current:

@@ -235,6 +235,27 @@ def device_status_causes(obj: Mapping[str, Any]) -> list[dict[str, str]]:
     return causes
 
 
+# -- ResourceSlice fields behind alpha gates, as the API server drops them (1.37) ---------------------------
+
+COMPATIBILITY_GROUPS_GATE = "DRADeviceCompatibilityGroups"
+
+
+def _uses_groups(obj: Mapping[str, Any] | None) -> bool:
+    return any("compatibilityGroups" in c for d in ((obj or {}).get("spec") or {}).get("devices") or []
+               for c in d.get("consumesCounters") or [])
+
+
+def drop_disabled_slice_fields(obj: dict[str, Any], old: Mapping[str, Any] | None, gates: set[str]) -> None:
+    """With `DRADeviceCompatibilityGroups` off the API server strips `consumesCounters[].compatibilityGroups`
+    from a new or updated ResourceSlice, unless the stored object already had the field (the gate's
+    documented version-skew rule, kubernetes/website#56288)."""
+    if COMPATIBILITY_GROUPS_GATE in gates or _uses_groups(old):
+        return
+    for dev in (obj.get("spec") or {}).get("devices") or []:
+        for c in dev.get("consumesCounters") or []:
+            c.pop("compatibilityGroups", None)
+
+
 def invalid_answer(kind: str, group: str, name: str, causes: list[dict[str, str]]) -> ApiAnswer:
     """422 Invalid as the API server words it: `Kind.group "name" is invalid: [field: message, ...]`."""
     listed = [f"{c['field']}: {c['message']}" for c in causes]

@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from agent import quantity
 from agent.model import AttrValue, Version
 
 MAX_DEVICES_PER_SLICE = 128
@@ -34,6 +35,11 @@ MAX_COUNTER_SETS_PER_SLICE = 8
 MAX_COUNTERS_PER_SET = 32
 MAX_CONSUMPTIONS_PER_DEVICE = 2  # one entry per counter set
 MAX_COUNTERS_PER_CONSUMPTION = 32
+# Compatibility groups (KEP-5963, DRADeviceCompatibilityGroups, alpha in 1.37): a list of strings, at most
+# 2, unique (the v1.37.0 schema's devicecounterconsumption-resource-v1.json and the field's API comment).
+# The format of one name is not confirmed from any source here: the agent holds its own names to DNS
+# labels, the strictest format the API uses for names in this object.
+MAX_COMPATIBILITY_GROUPS = 2
 TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
 NODE_ALLOCATABLE_KEYS = re.compile(r"^(cpu|memory|ephemeral-storage|hugepages-[0-9A-Za-z.]+)\Z")
 
@@ -139,7 +145,20 @@ def quantity_errors(value: str) -> list[str]:
     return [] if _QUANTITY.match(value) else [f"{value!r} is not a quantity"]
 
 
-def request_policy_errors(policy: Mapping[str, Any]) -> list[str]:
+def _amount(text: object) -> int | None:
+    """An integer quantity as a number, for comparisons; None when it is not one (fractions, `500m`)."""
+    try:
+        return quantity.parse_int(str(text))
+    except ValueError:
+        return None
+
+
+def request_policy_errors(policy: Mapping[str, Any], capacity: str | None = None) -> list[str]:
+    """A capacity's `requestPolicy`; with `capacity` (the capacity's value) also the rules that relate
+    them (the 1.37 schema's capacityrequestpolicy and capacityrequestpolicyrange descriptions): a range
+    needs a default inside it, min <= max <= capacity, min + step <= capacity, max and default multiples
+    of step; valid values need a default among them, ascending. Compared only where every quantity
+    involved is an integer one."""
     errs = []
     unknown = set(policy) - {"default", "validValues", "validRange"}
     if unknown:
@@ -160,6 +179,40 @@ def request_policy_errors(policy: Mapping[str, Any]) -> list[str]:
                 errs += quantity_errors(str(rng[k]))
     if "default" in policy:
         errs += quantity_errors(str(policy["default"]))
+    return errs or _policy_bounds_errors(policy, capacity)
+
+
+def _policy_bounds_errors(policy: Mapping[str, Any], capacity: str | None) -> list[str]:
+    errs = []
+    cap = _amount(capacity) if capacity is not None else None
+    default = _amount(policy["default"]) if "default" in policy else None
+    if "validValues" in policy:
+        values = [_amount(v) for v in policy.get("validValues") or []]
+        if "default" not in policy:
+            errs.append("validValues needs a default")
+        if None not in values:
+            known = [v for v in values if v is not None]
+            if known != sorted(set(known)):
+                errs.append("validValues must be ascending, without repeats")
+            if default is not None and default not in known:
+                errs.append("default must be one of validValues")
+    rng = policy.get("validRange")
+    if rng is not None:
+        if "default" not in policy:
+            errs.append("validRange needs a default")
+        low, high, step = (_amount(rng[k]) if k in rng else None for k in ("min", "max", "step"))
+        if low is not None and high is not None and low > high:
+            errs.append("validRange.min must not be above max")
+        if default is not None and ((low is not None and default < low) or (high is not None and default > high)):
+            errs.append("default must lie within validRange")
+        if step is not None and step > 0:
+            errs += [f"{name} must be a multiple of validRange.step"
+                     for name, v in (("max", high), ("default", default)) if v is not None and v % step]
+        if cap is not None:
+            if (low is not None and low > cap) or (high is not None and high > cap):
+                errs.append("validRange must not go above the capacity's value")
+            if low is not None and step is not None and low + step > cap:
+                errs.append("validRange.min + step must not be above the capacity's value")
     return errs
 
 
@@ -220,7 +273,30 @@ def counter_set_errors(counter_set: Mapping[str, Any]) -> list[str]:
 def consumption_errors(consumption: Mapping[str, Any]) -> list[str]:
     """One `consumesCounters[]` entry of a device."""
     errs = [f"counterSet {e}" for e in dns_label_errors(str(consumption.get("counterSet", "")))]
-    return errs + _counters_errors(consumption.get("counters"), MAX_COUNTERS_PER_CONSUMPTION)
+    errs += _counters_errors(consumption.get("counters"), MAX_COUNTERS_PER_CONSUMPTION)
+    if "compatibilityGroups" in consumption:
+        errs += compatibility_groups_errors(consumption["compatibilityGroups"])
+    return errs
+
+
+def compatibility_groups_errors(groups: object) -> list[str]:
+    """`consumesCounters[].compatibilityGroups`: a list of at most 2 unique names (see
+    MAX_COMPATIBILITY_GROUPS for what is confirmed and what is the agent's own rule)."""
+    if groups is None:
+        return []
+    if not isinstance(groups, list):
+        return ["compatibilityGroups must be a list of names"]
+    errs = []
+    if len(groups) > MAX_COMPATIBILITY_GROUPS:
+        errs.append(f"{len(groups)} compatibilityGroups, more than {MAX_COMPATIBILITY_GROUPS}")
+    if len(set(map(str, groups))) != len(groups):
+        errs.append("compatibilityGroups must be unique")
+    for g in groups:
+        if not isinstance(g, str):
+            errs.append(f"compatibility group {g!r} must be a string")
+        else:
+            errs += [f"compatibility group {g!r} {e}" for e in dns_label_errors(g)]
+    return errs
 
 
 def shared_counters_errors(sets: list[Mapping[str, Any]]) -> list[str]:
@@ -338,7 +414,11 @@ def device_wire_errors(dev: Mapping[str, Any]) -> list[str]:
         errs += [f"capacity {key!r} name {e}" for e in qualified_name_errors(key)]
         errs += [f"capacity {key!r} {e}" for e in quantity_errors(str(cap.get("value", "")))]
         if cap.get("requestPolicy"):
-            errs += [f"capacity {key!r} {e}" for e in request_policy_errors(cap["requestPolicy"])]
+            policy_errs = request_policy_errors(cap["requestPolicy"], str(cap.get("value")))
+            errs += [f"capacity {key!r} {e}" for e in policy_errs]
+            if not dev.get("allowMultipleAllocations"):
+                errs.append(f"capacity {key!r} has a requestPolicy but the device does not allow multiple "
+                            "allocations")
     taints = dev.get("taints") or []
     if len(taints) > MAX_TAINTS:
         errs.append(f"{len(taints)} taints, more than {MAX_TAINTS}")
@@ -355,15 +435,54 @@ def device_wire_errors(dev: Mapping[str, Any]) -> list[str]:
         used.add(str(c.get("counterSet")))
         errs += [f"{where} {e}" for e in consumption_errors(c)]
     for key, res in (dev.get("nodeAllocatableResources") or {}).items():
-        if not NODE_ALLOCATABLE_KEYS.match(key):
-            errs.append(f"nodeAllocatableResources key {key!r} is not a node-allocatable resource")
-        mapping = (res or {}).get("mapping") or {}
+        errs += node_allocatable_errors(key, res, caps)
+    return errs
+
+
+def node_allocatable_errors(key: str, res: Any, caps: Mapping[str, Any]) -> list[str]:
+    """One `nodeAllocatableResources` entry (the 1.37 schema: NodeAllocatableResource {mapping, overhead}).
+
+    `mapping` {capacityKey + capacityMultiplier | deviceMultiplier} and `overhead` {perPod, perContainer}
+    are both optional in the schema; an entry with neither says nothing, so it is refused here (the
+    agent's own rule). A capacityKey must name a capacity of the device and needs capacityMultiplier,
+    which is valid only with a capacityKey (the field comments)."""
+    where = f"nodeAllocatableResources[{key!r}]"
+    errs = []
+    if not NODE_ALLOCATABLE_KEYS.match(key):
+        errs.append(f"nodeAllocatableResources key {key!r} is not a node-allocatable resource")
+    if not isinstance(res, Mapping):
+        return [*errs, f"{where} must be an object"]
+    unknown = sorted(set(res) - {"mapping", "overhead"})
+    if unknown:
+        errs.append(f"{where} has unknown fields {unknown}")
+    if not res.get("mapping") and not res.get("overhead"):
+        errs.append(f"{where} needs a mapping or an overhead")
+    if (mapping := res.get("mapping")) is not None:
+        if not isinstance(mapping, Mapping):
+            return [*errs, f"{where}.mapping must be an object"]
         if bool(mapping.get("capacityKey")) == bool(mapping.get("deviceMultiplier")):
-            errs.append(f"nodeAllocatableResources[{key!r}].mapping needs exactly one of capacityKey "
-                        "and deviceMultiplier")
-        if mapping.get("capacityKey") and mapping["capacityKey"] not in caps:
-            errs.append(f"nodeAllocatableResources[{key!r}] maps unknown capacity "
-                        f"{mapping['capacityKey']!r}")
+            errs.append(f"{where}.mapping needs exactly one of capacityKey and deviceMultiplier")
+        if mapping.get("capacityKey"):
+            if mapping["capacityKey"] not in caps:
+                errs.append(f"{where} maps unknown capacity {mapping['capacityKey']!r}")
+            if "capacityMultiplier" not in mapping:
+                errs.append(f"{where}.mapping needs capacityMultiplier with capacityKey")
+        elif "capacityMultiplier" in mapping:
+            errs.append(f"{where}.mapping has capacityMultiplier without capacityKey")
+        for field in ("capacityMultiplier", "deviceMultiplier"):
+            if field in mapping:
+                errs += [f"{where}.mapping.{field} {e}" for e in quantity_errors(str(mapping[field]))]
+    if (overhead := res.get("overhead")) is not None:
+        if not isinstance(overhead, Mapping):
+            return [*errs, f"{where}.overhead must be an object"]
+        if unknown := sorted(set(overhead) - {"perPod", "perContainer"}):
+            errs.append(f"{where}.overhead has unknown fields {unknown}")
+        for field in ("perPod", "perContainer"):
+            if field in overhead:
+                text = str(overhead[field])
+                errs += [f"{where}.overhead.{field} {e}" for e in quantity_errors(text)]
+                if text.startswith("-"):
+                    errs.append(f"{where}.overhead.{field} must not be negative")
     return errs
 
 

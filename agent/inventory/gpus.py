@@ -1,7 +1,8 @@
 """NVIDIA GPUs through NVML: one device per GPU, named by its minor number, consuming the GPU's
 counter set; a passthrough variant per GPU that can go to a VM whole (`agent.inventory.passthrough`);
 and, for MIG-capable GPUs unless dynamic MIG is off, one device per MIG placement on the same counter
-set (`agent.inventory.mig`).
+set (`agent.inventory.mig`); then the shared form of each GPU and the host-memory overhead of every GPU
+device (`agent.inventory.gpushare`).
 
 The source holds either the real `pynvml` module or a `SimulatedNvml` and calls
 the same functions on both. In auto mode a node that shows NVIDIA hardware but
@@ -39,6 +40,7 @@ from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
 from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult, SourceProblem
+from agent.inventory.gpushare import DEFAULT_HOST_MEMORY_OVERHEAD, GpuExtras
 from agent.inventory.mig import MigDevices
 from agent.inventory.nvml_profiles import ProfileError, error_name
 from agent.inventory.nvml_sim import SimulatedNvml
@@ -123,11 +125,16 @@ class _GpuFailed(Exception):
 class GpuSource:
     kind = "gpu"
 
-    def __init__(self, settings: Settings, dynamic_mig: bool | None = None) -> None:
+    def __init__(self, settings: Settings, dynamic_mig: bool | None = None, *, sharing: bool = False,
+                 host_memory_overhead: int = DEFAULT_HOST_MEMORY_OVERHEAD) -> None:
         self.settings = settings
         # Publish MIG placements (`--dynamic-mig`, on by default); a Settings without the field reads as on.
         self.dynamic_mig = dynamic_mig if dynamic_mig is not None else settings.dynamic_mig
         self._mig = MigDevices()
+        # Shared forms (`--gpu-sharing`) and the host-memory overhead (`--gpu-host-memory-overhead`).
+        self._extras = GpuExtras(sharing, host_memory_overhead)
+        # Set by the daemon when the Node declares DRANodeAllocatableResources (as for CPU and memory).
+        self.node_allocatable: bool = False
         self.nvml: Any = None  # the pynvml module, a SimulatedNvml, or None (no GPUs)
         self.sysfs_root: Path = settings.sysfs_root
         self.dev_root: Path = settings.dev_root
@@ -256,6 +263,8 @@ class GpuSource:
         result.devices = self._variants.apply(self.sysfs_root, result.devices)
         if self.dynamic_mig:
             result.devices = self._mig.apply(result.devices)
+        # Last: a shared form takes its GPU's counter set as it is by now.
+        result.devices = self._extras.apply(result.devices, node_allocatable=self.node_allocatable)
         return result
 
     def _name_the_rest(self, count: int, known: set[int], unnamed: dict[int, str], result: ScanResult) -> None:

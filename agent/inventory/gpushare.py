@@ -1,0 +1,121 @@
+"""What GPU discovery adds after the GPUs, their variants and MIG placements are known: the shared form
+of each GPU (`--gpu-sharing`) and the host memory a GPU claim costs the node (when the Node declares
+`DRANodeAllocatableResources`).
+
+**Shared GPUs** (consumable capacity, KEP-5075, `DRAConsumableCapacity`). `gpu-<minor>-shared`, kind
+`gpushare`: the GPU's attributes with `type=shared`, `allowMultipleAllocations: true` and one capacity,
+`memory` (the GPU's memory), with a request policy: default 1Gi, range 1Gi to the GPU's memory rounded
+down to whole GiB, step 1Gi. Each claim that gets it receives a `shareID` and a `consumedCapacity.memory`
+from the scheduler, which keeps the sum of all shares within the capacity. Whole GiB because every
+workload sizes GPU memory in GiB and a finer grain only fragments the GPU; a 1Gi default so a request
+that names no amount takes the smallest share and leaves the GPU shareable (say how much you need); the
+maximum rounded down because the API wants max to be a multiple of step (81559Mi on an H100 -> 79Gi).
+A GPU with less than 2Gi gets no shared form (the API wants min + step within the capacity).
+
+The shared form consumes the GPU's whole counter set, like the full GPU and its passthrough variant.
+With allowMultipleAllocations the scheduler charges a device's counters once, when its first allocation
+is made, and skips the counter check for further allocations of the same device (kubernetes/kubernetes
+#134100, fixed by #134103): so the first share takes the GPU away from the full device,
+the passthrough variant, MIG placements and vGPU devices, later shares fit as long as memory is left,
+and the GPU is whole again once the last share is gone. The limit is not enforced by the hardware:
+the container is told its share (`DRA_<DEVICE>_MEMORY_LIMIT`, bytes, and for MPS clients
+`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<uuid>=<MiB>M`, see `agent.claimplan`), which CUDA's MPS enforces
+per client and a plain CUDA workload must honour itself (cap its allocator, e.g. PyTorch's
+`set_per_process_memory_fraction`).
+
+**Host memory overhead** (node-allocatable resources, `DRANodeAllocatableResources`, alpha): every GPU
+device (full, passthrough variant, MIG placement, shared form) carries
+`nodeAllocatableResources.memory.overhead.perContainer`, the host memory a container using the GPU
+costs the node beyond what the pod asks for: the CUDA driver library and context state, pinned staging
+buffers, the kernel driver's per-client state. The kubelet
+adds it to the pod's memory and to each referencing container's limit, and the scheduler subtracts it
+from the node's allocatable memory. Per container, because the cost comes with each process that opens
+the GPU, and a process lives in a container. The default, 256Mi, is a floor for one CUDA context's host
+footprint (a few hundred MiB is typical, more without CUDA's lazy module loading); set
+`--gpu-host-memory-overhead` to what your workloads measure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agent import counters, quantity
+from agent.model import Capacity, CounterConsumption, Device
+
+SHARE_KIND = "gpushare"
+SHARED_TYPE = "shared"
+SHARE_SUFFIX = "-shared"
+SHARE_GRAIN = 1 << 30  # 1Gi: the request policy's min, step and default
+MIB = 1 << 20
+DEFAULT_HOST_MEMORY_OVERHEAD = 256 * MIB
+# Kinds that stand for (a part of) a GPU used by a container on this node.
+_GPU_KINDS = ("gpu", "mig", SHARE_KIND)
+
+
+def share_name(gpu_name: str) -> str:
+    """`gpu-3` -> `gpu-3-shared`."""
+    return counters.fit_label(gpu_name + SHARE_SUFFIX)
+
+
+def memory_request_policy(memory: int) -> dict[str, Any] | None:
+    """The shared form's `memory` request policy; None when the GPU is too small to share."""
+    most = memory // SHARE_GRAIN * SHARE_GRAIN
+    if memory < SHARE_GRAIN * 2:
+        return None
+    grain = quantity.binary(SHARE_GRAIN)
+    return {"default": grain, "validRange": {"min": grain, "max": quantity.binary(most), "step": grain}}
+
+
+def host_memory_overhead(amount: int) -> dict[str, Any]:
+    """`nodeAllocatableResources` of a GPU device: its host memory cost, per container."""
+    return {"memory": {"overhead": {"perContainer": quantity.binary(amount)}}}
+
+
+def is_gpu_device(dev: Device) -> bool:
+    """A device that puts a GPU (or part of one) in a container or VM: what the overhead applies to."""
+    return dev.kind in _GPU_KINDS or (dev.kind == "vfio" and dev.attributes.get("nativeType") == "gpu")
+
+
+def shared_form(gpu: Device) -> Device | None:
+    """The shared form of a full GPU device (None: it has no memory or counter set, or too little memory)."""
+    cap = gpu.capacity.get("memory")
+    if cap is None or not gpu.consumes_counters:
+        return None
+    try:
+        memory = quantity.parse_int(cap.value)
+    except ValueError:
+        return None
+    policy = memory_request_policy(memory)
+    if policy is None:
+        return None
+    return Device(
+        name=share_name(gpu.name), kind=SHARE_KIND,
+        attributes={**gpu.attributes, "type": SHARED_TYPE},
+        capacity={"memory": Capacity(cap.value, request_policy=policy)},
+        allow_multiple_allocations=True,
+        node=gpu.node,
+        # The whole set, as it is now: nothing may extend the set after this (see GpuExtras).
+        consumes_counters=tuple(CounterConsumption.all_of(c.counter_set) for c in gpu.consumes_counters))
+
+
+@dataclass(slots=True)
+class GpuExtras:
+    """The last step of a GPU scan (after every device that extends a GPU's counter set)."""
+
+    sharing: bool = False
+    host_memory_overhead: int = DEFAULT_HOST_MEMORY_OVERHEAD
+
+    def apply(self, devices: Sequence[Device], *, node_allocatable: bool) -> list[Device]:
+        out = list(devices)
+        if self.sharing:
+            out += [s for d in devices if d.kind == "gpu" and (s := shared_form(d)) is not None]
+        if node_allocatable and self.host_memory_overhead > 0:
+            out = [self._with_overhead(d) if is_gpu_device(d) else d for d in out]
+        return out
+
+    def _with_overhead(self, dev: Device) -> Device:
+        return dataclasses.replace(dev, node_allocatable={**(dev.node_allocatable or {}),
+                                                          **host_memory_overhead(self.host_memory_overhead)})
