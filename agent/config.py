@@ -11,7 +11,7 @@ import functools
 import hashlib
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +30,16 @@ class Option:
     env: str
     default: Any
     help: str
-    kind: type = str
+    kind: Callable[[str], Any] = str  # a type, or a parser whose __name__ reads as one (`quantity`)
     metavar: str | None = None
     empty: bool = False  # an empty value (flag or environment) is a value, not "unset"
+
+
+def quantity(text: str) -> int:
+    """A byte count as a Kubernetes quantity (`256Mi`, `1G`, `1048576`)."""
+    from agent.quantity import parse_int
+
+    return parse_int(text)
 
 
 def _default_state_dir() -> str:
@@ -101,6 +108,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("dynamic_mig", "--dynamic-mig", "DRA_DYNAMIC_MIG", False,
            "publish every MIG placement of MIG-capable GPUs as a device on the GPU's counter set "
            "(true/false; off until MIG prepare is built: prepare refuses MIG devices)", kind=bool, metavar="BOOL"),
+    Option("vgpu_types", "--vgpu-types", "DRA_VGPU_TYPES", "auto",
+           "vGPU (mediated device) types to publish where a GPU's host driver offers them, one device per "
+           "instance: auto (every type with --compatibility-groups, none without), none, or a comma list of "
+           "type ids or names (one type without --compatibility-groups)", metavar="TYPES"),
+    Option("gpu_sharing", "--gpu-sharing", "DRA_GPU_SHARING", False,
+           "also publish each GPU as gpu-<minor>-shared, a memory capacity several claims take shares of "
+           "(DRAConsumableCapacity; true/false)", kind=bool, metavar="BOOL"),
+    Option("compatibility_groups", "--compatibility-groups", "DRA_COMPATIBILITY_GROUPS", False,
+           "publish compatibility groups (mig, vgpu) on counter consumptions; only for clusters with the "
+           "DRADeviceCompatibilityGroups gate on (true/false)", kind=bool, metavar="BOOL"),
+    Option("gpu_host_memory_overhead", "--gpu-host-memory-overhead", "DRA_GPU_HOST_MEMORY_OVERHEAD", 256 * 2**20,
+           "host memory a container using a GPU device costs, published as nodeAllocatableResources "
+           "memory overhead when the Node declares DRANodeAllocatableResources (a quantity: 256Mi)",
+           kind=quantity, metavar="QUANTITY"),
     Option("gpu_probe_interval", "--gpu-probe-interval", "DRA_GPU_PROBE_INTERVAL", 1.0,
            "seconds between probes of every GPU for a lost, recovered or reset GPU (two NVML calls each)",
            kind=float, metavar="SECONDS"),
@@ -164,6 +185,10 @@ class Settings:
     api_timeout: float = 10.0
     gc_grace_period: float = 600.0
     dynamic_mig: bool = False
+    vgpu_types: str = "auto"
+    gpu_sharing: bool = False
+    compatibility_groups: bool = False
+    gpu_host_memory_overhead: int = 256 * 2**20
     gpu_probe_interval: float = 1.0
     taint_policy: Path | None = None
     metrics_address: str = DEFAULT_METRICS_ADDRESS
@@ -189,6 +214,14 @@ class Settings:
             raise ConfigError(f"--gc-grace-period must be >= 0, not {self.gc_grace_period!r}")
         if self.metrics_address:
             parse_address(self.metrics_address)
+        from agent.vgpupolicy import VgpuPolicy
+
+        try:
+            VgpuPolicy.of(self.vgpu_types, self.compatibility_groups)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        if self.gpu_host_memory_overhead < 0:
+            raise ConfigError(f"--gpu-host-memory-overhead must be >= 0, not {self.gpu_host_memory_overhead}")
 
     # Paths the kubelet and the runtime know about.
     @functools.cached_property

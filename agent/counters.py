@@ -25,8 +25,9 @@ Compatibility groups (`consumesCounters[].compatibilityGroups`, KEP-5963, alpha 
 `DRADeviceCompatibilityGroups`, off by default): devices consuming one counter set may be allocated
 together only when all of them share a group, and a device without groups only with siblings without
 groups. `with_compatibility_groups` marks, by kind, MIG placements `mig` and vGPU (mediated) devices
-`vgpu`, so the scheduler never mixes the two on one GPU (MIG and time-sliced vGPU exclude each other in
-the driver; the counters alone would let a small vGPU sit beside a small MIG instance). The full GPU,
+`vgpu-<type id>` (one group per type), so the scheduler never mixes the two on one GPU, nor two vGPU
+types (the driver refuses both mixes; the counters alone would let a small vGPU sit beside a small MIG
+instance, or a small vGPU of one type beside one of another). The full GPU,
 its passthrough variant and its shared form (`gpushare`) get no group: each takes the whole set, so
 the counters already keep everything else off the GPU while one of them is allocated, and "no group"
 says the same a second time (never co-allocatable with a grouped device). The slice builder applies
@@ -115,6 +116,8 @@ def with_compatibility_groups(dev: Device) -> Device:
     """`dev` with the compatibility groups of its kind on every counter set it consumes (unchanged when
     its kind has none)."""
     groups = COMPATIBILITY_GROUPS.get(dev.kind, ())
+    if dev.kind == "vgpu" and isinstance(mdev_type := dev.attributes.get("mdevType"), str):
+        groups = (fit_label(f"vgpu-{mdev_type.lower()}"),)  # one type per GPU at a time, as the driver allows
     if not groups or not dev.consumes_counters:
         return dev
     uses = tuple(dataclasses.replace(c, compatibility_groups=groups) for c in dev.consumes_counters)

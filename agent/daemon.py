@@ -58,7 +58,9 @@ def build_sources(settings: Settings) -> list[Source]:
     from agent.inventory.nics import NicSource
     from agent.inventory.simnics import SimNicSource
 
-    sources: list[Source] = [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough),
+    sources: list[Source] = [GpuSource(settings, sharing=settings.gpu_sharing,
+                                                     host_memory_overhead=settings.gpu_host_memory_overhead),
+                              NicSource(settings, passthrough=settings.nic_passthrough),
                              CpuSource(settings), MemorySource(settings)]
     if settings.nvml.kind == "sim":
         # The simulated NIC's functions have no netdev for NIC discovery to find; listed after GPU
@@ -290,7 +292,7 @@ class Agent:
         if node is None:
             node = await wait_for_node(self.conn, self.settings.node_name)
             set_node_allocatable(self.inventory, node)
-            if await self.inventory.scan(["cpu", "memory"]):
+            if await self.inventory.scan(["cpu", "memory", "gpu"]):
                 await self._changed()
         self.publish = PublishLoop(self.conn.publisher(self.settings, node),
                                    verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)

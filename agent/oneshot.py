@@ -53,7 +53,7 @@ async def render_slices(settings: Settings) -> list[dict[str, Any]]:
     inventory = await _inventory_once(settings, node)
     owner = slices.NodeRef(name=node.name, uid=node.uid) if node.uid else None
     return slices.build_slices(inventory.devices(), driver=settings.driver_name, node=settings.node_name,
-                               owner=owner)
+                               owner=owner, compatibility_groups=settings.compatibility_groups)
 
 
 async def fetch_claim(settings: Settings, namespace: str, name: str) -> dict[str, Any]:

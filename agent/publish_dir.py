@@ -55,13 +55,15 @@ class DirectoryPublisher:
     def __init__(self, directory: Path, settings: Settings, node: NodeInfo) -> None:
         self.dir = Path(directory) / "resourceslices"
         self.driver = settings.driver_name
+        self.groups = settings.compatibility_groups  # the cluster runs DRADeviceCompatibilityGroups
         self.node = node
         self.stem = file_stem(self.driver, node.name)
         self._pattern = re.compile(re.escape(self.stem) + r"-(0|[1-9][0-9]*)\.yaml")
         self._reported: set[str] = set()
 
     async def sync(self, devices: Sequence[Device]) -> SyncResult:
-        chunks = slices.chunk_devices(devices, reported=self._reported)
+        chunks = slices.chunk_devices(devices, reported=self._reported,
+                                      compatibility_groups=self.groups)
         try:
             result = await asyncio.to_thread(self._sync_blocking, chunks.slices)
         except OSError as exc:

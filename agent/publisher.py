@@ -63,12 +63,14 @@ class ApiPublisher:
                  backoff: Backoff | None = None) -> None:
         self.client = client
         self.driver = settings.driver_name
+        self.groups = settings.compatibility_groups  # the cluster runs DRADeviceCompatibilityGroups
         self.node = node
         self.backoff = backoff or Backoff()
         self._reported: set[str] = set()
 
     async def sync(self, devices: Sequence[Device]) -> SyncResult:
-        chunks = slices.chunk_devices(devices, reported=self._reported)
+        chunks = slices.chunk_devices(devices, reported=self._reported,
+                                      compatibility_groups=self.groups)
         for _ in range(CONFLICT_ROUNDS):
             try:
                 result = await self._sync_once(chunks.slices)

@@ -7,6 +7,7 @@ step."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import kubernetes_validate
 import pytest
 
 from agent import apirules, failpoints, quantity
-from agent.config import NvmlMode, Settings
+from agent.config import ConfigError, NvmlMode, Settings
 from agent.inventory import vgpu
 from agent.inventory.gpus import SIM_DIR, GpuSource
 from agent.inventory.nvml_hardware import materialize
@@ -54,13 +55,13 @@ class Machine:
     devices: list[Device]
 
 
-def scan(state: Path, profile: str = "dgx-h100") -> list[Device]:
-    """The GPU source's devices with the vGPU devices added as the gpus.py hook adds them."""
-    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=state))
+def scan(state: Path, profile: str = "dgx-h100", **settings: Any) -> list[Device]:
+    """The GPU source's devices; by default every vGPU type (with compatibility groups)."""
+    settings = {"compatibility_groups": True, **settings}
+    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=state, **settings))
     source.open()
     try:
-        simmdev.materialize(load_profile(profile), state / SIM_DIR)  # the nvml_hardware.materialize hook
-        return vgpu.VgpuDevices().apply(source.sysfs_root, source.scan().devices)
+        return source.scan().devices
     finally:
         source.close()
 
@@ -168,13 +169,41 @@ def test_what_the_counters_allow_against_what_the_driver_accepts(dgx: list[Devic
 
 
 def test_no_vgpu_devices_where_the_host_driver_offers_no_types(tmp_path: Path) -> None:
-    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path))
+    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path,
+                                compatibility_groups=True))
     source.open()
     try:
-        devices = vgpu.VgpuDevices().apply(source.sysfs_root, source.scan().devices)
+        for types in (tmp_path / SIM_DIR / "sys").glob("bus/pci/devices/*/mdev_supported_types"):
+            shutil.rmtree(types.resolve())  # a host without a vGPU manager
+        devices = source.scan().devices
     finally:
         source.close()
     assert [d for d in devices if d.kind == "vgpu"] == []
+
+
+def kinds_per_gpu(devices: list[Device]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for d in devices:
+        if d.kind == "vgpu":
+            out.setdefault(d.name.split("-vgpu-")[0], set()).add(str(d.attributes["mdevType"]))
+    return out
+
+
+def test_without_compatibility_groups_only_a_set_the_counters_keep_exact_is_published(tmp_path: Path) -> None:
+    # auto: every type needs groups to keep types (and MIG) apart, so none without them.
+    assert kinds_per_gpu(scan(tmp_path / "a", compatibility_groups=False)) == {}
+    # One named type: on every GPU without MIG placements; a GPU with them gets none.
+    one = scan(tmp_path / "b", compatibility_groups=False, vgpu_types="GRID H100-8C")
+    assert kinds_per_gpu(one) == {f"gpu-{i}": {"nvidia-1022"} for i in range(8)}
+    assert all(c.compatibility_groups == () for d in one for c in d.consumes_counters)
+    with_mig = scan(tmp_path / "c", compatibility_groups=False, vgpu_types="nvidia-1022", dynamic_mig=True)
+    assert kinds_per_gpu(with_mig) == {} and any(d.kind == "mig" for d in with_mig)
+    # With groups: every type beside MIG, each type in its own group (slices.py publishes them).
+    both = scan(tmp_path / "d", dynamic_mig=True)
+    assert kinds_per_gpu(both)["gpu-0"] == set(LIMITS)
+    with pytest.raises(ConfigError, match="one vGPU type"):
+        Settings(node_name=NODE, vgpu_types="nvidia-1021,nvidia-1022")
+    assert Settings(node_name=NODE, vgpu_types="nvidia-1021,nvidia-1022", compatibility_groups=True)
 
 
 # -- the Partitioner ----------------------------------------------------------------------------------------

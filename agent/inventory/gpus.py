@@ -46,7 +46,9 @@ from agent.inventory.nvml_profiles import ProfileError, error_name
 from agent.inventory.nvml_sim import SimulatedNvml
 from agent.inventory.passthrough import GpuVariants
 from agent.inventory.pci import normalize_bus_id, nvidia_display_functions, pci_function
+from agent.inventory.vgpu import VgpuDevices
 from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, NodeFacts, Version
+from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +130,11 @@ class GpuSource:
     def __init__(self, settings: Settings, dynamic_mig: bool | None = None, *, sharing: bool = False,
                  host_memory_overhead: int = DEFAULT_HOST_MEMORY_OVERHEAD) -> None:
         self.settings = settings
-        # Publish MIG placements (`--dynamic-mig`, on by default); a Settings without the field reads as on.
+        # Publish MIG placements (`--dynamic-mig`); the argument overrides the setting (tests).
         self.dynamic_mig = dynamic_mig if dynamic_mig is not None else settings.dynamic_mig
         self._mig = MigDevices()
+        # vGPU types the host driver offers (`--vgpu-types`, checked by Settings).
+        self._vgpu = VgpuDevices(VgpuPolicy.of(settings.vgpu_types, settings.compatibility_groups))
         # Shared forms (`--gpu-sharing`) and the host-memory overhead (`--gpu-host-memory-overhead`).
         self._extras = GpuExtras(sharing, host_memory_overhead)
         # Set by the daemon when the Node declares DRANodeAllocatableResources (as for CPU and memory).
@@ -263,6 +267,8 @@ class GpuSource:
         result.devices = self._variants.apply(self.sysfs_root, result.devices)
         if self.dynamic_mig:
             result.devices = self._mig.apply(result.devices)
+        # After MIG, which extends the counter set the vGPU devices consume from.
+        result.devices = self._vgpu.apply(self.sysfs_root, result.devices)
         # Last: a shared form takes its GPU's counter set as it is by now.
         result.devices = self._extras.apply(result.devices, node_allocatable=self.node_allocatable)
         return result

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.inventory.nvml_profiles import SimNic, SimProfile
+from agent.simkernel import mdev as simmdev
 from agent.simkernel.tree import (
     COMMAND_FILES,
     DRIVER_MODULES,
@@ -90,6 +91,7 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
             (where / entry).unlink()
     _driver_gpus(profile, root / "proc" / "driver" / "nvidia" / "gpus")
     _device_nodes(profile, tree.dev, boot)
+    simmdev.materialize(profile, root, boot=boot)
     if boot or not tree.boot_id.is_file():
         tree.boot_id.parent.mkdir(parents=True, exist_ok=True)
         tree.boot_id.write_text(f"{uuid.uuid4()}\n")

@@ -23,8 +23,10 @@ What counters cannot say: "one type per GPU at a time" (NVIDIA's time-sliced vGP
 with vGPU". Counters are sums, and any two kinds of device of which two or more fit alone also fit
 one and one together (the counters' feasible region is convex). Those rules need compatibility
 groups (`consumesCounters[].compatibilityGroups`, one group per vGPU type, `compatibility_group`),
-published only where the cluster has the gate on; without them the scheduler may pick a mix, and
-prepare refuses it (the type's `available_instances` is 0: a retryable NoInstanceAvailable).
+published only where the cluster has the gate on. So what is published never offers the scheduler
+a mix the driver refuses (`VgpuPolicy`, `--vgpu-types`): with compatibility groups, every type (or
+the ones named); without, only the one type named, and only on GPUs that publish no MIG placements.
+Prepare refuses a mix all the same (the type's `available_instances` is 0: NoInstanceAvailable).
 
 Types are read once per GPU and kept (by bus ID): a GPU passed through to a VM leaves its host
 driver and lists no types meanwhile, and its devices must come back under the same names. A type
@@ -44,6 +46,7 @@ from agent import counters, quantity
 from agent.inventory.mig import INHERITED
 from agent.mdev import sysfs as mdev
 from agent.model import PCI_BUS_ID, AttrValue, Capacity, CounterConsumption, CounterSet, Device, NodeFacts
+from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,7 @@ def share(cs: CounterSet, t: VgpuType) -> str | None:
 class VgpuDevices:
     """The vGPU types of each GPU, kept across scans by bus ID, and the devices made from them."""
 
+    policy: VgpuPolicy = field(default_factory=VgpuPolicy)
     types: dict[str, tuple[VgpuType, ...]] = field(default_factory=dict)
     _said: dict[str, str] = field(default_factory=dict)
 
@@ -135,6 +139,9 @@ class VgpuDevices:
         """`devices` plus the vGPU devices of each native GPU whose host driver offers types, on the
         counter set the GPU device consumes (apply after every step that extends that set)."""
         out = list(devices)
+        if not self.policy.enabled:
+            return out
+        with_mig = {d.attributes.get(PCI_BUS_ID) for d in devices if d.kind == "mig"}
         for dev in devices:
             bus = dev.attributes.get(PCI_BUS_ID)
             if dev.kind != "gpu" or not isinstance(bus, str):
@@ -142,8 +149,15 @@ class VgpuDevices:
             self.learn(sysfs, bus)
             name = counters.counter_set_name("gpu", bus)
             cs = next((c.counter_set for c in dev.consumes_counters if c.counter_set.name == name), None)
-            if bus in self.types and cs is not None:
-                out += self._devices(dev, cs, self.types[bus])
+            types = [t for t in self.types.get(bus, ()) if self.policy.wants(t.id, t.name)]
+            if not types or cs is None:
+                continue
+            if self.policy.exclusive and bus in with_mig:
+                # Counters cannot keep a vGPU from a MIG instance; only compatibility groups can.
+                self._note(f"{bus}/mig", f"GPU {bus}: publishes MIG placements, so no vGPU devices without "
+                           "--compatibility-groups (the counters cannot keep the two apart)")
+                continue
+            out += self._devices(dev, cs, types)
         return out
 
     def _devices(self, parent: Device, cs: CounterSet, types: Sequence[VgpuType]) -> list[Device]:
