@@ -78,7 +78,7 @@ def device_env(alloc: AllocatedDevice) -> list[str]:
     prefix = env_prefix(dev.name)
     env = [f"{prefix}_NAME={dev.name}"]
     bus_id = dev.attributes.get(PCI_BUS_ID)
-    if dev.kind == "gpu":
+    if dev.kind in ("gpu", "mig"):  # a prepared MIG device carries its MIG-... UUID here (agent.migprep)
         env.append(f"{prefix}_UUID={dev.node.gpu_uuid}")
     elif dev.kind == "nic":
         env.append(f"{prefix}_INTERFACE={dev.node.interface}")

@@ -10,10 +10,14 @@ a prepare that stopped anywhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from agent.claimbook import ClaimBook
+from agent.errors import ClaimFailure
+from agent.inventory import Inventory
 from agent.metadata import AllocatedDevice
+from agent.model import PCI_BUS_ID, Device
 from agent.state import DevicePartition, PartitionKind
 
 WritePartition = Callable[[DevicePartition], None]
@@ -49,3 +53,81 @@ class Partitioner(Protocol):
         """The allocated device with the partition's facts (MIG: its UUID as the GPU UUID and the
         /dev/nvidia-caps nodes; mdev: its UUID), so claimplan writes the CDI spec and metadata from it."""
         ...
+
+
+# -- the checks every kind shares ----------------------------------------------------------------------
+
+WHOLE, MIG_FORM, MDEV_FORM = "whole GPU", "MIG", "vGPU"
+# Forms of one GPU that never coexist: the whole GPU (native, passthrough, shared) with any partition,
+# and MIG with vGPU (the driver takes the GPU into one mode or the other).
+_CLASH = {frozenset((WHOLE, MIG_FORM)), frozenset((WHOLE, MDEV_FORM)), frozenset((MIG_FORM, MDEV_FORM))}
+_FORMS = {"gpu": WHOLE, "gpushare": WHOLE, "mig": MIG_FORM, "vgpu": MDEV_FORM}
+
+
+class GpuFormConflict(ClaimFailure):
+    """Two forms of one GPU that cannot coexist (a MIG partition and its full GPU, passthrough variant or
+    a vGPU of it) are asked for together or one is prepared: the scheduler's counters or compatibility
+    groups would have kept them apart, but those may be off."""
+
+
+def gpu_form(device: Device) -> tuple[str, str] | None:
+    """(the GPU's PCI bus ID, the form the device takes it in), or None for a device of no GPU."""
+    if device.kind == "vfio":
+        if device.attributes.get("nativeType") != "gpu" or not device.node.pci_bus_id:
+            return None
+        return device.node.pci_bus_id, WHOLE
+    form = _FORMS.get(device.kind)
+    bus = device.attributes.get(PCI_BUS_ID)
+    return (bus, form) if form is not None and isinstance(bus, str) else None
+
+
+def gpu_lock_key(device: Device) -> str | None:
+    """One lock per GPU for its partitions (`pci/<bus>`, the key its whole forms take), so a MIG mode change
+    and another claim's instance on the same GPU, or a partition and the full GPU, never run at once."""
+    found = gpu_form(device) if device.kind in ("mig", "vgpu") else None
+    return f"pci/{found[0]}" if found else None
+
+
+class GpuForms:
+    """The forms of each GPU on the node by bus ID, from the inventory, rebuilt when it changes."""
+
+    def __init__(self, inventory: Inventory) -> None:
+        self.inventory = inventory
+        self._version = -1
+        self._by_bus: dict[str, dict[str, str]] = {}
+
+    def on_bus(self, bus: str) -> dict[str, str]:
+        """Device name -> form, of every device of the GPU at `bus`."""
+        if self._version != self.inventory.version:
+            by_bus: dict[str, dict[str, str]] = {}
+            for d in self.inventory.devices():
+                if (found := gpu_form(d)) is not None:
+                    by_bus.setdefault(found[0], {})[d.name] = found[1]
+            self._by_bus, self._version = by_bus, self.inventory.version
+        return self._by_bus.get(bus, {})
+
+
+def check_gpu_forms(uid: str, allocated: Sequence[AllocatedDevice], forms_of: GpuForms, book: ClaimBook) -> None:
+    """GpuFormConflict when the claim asks for clashing forms of one GPU, or another claim holds a form that
+    clashes with one the claim asks for."""
+    wanted: dict[str, dict[str, str]] = {}  # bus -> device name -> form
+    for a in allocated:
+        if (found := gpu_form(a.device)) is not None:
+            wanted.setdefault(found[0], {})[a.device.name] = found[1]
+    for bus, forms in wanted.items():
+        for (first, fa), (second, fb) in ((x, y) for x in forms.items() for y in forms.items()):
+            if frozenset((fa, fb)) in _CLASH:
+                raise GpuFormConflict(f"devices {first} ({fa}) and {second} ({fb}) are forms of GPU {bus} that "
+                                      "cannot be used together: a claim can have only one")
+        on_bus = forms_of.on_bus(bus)
+        for name, form in forms.items():
+            clashing = {n for n, f in on_bus.items() if frozenset((form, f)) in _CLASH}
+            for other in book.claims_holding(clashing):
+                if other == uid:
+                    continue
+                summary = book.record_of(other)
+                held = sorted(d.device for d in summary.devices if d.device in clashing) if summary else []
+                who = f"claim {summary.namespace}/{summary.name} ({other})" if summary else f"claim {other}"
+                raise GpuFormConflict(f"device {name} ({form}): GPU {bus} is prepared as {', '.join(held) or '?'} "
+                                      f"for {who}, a form it cannot share the GPU with (retry once that claim is "
+                                      "unprepared)")

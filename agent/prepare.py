@@ -18,16 +18,15 @@ Order of side effects, so that a crash at any point leaves all or nothing
   files are orphans that recovery removes.
 - unprepare: record removed (fsync'd) -> files. Without the record, the rest are orphans.
 - metadata refresh: new record (fsync'd) -> files. Recovery rewrites the files from the record.
-- passthrough (VFIO) devices bind PCI functions to vfio-pci: intent record -> each step (recorded
-  first) -> files -> final record; unprepare: restore intent -> files -> each restore step -> record
-  removed (`agent.vfioprep`).
+- passthrough (VFIO) devices bind PCI functions to vfio-pci, partition devices (MIG) create their
+  partition: intent record -> each step (recorded first) -> files -> final record; unprepare: restore
+  intent -> files -> each undo step -> record removed (`agent.partitionprep`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -48,17 +47,19 @@ from agent.fsutil import Root, UnsafePath
 from agent.inventory import Inventory
 from agent.locks import ClaimFileLock, LockTable
 from agent.metrics import Metrics
+from agent.migprep import MigPartitioner, nvml_of
 from agent.names import ClaimRef, InvalidName, check_claim_ref
-from agent.state import ClaimRecord, ClaimStore, DeviceBinding, PreparedDevice, RecordError, RecordState
+from agent.partitionprep import HostEffects
+from agent.state import ClaimRecord, ClaimStore, DeviceBinding, PreparedDevice, RecordError
 from agent.toolkit import ToolkitSpecs
 from agent.vfio.host import VfioHost
-from agent.vfioprep import Passthrough, lock_key
+from agent.vfioprep import Passthrough
 
 log = logging.getLogger(__name__)
 
 
 # The kinds of device the engine knows how to prepare; any other kind is refused, never half-prepared.
-PREPARABLE_KINDS = ("gpu", "nic", "cpu", "memory", "vfio")
+PREPARABLE_KINDS = ("gpu", "nic", "cpu", "memory", "vfio", "mig")
 
 
 class PrepareFailed(ClaimFailure):
@@ -104,6 +105,10 @@ class PrepareEngine:
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
         self.book = ClaimBook(store)
         self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
+        # Partitions created at prepare, by the device kind they prepare (`agent.partitions`).
+        self.effects = HostEffects(self.book, self.passthrough, inventory, {
+            "mig": MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id),
+        })
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
         self.listeners: list[ClaimListener] = []
         # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is
@@ -289,8 +294,8 @@ class PrepareEngine:
         return self.files.root_of(path)
 
     def settle(self, record: ClaimRecord) -> None:
-        """Finish a passthrough prepare or unprepare that stopped halfway (`Passthrough.settle`)."""
-        self.passthrough.settle(record, self.files)
+        """Finish a prepare or unprepare with host side effects that stopped halfway (`HostEffects.settle`)."""
+        self.effects.settle(record, self.files)
 
     # -- side effects (worker thread) -------------------------------------------------------------
 
@@ -313,7 +318,7 @@ class PrepareEngine:
                 raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
             if record is not None and not record.prepared:
                 # A prepare or unprepare of passthrough devices that stopped halfway: settle it first.
-                with self.locks.hold(self.passthrough.record_lock_keys(record)):
+                with self.locks.hold(self.effects.record_lock_keys(record)):
                     self.settle(record)
                 record = None
             if record is not None:
@@ -324,7 +329,7 @@ class PrepareEngine:
             claim = read(ref.namespace, ref.name)
             alloc = parse_claim(claim, ref, driver=self.settings.driver_name, pool=self.settings.node_name,
                                 lookup=self.inventory.get)
-            with self.locks.hold(lock_key(a.device) for a in alloc.devices):
+            with self.locks.hold(self.effects.lock_key(a.device) for a in alloc.devices):
                 return self._apply(alloc)
 
     def current_or_purge(self, uid: str) -> ClaimRecord | None:
@@ -340,45 +345,32 @@ class PrepareEngine:
             return None
 
     def _apply(self, alloc: Allocation) -> ClaimRecord:
-        if unknown := sorted(a.device.name for a in alloc.devices if a.device.kind not in PREPARABLE_KINDS):
-            # Published ahead of their prepare path (MIG partitions): refused before any side effect.
+        if unknown := sorted(a.device.name for a in alloc.devices if a.device.kind not in PREPARABLE_KINDS
+                             and a.device.kind not in self.effects.by_device_kind):
+            # Published ahead of their prepare path: refused before any side effect.
             raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
                                 f"(it prepares {', '.join(PREPARABLE_KINDS)} devices)")
-        self.passthrough.check_forms(alloc.ref.uid, alloc.devices)
+        self.effects.check(alloc.ref.uid, alloc.devices)
         for a in alloc.devices:
             for node in a.device.node.device_nodes:
                 if not os.path.exists(node.host_path):
                     raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                         f"on the host ({node.host_path})")
         bindings = self.passthrough.plan(alloc)
-        if not bindings:
-            record = self.plan(alloc)
-        else:
+        parts = self.effects.plan(alloc)
+        if bindings or parts:
             # The intent first: from here on a crash leaves a record that recovery rolls back.
-            ref = alloc.ref
-            intent = ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
-                                 pod_claim_name=alloc.pod_claim_name, prepared_at=time.time(),
-                                 devices=[PreparedDevice(a.request, a.pool, a.device.name, ()) for a in alloc.devices],
-                                 state=RecordState.BINDING, bindings=bindings)
-            self.book.write(intent)
-            failpoints.hit("after-bind-intent")
-            try:
-                bound = self.passthrough.bind(intent, self.book.write)
-                devices = self.passthrough.bound_devices(alloc.devices, bound.bindings)
-                alloc = dataclasses.replace(alloc, devices=devices)
-                record = self.plan(alloc, bindings=bound.bindings)
-            except BaseException:
-                self.passthrough.unbind_after_failure(intent, self.files)
-                raise
+            record = self.effects.make(alloc, bindings, parts, lambda a, b: self.plan(a, bindings=b), self.files)
+        else:
+            record = self.plan(alloc)
         try:
             for f in record.files:
                 self.files.root_of(f.path).write(f.path, f.content, f.mode)
                 failpoints.hit(_step(f.path, self.settings))
             self.book.write(record)
         except BaseException:
-            if record.bindings:
-                self.passthrough.unbind_after_failure(
-                    dataclasses.replace(record, state=RecordState.BINDING, files=[], dirs=[]), self.files)
+            if record.bindings or record.partitions:
+                self.effects.roll_back(record, self.files)
             else:
                 self.files.roll_back(record, self.book)
             raise
@@ -391,12 +383,12 @@ class PrepareEngine:
             record = self.current_or_purge(ref.uid)
             if record is None:
                 return None
-            with self.locks.hold(self.passthrough.record_lock_keys(record)):
+            with self.locks.hold(self.effects.record_lock_keys(record)):
                 if not record.prepared:
                     self.settle(record)
                     return record
-                if record.bindings:
-                    self.passthrough.unprepare_bound(record, self.files)
+                if record.bindings or record.partitions:
+                    self.effects.unprepare(record, self.files)
                     return record
                 # The record goes first: a crash from here on leaves only files that no record
                 # owns, which the next start removes.

@@ -6,9 +6,11 @@ are stale (re-derived from the record), and files of a claim that has no record
 but not yet the files: removed). Every agent-owned file carries the claim UID in
 its name or lives in a directory named by it, so what is ours and what is
 orphaned is never a guess. An unreadable record is set aside as `*.corrupt` and
-its claim's files are removed. A record with PCI functions bound to vfio-pci is settled first
-(`agent.vfioprep`): a bind that stopped halfway is rolled back, a restore finished, and a
-prepared claim's bindings made true again (a reboot forgets them).
+its claim's files are removed. A record with host side effects (PCI functions bound to vfio-pci,
+GPU partitions such as MIG instances) is settled first (`agent.partitionprep`): a prepare that
+stopped halfway is rolled back (no orphan GPU instance left), an unprepare finished, a prepared
+claim's bindings made true again (a reboot forgets them), and a prepared claim whose partition is
+gone (a reboot forgets MIG instances too, and a new one would have another UUID) dropped cleanly.
 
 With 10,000 records a full check takes seconds, so only what is O(1) per record runs before the
 DRA socket opens (`begin_recovery`: temp files removed, records listed). Each record's full check
@@ -48,14 +50,18 @@ class RecoveryReport:
     repaired: list[str] = field(default_factory=list)  # file paths rewritten from their records
     removed: list[str] = field(default_factory=list)  # orphaned files and directories
     quarantined: list[str] = field(default_factory=list)  # unreadable records set aside
-    settled: list[str] = field(default_factory=list)  # passthrough prepares/unprepares finished or rolled back
-    dropped: list[str] = field(default_factory=list)  # prepared passthrough claims whose bindings failed
+    settled: list[str] = field(default_factory=list)  # passthrough/partition operations finished or rolled back
+    dropped: list[str] = field(default_factory=list)  # prepared claims whose bindings or partitions are lost
 
     def summary(self) -> str:
         return (f"{len(self.records)} prepared claims, {len(self.repaired)} files repaired, "
                 f"{len(self.removed)} orphans removed, {len(self.quarantined)} unreadable records set aside, "
                 f"{len(self.settled)} interrupted passthrough operations settled, "
                 f"{len(self.dropped)} passthrough claims dropped")
+
+
+class PartitionGone(ClaimFailure):
+    """A prepared claim's partition is not on the host (a reboot): the claim cannot stay prepared."""
 
 
 def _uid_or_none(text: str) -> str | None:
@@ -117,7 +123,7 @@ def _check_claim(engine: PrepareEngine, uid: str, report: RecoveryReport) -> Non
     """The full check of one record (with the claim locked): decoded (or set aside when unreadable),
     interrupted passthrough work settled, and its files rewritten where they differ from it."""
     record = engine.current_or_purge(uid)
-    if record is not None and (not record.prepared or record.bindings):
+    if record is not None and (not record.prepared or record.bindings or record.partitions):
         record = _settle_bindings(engine, record, report)
     if record is None:
         return
@@ -134,9 +140,11 @@ def _settle_bindings(engine: PrepareEngine, record: ClaimRecord, report: Recover
     with engine.locks.hold(engine.passthrough.record_lock_keys(record)):
         if record.prepared:
             try:
+                if missing := engine.effects.missing(record):
+                    raise PartitionGone(f"partition(s) {', '.join(missing)} are not on the host any more")
                 return engine.passthrough.reapply(record, engine.book.write)
             except (ClaimFailure, OSError) as exc:
-                log.error("claim %s/%s (%s): its passthrough devices cannot be bound again (%s): rolling it "
+                log.error("claim %s/%s (%s): its host side effects cannot be made true again (%s): rolling it "
                           "back; the claim is not prepared any more", record.namespace, record.name, record.uid, exc)
                 record = dataclasses.replace(record, state=RecordState.BINDING)
                 engine.book.write(record)
@@ -144,7 +152,7 @@ def _settle_bindings(engine: PrepareEngine, record: ClaimRecord, report: Recover
         try:
             engine.settle(record)
         except (ClaimFailure, OSError) as exc:
-            log.error("claim %s/%s (%s): could not put its PCI functions back (%s); its record stays, for the next "
+            log.error("claim %s/%s (%s): could not undo its host changes (%s); its record stays, for the next "
                       "operation on it or the next start", record.namespace, record.name, record.uid, exc)
             return None
         report.settled.append(record.uid)

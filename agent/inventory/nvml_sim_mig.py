@@ -17,21 +17,37 @@ could be split into. `nvmlDeviceSetMigMode` takes effect at once here (activatio
 NVML_SUCCESS); on real hardware the change may stay pending until a GPU reset
 (`nvmlDeviceGetMigMode` then answers [current, pending] with the two differing).
 
-The profile tables (H100 80GB) are in `agent.inventory.nvml_mig_profiles`.
+The profile tables (H100 80GB) are in `agent.inventory.nvml_mig_profiles`. Attached to a simulated
+machine's directory (`attach`), the state outlives the process like hardware's does
+(`agent.inventory.nvml_sim_migstate`): every change is written there, and read back by the next
+simulated NVML on that machine.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import hashlib
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pynvml
 
 from agent.inventory.nvml_mig_profiles import MigProfileSpec
+from agent.inventory.nvml_sim_mighandles import (
+    CI_BASE,
+    GI_BASE,
+    MIG_BASE,
+    address,
+    ci_handle,
+    fill,
+    gi_handle,
+    mig_handle,
+    split,
+    target,
+)
+from agent.inventory.nvml_sim_migstate import MigMachine, SimGi, SimGpuMig
 
 # Compute instance profiles a GPU instance offers: NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE, n <= its slices.
 _CI_PROFILES = {pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE: 1, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE: 2,
@@ -39,32 +55,10 @@ _CI_PROFILES = {pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE: 1, pynvml.NVML_COM
                 pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE: 7}
 _SUCCESS: int = pynvml.NVML_SUCCESS
 _NO_ROOM: int = pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES
-_GI_BASE = 0x6A00_0000
-_CI_BASE = 0x6B00_0000
-_MIG_BASE = 0x6C00_0000
-_PER_GPU = 0x1_0000  # handle space per GPU: GPU instance id * 256 + compute instance id
 
 
 def _err(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
-
-
-@dataclass(slots=True)
-class _Gi:
-    id: int
-    spec: MigProfileSpec
-    start: int
-    cis: dict[int, int] = field(default_factory=dict)  # compute instance id -> its compute slices
-
-    def covers(self) -> set[int]:
-        return set(range(self.start, self.start + self.spec.size))
-
-
-@dataclass(slots=True)
-class _GpuMig:
-    table: tuple[MigProfileSpec, ...]
-    mode: int
-    gis: dict[int, _Gi] = field(default_factory=dict)
 
 
 # (function, GPU handle) -> (GPU index, its UUID), raising the GPU's faults; (function, GPU index) -> its
@@ -82,11 +76,40 @@ class SimMig:
     def __init__(self, tables: list[tuple[MigProfileSpec, ...]], modes: list[int | None],
                  resolve: Resolve, check: Check, handle_of: HandleOf) -> None:
         self._lock = threading.Lock()
-        self._gpus: list[_GpuMig | None] = [
-            None if mode is None else _GpuMig(table, mode) for table, mode in zip(tables, modes, strict=True)]
+        self._gpus: list[SimGpuMig | None] = [
+            None if mode is None else SimGpuMig(table, mode) for table, mode in zip(tables, modes, strict=True)]
         self._resolve = resolve
         self._check = check
         self._handle_of = handle_of
+        self._machine: MigMachine | None = None
+
+    def attach(self, root: Path, minors: list[int]) -> None:
+        """Keep the MIG state in the simulated machine at `root` (GPU i has minor `minors[i]`): what an
+        earlier process left there is loaded now, each change is written there."""
+        machine = MigMachine(root, minors)
+        with self._lock:
+            machine.attach(self._gpus)
+            self._machine = machine
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Hold the state for a change: this process's lock, the machine's lock, the machine's latest
+        state read first and the result written after (not when the change raises)."""
+        with self._lock:
+            machine = self._machine
+            if machine is None:
+                yield
+                return
+            with machine.locked():
+                machine.refresh(self._gpus)
+                yield
+                machine.save(self._gpus)
+
+    def _refresh(self) -> None:
+        """Another process (a second agent, a test) may have changed the machine's state."""
+        if self._machine is not None:
+            with self._lock:
+                self._machine.refresh(self._gpus)
 
     # -- MIG mode ------------------------------------------------------------------------------------
 
@@ -99,7 +122,7 @@ class SimMig:
         gpu = self._gpu("nvmlDeviceSetMigMode", device)[1]
         if mode not in (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE):
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        with self._lock:
+        with self._changing():
             if mode == pynvml.NVML_DEVICE_MIG_DISABLE and gpu.gis:
                 raise _err(pynvml.NVML_ERROR_IN_USE)
             gpu.mode = mode
@@ -134,7 +157,7 @@ class SimMig:
     def nvmlDeviceGetGpuInstancePossiblePlacements(self, device: Any, profileId: int, placementsRef: Any,
                                                    countRef: Any) -> int:
         spec = self._spec_by_id(self._gpu("nvmlDeviceGetGpuInstancePossiblePlacements", device)[1], profileId)
-        return _fill(placementsRef, countRef, [pynvml.c_nvmlGpuInstancePlacement_t(start, spec.size)
+        return fill(placementsRef, countRef, [pynvml.c_nvmlGpuInstancePlacement_t(start, spec.size)
                                                for start in spec.starts])
 
     nvmlDeviceGetGpuInstancePossiblePlacements_v2 = nvmlDeviceGetGpuInstancePossiblePlacements
@@ -152,8 +175,8 @@ class SimMig:
     def nvmlDeviceCreateGpuInstanceWithPlacement(self, device: Any, profileId: int, placement: Any) -> Any:
         index, gpu = self._gpu("nvmlDeviceCreateGpuInstanceWithPlacement", device)
         spec = self._spec_by_id(gpu, profileId)
-        where = _target(placement)
-        with self._lock:
+        where = target(placement)
+        with self._changing():
             if gpu.mode != pynvml.NVML_DEVICE_MIG_ENABLE:
                 raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
             if where.start not in spec.starts or where.size != spec.size:
@@ -161,22 +184,22 @@ class SimMig:
             if (code := self._refusal(gpu, spec, where.start)) is not None:
                 raise _err(code)
             gi_id = min(set(range(1, 64)) - set(gpu.gis))
-            gpu.gis[gi_id] = _Gi(gi_id, spec, where.start)
-        return _gi_handle(index, gi_id)
+            gpu.gis[gi_id] = SimGi(gi_id, spec, where.start)
+        return gi_handle(index, gi_id)
 
     def nvmlDeviceGetGpuInstances(self, device: Any, profileId: int, gpuInstancesRef: Any, countRef: Any) -> int:
         index, gpu = self._gpu("nvmlDeviceGetGpuInstances", device)
         spec = self._spec_by_id(gpu, profileId)
         with self._lock:
             ids = sorted(g.id for g in gpu.gis.values() if g.spec is spec)
-        return _fill(gpuInstancesRef, countRef, [_gi_handle(index, gi_id) for gi_id in ids])
+        return fill(gpuInstancesRef, countRef, [gi_handle(index, gi_id) for gi_id in ids])
 
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
         index, gpu = self._gpu("nvmlDeviceGetGpuInstanceById", device)
         with self._lock:
             if gpuInstanceId not in gpu.gis:
                 raise _err(pynvml.NVML_ERROR_NOT_FOUND)
-        return _gi_handle(index, gpuInstanceId)
+        return gi_handle(index, gpuInstanceId)
 
     def nvmlGpuInstanceGetInfo(self, gpuInstance: Any) -> Any:
         index, _, gi = self._gi("nvmlGpuInstanceGetInfo", gpuInstance)
@@ -190,8 +213,11 @@ class SimMig:
 
     def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
         _, gpu, gi = self._gi("nvmlGpuInstanceDestroy", gpuInstance)
-        with self._lock:
-            if gi.cis:
+        with self._changing():
+            now = gpu.gis.get(gi.id)  # (as the machine's state says now)
+            if now is None:
+                raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            if now.cis:
                 raise _err(pynvml.NVML_ERROR_IN_USE)
             del gpu.gis[gi.id]
         return _SUCCESS
@@ -228,16 +254,17 @@ class SimMig:
     nvmlGpuInstanceGetComputeInstanceProfileInfoV = nvmlGpuInstanceGetComputeInstanceProfileInfo
 
     def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
-        index, _, gi = self._gi("nvmlGpuInstanceCreateComputeInstance", gpuInstance)
+        index, gpu, gi = self._gi("nvmlGpuInstanceCreateComputeInstance", gpuInstance)
         slices = _CI_PROFILES.get(profileId)
         if slices is None or slices > gi.spec.slices:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        with self._lock:
+        with self._changing():
+            gi = gpu.gis.get(gi.id) or gi  # (as the machine's state says now)
             if sum(gi.cis.values()) + slices > gi.spec.slices:
                 raise _err(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
             ci_id = min(set(range(0, 8)) - set(gi.cis))
             gi.cis[ci_id] = slices
-        return _ci_handle(index, gi.id, ci_id)
+        return ci_handle(index, gi.id, ci_id)
 
     def nvmlGpuInstanceGetComputeInstances(self, gpuInstance: Any, profileId: int, computeInstancesRef: Any,
                                            countRef: Any) -> int:
@@ -245,13 +272,13 @@ class SimMig:
         wanted = _CI_PROFILES.get(profileId)
         with self._lock:
             ids = sorted(c for c, s in gi.cis.items() if s == wanted)
-        return _fill(computeInstancesRef, countRef, [_ci_handle(index, gi.id, ci_id) for ci_id in ids])
+        return fill(computeInstancesRef, countRef, [ci_handle(index, gi.id, ci_id) for ci_id in ids])
 
     def nvmlComputeInstanceGetInfo(self, computeInstance: Any) -> Any:
         index, gi, ci_id = self._ci("nvmlComputeInstanceGetInfo", computeInstance)
         info = pynvml.c_nvmlComputeInstanceInfo_t()
         info.device = self._handle_of(index)
-        info.gpuInstance = _gi_handle(index, gi.id)
+        info.gpuInstance = gi_handle(index, gi.id)
         info.id = ci_id
         slices = gi.cis[ci_id]
         info.profileId = next(p for p, s in _CI_PROFILES.items() if s == slices)
@@ -262,9 +289,11 @@ class SimMig:
     nvmlComputeInstanceGetInfo_v2 = nvmlComputeInstanceGetInfo
 
     def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
-        _, gi, ci_id = self._ci("nvmlComputeInstanceDestroy", computeInstance)
-        with self._lock:
-            gi.cis.pop(ci_id, None)
+        index, gi, ci_id = self._ci("nvmlComputeInstanceDestroy", computeInstance)
+        gpu = self._indexed("nvmlComputeInstanceDestroy", index)[0]
+        with self._changing():
+            if (now := gpu.gis.get(gi.id)) is not None:  # (as the machine's state says now)
+                now.cis.pop(ci_id, None)
         return _SUCCESS
 
     # -- MIG devices ---------------------------------------------------------------------------------
@@ -279,10 +308,10 @@ class SimMig:
             devices = sorted((gi.id, ci) for gi in gpu.gis.values() for ci in gi.cis)
         if not 0 <= index < len(devices):
             raise _err(pynvml.NVML_ERROR_NOT_FOUND)
-        return _mig_handle(gpu_index, *devices[index])
+        return mig_handle(gpu_index, *devices[index])
 
     def is_mig_handle(self, handle: Any) -> bool:
-        return isinstance(handle, pynvml.c_nvmlDevice_t) and _address(handle) >= _MIG_BASE
+        return isinstance(handle, pynvml.c_nvmlDevice_t) and address(handle) >= MIG_BASE
 
     def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> bool:
         return self.is_mig_handle(device)
@@ -301,11 +330,11 @@ class SimMig:
 
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: Any) -> Any:
         self._mig_device("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", migDevice)
-        return self._handle_of(_split(_address(migDevice) - _MIG_BASE)[0])
+        return self._handle_of(split(address(migDevice) - MIG_BASE)[0])
 
     # -- internals -----------------------------------------------------------------------------------
 
-    def _refusal(self, gpu: _GpuMig, spec: MigProfileSpec, start: int) -> int | None:
+    def _refusal(self, gpu: SimGpuMig, spec: MigProfileSpec, start: int) -> int | None:
         """Why a new instance of `spec` at `start` cannot be created (an NVML error code), or None."""
         if sum(1 for g in gpu.gis.values() if g.spec is spec) >= spec.instances:
             return _NO_ROOM
@@ -314,17 +343,18 @@ class SimMig:
             return _NO_ROOM
         return None
 
-    def _gpu(self, function: str, handle: Any) -> tuple[int, _GpuMig]:
+    def _gpu(self, function: str, handle: Any) -> tuple[int, SimGpuMig]:
         index, _ = self._resolve(function, handle)
+        self._refresh()
         gpu = self._gpus[index]
         if gpu is None:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return index, gpu
 
-    def _gi(self, function: str, handle: Any) -> tuple[int, _GpuMig, _Gi]:
+    def _gi(self, function: str, handle: Any) -> tuple[int, SimGpuMig, SimGi]:
         if not isinstance(handle, pynvml.c_nvmlGpuInstance_t):
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        index, gi_id, _ = _split(_address(handle) - _GI_BASE)
+        index, gi_id, _ = split(address(handle) - GI_BASE)
         gpu = self._indexed(function, index)[0]
         with self._lock:
             gi = gpu.gis.get(gi_id)
@@ -332,10 +362,10 @@ class SimMig:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return index, gpu, gi
 
-    def _ci(self, function: str, handle: Any) -> tuple[int, _Gi, int]:
+    def _ci(self, function: str, handle: Any) -> tuple[int, SimGi, int]:
         if not isinstance(handle, pynvml.c_nvmlComputeInstance_t):
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        index, gi_id, ci_id = _split(_address(handle) - _CI_BASE)
+        index, gi_id, ci_id = split(address(handle) - CI_BASE)
         gpu = self._indexed(function, index)[0]
         with self._lock:
             gi = gpu.gis.get(gi_id)
@@ -343,10 +373,10 @@ class SimMig:
                 raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return index, gi, ci_id
 
-    def _mig_device(self, function: str, handle: Any) -> tuple[str, _Gi, int]:
+    def _mig_device(self, function: str, handle: Any) -> tuple[str, SimGi, int]:
         if not self.is_mig_handle(handle):
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        index, gi_id, ci_id = _split(_address(handle) - _MIG_BASE)
+        index, gi_id, ci_id = split(address(handle) - MIG_BASE)
         gpu, uuid = self._indexed(function, index)
         with self._lock:
             gi = gpu.gis.get(gi_id)
@@ -354,18 +384,19 @@ class SimMig:
                 raise _err(pynvml.NVML_ERROR_NOT_FOUND)
         return uuid, gi, ci_id
 
-    def _indexed(self, function: str, index: int) -> tuple[_GpuMig, str]:
+    def _indexed(self, function: str, index: int) -> tuple[SimGpuMig, str]:
         """The MIG state of GPU `index` (an instance handle's), after the GPU's faults; and its UUID."""
         if not 0 <= index < len(self._gpus):
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         uuid = self._check(function, index)
+        self._refresh()
         gpu = self._gpus[index]
         if gpu is None:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return gpu, uuid
 
     @staticmethod
-    def _spec_by_enum(gpu: _GpuMig, profile: int) -> MigProfileSpec:
+    def _spec_by_enum(gpu: SimGpuMig, profile: int) -> MigProfileSpec:
         if not isinstance(profile, int) or not 0 <= profile < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         for spec in gpu.table:
@@ -374,59 +405,8 @@ class SimMig:
         raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
     @staticmethod
-    def _spec_by_id(gpu: _GpuMig, profile_id: int) -> MigProfileSpec:
+    def _spec_by_id(gpu: SimGpuMig, profile_id: int) -> MigProfileSpec:
         for spec in gpu.table:
             if spec.id == profile_id:
                 return spec
         raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-
-
-def _fill(arrayRef: Any, countRef: Any, items: list[Any]) -> int:
-    """NVML's list-out convention: with no array, say how many; with one too small (count in), fail
-    INSUFFICIENT_SIZE saying how many; else fill it and say how many."""
-    count = _target(countRef)
-    if arrayRef is not None:
-        if count.value < len(items):
-            count.value = len(items)
-            raise _err(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-        out = _target(arrayRef)
-        for i, item in enumerate(items):
-            out[i] = item
-    count.value = len(items)
-    return _SUCCESS
-
-
-def _target(ref: Any) -> Any:
-    """The object behind a ctypes argument as pynvml callers pass it: `byref(x)`, `pointer(x)` or `x`."""
-    if ref is None:
-        raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    obj = getattr(ref, "_obj", None)  # ctypes.byref(...) keeps its object here
-    if obj is not None:
-        return obj
-    if isinstance(ref, ctypes._Pointer):
-        return ref.contents
-    return ref
-
-
-def _address(handle: Any) -> int:
-    return ctypes.cast(handle, ctypes.c_void_p).value or 0
-
-
-def _split(offset: int) -> tuple[int, int, int]:
-    """A handle's offset from its base -> (GPU index, GPU instance id, compute instance id)."""
-    gpu, rest = divmod(offset, _PER_GPU)
-    gi, ci = divmod(rest, 256)
-    return gpu, gi, ci
-
-
-def _gi_handle(index: int, gi: int) -> Any:
-    return ctypes.cast(ctypes.c_void_p(_GI_BASE + index * _PER_GPU + gi * 256), pynvml.c_nvmlGpuInstance_t)
-
-
-def _ci_handle(index: int, gi: int, ci: int) -> Any:
-    return ctypes.cast(ctypes.c_void_p(_CI_BASE + index * _PER_GPU + gi * 256 + ci),
-                       pynvml.c_nvmlComputeInstance_t)
-
-
-def _mig_handle(index: int, gi: int, ci: int) -> Any:
-    return ctypes.cast(ctypes.c_void_p(_MIG_BASE + index * _PER_GPU + gi * 256 + ci), pynvml.c_nvmlDevice_t)

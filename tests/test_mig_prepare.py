@@ -1,0 +1,197 @@
+"""MIG at prepare (issue 9, part 2), through the engine on the simulated DGX H100 (MIG mode off at
+start): the GPU instance and compute instance made at the allocated placement, the MIG UUID in the CDI
+spec and the metadata, the caps device nodes, MIG mode turned on and back off; overlap and the clash
+with the full GPU or its passthrough variant refused; and a crash at every step converging at restart
+(no orphan GPU instance in the simulated hardware's persisted state, no record left)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from agentkit import Node, claim, make_node, restarted, result, write_claim
+
+from agent import failpoints, metadata
+from agent.inventory.nvml_hardware import materialize
+from agent.inventory.nvml_profiles import load_profile
+from agent.inventory.nvml_sim_migstate import STATE_FILE
+from agent.names import ClaimRef
+from agent.recovery import recover
+from agent.state import PartitionKind, RecordState
+
+UID = "9a1e0000-0000-4000-8000-000000000001"
+UID2 = "9a1e0000-0000-4000-8000-000000000002"
+DRIVER = "dra.example.com"
+TESTS = Path(__file__).resolve().parent
+MIG = "gpu-0-mig-1g10gb-4"
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> Node:
+    return await make_node(tmp_path, dynamic_mig=True)
+
+
+@pytest.fixture(autouse=True)
+def no_failpoints() -> Any:
+    yield
+    failpoints.configure("")
+
+
+def hardware(node: Node) -> dict[str, Any]:
+    """The simulated machine's persisted MIG state (what survives the agent)."""
+    data: dict[str, Any] = orjson.loads((node.settings.state_dir / "nvml-sim" / STATE_FILE).read_bytes())
+    return data
+
+
+def gpu0(node: Node) -> dict[str, Any]:
+    state: dict[str, Any] = hardware(node)["gpus"][0]
+    return state
+
+
+async def prepare(node: Node, name: str, uid: str, *devices: str) -> str:
+    write_claim(node.claims_dir, claim(name, uid, [result(d, f"r{i}") for i, d in enumerate(devices)]))
+    (res,) = (await node.engine.prepare([ClaimRef("default", name, uid)])).values()
+    return str(res.error)
+
+
+async def unprepare(node: Node, name: str, uid: str) -> str:
+    (err,) = (await node.engine.unprepare([ClaimRef("default", name, uid)])).values()
+    return str(err)
+
+
+async def test_mig_device_is_created_given_to_the_container_and_destroyed(node: Node) -> None:
+    assert gpu0(node) == {"mode": 0, "gis": []}
+    assert await prepare(node, "m", UID, MIG) == ""
+    state = gpu0(node)
+    assert state["mode"] == 1 and [(g["start"], g["cis"]) for g in state["gis"]] == [(4, {"0": 1})]
+    record = node.engine.whole_record(UID)
+    assert record is not None and record.state is RecordState.PREPARED
+    (part,) = record.partitions
+    assert (part.kind, part.profile, part.start, part.mode_changed) == (PartitionKind.MIG, "1g.10gb", 4, True)
+    assert part.uuid.startswith("MIG-") and part.gpu_instance == state["gis"][0]["id"]
+    assert (node.settings.claims_state_dir / f"{UID}.rec").read_bytes().startswith(b"DRAREC 3 ")
+    spec = json.loads((node.settings.cdi_dir / f"{DRIVER}-claim_{UID}.json").read_text())
+    (dev,) = spec["devices"]
+    edits = dev["containerEdits"]
+    assert f"DRA_GPU_0_MIG_1G10GB_4_UUID={part.uuid}" in edits["env"]
+    paths = [n["path"] for n in edits["deviceNodes"]]
+    caps = [p for p in paths if p.startswith("/dev/nvidia-caps/nvidia-cap")]
+    assert "/dev/nvidia0" in paths and len(caps) == 2, paths
+    assert all(os.path.exists(n["hostPath"]) for n in edits["deviceNodes"])
+    stream = metadata.parse_stream(metadata.host_file(node.settings.metadata_dir, UID, "r0").read_bytes())
+    (device,) = stream[0]["requests"][0]["devices"]
+    assert device["attributes"]["uuid"] == {"string": part.uuid}
+    # Answered from the record the second time; then gone, with MIG mode back off (the full GPU is free).
+    assert await prepare(node, "m", UID, MIG) == "" and len(gpu0(node)["gis"]) == 1
+    assert await unprepare(node, "m", UID) == ""
+    assert gpu0(node) == {"mode": 0, "gis": []}
+    assert node.engine.whole_record(UID) is None
+    assert await prepare(node, "full", UID2, "gpu-0") == ""
+
+
+async def test_two_placements_share_a_gpu_and_mig_mode_stays_on_while_one_is_left(node: Node) -> None:
+    assert await prepare(node, "a", UID, "gpu-0-mig-3g40gb-0") == ""
+    assert await prepare(node, "b", UID2, "gpu-0-mig-3g40gb-4") == ""
+    assert sorted(g["start"] for g in gpu0(node)["gis"]) == [0, 4]
+    assert await unprepare(node, "a", UID) == ""
+    assert gpu0(node)["mode"] == 1 and [g["start"] for g in gpu0(node)["gis"]] == [4]
+    assert await unprepare(node, "b", UID2) == ""
+    assert gpu0(node)["gis"] == []
+
+
+async def test_an_overlapping_placement_is_refused_before_any_change(node: Node) -> None:
+    assert await prepare(node, "a", UID, "gpu-0-mig-4g40gb-0") == ""
+    error = await prepare(node, "b", UID2, "gpu-0-mig-1g10gb-2")
+    assert "overlap GPU instance" in error and node.engine.whole_record(UID2) is None
+    assert len(gpu0(node)["gis"]) == 1
+
+
+@pytest.mark.parametrize("whole", ["gpu-0", "gpu-0000-18-00-0-vfio"])
+async def test_mig_and_its_full_gpu_or_passthrough_variant_are_refused_together(node: Node, whole: str) -> None:
+    assert await prepare(node, "mig", UID, MIG) == ""
+    error = await prepare(node, "whole", UID2, whole)
+    assert f"GPU 0000:18:00.0 is prepared as {MIG}" in error, error
+    assert await unprepare(node, "mig", UID) == ""
+    assert await prepare(node, "whole", UID2, "gpu-0") == ""
+    error = await prepare(node, "mig", UID, MIG)
+    assert "is prepared as gpu-0" in error and gpu0(node)["gis"] == [] and gpu0(node)["mode"] == 0
+    # In one claim, too.
+    assert await unprepare(node, "whole", UID2) == ""
+    assert "a claim can have only one" in await prepare(node, "both", UID2, "gpu-0", MIG)
+
+
+async def test_mig_mode_that_needs_a_reset_is_refused_precisely(node: Node) -> None:
+    nvml: Any = node.inventory.sources[0].nvml  # type: ignore[attr-defined]
+    nvml.inject_error(0, "nvmlDeviceSetMigMode", "RESET_REQUIRED")
+    error = await prepare(node, "m", UID, MIG)
+    assert "MIG mode of GPU" in error and "cannot be turned on" in error
+    assert node.engine.whole_record(UID) is None and gpu0(node) == {"mode": 0, "gis": []}
+
+
+async def test_reboot_forgets_the_instance_and_recovery_drops_the_claim(node: Node, tmp_path: Path) -> None:
+    assert await prepare(node, "m", UID, MIG) == ""
+    root = node.settings.state_dir / "nvml-sim"
+    materialize(load_profile("dgx-h100"), root, boot=True)
+    after = await make_node(tmp_path, dynamic_mig=True)  # the agent of the new boot
+    assert gpu0(after) == {"mode": 1, "gis": []}  # an H100 keeps its MIG mode across a reboot
+    report = recover(after.engine)
+    assert report.dropped == [UID] and report.records == {}
+    assert after.engine.whole_record(UID) is None and gpu0(after) == {"mode": 0, "gis": []}
+
+
+# -- crash suite: a kill at every step, then a restart converges ---------------------------------------------
+
+PREPARE_STEPS = [f"mig-{w}-{s}" for s in ("mode", "gpu-instance", "compute-instance", "uuid")
+                 for w in ("before", "after")] + ["after-bind-intent", "after-claim-spec", "after-record"]
+UNPREPARE_STEPS = ["unprepare-after-restore-intent", "mig-destroy-after-ci", "mig-destroy-after-gi",
+                   "unprepare-after-record"]
+
+
+def _in_child(tmp: Path, step: str, op: str) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent(f"""
+        import asyncio, sys
+        sys.path.insert(0, {str(TESTS)!r})
+        import agentkit
+        from agent.names import ClaimRef
+        async def main():
+            node = await agentkit.make_node(__import__('pathlib').Path({str(tmp)!r}), dynamic_mig=True)
+            print(await node.engine.{op}([ClaimRef('default', 'm', {UID!r})]))
+        asyncio.run(main())
+    """)
+    env = dict(os.environ, DRA_AGENT_FAILPOINTS=f"{step}=kill")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("step", PREPARE_STEPS)
+async def test_killed_mid_prepare_restart_leaves_no_orphan_instance(node: Node, tmp_path: Path, step: str) -> None:
+    write_claim(node.claims_dir, claim("m", UID, [result(MIG, "r0")]))
+    child = _in_child(tmp_path, step, "prepare")
+    assert child.returncode == -9, child.stdout + child.stderr
+    engine = restarted(node)
+    report = recover(engine)
+    if step == "after-record":
+        assert set(report.records) == {UID} and len(gpu0(node)["gis"]) == 1
+        return
+    assert report.records == {} and engine.whole_record(UID) is None
+    assert gpu0(node) == {"mode": 0, "gis": []}, (step, report)
+    # The kubelet's retry prepares it from scratch.
+    node.engine = engine
+    assert await prepare(node, "m", UID, MIG) == "" and len(gpu0(node)["gis"]) == 1
+
+
+@pytest.mark.parametrize("step", UNPREPARE_STEPS)
+async def test_killed_mid_unprepare_restart_finishes_it(node: Node, tmp_path: Path, step: str) -> None:
+    assert await prepare(node, "m", UID, MIG) == ""
+    child = _in_child(tmp_path, step, "unprepare")
+    assert child.returncode == -9, child.stdout + child.stderr
+    engine = restarted(node)
+    report = recover(engine)
+    assert report.records == {} and engine.whole_record(UID) is None
+    assert gpu0(node) == {"mode": 0, "gis": []}, (step, report)
