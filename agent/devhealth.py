@@ -46,8 +46,9 @@ IDLE_WAKE = 30.0
 DOUBLE_BIT_ECC_XID = 48  # the XID the driver logs for a double-bit ECC error
 
 
-# Kinds that are another form of a native device on the same PCI function (its health is theirs).
-_FORMS = ("vfio", "mig")
+# Kinds that are another form of a native device on the same PCI function (its health is theirs):
+# passthrough variants, MIG placements, vGPU devices and shared GPUs.
+_FORMS = ("vfio", "mig", "vgpu", "gpushare")
 
 
 class DeviceHealthService:
@@ -164,8 +165,8 @@ class DeviceHealthService:
         return self._last_seen.get(name) if lost else None
 
     def aliases(self, snapshot: Snapshot) -> dict[str, str]:
-        """Passthrough variant or MIG device -> its native device (same PCI function): a variant or a
-        partition is the same hardware, so it carries the native device's taints and health. A GPU
+        """Passthrough variant, MIG, vGPU or shared device -> its native device (same PCI function): a form
+        of a GPU is the same hardware, so it carries the native device's taints and health. A GPU
         that is lost is found by its last-seen form."""
         native: dict[object, str] = {}
         for name, dev in (*self._last_seen.items(), *snapshot.devices.items()):

@@ -34,7 +34,7 @@ CLAIM_UID = "6a0e0000-0000-4000-8000-000000000005"
 def settings(short_tmp: Path, kube_api: KubeApi) -> Settings:
     kubeconfig = write_kubeconfig(short_tmp / "kubeconfig", kube_api.url)
     return roots(short_tmp, offline=None, kubeconfig=kubeconfig, rescan_interval=3600.0, api_timeout=2.0,
-                 gpu_probe_interval=0.2)
+                 gpu_probe_interval=0.2, gpu_sharing=True)
 
 
 class HealthFeed:
@@ -99,6 +99,9 @@ async def test_an_xid_taints_the_gpu_and_a_reset_clears_it(kube_api: KubeApi, se
         (variant,) = [d for d in devices_of(our_slices(kube_api)).values() if d["name"].endswith("-vfio")
                       and d["attributes"]["resource.kubernetes.io/pciBusID"] == bus]
         assert [t["key"] for t in variant["taints"]] == [f"{DRIVER}/xid"]
+        # So is its shared form (`--gpu-sharing`).
+        assert [t["key"] for t in taints(kube_api, "gpu-3-shared").values()] == [f"{DRIVER}/xid"]
+        assert feed.latest["gpu-3-shared"]["health"] == "UNHEALTHY"
 
         sim(agent, "recover", "gpu-3")
         await eventually(lambda: not taints(kube_api, "gpu-3"), "the XID taint gone after the reset")
