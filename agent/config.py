@@ -105,9 +105,9 @@ OPTIONS: tuple[Option, ...] = (
            "seconds a prepared claim's ResourceClaim must stay gone (deleted, or re-created with another "
            "UID) before the claim is unprepared here; checked at start and every min(grace/4, 60) s",
            kind=float, metavar="SECONDS"),
-    Option("dynamic_mig", "--dynamic-mig", "DRA_DYNAMIC_MIG", False,
-           "publish every MIG placement of MIG-capable GPUs as a device on the GPU's counter set "
-           "(true/false; off until MIG prepare is built: prepare refuses MIG devices)", kind=bool, metavar="BOOL"),
+    Option("dynamic_mig", "--dynamic-mig", "DRA_DYNAMIC_MIG", True,
+           "publish every MIG placement of MIG-capable GPUs as a device on the GPU's counter set; prepare "
+           "creates the GPU and compute instance (true/false)", kind=bool, metavar="BOOL"),
     Option("vgpu_types", "--vgpu-types", "DRA_VGPU_TYPES", "auto",
            "vGPU (mediated device) types to publish where a GPU's host driver offers them, one device per "
            "instance: auto (every type with --compatibility-groups, none without), none, or a comma list of "
@@ -184,7 +184,7 @@ class Settings:
     claim_fetch_concurrency: int = 16
     api_timeout: float = 10.0
     gc_grace_period: float = 600.0
-    dynamic_mig: bool = False
+    dynamic_mig: bool = True
     vgpu_types: str = "auto"
     gpu_sharing: bool = False
     compatibility_groups: bool = False

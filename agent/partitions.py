@@ -57,11 +57,14 @@ class Partitioner(Protocol):
 
 # -- the checks every kind shares ----------------------------------------------------------------------
 
-WHOLE, MIG_FORM, MDEV_FORM = "whole GPU", "MIG", "vGPU"
-# Forms of one GPU that never coexist: the whole GPU (native, passthrough, shared) with any partition,
-# and MIG with vGPU (the driver takes the GPU into one mode or the other).
-_CLASH = {frozenset((WHOLE, MIG_FORM)), frozenset((WHOLE, MDEV_FORM)), frozenset((MIG_FORM, MDEV_FORM))}
-_FORMS = {"gpu": WHOLE, "gpushare": WHOLE, "mig": MIG_FORM, "vgpu": MDEV_FORM}
+WHOLE, SHARED, MIG_FORM, MDEV_FORM = "whole GPU", "shared GPU", "MIG", "vGPU"
+# Forms of one GPU that never coexist: the whole GPU (native, passthrough) with a share or any
+# partition, shares with partitions, and MIG with vGPU (the driver takes the GPU into one mode or the
+# other). Shares go with shares (that is what they are for); the native GPU and its passthrough
+# variant are kept apart by `agent.vfioprep`.
+_CLASH = {frozenset((WHOLE, SHARED)), frozenset((WHOLE, MIG_FORM)), frozenset((WHOLE, MDEV_FORM)),
+          frozenset((SHARED, MIG_FORM)), frozenset((SHARED, MDEV_FORM)), frozenset((MIG_FORM, MDEV_FORM))}
+_FORMS = {"gpu": WHOLE, "gpushare": SHARED, "mig": MIG_FORM, "vgpu": MDEV_FORM}
 
 
 class GpuFormConflict(ClaimFailure):

@@ -54,12 +54,13 @@ from agent.state import ClaimRecord, ClaimStore, DeviceBinding, PreparedDevice, 
 from agent.toolkit import ToolkitSpecs
 from agent.vfio.host import VfioHost
 from agent.vfioprep import Passthrough
+from agent.vgpuprep import VgpuPartitioner
 
 log = logging.getLogger(__name__)
 
 
 # The kinds of device the engine knows how to prepare; any other kind is refused, never half-prepared.
-PREPARABLE_KINDS = ("gpu", "nic", "cpu", "memory", "vfio", "mig")
+PREPARABLE_KINDS = ("gpu", "nic", "cpu", "memory", "vfio", "gpushare", "mig", "vgpu")
 
 
 class PrepareFailed(ClaimFailure):
@@ -108,6 +109,7 @@ class PrepareEngine:
         # Partitions created at prepare, by the device kind they prepare (`agent.partitions`).
         self.effects = HostEffects(self.book, self.passthrough, inventory, {
             "mig": MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id),
+            "vgpu": VgpuPartitioner(self.passthrough.host),
         })
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
         self.listeners: list[ClaimListener] = []

@@ -24,7 +24,7 @@ per client and a plain CUDA workload must honour itself (cap its allocator, e.g.
 `set_per_process_memory_fraction`).
 
 **Host memory overhead** (node-allocatable resources, `DRANodeAllocatableResources`, alpha): every GPU
-device (full, passthrough variant, MIG placement, shared form) carries
+device (full, passthrough variant, MIG placement, vGPU, shared form) carries
 `nodeAllocatableResources.memory.overhead.perContainer`, the host memory a container using the GPU
 costs the node beyond what the pod asks for: the CUDA driver library and context state, pinned staging
 buffers, the kernel driver's per-client state. The kubelet
@@ -52,7 +52,7 @@ SHARE_GRAIN = 1 << 30  # 1Gi: the request policy's min, step and default
 MIB = 1 << 20
 DEFAULT_HOST_MEMORY_OVERHEAD = 256 * MIB
 # Kinds that stand for (a part of) a GPU used by a container on this node.
-_GPU_KINDS = ("gpu", "mig", SHARE_KIND)
+_GPU_KINDS = ("gpu", "mig", "vgpu", SHARE_KIND)
 
 
 def share_name(gpu_name: str) -> str:
