@@ -2,9 +2,9 @@
 
 Fills in this node's name, the driver name, a NIC this node really has, the
 passthrough device of a GPU (`make run`'s simulated machine's second GPU, or this host's
-first NVIDIA GPU when NVML loads) and that of an SR-IOV VF (the simulated machine's first VF, or
-this host's first VF that can be passed through), so every example can be prepared on the machine
-at hand:
+first NVIDIA GPU when NVML loads), that of an SR-IOV VF (the simulated machine's first VF, or
+this host's first VF that can be passed through) and a MIG placement (the simulated machine's only:
+preparing one reconfigures its GPU), so every example can be prepared on the machine at hand:
 
     python examples/seed.py .run
 """
@@ -18,7 +18,9 @@ from pathlib import Path
 from agent import counters
 from agent.config import settings_from
 from agent.inventory.gpus import probe
+from agent.inventory.mig import MigProfile, device_name
 from agent.inventory.nics import NicSource
+from agent.inventory.nvml_mig_profiles import MIG_TABLES
 from agent.inventory.nvml_profiles import load_profile
 from agent.inventory.passthrough import NicVariants
 from agent.inventory.pci import nvidia_display_functions
@@ -63,13 +65,35 @@ def vfio_vf(settings) -> str | None:  # type: ignore[no-untyped-def]
     return found[0] if found else None
 
 
+def mig_device(settings) -> tuple[str, str] | None:  # type: ignore[no-untyped-def]
+    """(device, profile name) of the MIG placement the MIG example claims: the smallest profile at its
+    first placement on the simulated machine's last MIG-capable GPU (`gpu-one` and the VM example hold
+    the first two GPUs). None with `--dynamic-mig` off, or on real GPUs: preparing it would turn MIG mode
+    on and make a GPU instance on a GPU of this host."""
+    if not settings.dynamic_mig or not _simulated(settings):
+        return None
+    profile = load_profile(settings.nvml.profile if settings.nvml.kind == "sim" else "dgx-h100")
+    capable = [g for g in profile.gpus if g.mig_mode is not None and g.mig_profiles]
+    if not capable:
+        return None
+    gpu = capable[-1]
+    # The first of the smallest in the table: 1g.10gb on an H100 (its +me twin follows it).
+    spec = min(MIG_TABLES[gpu.mig_profiles], key=lambda p: (p.memory_mib, p.slices))
+    named = MigProfile(enum=spec.enum, id=spec.id, name=spec.name, compute_slices=spec.slices,
+                       instances=spec.instances, engines=(), memory=spec.memory_mib << 20, starts=spec.starts,
+                       size=spec.size)
+    return device_name(gpu.minor, named, spec.starts[0]), spec.name
+
+
 def seed(run_dir: Path) -> list[Path]:
     settings = settings_from(None)
     nic = first_nic(settings)
     gpu = vfio_gpu(settings)
     vf = vfio_vf(settings)
+    mig, mig_profile = mig_device(settings) or ("", "")
     values = {"DRIVER": settings.driver_name, "NODE_NAME": settings.node_name, "NIC_DEVICE": nic or "",
-              "VFIO_GPU_DEVICE": gpu or "", "VFIO_VF_DEVICE": vf or ""}
+              "VFIO_GPU_DEVICE": gpu or "", "VFIO_VF_DEVICE": vf or "", "MIG_DEVICE": mig,
+              "MIG_PROFILE": mig_profile}
     written = []
     for src in sorted((HERE / "resourceclaims").rglob("*.yaml")):
         text = src.read_text()
@@ -81,6 +105,10 @@ def seed(run_dir: Path) -> list[Path]:
             continue
         if "${VFIO_VF_DEVICE}" in text and not vf:
             print(f"seed: no SR-IOV VF to pass through on this node, skipping {src.name}", file=sys.stderr)
+            continue
+        if "${MIG_DEVICE}" in text and not mig:
+            print(f"seed: no MIG placement to claim (seeded on the simulated machine only, with --dynamic-mig "
+                  f"on), skipping {src.name}", file=sys.stderr)
             continue
         dst = run_dir / "offline" / src.relative_to(HERE)
         dst.parent.mkdir(parents=True, exist_ok=True)
