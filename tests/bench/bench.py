@@ -38,6 +38,7 @@ from agent.names import ClaimRef  # noqa: E402
 
 DRIVER = "dra.example.com"
 NODE = "bench-node"
+MIG_DEVICE = "gpu-0-mig-1g10gb-0"  # the smallest GPU instance on the simulated H100 (--dynamic-mig is on)
 
 
 def claim_doc(name: str, uid: str, devices: list[str], request: str = "req") -> dict[str, Any]:
@@ -134,6 +135,16 @@ class Bench:
             unprep.append(await timed(lambda: client.unprepare([ref])))
         return prep, unprep
 
+    async def mig_figures(self, client: kc.DRAClient, n: int, r: dict[str, Any],
+                          probes: dict[str, list[float]] | None = None) -> None:
+        """Prepare + unprepare of one 1g MIG placement, as the 1-GPU figure: each prepare turns the GPU's
+        MIG mode on and creates the GPU and compute instance in the simulated NVML (its state persisted,
+        flock'd, fsync'd like the hardware's), each unprepare destroys them and turns MIG mode off."""
+        mig = self.write_claim("one-mig", uid_of(9), [MIG_DEVICE])
+        prep, unprep = await self.round_trips(client, mig, n, probes)
+        r["prepare_mig_p50_ms"], r["prepare_mig_p99_ms"] = pct(prep, 50), pct(prep, 99)
+        r["unprepare_mig_p50_ms"] = pct(unprep, 50)
+
     async def fill(self, client: kc.DRAClient, start: int, count: int) -> None:
         refs = [self.write_claim(f"fill-{i}", uid_of(100_000 + i), [f"gpu-{i % 8}"]) for i in range(start, count)]
         for i in range(0, len(refs), 64):
@@ -201,6 +212,7 @@ async def on_disk(work: Path, n: int, fill_to: int, r: dict[str, Any]) -> None:
             r["unprepare_1gpu_p50_ms"] = pct(unprep, 50)
             prep, _ = await b.round_trips(client, eight, n // 2, {"ping": floor})
             r["prepare_8gpu_p50_ms"], r["prepare_8gpu_p99_ms"] = pct(prep, 50), pct(prep, 99)
+            await b.mig_figures(client, n, r, {"ping": floor})
             if nic:
                 prep, _ = await b.round_trips(client, b.write_claim("nic", uid_of(3), [nic]), n, {"ping": floor})
                 r["prepare_nic_p50_ms"], r["prepare_nic_p99_ms"] = pct(prep, 50), pct(prep, 99)
@@ -277,6 +289,7 @@ async def run(n: int, fill_to: int) -> dict[str, Any]:
     if shm is not None:
         r["agent_ms_per_prepare_tmpfs"] = r["prepare_1gpu_tmpfs_p50_ms"] - r["empty_call_tmpfs_p50_ms"]
     r["prepare_8gpu_vs_1gpu"] = r["prepare_8gpu_p50_ms"] / r["prepare_1gpu_p50_ms"]
+    r["prepare_mig_vs_1gpu"] = r["prepare_mig_p50_ms"] / r["prepare_1gpu_p50_ms"]
     if r["prepare_nic_p50_ms"] is not None:
         r["prepare_nic_vs_1gpu"] = r["prepare_nic_p50_ms"] / r["prepare_1gpu_p50_ms"]
     r["samples_per_figure"] = n
