@@ -138,8 +138,9 @@ class Bench:
     async def mig_figures(self, client: kc.DRAClient, n: int, r: dict[str, Any],
                           probes: dict[str, list[float]] | None = None) -> None:
         """Prepare + unprepare of one 1g MIG placement, as the 1-GPU figure: each prepare turns the GPU's
-        MIG mode on and creates the GPU and compute instance in the simulated NVML (its state persisted,
-        flock'd, fsync'd like the hardware's), each unprepare destroys them and turns MIG mode off."""
+        MIG mode on and creates the GPU and compute instance in the simulated NVML (which writes its state
+        durably after each change, as the hardware keeps it), each unprepare destroys them and turns MIG
+        mode off; each step is recorded first, so a MIG prepare writes its record several times."""
         mig = self.write_claim("one-mig", uid_of(9), [MIG_DEVICE])
         prep, unprep = await self.round_trips(client, mig, n, probes)
         r["prepare_mig_p50_ms"], r["prepare_mig_p99_ms"] = pct(prep, 50), pct(prep, 99)
