@@ -15,7 +15,8 @@ crash interrupted is done again or adopted, never doubled:
 3. The MIG device's handle and UUID (`MIG-...`); its compute instance id is in the record first.
 
 `destroy` converges from any prefix: the compute instances of the claim's GPU instance, the GPU
-instance, and MIG mode off when the claim turned it on and no GPU instance is left (an H100 allows
+instance, and MIG mode off when the agent turned it on (this claim or another one: `agent.migmode`)
+and no GPU instance is left (an H100 allows
 that without a reset, so the full GPU is free again). The container gets the MIG UUID
 (`DRA_<DEVICE>_UUID`, the metadata's `uuid` attribute), the parent's device nodes and the GI and CI
 access capabilities' nodes, `/dev/nvidia-caps/nvidia-cap<minor>`, the minors read where the driver
@@ -41,6 +42,7 @@ from agent.inventory import mig as migs
 from agent.inventory.gpus import SHARED_NODES, GpuSource
 from agent.inventory.nvml_sim_migstate import caps_dir
 from agent.metadata import AllocatedDevice
+from agent.migmode import MigModeMarks
 from agent.model import DeviceNode
 from agent.partitions import WritePartition
 from agent.state import DevicePartition, PartitionKind
@@ -93,9 +95,11 @@ class MigPartitioner:
 
     kind = PartitionKind.MIG
 
-    def __init__(self, access: Callable[[], NvmlAccess | None], boot_id: Callable[[], str]) -> None:
+    def __init__(self, access: Callable[[], NvmlAccess | None], boot_id: Callable[[], str],
+                 marks: MigModeMarks) -> None:
         self._access = access
         self._boot_id = boot_id
+        self._marks = marks  # GPUs the agent put into MIG mode (turned off by whichever claim goes last)
 
     # -- prepare ---------------------------------------------------------------------------------
 
@@ -151,6 +155,7 @@ class MigPartitioner:
         if not part.mode_changed:
             part = dataclasses.replace(part, mode_changed=True)
             write(part)  # before the mode changes: an unprepare (or a rollback) turns it off again
+        self._marks.mark(part.parent)  # and whichever claim leaves the GPU last
         try:
             status = nv.nvmlDeviceSetMigMode(handle, _ENABLE)
         except pynvml.NVMLError as exc:
@@ -241,12 +246,14 @@ class MigPartitioner:
         part = dataclasses.replace(part, step=STEP_MODE, gpu_instance=-1, compute_instance=-1, uuid="")
         if write is not None and gi is not None:
             write(part)  # so a later pass never takes another claim's GPU instance with a reused id for ours
-        if part.mode_changed and not self._instances(nv, handle):
+        if (part.mode_changed or self._marks.marked(part.parent)) and not self._instances(nv, handle):
             try:
                 if self._mode(nv, handle, part.device)[0] == _ENABLE:
                     nv.nvmlDeviceSetMigMode(handle, _DISABLE)
             except pynvml.NVMLError as exc:
                 log.warning("GPU %s: MIG mode stays on (%s)", part.parent, exc)
+            else:
+                self._marks.clear(part.parent)
 
     def exists(self, part: DevicePartition) -> bool:
         found = self._parent_or_none(part)

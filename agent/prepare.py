@@ -47,6 +47,7 @@ from agent.fsutil import Root, UnsafePath
 from agent.inventory import Inventory
 from agent.locks import ClaimFileLock, LockTable
 from agent.metrics import Metrics
+from agent.migmode import MigModeMarks
 from agent.migprep import MigPartitioner, nvml_of
 from agent.names import ClaimRef, InvalidName, check_claim_ref
 from agent.partitionprep import HostEffects
@@ -108,7 +109,8 @@ class PrepareEngine:
         self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
         # Partitions created at prepare, by the device kind they prepare (`agent.partitions`).
         self.effects = HostEffects(self.book, self.passthrough, inventory, {
-            "mig": MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id),
+            "mig": MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id,
+                                  MigModeMarks(settings.state_dir / "mig-mode")),
             "vgpu": VgpuPartitioner(self.passthrough.host),
         })
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports

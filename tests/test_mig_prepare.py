@@ -22,6 +22,7 @@ from agent import failpoints, metadata
 from agent.inventory.nvml_hardware import materialize
 from agent.inventory.nvml_profiles import load_profile
 from agent.inventory.nvml_sim_migstate import STATE_FILE
+from agent.migprep import nvml_of
 from agent.names import ClaimRef
 from agent.recovery import recover
 from agent.state import PartitionKind, RecordState
@@ -103,7 +104,17 @@ async def test_two_placements_share_a_gpu_and_mig_mode_stays_on_while_one_is_lef
     assert await unprepare(node, "a", UID) == ""
     assert gpu0(node)["mode"] == 1 and [g["start"] for g in gpu0(node)["gis"]] == [4]
     assert await unprepare(node, "b", UID2) == ""
-    assert gpu0(node)["gis"] == []
+    # The last claim to leave the GPU turns MIG mode off, though another claim turned it on.
+    assert gpu0(node) == {"mode": 0, "gis": []}
+
+
+async def test_mig_mode_the_operator_turned_on_stays_on(node: Node) -> None:
+    access = nvml_of(node.inventory)()
+    assert access is not None
+    sim = access.nvml
+    sim.nvmlDeviceSetMigMode(sim.nvmlDeviceGetHandleByIndex(0), 1)  # as `nvidia-smi -mig 1` would
+    assert await prepare(node, "a", UID, MIG) == "" and await unprepare(node, "a", UID) == ""
+    assert gpu0(node) == {"mode": 1, "gis": []}
 
 
 async def test_an_overlapping_placement_is_refused_before_any_change(node: Node) -> None:
