@@ -175,7 +175,8 @@ async def test_mig_vgpu_and_shares_prepared_over_the_dra_socket_and_seen_in_a_co
 
 async def test_forms_of_one_gpu_that_cannot_coexist_are_refused_across_claims(short_tmp: Path) -> None:
     """No container needed: the kubelet's calls alone. A share of GPU 4 while `gpu-4` is prepared for another
-    claim; a MIG placement on GPU 3 while a share of GPU 3 is prepared (and no GPU instance made)."""
+    claim; a MIG placement on GPU 3 while a share of GPU 3 is prepared (and no GPU instance made); a vGPU of
+    GPU 3 while a MIG instance of it is prepared (and no mdev made)."""
     s = roots(short_tmp)
     assert s.offline is not None
     claims = s.offline / "resourceclaims"
@@ -187,6 +188,8 @@ async def test_forms_of_one_gpu_that_cannot_coexist_are_refused_across_claims(sh
     write_claim(claims, claim(share3.name, share3.uid, [result(
         SHARED, "gpu", shareID=SHARES["b"][0], consumedCapacity={"memory": "4Gi"})]))
     write_claim(claims, claim(mig3.name, mig3.uid, [result("gpu-3-mig-1g10gb-0", "gpu")]))
+    vgpu3 = ClaimRef("default", "vgpu3", uid(15))
+    write_claim(claims, claim(vgpu3.name, vgpu3.uid, [result("gpu-3-vgpu-nvidia-1022-0", "vm")]))
 
     with agent_process(agent_args(s), {}, s.registration_socket, ROOT):
         async with kc.DRAClient(s.dra_socket) as client:
@@ -205,6 +208,10 @@ async def test_forms_of_one_gpu_that_cannot_coexist_are_refused_across_claims(sh
                 assert (await client.unprepare([ref], timeout=60)).claims[ref.uid].error == ""
             assert (await client.prepare([mig3], timeout=60)).claims[mig3.uid].error == ""
             assert [g["start"] for g in mig_state(s)[3]["gis"]] == [0]
+            # MIG and vGPU never share a GPU (the driver takes it into one mode or the other).
+            error = (await client.prepare([vgpu3], timeout=60)).claims[vgpu3.uid].error
+            assert f"GPU {BUS[3]} is prepared as gpu-3-mig-1g10gb-0 for claim default/mig3" in error, error
+            assert mdevs(s) == {}
             assert (await client.unprepare([mig3], timeout=60)).claims[mig3.uid].error == ""
         assert all(g["mode"] == 0 and g["gis"] == [] for g in mig_state(s)), mig_state(s)
 
