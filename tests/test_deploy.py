@@ -564,6 +564,7 @@ def _node_devices(node_allocatable: bool) -> tuple[tuple[str, dict[str, Any]], .
     root = Path(tempfile.mkdtemp(prefix="dra-deploy-"))
     try:
         settings = build_settings({"driver_name": DRIVER, "node_name": NODE, "nvml": "sim", "nic_exclude": "*",
+                                   "gpu_sharing": True, "compatibility_groups": True,
                                    "state_dir": str(root / "state"),
                                    "offline": str(_offline_dir(root, node_allocatable))})
         return tuple(devices_of(asyncio.run(render_slices(settings))))
@@ -620,6 +621,9 @@ MEANT: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool]]] = {
                         and _attr(d, f"{STD}/pciBusID") is not None),
     "nic-passthrough": ("vfio-nic", lambda d: _kind("vfio")(d) and _attr(d, "nativeType") == "nic"
                         and _attr(d, f"{STD}/pciBusID") is not None),
+    "mig": ("mig", _kind("mig")),
+    "gpu-shared": ("shared", _kind("shared")),
+    "vgpu": ("vgpu", _kind("vgpu")),
 }
 # The node-allocatable overlay's cpu and memory: only devices carrying node-allocatable mappings.
 MEANT_NODE_ALLOCATABLE = {
@@ -663,8 +667,8 @@ def check_classes(which: str, devices: list[tuple[str, dict[str, Any]]], kinds: 
 @pytest.mark.parametrize("which", EVERY)
 def test_device_classes_select_the_gpus_cpus_and_memory_the_agent_publishes(which: str) -> None:
     devices = node_devices(node_allocatable=which == "overlays/node-allocatable")
-    assert {_attr(d, "type") for _, d in devices} == {"gpu", "vfio", "cpu", "memory"}
-    check_classes(which, devices, {"gpu", "vfio-gpu", "cpu", "memory"})
+    assert {_attr(d, "type") for _, d in devices} == {"gpu", "vfio", "mig", "vgpu", "shared", "cpu", "memory"}
+    check_classes(which, devices, {"gpu", "vfio-gpu", "mig", "vgpu", "shared", "cpu", "memory"})
 
 
 @pytest.mark.parametrize("which", EVERY)
