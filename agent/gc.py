@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 MAX_INTERVAL = 60.0
 MIN_INTERVAL = 0.1
+# Lookups a sweep has in flight at most. A sweep reads every prepared claim (10,000 on a busy node):
+# all at once, its reads (worker threads, offline) would queue ahead of the kubelet's prepares in the
+# default executor for seconds, and hold thousands of tasks and parsed claims in memory at once.
+SWEEP_WINDOW = 8
 
 PRESENT, GONE, UNKNOWN = "present", "gone", "unknown"
 
@@ -83,9 +87,18 @@ class ClaimCollector:
         records = self.engine.records
         for uid in set(self.gone_since) - set(records):  # unprepared meanwhile (the kubelet, another agent)
             del self.gone_since[uid]
-        found = await asyncio.gather(*(self.observe(rec) for rec in records.values()))
         collected: list[str] = []
-        for rec, (seen, why) in zip(records.values(), found, strict=True):
+        todo = list(records.values())
+        del records
+        for i in range(0, len(todo), SWEEP_WINDOW):
+            # A claim unprepared since the sweep began (the kubelet, another agent) is not looked up.
+            window = [rec for rec in todo[i:i + SWEEP_WINDOW] if self.engine.book.record_of(rec.uid) is not None]
+            found = await asyncio.gather(*(self.observe(rec) for rec in window))
+            await self._judge(window, found, collected)
+        return collected
+
+    async def _judge(self, window: list[ClaimSummary], found: list[tuple[str, str]], collected: list[str]) -> None:
+        for rec, (seen, why) in zip(window, found, strict=True):
             if seen == PRESENT:
                 if self.gone_since.pop(rec.uid, None) is not None:
                     log.info("claim %s/%s (%s) exists again: not collected", rec.namespace, rec.name, rec.uid)
@@ -101,7 +114,6 @@ class ClaimCollector:
                          rec.namespace, rec.name, rec.uid, why, self.grace)
             if now - since > self.grace and await self.collect(rec, now - since):
                 collected.append(rec.uid)
-        return collected
 
     async def observe(self, rec: ClaimSummary) -> tuple[str, str]:
         """(PRESENT | GONE | UNKNOWN, why) for the record's ResourceClaim."""

@@ -19,7 +19,7 @@ from test_agent_cluster import NODE_UID, cluster_settings, eventually, start  # 
 from agent import kubelet_client as kc
 from agent.claims import ClaimSourceError
 from agent.config import ConfigError, build_settings
-from agent.gc import ClaimCollector, gc_interval
+from agent.gc import SWEEP_WINDOW, ClaimCollector, gc_interval
 from agent.metrics import Metrics
 from agent.names import ClaimRef
 
@@ -177,6 +177,37 @@ async def test_a_claim_unprepared_by_the_kubelet_meanwhile_is_forgotten(node):
     assert await node.engine.unprepare_claim(ClaimRef("default", "c", OLD)) == ""
     await gc.sweep()
     assert gc.gone_since == {}
+
+
+class Counting:
+    """The real claim source, counting the lookups in flight at once."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls = self.in_flight = self.most = 0
+
+    async def get(self, namespace: str, name: str) -> Mapping[str, Any]:
+        self.calls += 1
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            await asyncio.sleep(0)  # as a read that takes time would: the others start meanwhile
+            return await self.inner.get(namespace, name)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_a_sweep_looks_claims_up_a_window_at_a_time(node):
+    # All at once, a sweep over 10,000 prepared claims queued 10,000 reads ahead of the kubelet's
+    # prepares in the worker threads, and held them all in memory.
+    uids = [f"9c000000-0000-4000-8000-{i:012d}" for i in range(100, 100 + 3 * SWEEP_WINDOW + 2)]
+    for i, uid in enumerate(uids):
+        await prepared(node, f"c{i}", uid)
+    source = Counting(node.engine.claims)
+    gc = collector(node, Clock(), source=source)
+    assert await gc.sweep() == []
+    assert source.calls == len(uids) and source.most == SWEEP_WINDOW
+    assert set(uids) <= set(node.engine.records)
 
 
 def test_the_grace_period_setting_and_the_interval(tmp_path):
