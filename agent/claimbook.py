@@ -11,18 +11,36 @@ after another agent prepared, refreshed or unprepared the claim: the file's iden
 is compared first. Call it with the claim's locks held (`agent.locks`).
 
 Memory: a summary is a few hundred bytes, where a whole record holds every file's
-content (4-5 KiB for a GPU claim): 10,000 prepared claims cost megabytes, not tens.
+content (4-5 KiB for a GPU claim): 10,000 prepared claims cost megabytes, not tens. A summary
+keeps of each device only what is read from it (pool, device, share ID; not its CDI device IDs),
+the strings that repeat across claims (namespace, pool, device names) are interned, and the file's
+identity is kept only with the whole records held.
 """
 
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from dataclasses import dataclass
 
 from agent.state import ClaimRecord, ClaimStore, PreparedDevice, RecordStamp, RecordState
 
 RECENT = 64  # whole records kept (the claims operated on last)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSummary:
+    """What the book keeps of a prepared device: which device of which pool, and its share."""
+
+    pool: str
+    device: str
+    share_id: str = ""
+
+    @classmethod
+    def of(cls, d: PreparedDevice) -> DeviceSummary:
+        # A node has a few pools and devices, held by thousands of claims: one string each.
+        return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +52,7 @@ class ClaimSummary:
     namespace: str
     name: str
     pod_claim_name: str
-    devices: tuple[PreparedDevice, ...]
+    devices: tuple[DeviceSummary, ...]
     dirs: tuple[str, ...]
     prepared_at: float
     generation: int
@@ -42,8 +60,9 @@ class ClaimSummary:
 
     @classmethod
     def of(cls, record: ClaimRecord) -> ClaimSummary:
-        return cls(record.uid, record.namespace, record.name, record.pod_claim_name, tuple(record.devices),
-                   tuple(record.dirs), record.prepared_at, record.generation, record.state)
+        return cls(record.uid, sys.intern(record.namespace), record.name, sys.intern(record.pod_claim_name),
+                   tuple(DeviceSummary.of(d) for d in record.devices), tuple(record.dirs), record.prepared_at,
+                   record.generation, record.state)
 
     @property
     def prepared(self) -> bool:
@@ -54,7 +73,7 @@ class ClaimBook:
     def __init__(self, store: ClaimStore, recent: int = RECENT) -> None:
         self.store = store
         self._guard = threading.Lock()  # over the indexes below
-        self._summaries: dict[str, tuple[ClaimSummary, RecordStamp]] = {}
+        self._summaries: dict[str, ClaimSummary] = {}
         self._recent: collections.OrderedDict[str, tuple[ClaimRecord, RecordStamp]] = collections.OrderedDict()
         self._recent_max = recent
         self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
@@ -62,7 +81,7 @@ class ClaimBook:
     def records(self) -> dict[str, ClaimSummary]:
         """The prepared claims this agent has seen (a copy)."""
         with self._guard:
-            return {uid: summary for uid, (summary, _) in self._summaries.items()}
+            return dict(self._summaries)
 
     def __len__(self) -> int:
         return len(self._summaries)
@@ -70,8 +89,7 @@ class ClaimBook:
     def record_of(self, uid: str) -> ClaimSummary | None:
         """The summary held for `uid` (no disk access)."""
         with self._guard:
-            held = self._summaries.get(uid)
-        return held[0] if held is not None else None
+            return self._summaries.get(uid)
 
     def claims_holding(self, devices: set[str]) -> list[str]:
         with self._guard:
@@ -109,15 +127,15 @@ class ClaimBook:
             self._recent.pop(uid, None)
             old = self._summaries.pop(uid, None)
             if old is not None:
-                self._unindex(old[0])
+                self._unindex(old)
 
     def _remember(self, record: ClaimRecord, stamp: RecordStamp) -> None:
         summary = ClaimSummary.of(record)
         with self._guard:
             old = self._summaries.get(record.uid)
             if old is not None:
-                self._unindex(old[0])
-            self._summaries[record.uid] = (summary, stamp)
+                self._unindex(old)
+            self._summaries[record.uid] = summary
             self._recent[record.uid] = (record, stamp)
             self._recent.move_to_end(record.uid)
             while len(self._recent) > self._recent_max:

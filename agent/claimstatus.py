@@ -55,9 +55,21 @@ from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.model import Device
 from agent.names import ClaimRef
-from agent.state import PreparedDevice
 
 log = logging.getLogger(__name__)
+
+
+class DeviceView(Protocol):
+    """A prepared device, as a status entry names it (`PreparedDevice` or the book's `DeviceSummary`)."""
+
+    @property
+    def pool(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def share_id(self) -> str: ...
 
 
 class ClaimView(Protocol):
@@ -73,7 +85,7 @@ class ClaimView(Protocol):
     def name(self) -> str: ...
 
     @property
-    def devices(self) -> Sequence[PreparedDevice]: ...
+    def devices(self) -> Sequence[DeviceView]: ...
 
     @property
     def prepared_at(self) -> float: ...
@@ -138,7 +150,9 @@ class ClaimStatusWriter:
         self._told: set[str] = set()
         self._pending: dict[str, _Pending] = {}  # waiting to be written (the latest state per claim)
         self._in_flight: dict[str, asyncio.Task[None]] = {}
-        self._transitions: dict[tuple[str, str, str], _Transition] = {}  # (uid, device, share) -> Ready
+        # (uid, device, share) -> its Ready condition since the last change; a first True dated from the
+        # prepare is not kept (`_condition`).
+        self._transitions: dict[tuple[str, str, str], _Transition] = {}
         # Claims found gone or re-created: a UID never comes back, so they are not written again.
         self._gone: set[str] = set()
         self._wake = asyncio.Event()
@@ -161,8 +175,9 @@ class ClaimStatusWriter:
     def claim_unprepared(self, record: ClaimView) -> None:
         self._told.discard(record.uid)
         self._gone.discard(record.uid)
-        for key in [k for k in self._transitions if k[0] == record.uid]:
-            del self._transitions[key]
+        # The keys are the record's devices (`_condition`): O(devices), not a scan of every claim's.
+        for d in record.devices:
+            self._transitions.pop((record.uid, d.device, d.share_id), None)
         self._submit(_target(record), [])
 
     # -- the integrator's calls ---------------------------------------------------------------------
@@ -246,7 +261,7 @@ class ClaimStatusWriter:
                 out.append(entry)
         return out
 
-    def _entry(self, record: ClaimView, d: PreparedDevice) -> dict[str, Any]:
+    def _entry(self, record: ClaimView, d: DeviceView) -> dict[str, Any]:
         entry: dict[str, Any] = {"driver": self.driver, "pool": d.pool, "device": d.device}
         if d.share_id:
             entry["shareID"] = d.share_id
@@ -275,16 +290,22 @@ class ClaimStatusWriter:
                 entry["networkData"] = net
         return entry
 
-    def _condition(self, record: ClaimView, d: PreparedDevice, ready: Readiness) -> dict[str, Any]:
+    def _condition(self, record: ClaimView, d: DeviceView, ready: Readiness) -> dict[str, Any]:
         status = "True" if ready.ready else "False"
         key = (record.uid, d.device, d.share_id)
         last = self._transitions.get(key)
-        if last is None or last.status != status:
-            # The first Ready=True dates from the prepare; any later change from now.
-            when = record.prepared_at if last is None and ready.ready and record.prepared_at else time.time()
-            last = self._transitions[key] = _Transition(status, _rfc3339(when))
+        if last is None and ready.ready and record.prepared_at:
+            # The first Ready=True dates from the prepare. Not kept: it is the same on every write
+            # until a change, and 10,000 prepared claims would hold 10,000 of them.
+            when = _rfc3339(record.prepared_at)
+        elif last is None or last.status != status:
+            # Any later change (or a first False) dates from now.
+            last = self._transitions[key] = _Transition(status, _rfc3339(time.time()))
+            when = last.time
+        else:
+            when = last.time
         return {"type": READY, "status": status, "reason": ready.reason, "message": ready.message,
-                "lastTransitionTime": last.time}
+                "lastTransitionTime": when}
 
     # -- the queue ----------------------------------------------------------------------------------
 

@@ -163,11 +163,10 @@ class Metrics:
         self.claims_in_flight = Gauge(
             PREFIX + "claim_operations_in_flight", "Prepares and unprepares of claims running now",
             ["operation"], registry=r)
-        for op in OPERATIONS:
-            self.claim_duration.labels(op)
-            self.claims_in_flight.labels(op)
-            for result in RESULTS:
-                self.claim_operations.labels(op, result)
+        # Each operation's children, looked up once: `labels()` takes a lock and builds a key per call.
+        self._op_children = {op: (self.claims_in_flight.labels(op), self.claim_duration.labels(op),
+                                  {result: self.claim_operations.labels(op, result) for result in RESULTS})
+                             for op in OPERATIONS}
         self.publish_syncs = Counter(
             PREFIX + "publish_syncs", "Attempts to bring the published ResourceSlices up to date, by result "
             "(success, failure)", ["result"], registry=r)
@@ -218,7 +217,7 @@ class Metrics:
     def claim_operation(self, operation: str) -> Iterator[ClaimOperation]:
         """Count and time one prepare or unprepare; set `.failed` on what it yields."""
         op = ClaimOperation()
-        in_flight = self.claims_in_flight.labels(operation)
+        in_flight, duration, results = self._op_children[operation]
         in_flight.inc()
         started = time.monotonic()
         result = "error"
@@ -230,8 +229,8 @@ class Metrics:
             raise
         finally:
             in_flight.dec()
-            self.claim_duration.labels(operation).observe(time.monotonic() - started)
-            self.claim_operations.labels(operation, result).inc()
+            duration.observe(time.monotonic() - started)
+            results[result].inc()
 
     def scanned(self, kind: str, ok: bool, seconds: float) -> None:
         """A discovery scan finished (called from the scan's worker thread)."""
