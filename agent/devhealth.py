@@ -113,11 +113,15 @@ class DeviceHealthService:
     def observe(self, snapshot: Snapshot) -> None:
         """Fold in a new inventory snapshot: remember devices as last seen, and NIC link states."""
         nics = set()
+        due = self.conditions.next_deadline()
         for name, dev in snapshot.devices.items():
             self._last_seen[name] = dev
             if dev.kind == "nic":
                 nics.add(name)
                 self.conditions.link(name, dev.attributes.get("linkUp") is True)
+        if (soon := self.conditions.next_deadline()) is not None and (due is None or soon < due):
+            # A link came up: its hold ends before the loop's current sleep does (which may be the idle one).
+            self._wake.set()
         gone = self._nics - nics
         if gone:
             self.conditions.forget(gone)

@@ -193,7 +193,7 @@ def test_without_compatibility_groups_only_a_set_the_counters_keep_exact_is_publ
     # auto: every type needs groups to keep types (and MIG) apart, so none without them.
     assert kinds_per_gpu(scan(tmp_path / "a", compatibility_groups=False)) == {}
     # One named type: on every GPU without MIG placements; a GPU with them gets none.
-    one = scan(tmp_path / "b", compatibility_groups=False, vgpu_types="GRID H100-8C")
+    one = scan(tmp_path / "b", compatibility_groups=False, vgpu_types="GRID H100-8C", dynamic_mig=False)
     assert kinds_per_gpu(one) == {f"gpu-{i}": {"nvidia-1022"} for i in range(8)}
     assert all(c.compatibility_groups == () for d in one for c in d.consumes_counters)
     with_mig = scan(tmp_path / "c", compatibility_groups=False, vgpu_types="nvidia-1022", dynamic_mig=True)
