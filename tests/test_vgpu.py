@@ -16,7 +16,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from agent import apirules, failpoints, quantity
+from agent import apirules, counters, failpoints, quantity
 from agent.config import ConfigError, NvmlMode, Settings
 from agent.inventory import vgpu
 from agent.inventory.gpus import SIM_DIR, GpuSource
@@ -317,3 +317,28 @@ def test_destroy_converges_after_a_crash_in_destroy_and_waits_out_a_pending_crea
     (machine.tree.devices / GPU / "mdev_supported_types" / "nvidia-1024" / "create").write_text(pending.uuid)
     p.destroy(pending, None)
     assert mdev.mdevs_of(machine.host.sysfs, GPU) == {}
+
+
+def allocatable(devices: list[Device]) -> bool:
+    """The scheduler's rule with compatibility groups on: the counters fit, and devices consuming one
+    counter set share a group (a device without groups goes only with devices without groups)."""
+    groups = [set(c.compatibility_groups) for d in devices for c in d.consumes_counters]
+    together = all(g == set() for g in groups) or (all(groups) and bool(set.intersection(*groups)))
+    return fits(devices) and together
+
+
+def test_with_compatibility_groups_the_scheduler_never_mixes_what_the_driver_refuses(tmp_path: Path) -> None:
+    published = [counters.with_compatibility_groups(d) for d in scan(tmp_path / "s", dynamic_mig=True)]
+    gpu0 = [d for d in published if d.attributes.get("resource.kubernetes.io/pciBusID") == GPU]
+    small_mig = [d for d in gpu0 if d.kind == "mig" and d.attributes.get("profile") == "1g.10gb"]
+    types = {t: [d for d in gpu0 if d.attributes.get("mdevType") == t] for t in ("nvidia-1021", "nvidia-1022")}
+    # What the driver refuses, the groups refuse though the counters fit: MIG with vGPU, two vGPU types.
+    assert fits([small_mig[0], types["nvidia-1021"][0]]) and not allocatable([small_mig[0], types["nvidia-1021"][0]])
+    mixed = [types["nvidia-1021"][0], types["nvidia-1022"][0]]
+    assert fits(mixed) and not allocatable(mixed)
+    # What the driver accepts stays allocatable: every instance of one type, disjoint MIG placements.
+    assert allocatable(types["nvidia-1021"]) and allocatable(types["nvidia-1022"])
+    assert allocatable(small_mig[:2])
+    # Whole forms (no group) never go with a grouped device (and their counters say the same).
+    whole = next(d for d in gpu0 if d.kind == "gpu")
+    assert not allocatable([whole, small_mig[0]]) and not allocatable([whole, types["nvidia-1021"][0]])
