@@ -177,6 +177,16 @@ class Bench:
             await unprepare_all()
         return statistics.median(seq) / statistics.median(conc)
 
+    async def status_written(self, count: int, limit: float = 600.0) -> float:
+        """Seconds until the offline status directory holds `count` claims' status files."""
+        directory = self.work / "offline" / "resourceclaimstatus" / "bench"
+        started = time.perf_counter()
+        while time.perf_counter() - started < limit:
+            if directory.is_dir() and len(os.listdir(directory)) >= count:
+                break
+            await asyncio.sleep(0.1)
+        return time.perf_counter() - started
+
     def cli_seconds(self, *command: str) -> float:
         return run_seconds([sys.executable, "-m", "agent", *command, *self.flags()], ROOT)
 
@@ -228,6 +238,9 @@ async def on_disk(work: Path, n: int, fill_to: int, r: dict[str, Any]) -> None:
             started = time.perf_counter()
             await b.fill(client, 10, fill_to)
             r["fill_claims_per_s"] = (fill_to - 10) / (time.perf_counter() - started)
+            # The claim status writes of the fill trail it in the background (offline: a file per
+            # claim); measured before they are done, the p50 below would time that backlog.
+            r["claim_status_backlog_after_fill_s"] = await b.status_written(fill_to)
             prep, _ = await b.round_trips(client, one, n)
             r[f"p50_at_{fill_to}_claims_ms"] = pct(prep, 50)
         r["rss_mib"] = r[f"rss_{fill_to}_mib"] = b.stop_agent()
