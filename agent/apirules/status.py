@@ -10,7 +10,7 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from agent.apirules import (
+from agent.apirules.formats import (
     MAX_DRIVER_NAME,
     dns_label_errors,
     dns_subdomain_errors,
