@@ -21,6 +21,7 @@ that without a reset, so the full GPU is free again). The container gets the MIG
 (`DRA_<DEVICE>_UUID`, the metadata's `uuid` attribute), the parent's device nodes and the GI and CI
 access capabilities' nodes, `/dev/nvidia-caps/nvidia-cap<minor>`, the minors read where the driver
 publishes them (`/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>/[ci<id>/]access`).
+The NVML queries (instances, compute instances, capability minors) are in `agent.migquery`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from agent.inventory.gpus import SHARED_NODES, GpuSource
 from agent.inventory.nvml_sim_migstate import caps_dir
 from agent.metadata import AllocatedDevice
 from agent.migmode import MigModeMarks
+from agent.migquery import CI_PROFILES, CapUnreadable, cap_minor, ci_handles, ci_ids, gi_at, gpu_instances
 from agent.model import DeviceNode
 from agent.partitions import WritePartition
 from agent.state import DevicePartition, PartitionKind
@@ -54,11 +56,6 @@ _STEP_NAMES = ("mode", "gpu-instance", "compute-instance", "uuid")
 _ENABLE: int = pynvml.NVML_DEVICE_MIG_ENABLE
 _DISABLE: int = pynvml.NVML_DEVICE_MIG_DISABLE
 _GONE = (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT)
-# Compute instance profiles, largest first (the full-size one of a GPU instance is the first it offers
-# whose slices equal its own).
-_CI_PROFILES = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
-                pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE,
-                pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
 
 
 class MigFailure(ClaimFailure):
@@ -118,7 +115,7 @@ class MigPartitioner:
             raise MigModeUnavailable(f"device {dev.name}: MIG mode of GPU {where.parent_uuid} is pending: it takes "
                                      "effect only after a GPU reset (nvidia-smi -r), which the agent does not do")
         if current == _ENABLE:
-            for gi_id, start, size, name in self._instances(nv, handle):
+            for gi_id, start, size, name in gpu_instances(nv, handle):
                 if start < where.start + where.size and where.start < start + size:
                     raise PlacementTaken(
                         f"device {dev.name}: memory slices {where.start}..{where.start + where.size - 1} of GPU "
@@ -174,7 +171,7 @@ class MigPartitioner:
         return part
 
     def _make_gi(self, nv: Any, handle: Any, profile: migs.MigProfile, part: DevicePartition) -> int:
-        found = self._gi_at(nv, handle, profile.id, part.start)
+        found = gi_at(nv, handle, profile.id, part.start)
         if found is not None:
             return found  # made before a crash: adopted
         placement = pynvml.c_nvmlGpuInstancePlacement_t(part.start, profile.size)
@@ -190,10 +187,10 @@ class MigPartitioner:
         gi = self._gi_by_id(nv, handle, part)
         if gi is None:
             raise MigFailure(f"device {part.device}: GPU instance {part.gpu_instance} of GPU {part.parent} is gone")
-        existing = self._cis(nv, gi)
+        existing = ci_ids(nv, gi)
         if existing:
             return existing[0]  # made before a crash: adopted
-        for ci_profile in _CI_PROFILES:
+        for ci_profile in CI_PROFILES:
             try:
                 info = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(
                     gi, ci_profile, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
@@ -235,7 +232,7 @@ class MigPartitioner:
         gi = self._owned_gi(nv, handle, part)
         if gi is not None:
             try:
-                for ci in self._ci_handles(nv, gi):
+                for ci in ci_handles(nv, gi):
                     nv.nvmlComputeInstanceDestroy(ci)
                 failpoints.hit("mig-destroy-after-ci")
                 nv.nvmlGpuInstanceDestroy(gi)
@@ -246,7 +243,7 @@ class MigPartitioner:
         part = dataclasses.replace(part, step=STEP_MODE, gpu_instance=-1, compute_instance=-1, uuid="")
         if write is not None and gi is not None:
             write(part)  # so a later pass never takes another claim's GPU instance with a reused id for ours
-        if (part.mode_changed or self._marks.marked(part.parent)) and not self._instances(nv, handle):
+        if (part.mode_changed or self._marks.marked(part.parent)) and not gpu_instances(nv, handle):
             try:
                 if self._mode(nv, handle, part.device)[0] == _ENABLE:
                     nv.nvmlDeviceSetMigMode(handle, _DISABLE)
@@ -261,7 +258,7 @@ class MigPartitioner:
             return False
         nv, handle = found
         gi = self._gi_by_id(nv, handle, part)
-        return gi is not None and part.compute_instance in self._cis(nv, gi)
+        return gi is not None and part.compute_instance in ci_ids(nv, gi)
 
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
         access = self._nvml(part.device)
@@ -271,8 +268,11 @@ class MigPartitioner:
         nodes = [DeviceNode(f"/dev/nvidia{minor}", str(access.dev_root / f"nvidia{minor}"))]
         nodes += [DeviceNode(f"/dev/{name}", str(access.dev_root / name)) for name in SHARED_NODES]
         for cap in (where / "access", where / f"ci{part.compute_instance}" / "access"):
-            cap_minor = _cap_minor(cap, part.device)
-            path = f"nvidia-caps/nvidia-cap{cap_minor}"
+            try:
+                minor_of_cap = cap_minor(cap)
+            except CapUnreadable as exc:
+                raise MigFailure(f"device {part.device}: {exc}") from exc
+            path = f"nvidia-caps/nvidia-cap{minor_of_cap}"
             host = access.dev_root / path
             if not host.exists():
                 raise MigFailure(f"device {part.device}: {host} is missing (nvidia-modprobe -f {cap} makes it)")
@@ -324,25 +324,6 @@ class MigPartitioner:
             raise MigModeUnavailable(f"device {device}: the GPU has no MIG mode: {exc}") from exc
         return int(current), int(pending)
 
-    @staticmethod
-    def _instances(nv: Any, handle: Any) -> list[tuple[int, int, int, str]]:
-        """(id, start, size, profile name) of every GPU instance on the GPU."""
-        layout = migs.read_layout(nv, handle)
-        out = []
-        for p in layout.profiles if layout else ():
-            for gi in _listed(nv.nvmlDeviceGetGpuInstances, handle, p.id, pynvml.c_nvmlGpuInstance_t):
-                info = nv.nvmlGpuInstanceGetInfo(gi)
-                out.append((int(info.id), int(info.placement.start), int(info.placement.size), p.name))
-        return out
-
-    @staticmethod
-    def _gi_at(nv: Any, handle: Any, profile_id: int, start: int) -> int | None:
-        for gi in _listed(nv.nvmlDeviceGetGpuInstances, handle, profile_id, pynvml.c_nvmlGpuInstance_t):
-            info = nv.nvmlGpuInstanceGetInfo(gi)
-            if int(info.placement.start) == start:
-                return int(info.id)
-        return None
-
     def _gi_by_id(self, nv: Any, handle: Any, part: DevicePartition) -> Any | None:
         """The partition's GPU instance when it is there with its profile and placement, else None."""
         if part.gpu_instance < 0:
@@ -364,43 +345,5 @@ class MigPartitioner:
         if part.step != STEP_GI:
             return None  # step 0: none made yet
         profile = self._profile(nv, handle, part.profile, part.device)
-        found = self._gi_at(nv, handle, profile.id, part.start)  # made, its id not yet recorded
+        found = gi_at(nv, handle, profile.id, part.start)  # made, its id not yet recorded
         return None if found is None else nv.nvmlDeviceGetGpuInstanceById(handle, found)
-
-    @staticmethod
-    def _ci_handles(nv: Any, gi: Any) -> list[Any]:
-        out = []
-        for ci_profile in _CI_PROFILES:
-            try:
-                out += _listed(nv.nvmlGpuInstanceGetComputeInstances, gi, ci_profile, pynvml.c_nvmlComputeInstance_t)
-            except pynvml.NVMLError:
-                continue
-        return out
-
-    def _cis(self, nv: Any, gi: Any) -> list[int]:
-        return [int(nv.nvmlComputeInstanceGetInfo(ci).id) for ci in self._ci_handles(nv, gi)]
-
-
-def _listed(call: Callable[..., Any], owner: Any, profile_id: int, kind: Any, most: int = 8) -> list[Any]:
-    """NVML's list-out convention: an array of `most` (a GPU has at most 7 GPU instances, a GPU
-    instance 8 compute instances) and its size in, how many were filled out."""
-    array = (kind * most)()
-    count = ctypes.c_uint(most)
-    try:
-        call(owner, profile_id, array, ctypes.byref(count))
-    except pynvml.NVMLError as exc:
-        if exc.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
-            return []  # MIG mode off: no instances
-        raise
-    return list(array[: count.value])
-
-
-def _cap_minor(access: Path, device: str) -> int:
-    try:
-        for line in access.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "DeviceFileMinor":
-                return int(value.strip())
-    except (OSError, ValueError) as exc:
-        raise MigFailure(f"device {device}: {access} is not readable: {exc}") from exc
-    raise MigFailure(f"device {device}: {access} names no DeviceFileMinor")
