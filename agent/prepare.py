@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -39,13 +38,15 @@ from agent import cdispecs, failpoints
 from agent.allocation import Allocation, parse_claim
 from agent.claimbook import ClaimBook, ClaimSummary
 from agent.claimfiles import ClaimFiles
-from agent.claimplan import plan_record, refreshed
+from agent.claimplan import plan_record
 from agent.claims import ClaimSource, LocalClaimSource
 from agent.config import Settings
+from agent.deferredchecks import DeferredChecks
 from agent.errors import ClaimFailure
 from agent.fsutil import Root, UnsafePath
 from agent.inventory import Inventory
 from agent.locks import ClaimFileLock, LockTable
+from agent.metarefresh import refresh_blocking
 from agent.metrics import Metrics
 from agent.migmode import MigModeMarks
 from agent.migprep import MigPartitioner, nvml_of
@@ -121,9 +122,7 @@ class PrepareEngine:
         self._local_read: ClaimReader | None = None
         # Records listed at start-up but not yet checked (`agent.recovery`): any operation on one of
         # these claims runs the check first, under the claim's lock, and never serves the record unchecked.
-        self._unverified: set[str] = set()
-        self._unverified_guard = threading.Lock()
-        self._check: Callable[[str], None] | None = None
+        self.deferred = DeferredChecks()
 
     @property
     def records(self) -> dict[str, ClaimSummary]:
@@ -229,15 +228,15 @@ class PrepareEngine:
 
     async def refresh_devices(self, names: Iterable[str]) -> int:
         """Rewrite the metadata files of prepared claims whose devices changed (a NIC got its IP
-        after prepare): record first, then the files, with generation + 1. Returns how many
-        claims were updated."""
+        after prepare): record first, then the files, with generation + 1 (`agent.metarefresh`).
+        Returns how many claims were updated."""
         return await self.refresh_claims(self.book.claims_holding(set(names)))
 
     async def refresh_claims(self, uids: Iterable[str]) -> int:
         updated = 0
         for uid in uids:
             try:
-                new = await asyncio.to_thread(self._refresh_blocking, uid)
+                new = await asyncio.to_thread(refresh_blocking, self, uid)
             except Exception:
                 log.exception("refreshing the metadata of claim %s failed", uid)
                 continue
@@ -276,23 +275,15 @@ class PrepareEngine:
     def defer_checks(self, uids: Iterable[str], check: Callable[[str], None]) -> None:
         """Claims whose records must pass `check` (called with the claim locked) before any operation
         on them: start-up recovery lists the records at once and checks them in the background."""
-        self._check = check
-        with self._unverified_guard:
-            self._unverified.update(uids)
+        self.deferred.defer(uids, check)
 
     def unverified(self) -> list[str]:
-        with self._unverified_guard:
-            return sorted(self._unverified)
+        return self.deferred.unverified()
 
     def ensure_checked(self, uid: str) -> None:
         """Run the deferred start-up check of the claim, if it is still due (call with the claim locked:
         the claim's lock makes the check run once)."""
-        if uid in self._unverified and self._check is not None:
-            self._check(uid)
-            with self._unverified_guard:
-                self._unverified.discard(uid)
-                if not self._unverified:
-                    self._check = None  # (it holds the start-up report, with every record it checked)
+        self.deferred.ensure_checked(uid)
 
     def root_of(self, path: str) -> Root:
         return self.files.root_of(path)
@@ -401,27 +392,6 @@ class PrepareEngine:
                 failpoints.hit("unprepare-after-record")
                 self.files.remove_files(record)
             return record
-
-    def _refresh_blocking(self, uid: str) -> ClaimRecord | None:
-        with self.claim_locked(uid):
-            self.ensure_checked(uid)
-            record = self.current_or_purge(uid)
-            if record is None or not record.prepared:
-                return None
-            return self._refresh(record)
-
-    def _refresh(self, record: ClaimRecord) -> ClaimRecord | None:
-        change = refreshed(self.settings, self.inventory.get, record)
-        if change is None:
-            return None
-        new, paths = change
-        self.book.write(new)
-        failpoints.hit("refresh-after-record")
-        for f in new.files:
-            if f.path in paths:
-                self.metadata_root.write(f.path, f.content, f.mode)
-                failpoints.hit("refresh-after-metadata-file")
-        return new
 
 
 def _step(path: str, settings: Settings) -> str:
