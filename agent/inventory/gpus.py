@@ -14,8 +14,8 @@ One GPU's failure costs that GPU only, whatever it raises. A GPU that fails is
 reported under its device name (`gpu-<minor>`): the minor it said in an earlier
 scan, or, for one that never said it, the minor the kernel driver lists for the
 one GPU left over (`<proc>/driver/nvidia/gpus/<bus id>/information`, where
-`<proc>` is the `proc` directory beside the sysfs root). Only when neither
-names it is it a `SourceProblem` ("GPU at NVML index N").
+`<proc>` is the `proc` directory beside the sysfs root; `agent.inventory.gpuminors`).
+Only when neither names it is it a `SourceProblem` ("GPU at NVML index N").
 
 Brand and architecture are NVML codes; a code this agent has no name for is
 published as `unknown-<code>` (logged once), never dropped. NVML's own
@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +37,10 @@ import pynvml
 from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
-from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult, SourceProblem
+from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult
+from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
+from agent.inventory.gpuminors import driver_minors as driver_minors
+from agent.inventory.gpuminors import name_the_rest
 from agent.inventory.gpushare import DEFAULT_HOST_MEMORY_OVERHEAD, GpuExtras
 from agent.inventory.mig import MigDevices
 from agent.inventory.nvml_profiles import ProfileError, error_name
@@ -54,9 +55,6 @@ log = logging.getLogger(__name__)
 
 SIM_DIR = "nvml-sim"
 SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
-# The kernel driver's list of its GPUs, under the proc root: <bus id>/information.
-DRIVER_GPUS = Path("driver", "nvidia", "gpus")
-_DEVICE_MINOR = re.compile(r"^Device Minor:\s*(\d+)\s*$", re.MULTILINE)
 
 BRANDS = {
     pynvml.NVML_BRAND_QUADRO: "Quadro",
@@ -97,25 +95,6 @@ _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
 def describe_error(exc: pynvml.NVMLError) -> str:
     """`GPU is lost (NVML_ERROR_GPU_IS_LOST)`: the library's words and the code's name."""
     return f"{exc} ({error_name(exc.value)})"
-
-
-def driver_minors(proc_root: Path) -> dict[str, int]:
-    """Bus ID -> minor number of each GPU the NVIDIA kernel driver lists under `proc_root`
-    (empty when it lists none or the directory is not there)."""
-    top = proc_root / DRIVER_GPUS
-    try:
-        entries = sorted(os.listdir(top))
-    except OSError:
-        return {}
-    minors = {}
-    for entry in entries:
-        try:
-            found = _DEVICE_MINOR.search((top / entry / "information").read_text(errors="replace"))
-            if found:
-                minors[normalize_bus_id(entry)] = int(found.group(1))
-        except (OSError, ValueError):
-            continue
-    return minors
 
 
 class _GpuFailed(Exception):
@@ -262,7 +241,7 @@ class GpuSource:
                 unnamed[index] = reason
         if unnamed:
             known = {self._minors[i] for i in range(count) if i not in unnamed and i in self._minors}
-            self._name_the_rest(count, known, unnamed, result)
+            name_the_rest(self.proc_root, count, known, unnamed, self._minors, result)
         self._log_failures(result)
         result.devices = self._variants.apply(self.sysfs_root, result.devices)
         if self.dynamic_mig:
@@ -272,32 +251,6 @@ class GpuSource:
         # Last: a shared form takes its GPU's counter set as it is by now.
         result.devices = self._extras.apply(result.devices, node_allocatable=self.node_allocatable)
         return result
-
-    def _name_the_rest(self, count: int, known: set[int], unnamed: dict[int, str], result: ScanResult) -> None:
-        """Name GPUs that failed before saying their minor: when the kernel driver lists exactly
-        NVML's GPUs, the minors no answering GPU has are those of the failing ones."""
-        by_bus = driver_minors(self.proc_root)
-        listed = set(by_bus.values())
-        left = sorted(listed - known)
-        if len(by_bus) == len(listed) == count and known <= listed and len(left) == len(unnamed):
-            if len(unnamed) == 1:
-                [(index, reason)] = unnamed.items()
-                [minor] = left
-                bus = next(b for b, m in by_bus.items() if m == minor)
-                self._minors[index] = minor
-                result.failed_devices.append(DeviceFailure(f"gpu-{minor}", f"NVML index {index}, {bus}: {reason}"))
-                return
-            # Each of these GPUs fails; which reason is whose is not known.
-            reasons = sorted(set(unnamed.values()))
-            why = reasons[0] if len(reasons) == 1 else "; ".join(
-                f"NVML index {i}: {r}" for i, r in sorted(unnamed.items()))
-            indexes = ", ".join(map(str, sorted(unnamed)))
-            for minor in left:
-                result.failed_devices.append(DeviceFailure(f"gpu-{minor}", f"one of NVML indexes {indexes}: {why}"))
-            return
-        # No name it would be published under: reported for people, not on the health stream.
-        for index, reason in sorted(unnamed.items()):
-            result.problems.append(SourceProblem(f"GPU at NVML index {index}", reason))
 
     def _log_failures(self, result: ScanResult) -> None:
         failed = {f.device: f.reason for f in result.failed_devices} | {p.what: p.reason for p in result.problems}
