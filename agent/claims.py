@@ -95,7 +95,9 @@ class DirectoryClaimSource:
     is found by the name inside the object.
     """
 
-    CACHE_SIZE = 4096
+    # A prepared claim is answered from its record and never read again: the cache serves a prepare
+    # after an unprepare, and retries (a large one held thousands of parsed claims for nothing).
+    CACHE_SIZE = 64
 
     def __init__(self, directory: Path) -> None:
         self.root = Path(directory) / "resourceclaims"

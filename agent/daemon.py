@@ -446,7 +446,7 @@ class Agent:
                       for t in self.health.conditions.taints(name) if t.key.endswith("/xid"))
         state = AgentState(devices=dict(devices), failing_sources=[f.kind for f in snapshot.failing_sources],
                            taints=dict(taints),
-                           prepared_claims=len(self.engine.records) if self.engine else 0,
+                           prepared_claims=len(self.engine.book) if self.engine else 0,
                            health_watchers=self.tracker.watchers)
         if self.servers is not None:
             state.registered = self.servers.registration_state.registered

@@ -207,12 +207,13 @@ def _remove_orphan_metadata(engine: PrepareEngine) -> list[str]:
     root = engine.metadata_root
     removed: list[str] = []
     records = engine.records
+    owned = {d for r in records.values() for d in r.dirs}
     for name in root.listdir():
         path = root.path / name
         uid = _uid_or_none(name)
         if uid is None:
             # Not a claim directory of this agent's layout: kept only while a record names it.
-            if str(path) not in {d for r in records.values() for d in r.dirs} and root.remove_tree(path):
+            if str(path) not in owned and root.remove_tree(path):
                 removed.append(str(path))
             continue
         with engine.claim_locked(uid):
