@@ -33,7 +33,7 @@ from agent.claimbook import ClaimBook
 from agent.claimfiles import ClaimFiles
 from agent.errors import ClaimFailure
 from agent.inventory import Inventory
-from agent.inventory.gpus import driver_minors
+from agent.inventory.gpuminors import driver_minors
 from agent.metadata import AllocatedDevice
 from agent.model import PCI_BUS_ID, Device, DeviceNode
 from agent.state import ClaimRecord, DeviceBinding, RecordState
