@@ -17,8 +17,12 @@ import shutil
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cdi.atomic import is_temp_name, write_at
+
+if TYPE_CHECKING:
+    from agent.ownchanges import OwnChanges
 
 __all__ = ["Root", "UnsafePath", "UnsafeRoot", "atomic_write", "check_root", "is_temp_name", "makedirs",
            "unlink_quiet"]
@@ -81,10 +85,11 @@ def check_root(path: Path, what: str) -> None:
 class Root:
     """A directory the agent owns. Paths given to its methods must lie below it."""
 
-    def __init__(self, path: Path, dir_mode: int = 0o755) -> None:
+    def __init__(self, path: Path, dir_mode: int = 0o755, own: OwnChanges | None = None) -> None:
         self.path = Path(path)
         self.dir_mode = dir_mode
         self._prefix = str(self.path) + os.sep
+        self.own = own  # where writes and removals are noted for self-healing (`agent.ownchanges`)
 
     def __repr__(self) -> str:
         return f"Root({str(self.path)!r})"
@@ -134,8 +139,10 @@ class Root:
 
     def write(self, path: str | Path, data: bytes, mode: int = 0o644, durable: bool = False) -> None:
         *dirs, name = self.parts(path)
+        own = self.own
+        noted = None if own is None else lambda inode: own.wrote(str(path), inode)
         with self.directory(dirs, create=True) as fd:
-            write_at(fd, name, data, mode, durable)
+            write_at(fd, name, data, mode, durable, before_rename=noted)
 
     def read(self, path: str | Path) -> bytes:
         *dirs, name = self.parts(path)
@@ -147,6 +154,8 @@ class Root:
     def unlink(self, path: str | Path, durable: bool = False) -> bool:
         """Remove a file (or a link, never its target); True if it was there."""
         *dirs, name = self.parts(path)
+        if self.own is not None:
+            self.own.removed(str(path))  # before: the event may be read at once
         try:
             with self.directory(dirs, create=False) as fd:
                 os.unlink(name, dir_fd=fd)
@@ -159,6 +168,8 @@ class Root:
     def remove_tree(self, path: str | Path) -> bool:
         """Remove a directory and all below it; a link in its place is removed itself."""
         *dirs, name = self.parts(path)
+        if self.own is not None:
+            self.own.removed(str(path))
         try:
             with self.directory(dirs, create=False) as fd:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)

@@ -51,6 +51,7 @@ from agent.metrics import Metrics
 from agent.migmode import MigModeMarks
 from agent.migprep import MigPartitioner, nvml_of
 from agent.names import ClaimRef, InvalidName, check_claim_ref
+from agent.ownchanges import OwnChanges
 from agent.partitionprep import HostEffects
 from agent.state import ClaimRecord, ClaimStore, DeviceBinding, PreparedDevice, RecordError
 from agent.toolkit import ToolkitSpecs
@@ -100,8 +101,9 @@ class PrepareEngine:
         self.store = store
         self.toolkit = toolkit or ToolkitSpecs([settings.static_cdi_dir, settings.cdi_dir],
                                                skip_prefixes=(settings.cdi_vendor,))
-        self.cdi_root = Root(settings.cdi_dir)
-        self.metadata_root = Root(settings.metadata_dir)
+        self.own_changes = OwnChanges()  # noted by the roots, skipped by self-healing (`agent.ownchanges`)
+        self.cdi_root = Root(settings.cdi_dir, own=self.own_changes)
+        self.metadata_root = Root(settings.metadata_dir, own=self.own_changes)
         self.files = ClaimFiles(settings, self.cdi_root, self.metadata_root)
         self.locks = LockTable()
         self.claim_lock = claim_lock or ClaimFileLock(settings.state_dir / "claims.lock")

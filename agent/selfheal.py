@@ -12,8 +12,9 @@ Watched with inotify, design target 1 s from the event:
 - the CDI directory: removed -> re-created, and the prepared claims' specs restored into it.
 
 Events are read from inotify on the event loop (`agent.inotify`: no thread, one parse per event;
-the temp files of the agent's own atomic writes are dropped by name); they are debounced per
-claim, so a burst of events costs one check. A watched directory that is removed
+the temp files of the agent's own atomic writes are dropped by name, and so are the events of the
+agent's own renames and removals, as `agent.ownchanges` tells them from anyone else's); they are
+debounced per claim, so a burst of events costs one check. A watched directory that is removed
 is watched again once it exists again: the nearest existing ancestor of each directory is
 watched too, and any directory event on the way re-arms the watches and checks everything
 (events missed while a directory was gone are covered by that full check).
@@ -74,6 +75,8 @@ class SelfHealer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._socket_lock = asyncio.Lock()
         self.restored = 0  # files and sockets restored (for tests and logs)
+        self.own_skipped = 0  # events of the agent's own changes, not checked
+        self.claim_checks = 0  # claims checked (each under its lock, reading its record)
 
     async def start(self) -> None:
         self._inotify = Inotify()
@@ -179,6 +182,12 @@ class SelfHealer:
         # renamed onto the file's name): only the rename's destination is a claim's file.
         if is_temp_name(os.path.basename(path)):
             return
+        if event.mask & IN_CREATE and event.is_dir and not any(
+                t == path or t.startswith(path + os.sep) for t in self.targets):
+            return  # a claim's directory made (its files' events follow); one removed is what needs a check
+        if self.engine.own_changes.is_own(path, event.mask):
+            self.own_skipped += 1
+            return  # the agent's own write or removal: nothing to restore
         self.on_event([path], event.is_dir)
 
     def _below_recursive(self, path: str) -> bool:
@@ -264,6 +273,7 @@ class SelfHealer:
 
     def _check_claim(self, uid: str) -> None:
         """Worker thread: restore the claim's files from its record, under the claim's locks."""
+        self.claim_checks += 1
         with self.engine.claim_locked(uid):
             self.engine.ensure_checked(uid)  # a record listed at start-up and not yet checked: now
             record = self.engine.current_or_purge(uid)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Callable
 
 TEMP_MARK = ".tmp-"
 
@@ -26,8 +27,10 @@ def is_temp_name(name: str) -> bool:
 
 
 def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, durable: bool = False,
-             sync_dir: bool = True) -> None:
+             sync_dir: bool = True, before_rename: Callable[[int], None] | None = None) -> None:
     """Atomically write `data` as `name` in the directory `dir_fd`, with exactly `mode`.
+    `before_rename` is given the new file's inode before it takes the name (so a watcher can tell
+    this write's rename from anyone else's, whenever it sees the event).
 
     `durable` adds fsync of the file and of the directory, so the new file survives a
     power loss once this returns. With `sync_dir` false the directory's fsync is left to the
@@ -41,12 +44,15 @@ def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, durable: bo
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            if os.fstat(fd).st_mode & 0o7777 != mode:
+            st = os.fstat(fd)
+            if st.st_mode & 0o7777 != mode:
                 os.fchmod(fd, mode)  # the umask narrowed it
             if durable:
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if before_rename is not None:
+            before_rename(st.st_ino)
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -178,3 +178,24 @@ async def test_stopping_does_not_bring_the_sockets_back(short_tmp):
     await asyncio.sleep(0.5)
     assert not os.path.exists(a.settings.registration_socket)
     assert not os.path.exists(a.settings.dra_socket)
+
+
+async def test_the_agents_own_writes_and_removals_cost_no_check_anyone_elses_do(agent):
+    heal = agent.selfheal
+    before = heal.claim_checks
+    files = await prepared(agent, "c", UID1)  # waits for the events of the writes to be read
+    assert await agent.engine.unprepare([ClaimRef("default", "c", UID1)]) == {UID1: ""}
+    await asyncio.sleep(0.4)
+    assert heal.claim_checks == before and heal.own_skipped > 0
+    # The same claim prepared again: a file replaced by someone else (another inode under the name)
+    # and one removed by someone else are restored as ever.
+    files = await prepared(agent, "c", UID1)
+    path = spec_path(agent, UID1)
+    with open(path + ".x", "wb") as f:
+        f.write(b"{}")
+    os.replace(path + ".x", path)
+    await within(TARGET, lambda: content(path) == files[path])
+    meta = metadata_path(files)
+    os.unlink(meta)
+    await within(TARGET, lambda: content(meta) == files[meta])
+    assert heal.claim_checks > before
