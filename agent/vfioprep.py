@@ -22,7 +22,6 @@ retryable DeviceBusy before anything moves; a step the kernel does not complete 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -197,23 +196,6 @@ class Passthrough:
         return record
 
     # -- a claim's passthrough operations (with the claim's and its devices' locks) -------------------
-
-    def unbind_after_failure(self, intent: ClaimRecord, files: ClaimFiles) -> None:
-        """A prepare with bindings failed: put the functions back, then drop the record (its files are
-        removed by the caller or were never written). When the functions cannot be put back, the
-        `binding` record stays, and the next prepare, unprepare or start rolls it back again."""
-        try:
-            self.book.write(intent)  # the disk says `binding` (not `prepared`) while this runs
-            files.remove_claim_files(intent.uid)
-            self.restore(intent, None)
-        except (VfioError, OSError) as exc:
-            log.error("claim %s/%s: could not put its PCI functions back after a failed prepare (%s); its record "
-                      "stays in state binding, to be rolled back by the next operation or start",
-                      intent.namespace, intent.name, exc)
-            return
-        with contextlib.suppress(OSError):
-            self.book.store.delete(intent.uid)
-        self.book.forget(intent.uid)
 
     def settle(self, record: ClaimRecord, files: ClaimFiles) -> None:
         """Finish a passthrough prepare or unprepare that stopped halfway: `binding` is rolled back,
