@@ -58,9 +58,7 @@ def build_sources(settings: Settings) -> list[Source]:
     from agent.inventory.nics import NicSource
     from agent.inventory.simnics import SimNicSource
 
-    sources: list[Source] = [GpuSource(settings, sharing=settings.gpu_sharing,
-                                                     host_memory_overhead=settings.gpu_host_memory_overhead),
-                              NicSource(settings, passthrough=settings.nic_passthrough),
+    sources: list[Source] = [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough),
                              CpuSource(settings), MemorySource(settings)]
     if settings.nvml.kind == "sim":
         # The simulated NIC's functions have no netdev for NIC discovery to find; listed after GPU

@@ -12,23 +12,20 @@ from typing import Any
 import kubernetes_validate
 import orjson
 import pytest
-from agentkit import DRIVER, NODE, Node, StaticSource, claim, nic, result, roots, write_claim
+from agentkit import DRIVER, NODE, Node, claim, make_node, result, roots, write_claim
 from kubeapi import RESOURCE_SLICES, KubeApi
 
-from agent import apirules, claimplan, metadata, prepare, quantity
-from agent.claims import DirectoryClaimSource
+from agent import apirules, claimplan, metadata, quantity
 from agent.config import NvmlMode, Settings
-from agent.daemon import PublishedForm, set_node_allocatable
+from agent.daemon import set_node_allocatable
 from agent.inventory import Inventory
 from agent.inventory.gpus import GpuSource
 from agent.inventory.gpushare import SHARE_KIND, memory_request_policy
 from agent.kube import NODE_ALLOCATABLE_FEATURE, NodeInfo, read_node
 from agent.model import Device
 from agent.names import ClaimRef
-from agent.prepare import PrepareEngine
 from agent.publisher import ApiPublisher
 from agent.slices import build_slices
-from agent.state import ClaimStore
 
 UID1 = "5a4e0c1d-0000-4000-8000-000000000001"
 UID2 = "5a4e0c1d-0000-4000-8000-000000000002"
@@ -161,21 +158,8 @@ def test_node_allocatable_rules(res: dict[str, Any], expect: str | None) -> None
 # -- prepare ------------------------------------------------------------------------------------------
 
 @pytest.fixture
-async def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Node:
-    # The engine lists the kinds it prepares (agent/prepare.py, not this change's file): until it lists
-    # the shared form, the test adds it, as the integrator will (a no-op then).
-    if SHARE_KIND not in prepare.PREPARABLE_KINDS:
-        monkeypatch.setattr(prepare, "PREPARABLE_KINDS", (*prepare.PREPARABLE_KINDS, SHARE_KIND))
-    settings = roots(tmp_path)
-    nic_source = StaticSource("nic", [nic()])
-    inventory = Inventory([GpuSource(settings, sharing=True), nic_source], refine=PublishedForm())
-    inventory.open()
-    await inventory.scan()
-    assert settings.offline is not None
-    store = ClaimStore(settings.claims_state_dir)
-    store.ensure()
-    engine = PrepareEngine(settings, inventory, DirectoryClaimSource(settings.offline), store)
-    return Node(settings, inventory, engine, nic_source)
+async def node(tmp_path: Path) -> Node:
+    return await make_node(tmp_path, gpu_sharing=True)
 
 
 def share(uid: str, share_id: str, memory: str, device: str = "gpu-0-shared") -> dict[str, Any]:

@@ -41,7 +41,7 @@ from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult
 from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
 from agent.inventory.gpuminors import driver_minors as driver_minors
 from agent.inventory.gpuminors import name_the_rest
-from agent.inventory.gpushare import DEFAULT_HOST_MEMORY_OVERHEAD, GpuExtras
+from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
 from agent.inventory.nvml_profiles import ProfileError, error_name
 from agent.inventory.nvml_sim import SimulatedNvml
@@ -106,8 +106,8 @@ class _GpuFailed(Exception):
 class GpuSource:
     kind = "gpu"
 
-    def __init__(self, settings: Settings, dynamic_mig: bool | None = None, *, sharing: bool = False,
-                 host_memory_overhead: int = DEFAULT_HOST_MEMORY_OVERHEAD) -> None:
+    def __init__(self, settings: Settings, dynamic_mig: bool | None = None, *, sharing: bool | None = None,
+                 host_memory_overhead: int | None = None) -> None:
         self.settings = settings
         # Publish MIG placements (`--dynamic-mig`); the argument overrides the setting (tests).
         self.dynamic_mig = dynamic_mig if dynamic_mig is not None else settings.dynamic_mig
@@ -115,7 +115,10 @@ class GpuSource:
         # vGPU types the host driver offers (`--vgpu-types`, checked by Settings).
         self._vgpu = VgpuDevices(VgpuPolicy.of(settings.vgpu_types, settings.compatibility_groups))
         # Shared forms (`--gpu-sharing`) and the host-memory overhead (`--gpu-host-memory-overhead`).
-        self._extras = GpuExtras(sharing, host_memory_overhead)
+        # The arguments override the settings (tests).
+        self._extras = GpuExtras(settings.gpu_sharing if sharing is None else sharing,
+                                 settings.gpu_host_memory_overhead if host_memory_overhead is None
+                                 else host_memory_overhead)
         # Set by the daemon when the Node declares DRANodeAllocatableResources (as for CPU and memory).
         self.node_allocatable: bool = False
         self.nvml: Any = None  # the pynvml module, a SimulatedNvml, or None (no GPUs)
