@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from agent import kubelet_client as kc
+from agent import quantity
 from agent.claims import DirectoryClaimSource
 from agent.config import NvmlMode, Settings, build_settings
 from agent.daemon import PublishedForm
@@ -188,3 +189,15 @@ def written_files(settings: Settings) -> dict[str, bytes]:
     for root in (settings.cdi_dir, settings.plugin_dir, settings.claims_state_dir):
         out.update({f"{root}/{k}": v for k, v in tree(root).items()})
     return out
+
+
+def fits(devices: Iterable[Device]) -> bool:
+    """Whether the devices' counter consumptions fit their counter sets together (the scheduler's sum)."""
+    used: dict[str, int] = {}
+    total: dict[str, str] = {}
+    for dev in devices:
+        for c in dev.consumes_counters:
+            total.update(c.counter_set.counters)
+            for k, v in c.counters.items():
+                used[k] = used.get(k, 0) + quantity.parse_int(v)
+    return all(n <= quantity.parse_int(total[k]) for k, n in used.items())

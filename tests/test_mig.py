@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import ctypes
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pynvml
 import pytest
+from agentkit import fits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import apirules, counters, quantity
+from agent import apirules, counters
 from agent.config import NvmlMode, Settings
 from agent.inventory import mig
 from agent.inventory.gpus import GpuSource
@@ -217,17 +217,6 @@ def gpu0(tmp_path_factory: pytest.TempPathFactory) -> list[Device]:
     path = root / "one.json"
     path.write_text(json.dumps({"gpus": [H100]}))
     return scan(root, str(path))
-
-
-def fits(devices: Iterable[Device]) -> bool:
-    used: dict[str, int] = {}
-    total: dict[str, str] = {}
-    for dev in devices:
-        for c in dev.consumes_counters:
-            total.update(c.counter_set.counters)
-            for k, v in c.counters.items():
-                used[k] = used.get(k, 0) + quantity.parse_int(v)
-    return all(n <= quantity.parse_int(total[k]) for k, n in used.items())
 
 
 def nvml_accepts(devices: list[Device]) -> bool:

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+from agentkit import fits
 
-from agent import apirules, counters, failpoints, quantity
+from agent import apirules, counters, failpoints
 from agent.config import ConfigError, NvmlMode, Settings
 from agent.inventory import vgpu
 from agent.inventory.gpus import SIM_DIR, GpuSource
@@ -140,17 +141,6 @@ def test_vgpu_devices_published_per_instance_within_the_api_limits(dgx: list[Dev
     assert use.counter_set == gpu0.consumes_counters[0].counter_set and set(use.counters) == {"memory"}
     assert vgpu.target_of(dev) == vgpu.VgpuTarget(GPU, "nvidia-1022")
     assert all(not apirules.dns_label_errors(n) for n in published)
-
-
-def fits(devices: Iterable[Device]) -> bool:
-    used: dict[str, int] = {}
-    total: dict[str, str] = {}
-    for dev in devices:
-        for c in dev.consumes_counters:
-            total.update(c.counter_set.counters)
-            for k, v in c.counters.items():
-                used[k] = used.get(k, 0) + quantity.parse_int(v)
-    return all(n <= quantity.parse_int(total[k]) for k, n in used.items())
 
 
 def test_what_the_counters_allow_against_what_the_driver_accepts(dgx: list[Device]) -> None:
