@@ -1,7 +1,7 @@
 """A small sample of `make stress` in every test run, so the crash suite and the fuzzer stay honest:
 SIGKILLs at random side-effect steps of prepare, unprepare and refresh (the engine in forked agent
-processes, and the real daemon), each followed by a restart and a check of the whole disk; and
-fuzzed claims and kubelet calls."""
+processes, and the real daemon), each followed by a restart and a check of the whole disk and of the
+simulated hardware (bindings, MIG instances, mediated devices); and fuzzed claims and kubelet calls."""
 
 from __future__ import annotations
 
@@ -22,3 +22,5 @@ def test_crashes_and_fuzzed_inputs_leave_every_claim_all_or_nothing(tmp_path: Pa
     assert results["inconsistencies"] == 0 and results["fuzz_failures"] == 0
     assert results["kills"] >= 40 and results["daemon_kills"] >= 2
     assert results["fuzz_inputs"] >= 360
+    # The MIG and vGPU claims were prepared for real (their partitions made through NVML and sysfs).
+    assert results["partition_prepares"].get("mig", 0) > 0 and results["partition_prepares"].get("vgpu", 0) > 0

@@ -2,16 +2,19 @@
 
 Crash rounds. A pool of claims (GPUs, a NIC, a CPU; plain and template claims; a VM's
 passthrough GPU and a NIC VF with VfioConfig, bound to vfio-pci on the simulated machine by
-its kernel emulator) is prepared, unprepared and refreshed (the NIC's addresses change) in random
-concurrent batches by an agent process (the prepare engine over the real roots,
-forked from this one), which dies by SIGKILL at a random side-effect step
-(`failpoints`, `*@N=kill`). The next process is the restart: start-up recovery,
-then this process checks the whole disk (every record's files exist and match it;
-no agent file without a record; no temp file left; every prepare that returned
-success is prepared; every unprepare that returned success left nothing; no record
-left mid-bind or mid-restore; each PCI function bound to exactly the driver the
-records say: vfio-pci for a prepared passthrough device, else its own), then
-the next round runs in it, and so on. A few rounds kill the real `dra-agent run`
+its kernel emulator; MIG devices, whose GPU and compute instances prepare makes through the
+simulated NVML; vGPUs, mediated devices prepare creates through sysfs) is prepared,
+unprepared and refreshed (the NIC's addresses change) in random concurrent batches by an
+agent process (the prepare engine over the real roots, forked from this one), which dies by
+SIGKILL at a random side-effect step (`failpoints`, `*@N=kill`). The next process is the
+restart: start-up recovery, then this process checks the whole disk (every record's files
+exist and match it; no agent file without a record; no temp file left; every prepare that
+returned success is prepared; every unprepare that returned success left nothing; no record
+left mid-bind or mid-restore; each PCI function bound to exactly the driver the records say:
+vfio-pci for a prepared passthrough device, else its own; each GPU instance in the simulated
+hardware's persisted MIG state a prepared record's, and each recorded one there; MIG mode off
+on a GPU without instances; each mediated device a prepared record's, and each recorded one
+there), then the next round runs in it, and so on. A few rounds kill the real `dra-agent run`
 daemon, driven over its sockets by a kubelet stand-in.
 
 Fuzzing (hypothesis). Claim objects, opaque configuration, names and UIDs go
@@ -54,29 +57,42 @@ from agent.config import Settings  # noqa: E402
 from agent.daemon import PublishedForm  # noqa: E402
 from agent.fsutil import is_temp_name  # noqa: E402
 from agent.inventory import Inventory  # noqa: E402
-from agent.inventory.gpus import GpuSource  # noqa: E402
+from agent.inventory.gpus import SIM_DIR, GpuSource  # noqa: E402
 from agent.inventory.nvml_hardware import sim_functions  # noqa: E402
 from agent.inventory.nvml_profiles import load_profile  # noqa: E402
+from agent.inventory.nvml_sim_migstate import STATE_FILE as MIG_STATE_FILE  # noqa: E402
 from agent.inventory.passthrough import NicVariants  # noqa: E402
+from agent.mdev import sysfs as mdev  # noqa: E402
 from agent.model import Device  # noqa: E402
 from agent.names import ClaimRef  # noqa: E402
 from agent.prepare import PrepareEngine  # noqa: E402
 from agent.recovery import recover  # noqa: E402
 from agent.simkernel.emulator import KernelEmulator  # noqa: E402
 from agent.simkernel.tree import SimTree  # noqa: E402
-from agent.state import ClaimRecord, ClaimStore  # noqa: E402
+from agent.state import ClaimRecord, ClaimStore, PartitionKind  # noqa: E402
 from agent.vfio.host import VfioHost  # noqa: E402
 
 NIC = "nic-0000-3b-00-0"
 PROFILE = "dgx-h100"
-VM_GPU = "gpu-0000-ba-00-0-vfio"  # gpu-6's passthrough form: native claims take gpu-0..5
+NATIVE_GPUS = 4  # native claims take gpu-0..3; gpu-4 is cut into MIG devices, gpu-5 into vGPUs
+VM_GPU = "gpu-0000-ba-00-0-vfio"  # gpu-6's passthrough form
 VM_VF = "nic-0000-4b-00-1-vfio"  # the ConnectX-7's VF 0
 VM_CLAIMS = {4: VM_GPU, 5: VM_VF}
+# Claims of one GPU partition each: placements of gpu-4 that never overlap (slices 0, 2-3, 4-7), so all
+# can be prepared at once, and two vGPUs of one type on gpu-5 (a GPU hosts one type at a time). Claims 1
+# and 2 are among the daemon rounds' six too.
+PARTITION_CLAIMS = {1: "gpu-4-mig-1g10gb-0", 2: "gpu-5-vgpu-nvidia-1022-0", 6: "gpu-4-mig-2g20gb-2",
+                    7: "gpu-4-mig-3g40gb-4", 8: "gpu-5-vgpu-nvidia-1022-1"}
 NIC_VARIANTS: tuple[tuple[str, ...], ...] = ((), ("10.0.0.5/24",), ("10.0.0.6/24", "fd00::6/64"))
 
 
 def claim_uid(i: int) -> str:
     return f"c0000000-0000-4000-8000-{i:012d}"
+
+
+def partition_of(uid: str) -> str | None:
+    """The MIG or vGPU device of a partition claim, by its UID."""
+    return PARTITION_CLAIMS.get(int(uid[-12:]))
 
 
 # -- the disk as it must be after a restart ----------------------------------------------------------------
@@ -114,6 +130,7 @@ def check_disk(settings: Settings, expect: dict[str, str]) -> list[str]:
             problems += [f"orphan metadata file {os.path.join(parent, f)}" for f in files
                          if os.path.join(parent, f) not in owned]
     problems += check_bindings(settings, records)
+    problems += check_partitions(settings, records)
     for uid, state in sorted(expect.items()):
         if state == "prepared" and uid not in records:
             problems.append(f"claim {uid}: its prepare returned success, but it is not prepared")
@@ -143,6 +160,62 @@ def check_bindings(settings: Settings, records: dict[str, ClaimRecord]) -> list[
     return problems
 
 
+def check_partitions(settings: Settings, records: dict[str, ClaimRecord]) -> list[str]:
+    """Each GPU instance in the simulated hardware's persisted MIG state a prepared record's MIG partition
+    (same parent GPU, GPU instance id, placement, compute instance) and each recorded one there; MIG mode
+    off on a GPU without instances (only the agent turns it on here); each mediated device of the
+    simulated machine a prepared record's mdev partition (its UUID, parent and type) and each recorded
+    one there."""
+    problems: list[str] = []
+    mig: dict[tuple[str, int], tuple[str, int, int]] = {}  # (parent UUID, GI id) -> (uid, start, CI id)
+    mdevs: dict[str, tuple[str, str, str]] = {}  # mdev UUID -> (uid, parent bus ID, type)
+    for uid, record in records.items():
+        for p in record.partitions:
+            if p.kind is PartitionKind.MIG:
+                mig[(p.parent, p.gpu_instance)] = (uid, p.start, p.compute_instance)
+            elif p.kind is PartitionKind.MDEV:
+                mdevs[p.uuid] = (uid, p.parent, p.profile)
+    root = settings.state_dir / SIM_DIR
+    gpus = load_profile(PROFILE).gpus
+    try:
+        state = orjson.loads((root / MIG_STATE_FILE).read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        state = {"gpus": [{"mode": 0, "gis": []}] * len(gpus)}
+        if mig:
+            problems.append(f"the simulated MIG state is not readable ({exc}), but records have MIG partitions")
+    seen: set[tuple[str, int]] = set()
+    for gpu, gpu_state in zip(gpus, state["gpus"], strict=True):
+        if gpu_state is None:
+            continue
+        if not gpu_state["gis"] and gpu_state["mode"] != 0:
+            problems.append(f"GPU {gpu.uuid} has no GPU instance left, but its MIG mode is still on")
+        for gi in gpu_state["gis"]:
+            key = (gpu.uuid, int(gi["id"]))
+            seen.add(key)
+            owner = mig.get(key)
+            if owner is None:
+                problems.append(f"orphan GPU instance {gi['id']} (start {gi['start']}) on GPU {gpu.uuid}")
+            elif gi["start"] != owner[1] or list(gi["cis"]) != [str(owner[2])]:
+                problems.append(f"claim {owner[0]}: GPU instance {gi['id']} of GPU {gpu.uuid} is at {gi['start']} "
+                                f"with compute instances {sorted(gi['cis'])}; the record says {owner[1]} with "
+                                f"compute instance {owner[2]}")
+    problems += [f"claim {uid}: its GPU instance {gi} of GPU {parent} is not in the hardware"
+                 for (parent, gi), (uid, _start, _ci) in sorted(mig.items()) if (parent, gi) not in seen]
+    sysfs = root / "sys"
+    present = {u: (parent, type_id) for parent in mdev.parents(sysfs)
+               for u, type_id in mdev.mdevs_of(sysfs, parent).items()}
+    for u, (parent, type_id) in sorted(present.items()):
+        owner_of = mdevs.get(u)
+        if owner_of is None:
+            problems.append(f"orphan mediated device {u} ({type_id} on {parent})")
+        elif owner_of[1:] != (parent, type_id):
+            problems.append(f"claim {owner_of[0]}: mediated device {u} is {type_id} on {parent}, the record says "
+                            f"{owner_of[2]} on {owner_of[1]}")
+    problems += [f"claim {uid}: its mediated device {u} ({type_id} on {parent}) is not on the machine"
+                 for u, (uid, parent, type_id) in sorted(mdevs.items()) if u not in present]
+    return problems
+
+
 # -- crash rounds --------------------------------------------------------------------------------------------
 
 @dataclass
@@ -154,6 +227,8 @@ class CrashReport:
     inconsistencies: int = 0
     problems: list[str] = field(default_factory=list)
     steps_reached: dict[str, int] = field(default_factory=dict)  # where the forked agents were killed
+    # Prepares of the MIG and vGPU claims that returned success (the partitions were made, or found made).
+    partition_prepares: dict[str, int] = field(default_factory=dict)
 
 
 def _claims(rng: random.Random, count: int) -> list[dict[str, Any]]:
@@ -167,34 +242,59 @@ def _claims(rng: random.Random, count: int) -> list[dict[str, Any]]:
             out.append(agentkit.claim(f"claim-{i}", claim_uid(i), [agentkit.result(VM_CLAIMS[i], "vm")],
                                       config=config))
             continue
-        results = [agentkit.result(f"gpu-{rng.randrange(6)}", "a")]
+        if i in PARTITION_CLAIMS:  # a MIG device or a vGPU, and sometimes the NIC (refreshed with it)
+            results = [agentkit.result(PARTITION_CLAIMS[i], "part")]
+            if rng.random() < 0.5:
+                results.append(agentkit.result(NIC, "net"))
+            out.append(agentkit.claim(f"claim-{i}", claim_uid(i), results))
+            continue
+        results = [agentkit.result(f"gpu-{rng.randrange(NATIVE_GPUS)}", "a")]
         if rng.random() < 0.5:
             results.append(agentkit.result(NIC, "net"))
         if rng.random() < 0.3:
             results.append(agentkit.result("cpu-numa0", "b"))
         if rng.random() < 0.3:
-            results.append(agentkit.result(f"gpu-{rng.randrange(6)}", "a/sub"))
+            results.append(agentkit.result(f"gpu-{rng.randrange(NATIVE_GPUS)}", "a/sub"))
         annotations = {"resource.kubernetes.io/pod-claim-name": f"pc{i}"} if i % 3 == 0 else None
         out.append(agentkit.claim(f"claim-{i}", claim_uid(i), results, annotations=annotations))
     return out
 
 
-class _Agent:
-    """The agent process of one round (runs in the forked child)."""
+def crash_settings(work: Path) -> Settings:
+    # With compatibility groups every vGPU type is published (without, none on a GPU with MIG placements).
+    return agentkit.roots(work, compatibility_groups=True)
 
-    def __init__(self, settings: Settings, gpus: list[Device], nic_variant: int) -> None:
+
+class _Agent:
+    """The agent process of one round (runs in the forked child), or the last restart. Its GPUs come
+    from a real GPU source over the simulated NVML, which the MIG partitioner finds in the inventory
+    (`agent.migprep.nvml_of`); scanned once per process (the NIC refreshes scan the NIC source only)."""
+
+    def __init__(self, settings: Settings, nic_variant: int) -> None:
         self.settings = settings
-        self.vfs = [d for d in NicVariants().apply(VfioHost.of(settings).sysfs, []) if d.kind == "vfio"]
-        self.nics = agentkit.StaticSource("nic", [agentkit.nic(ips=NIC_VARIANTS[nic_variant]), *self.vfs])
-        self.inventory = Inventory([agentkit.StaticSource("gpu", gpus), self.nics,
-                                    agentkit.StaticSource("cpu", [agentkit.cpu()])], refine=PublishedForm())
+        self.gpus = GpuSource(settings)
+        self.vfs: list[Device] = []
+        self.nics = agentkit.StaticSource("nic", [])
+        self.nic_variant = nic_variant
+        self.inventory = Inventory([self.gpus, self.nics, agentkit.StaticSource("cpu", [agentkit.cpu()])],
+                                   refine=PublishedForm())
         assert settings.offline is not None
         self.engine = PrepareEngine(settings, self.inventory, DirectoryClaimSource(settings.offline),
                                     ClaimStore(settings.claims_state_dir))
 
+    def open(self) -> KernelEmulator:
+        """Open NVML (which writes the simulated machine, keeping what its kernel changed since), then
+        start this process's simulated kernel (the last one died with its agent), as the daemon does:
+        before recovery, which binds and removes mediated devices. The caller scans."""
+        self.inventory.open()
+        self.vfs = [d for d in NicVariants().apply(VfioHost.of(self.settings).sysfs, []) if d.kind == "vfio"]
+        self.nics.devices = [agentkit.nic(ips=NIC_VARIANTS[self.nic_variant]), *self.vfs]
+        kernel = KernelEmulator(load_profile(PROFILE), VfioHost.of(self.settings).sysfs.parent)
+        kernel.start()
+        return kernel
 
-def _child(settings: Settings, gpus: list[Device], uids: list[str], seed: int, kill_at: int,
-           out_fd: int, in_fd: int) -> None:
+
+def _child(settings: Settings, uids: list[str], seed: int, kill_at: int, out_fd: int, in_fd: int) -> None:
     rng = random.Random(seed)
     out = os.fdopen(out_fd, "w", buffering=1)
 
@@ -217,9 +317,8 @@ def _child(settings: Settings, gpus: list[Device], uids: list[str], seed: int, k
             await agent.engine.refresh_devices({NIC})
 
     async def main() -> None:
-        agent = _Agent(settings, gpus, rng.randrange(len(NIC_VARIANTS)))
-        # This process's simulated kernel (the last one died with its agent), before recovery binds.
-        KernelEmulator(load_profile(PROFILE), VfioHost.of(settings).sysfs.parent).start()
+        agent = _Agent(settings, rng.randrange(len(NIC_VARIANTS)))
+        agent.open()
         await agent.inventory.scan()
         report = await asyncio.to_thread(recover, agent.engine)
         say("R", str(len(report.records)))
@@ -258,12 +357,8 @@ def _read_lines(fd: int, pid: int) -> Iterable[str]:
 def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kills: int = 0,
                  log: Callable[[str], None] = print) -> CrashReport:
     rng = random.Random(seed)
-    settings = agentkit.roots(work)
+    settings = crash_settings(work)
     assert settings.offline is not None
-    gpu_source = GpuSource(settings)
-    gpu_source.open()
-    gpus = gpu_source.scan().devices
-    gpu_source.close()
     claims = _claims(rng, 12)
     for obj in claims:
         agentkit.write_claim(settings.offline / "resourceclaims", obj)
@@ -281,7 +376,7 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
             try:
                 os.close(out_r)
                 os.close(in_w)
-                _child(settings, gpus, uids, rng.randrange(2**32), kill_at, out_w, in_r)
+                _child(settings, uids, rng.randrange(2**32), kill_at, out_w, in_r)
                 os._exit(0)
             except BaseException:
                 import traceback
@@ -315,6 +410,9 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
                         expect[uid] = "prepared" if op == "prepare" else "absent"
                     else:
                         expect[uid] = "unknown"
+                    if outcome == "ok" and op == "prepare" and (part := partition_of(uid)):
+                        kind = "mig" if "-mig-" in part else "vgpu"
+                        report.partition_prepares[kind] = report.partition_prepares.get(kind, 0) + 1
         finally:
             os.close(out_r)
             os.close(in_w)
@@ -332,11 +430,15 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
         if report.kills and report.kills % 100 == 0 and os.WIFSIGNALED(status):
             log(f"  {report.kills} kills, {report.inconsistencies} inconsistencies")
     # The last restart, and its check.
-    last = _Agent(settings, gpus, 0)
-    asyncio.run(last.inventory.scan())
-    with KernelEmulator(load_profile(PROFILE), VfioHost.of(settings).sysfs.parent):
+    last = _Agent(settings, 0)
+    kernel = last.open()
+    try:
+        asyncio.run(last.inventory.scan())
         recover(last.engine)
-    problems = check_disk(settings, expect)
+        problems = check_disk(settings, expect)
+    finally:
+        kernel.stop()
+        last.inventory.close()
     report.inconsistencies += len(problems)
     report.problems += [f"final: {p}" for p in problems]
     if daemon_kills:
@@ -355,7 +457,7 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
 
     work.mkdir(parents=True, exist_ok=True)
     short = Path(tempfile.mkdtemp(prefix="dra-st-", dir="/tmp"))  # socket paths stay short
-    settings = agentkit.roots(short)
+    settings = crash_settings(short)
     assert settings.offline is not None
     claims = _claims(rng, 6)
     for obj in claims:
@@ -366,6 +468,7 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
             "--offline", str(settings.offline), "--kubelet-dir", str(settings.kubelet_dir),
             "--cdi-dir", str(settings.cdi_dir), "--static-cdi-dir", str(settings.static_cdi_dir),
             "--state-dir", str(settings.state_dir), "--nic-exclude", "*", "--rescan-interval", "3600",
+            "--compatibility-groups", "true",
             "--log-format", "json", "--metrics-address", ""]
 
     async def ready(proc: subprocess.Popen[bytes]) -> None:
@@ -682,6 +785,7 @@ def run(kills: int, daemon_kills: int, engine_inputs: int, grpc_inputs: int, see
         "rounds": crash.rounds,
         "rounds_without_kill": crash.completed_rounds,
         "kills_by_step": dict(sorted(crash.steps_reached.items())),
+        "partition_prepares": dict(sorted(crash.partition_prepares.items())),
         "inconsistencies": crash.inconsistencies,
         "fuzz_inputs": fz.inputs,
         "fuzz_failures": fz.failures,
