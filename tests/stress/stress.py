@@ -51,7 +51,7 @@ sys.path[:0] = [str(ROOT), str(TESTS)]
 
 import agentkit  # noqa: E402
 
-from agent import cdispecs, failpoints  # noqa: E402
+from agent import cdispecs, failpoints, metadata  # noqa: E402
 from agent.claims import DirectoryClaimSource  # noqa: E402
 from agent.config import Settings  # noqa: E402
 from agent.daemon import PublishedForm  # noqa: E402
@@ -165,7 +165,8 @@ def check_partitions(settings: Settings, records: dict[str, ClaimRecord]) -> lis
     (same parent GPU, GPU instance id, placement, compute instance) and each recorded one there; MIG mode
     off on a GPU without instances (only the agent turns it on here); each mediated device of the
     simulated machine a prepared record's mdev partition (its UUID, parent and type) and each recorded
-    one there."""
+    one there; and each partition's device in the claim's metadata carrying the partition's UUID (MIG:
+    `uuid`, vGPU: `mdevUUID`), at prepare and after every refresh."""
     problems: list[str] = []
     mig: dict[tuple[str, int], tuple[str, int, int]] = {}  # (parent UUID, GI id) -> (uid, start, CI id)
     mdevs: dict[str, tuple[str, str, str]] = {}  # mdev UUID -> (uid, parent bus ID, type)
@@ -175,6 +176,7 @@ def check_partitions(settings: Settings, records: dict[str, ClaimRecord]) -> lis
                 mig[(p.parent, p.gpu_instance)] = (uid, p.start, p.compute_instance)
             elif p.kind is PartitionKind.MDEV:
                 mdevs[p.uuid] = (uid, p.parent, p.profile)
+        problems += _partition_metadata(settings, uid, record)
     root = settings.state_dir / SIM_DIR
     gpus = load_profile(PROFILE).gpus
     try:
@@ -214,6 +216,25 @@ def check_partitions(settings: Settings, records: dict[str, ClaimRecord]) -> lis
     problems += [f"claim {uid}: its mediated device {u} ({type_id} on {parent}) is not on the machine"
                  for u, (uid, parent, type_id) in sorted(mdevs.items()) if u not in present]
     return problems
+
+
+def _partition_metadata(settings: Settings, uid: str, record: ClaimRecord) -> list[str]:
+    """The claim's metadata files give each partition device its partition's UUID."""
+    want = {p.device: ("uuid" if p.kind is PartitionKind.MIG else "mdevUUID", p.uuid) for p in record.partitions}
+    problems = []
+    for f in record.files:
+        if not f.path.startswith(f"{settings.metadata_dir}/"):
+            continue
+        for obj in metadata.parse_stream(f.content):
+            for request in obj.get("requests", []):
+                for dev in request.get("devices", []):
+                    if dev.get("name") in want:
+                        attr, value = want[dev["name"]]
+                        if dev.get("attributes", {}).get(attr) != {"string": value}:
+                            problems.append(f"claim {uid}: metadata {f.path} (generation {record.generation}) gives "
+                                            f"{dev['name']} {attr}={dev.get('attributes', {}).get(attr)}, the "
+                                            f"partition's is {value}")
+    return list(dict.fromkeys(problems))  # once per file, not per API version in it
 
 
 # -- crash rounds --------------------------------------------------------------------------------------------
