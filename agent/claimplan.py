@@ -25,6 +25,7 @@ from agent.config import Settings
 from agent.inventory.gpushare import MIB, SHARE_KIND
 from agent.model import Device
 from agent.names import base_request
+from agent.partitions import partition_attributes
 from agent.state import ClaimRecord, DeviceBinding, FileRecord, PreparedDevice
 from agent.toolkit import ToolkitSpecs
 from cdi.store import encode_spec
@@ -113,11 +114,14 @@ def refreshed(s: Settings, lookup: Callable[[str], Device | None],
     it; the file keeps the last known truth)."""
     allocated = []
     macs = {b.device: b.mac for b in record.bindings}
+    made = {p.device: partition_attributes(p) for p in record.partitions}  # MIG or mdev UUIDs
     consumed = _recorded_consumption(s, record)
     for d in record.devices:
         device = lookup(d.device)
         if device is None:
             return None
+        if made.get(d.device):
+            device = dataclasses.replace(device, attributes={**device.attributes, **made[d.device]})
         allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id, macs.get(d.device, ""),
                                                   consumed.get((d.request, d.device, d.share_id), {})))
     common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,

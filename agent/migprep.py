@@ -46,7 +46,7 @@ from agent.metadata import AllocatedDevice
 from agent.migmode import MigModeMarks
 from agent.migquery import CI_PROFILES, CapUnreadable, cap_minor, ci_handles, ci_ids, gi_at, gpu_instances
 from agent.model import DeviceNode
-from agent.partitions import WritePartition
+from agent.partitions import WritePartition, partition_attributes
 from agent.state import DevicePartition, PartitionKind
 
 log = logging.getLogger(__name__)
@@ -280,7 +280,7 @@ class MigPartitioner:
         dev = allocated.device
         node = dataclasses.replace(dev.node, device_nodes=tuple(nodes), gpu_uuid=part.uuid)
         return dataclasses.replace(allocated, device=dataclasses.replace(
-            dev, attributes={**dev.attributes, "uuid": part.uuid}, node=node))
+            dev, attributes={**dev.attributes, **partition_attributes(part)}, node=node))
 
     # -- NVML ----------------------------------------------------------------------------------------
 

@@ -27,11 +27,11 @@ import logging
 import uuid as uuidlib
 
 from agent import failpoints
-from agent.inventory.vgpu import target_of, with_uuid
+from agent.inventory.vgpu import target_of
 from agent.mdev import sysfs as mdev
 from agent.mdev.errors import MdevError, NoInstanceAvailable, ParentUnavailable, TypeNotOffered
 from agent.metadata import AllocatedDevice
-from agent.partitions import WritePartition
+from agent.partitions import WritePartition, partition_attributes
 from agent.state import DevicePartition, PartitionKind
 from agent.vfio.host import VfioHost
 from agent.vfio.pci import VFIO_PCI, current_driver
@@ -109,8 +109,9 @@ class VgpuPartitioner:
 
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
         nodes = mdev.vfio_nodes(self.host.sysfs, self.host.dev, part.uuid)
-        dev = with_uuid(allocated.device, part.uuid)
-        dev = dataclasses.replace(dev, node=dataclasses.replace(dev.node, device_nodes=nodes))
+        dev = allocated.device
+        dev = dataclasses.replace(dev, attributes={**dev.attributes, **partition_attributes(part)},
+                                  node=dataclasses.replace(dev.node, device_nodes=nodes))
         return dataclasses.replace(allocated, device=dev)
 
 

@@ -206,3 +206,16 @@ async def test_killed_mid_unprepare_restart_finishes_it(node: Node, tmp_path: Pa
     report = recover(engine)
     assert report.records == {} and engine.whole_record(UID) is None
     assert gpu0(node) == {"mode": 0, "gis": []}, (step, report)
+
+
+async def test_a_metadata_refresh_keeps_the_mig_uuid(node: Node) -> None:
+    assert await prepare(node, "m", UID, MIG) == ""
+    record = node.engine.whole_record(UID)
+    assert record is not None
+    (part,) = record.partitions
+    path = metadata.host_file(node.settings.metadata_dir, UID, "r0")
+    # The start-up refresh (and any device change) renders the devices from the inventory again.
+    await node.engine.refresh_claims([UID])
+    (device,) = metadata.parse_stream(path.read_bytes())[0]["requests"][0]["devices"]
+    assert device["attributes"]["uuid"] == {"string": part.uuid}
+    assert node.engine.whole_record(UID).generation == record.generation  # nothing changed: not rewritten

@@ -36,7 +36,6 @@ no mediated device yet; until then it is not published (logged once).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -189,8 +188,3 @@ class VgpuDevices:
         if self._said.get(key) != message:
             self._said[key] = message
             log.log(level, "%s", message)
-
-
-def with_uuid(dev: Device, uuid: str) -> Device:
-    """The device as a prepared claim sees it: with the mediated device's UUID as `mdevUUID`."""
-    return dataclasses.replace(dev, attributes={**dev.attributes, "mdevUUID": uuid})
