@@ -332,3 +332,26 @@ def test_with_compatibility_groups_the_scheduler_never_mixes_what_the_driver_ref
     # Whole forms (no group) never go with a grouped device (and their counters say the same).
     whole = next(d for d in gpu0 if d.kind == "gpu")
     assert not allocatable([whole, small_mig[0]]) and not allocatable([whole, types["nvidia-1021"][0]])
+
+
+def test_a_create_the_emulator_began_and_a_kill_cut_short_is_finished_or_undone(tmp_path: Path) -> None:
+    # The emulator runs in the agent's process: a SIGKILL can stop it mid-create, which a kernel
+    # never does. The next start of the simulated machine finishes one that got its type, and undoes
+    # one that did not, so no half device is left that nobody can see or remove.
+    root = tmp_path / "sim"
+    profile = load_profile("dgx-h100")
+    materialize(profile, root)
+    simmdev.materialize(profile, root)
+    tree = SimTree(root)
+    parent = tree.function(GPU)
+    typed, bare = "2f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01", "3f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"
+    (parent / typed).mkdir()
+    os.symlink(os.path.relpath(parent / "mdev_supported_types" / "nvidia-1022", parent / typed),
+               parent / typed / "mdev_type")
+    (parent / bare).mkdir()
+    materialize(profile, root)
+    simmdev.materialize(profile, root)
+    sysfs = root / "sys"
+    assert mdev.exists(sysfs, typed) and mdev.type_of(sysfs, typed) == "nvidia-1022"
+    assert mdev.iommu_group(sysfs, typed) is not None and (parent / typed / "remove").is_file()
+    assert not (parent / bare).exists() and mdev.mdevs_of(sysfs, GPU) == {typed: "nvidia-1022"}

@@ -131,6 +131,7 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
             continue
         files = {"vendor": f"0x{gpu.pci_device_id & 0xFFFF:04x}", "device": f"0x{gpu.pci_device_id >> 16:04x}"}
         kinds = types_for(files)
+        _finish_cut_creates(tree, gpu.bus_id)
         for u in list(mdevs_of(tree, gpu.bus_id)):
             if boot or not kinds:
                 remove(tree, tree.function(gpu.bus_id) / u)
@@ -205,6 +206,29 @@ def _show(path: Path, text: str) -> None:
     staged = path.with_name(f".{path.name}.new")
     staged.write_text(text + "\n")
     os.replace(staged, path)
+
+
+def _finish_cut_creates(tree: SimTree, bdf: str) -> None:
+    """Creates the emulator began and a kill cut short (it runs in the agent's process; a kernel
+    never leaves one half done): one that got its type is finished, one that did not is undone."""
+    parent = tree.function(bdf)
+    try:
+        names = [n for n in os.listdir(parent) if UUID_RE.match(n)]
+    except OSError:
+        return
+    for u in names:
+        where = parent / u
+        try:
+            type_dir = parent / TYPES_DIR / os.path.basename(os.readlink(where / "mdev_type"))
+        except OSError:
+            shutil.rmtree(where, ignore_errors=True)
+            continue
+        (where / "remove").touch()
+        link(where / "driver", tree.sys / "bus" / "mdev" / "drivers" / MDEV_DRIVER)
+        if type_dir.is_dir():
+            (type_dir / "devices").mkdir(exist_ok=True)
+            link(type_dir / "devices" / u, where)
+        link(mdev_devices(tree) / u, where)
 
 
 def _read(path: Path) -> str:
