@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import yaml
 
+from agent import apirules, quantity
 from agent import kubelet_client as kc
-from agent import quantity
 from agent.claims import DirectoryClaimSource
 from agent.config import NvmlMode, Settings, build_settings
 from agent.daemon import PublishedForm
@@ -26,6 +27,7 @@ from agent.inventory import Inventory, ScanResult
 from agent.inventory.gpus import GpuSource
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Device, NodeFacts
 from agent.prepare import PrepareEngine
+from agent.slices import build_slices
 from agent.state import ClaimStore
 
 DRIVER = "dra.example.com"
@@ -201,3 +203,12 @@ def fits(devices: Iterable[Device]) -> bool:
             for k, v in c.counters.items():
                 used[k] = used.get(k, 0) + quantity.parse_int(v)
     return all(n <= quantity.parse_int(total[k]) for k, n in used.items())
+
+
+def valid_pool(devices: list[Device]) -> list[dict[str, Any]]:
+    """The pool's slices for `devices`, each valid against the 1.37 schema and the API's pool rules."""
+    objs = build_slices(devices, driver=DRIVER, node=NODE)
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.37.0", strict=True)
+    assert apirules.pool_errors(objs) == []
+    return objs

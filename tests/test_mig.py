@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pynvml
 import pytest
-from agentkit import fits
+from agentkit import fits, valid_pool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +22,6 @@ from agent.inventory.gpus import GpuSource
 from agent.inventory.nvml_profiles import parse_profile
 from agent.inventory.nvml_sim import SimulatedNvml
 from agent.model import Device
-from agent.slices import build_slices
 
 DRIVER = "dra.example.com"
 NODE = "node-a"
@@ -148,14 +146,6 @@ def test_mig_calls_fail_like_the_gpu() -> None:
 
 
 # -- published devices ----------------------------------------------------------------------------------
-
-def valid_pool(devices: list[Device]) -> list[dict[str, Any]]:
-    objs = build_slices(devices, driver=DRIVER, node=NODE)
-    for obj in objs:
-        kubernetes_validate.validate(obj, "1.37.0", strict=True)
-    assert apirules.pool_errors(objs) == []
-    return objs
-
 
 @pytest.mark.parametrize(("profile", "gpus", "counter_slices"), [("dgx-h100", 8, 1), ("hgx-16", 16, 2)])
 def test_every_placement_is_published_within_the_api_limits(tmp_path: Path, profile: str, gpus: int,

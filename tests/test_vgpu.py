@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
-from agentkit import fits
+from agentkit import fits, valid_pool
 
 from agent import apirules, counters, failpoints
 from agent.config import ConfigError, NvmlMode, Settings
@@ -30,7 +29,6 @@ from agent.model import Device
 from agent.simkernel import mdev as simmdev
 from agent.simkernel.emulator import KernelEmulator, WriteKind
 from agent.simkernel.tree import SimTree
-from agent.slices import build_slices
 from agent.state import DevicePartition, PartitionKind
 from agent.vfio.host import VfioHost
 from agent.vgpuprep import CREATED, VgpuPartitioner
@@ -112,14 +110,6 @@ def test_types_read_and_devices_made_and_removed(machine: Machine) -> None:
 
 
 # -- publication -----------------------------------------------------------------------------------------
-
-def valid_pool(devices: list[Device]) -> list[dict[str, Any]]:
-    objs = build_slices(devices, driver=DRIVER, node=NODE)
-    for obj in objs:
-        kubernetes_validate.validate(obj, "1.37.0", strict=True)
-    assert apirules.pool_errors(objs) == []
-    return objs
-
 
 def test_vgpu_devices_published_per_instance_within_the_api_limits(dgx: list[Device]) -> None:
     objs = valid_pool(dgx)
