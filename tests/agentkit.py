@@ -31,6 +31,7 @@ from agent.slices import build_slices
 from agent.state import ClaimStore
 
 DRIVER = "dra.example.com"
+REPO = Path(__file__).resolve().parents[1]
 NODE = "node-a"
 
 
@@ -108,6 +109,37 @@ async def make_node(tmp: Path, nics: Sequence[Device] = (), cpus: Sequence[Devic
     store.ensure()
     engine = PrepareEngine(settings, inventory, DirectoryClaimSource(settings.offline), store)
     return Node(settings, inventory, engine, nic_source)
+
+
+@dataclass
+class Quickstart:
+    """README's quickstart in `root`: the environment `make run` sets up, with claims seeded from
+    examples/ as it seeds them; `cli` runs `dra-agent ARGS` in that environment."""
+
+    root: Path
+    env: dict[str, str]
+
+    @classmethod
+    def seeded(cls, root: Path, node: str) -> Quickstart:
+        env = {**os.environ, "DRA_KUBELET_DIR": str(root / "kubelet"), "DRA_CDI_DIR": str(root / "cdi"),
+               "DRA_STATIC_CDI_DIR": str(root / "cdi-static"), "DRA_STATE_DIR": str(root / "state"),
+               "DRA_OFFLINE": str(root / "offline"), "DRA_NVML": "sim", "NODE_NAME": node}
+        seeded = subprocess.run([sys.executable, str(REPO / "examples" / "seed.py"), str(root)],
+                                capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+        assert seeded.returncode == 0, seeded.stderr
+        return cls(root, env)
+
+    def example(self, name: str) -> str:
+        return (self.root / "offline" / "resourceclaims" / "default" / f"{name}.yaml").read_text()
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120,
+                              env=self.env, cwd=REPO)
+
+    def agent(self) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+        """`dra-agent run` in this environment, once its registration socket exists."""
+        reg = self.root / "kubelet" / "plugins_registry" / f"{DRIVER}-reg.sock"
+        return agent_process(["run", "--metrics-address", ""], self.env, reg, REPO)
 
 
 @contextlib.contextmanager

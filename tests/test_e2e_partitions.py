@@ -10,10 +10,7 @@ whole GPU is prepared for another claim, a MIG placement while a share of its GP
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +20,7 @@ from typing import Any
 import orjson
 import pytest
 import runtime
-from agentkit import NODE, agent_process, claim, result, roots, write_claim
+from agentkit import NODE, Quickstart, agent_process, claim, result, roots, write_claim
 
 from agent import kubelet_client as kc
 from agent import metadata
@@ -220,22 +217,11 @@ def test_make_run_prepares_the_mig_example(short_tmp: Path) -> None:
     """README's quickstart with the MIG example: seeded from examples/ as `make run` does (the simulated
     machine's last GPU, the smallest profile at its first placement), prepared with `dra-agent kubelet
     prepare` (MIG mode on, one GPU instance), unprepared (none, MIG mode off)."""
-    env = {**os.environ, "DRA_KUBELET_DIR": str(short_tmp / "kubelet"), "DRA_CDI_DIR": str(short_tmp / "cdi"),
-           "DRA_STATIC_CDI_DIR": str(short_tmp / "cdi-static"), "DRA_STATE_DIR": str(short_tmp / "state"),
-           "DRA_OFFLINE": str(short_tmp / "offline"), "DRA_NVML": "sim", "NODE_NAME": "node-mig"}
     s = roots(short_tmp, node_name="node-mig")
-
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120,
-                              env=env, cwd=ROOT)
-
-    seeded = subprocess.run([sys.executable, str(ROOT / "examples" / "seed.py"), str(short_tmp)],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
-    assert seeded.returncode == 0, seeded.stderr
-    example = short_tmp / "offline" / "resourceclaims" / "default" / "mig-one.yaml"
-    assert "device: gpu-7-mig-1g10gb-0" in example.read_text()
-    reg = short_tmp / "kubelet" / "plugins_registry" / "dra.example.com-reg.sock"
-    with agent_process(["run", "--metrics-address", ""], env, reg, ROOT):
+    quick = Quickstart.seeded(short_tmp, "node-mig")
+    cli = quick.cli
+    assert "device: gpu-7-mig-1g10gb-0" in quick.example("mig-one")
+    with quick.agent():
         prepared = cli("kubelet", "prepare", "default/mig-one")
         assert prepared.returncode == 0, prepared.stderr
         (entry,) = json.loads(prepared.stdout)["claims"].values()

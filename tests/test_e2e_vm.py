@@ -8,10 +8,7 @@ there. Unprepare puts the function back on its driver in the simulated sysfs."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +16,7 @@ from typing import Any
 
 import pytest
 import runtime
-from agentkit import NODE, agent_process, claim, result, roots, write_claim
+from agentkit import NODE, Quickstart, agent_process, claim, result, roots, write_claim
 
 from agent import kubelet_client as kc
 from agent import metadata
@@ -172,22 +169,11 @@ async def test_kubevirt_gets_a_passthrough_vf_with_its_mac_over_the_dra_socket(s
 def test_make_run_prepares_the_vm_example(short_tmp: Path) -> None:
     """README's quickstart with the VM examples (a passthrough GPU, a VF): seeded from examples/ as `make
     run` does, prepared with `dra-agent kubelet prepare`, shown by `dra-agent vfio status`, unprepared."""
-    env = {**os.environ, "DRA_KUBELET_DIR": str(short_tmp / "kubelet"), "DRA_CDI_DIR": str(short_tmp / "cdi"),
-           "DRA_STATIC_CDI_DIR": str(short_tmp / "cdi-static"), "DRA_STATE_DIR": str(short_tmp / "state"),
-           "DRA_OFFLINE": str(short_tmp / "offline"), "DRA_NVML": "sim", "NODE_NAME": "node-vm"}
-
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120,
-                              env=env, cwd=ROOT)
-
-    seeded = subprocess.run([sys.executable, str(ROOT / "examples" / "seed.py"), str(short_tmp)],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
-    assert seeded.returncode == 0, seeded.stderr
-    example = short_tmp / "offline" / "resourceclaims" / "default" / "virt-launcher-vm-1-gpu-k8q2z.yaml"
-    assert f"device: {VARIANT}" in example.read_text()
+    quick = Quickstart.seeded(short_tmp, "node-vm")
+    cli = quick.cli
+    assert f"device: {VARIANT}" in quick.example("virt-launcher-vm-1-gpu-k8q2z")
     tree = SimTree(short_tmp / "state" / "nvml-sim")
-    reg = short_tmp / "kubelet" / "plugins_registry" / "dra.example.com-reg.sock"
-    with agent_process(["run", "--metrics-address", ""], env, reg, ROOT):
+    with quick.agent():
         prepared = cli("kubelet", "prepare", "default/virt-launcher-vm-1-gpu-k8q2z")
         assert prepared.returncode == 0, prepared.stderr
         assert tree.driver_of(GPU_BUS) == "vfio-pci"
@@ -199,7 +185,7 @@ def test_make_run_prepares_the_vm_example(short_tmp: Path) -> None:
 
         # The VM's SR-IOV VF, seeded with the simulated ConnectX-7's first VF and a MAC.
         net = "default/virt-launcher-vm-1-net-m5t8w"
-        assert f"device: {VF_VARIANT}" in (example.parent / "virt-launcher-vm-1-net-m5t8w.yaml").read_text()
+        assert f"device: {VF_VARIANT}" in quick.example("virt-launcher-vm-1-net-m5t8w")
         prepared = cli("kubelet", "prepare", net)
         assert prepared.returncode == 0, prepared.stderr
         assert tree.driver_of(VF_BUS) == "vfio-pci"
