@@ -31,6 +31,10 @@ from agent.vfio.bind import BindPlan, BindStep, FunctionBinding, StepKind
 UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"
 
 
+def framed(body: bytes, version: int) -> bytes:
+    """A record file as the agent frames a body: header with version, checksum and length."""
+    return b"DRAREC %d %s %d\n" % (version, hashlib.sha256(body).hexdigest().encode(), len(body)) + body
+
 def record(uid: str = UID) -> ClaimRecord:
     return ClaimRecord(
         uid=uid, namespace="ns", name="claim", pod_claim_name="gpu",
@@ -187,7 +191,7 @@ def test_records_without_bindings_stay_version_1_and_version_1_stays_strict():
     assert encode(record()).startswith(b"DRAREC 1 ")
     # A version-1 header over a body with bindings or another state is refused, not half read.
     for body in (bound_record().to_json(), bound_record(RecordState.BINDING).to_json()):
-        data = b"DRAREC 1 %s %d\n" % (hashlib.sha256(body).hexdigest().encode(), len(body)) + body
+        data = framed(body, 1)
         with pytest.raises(RecordError, match="incomplete"):
             decode(data)
 
@@ -203,7 +207,7 @@ def test_a_malformed_binding_is_refused(damage):
     else:
         body["bindings"][0][key] = value
     raw = orjson.dumps(body)
-    data = b"DRAREC 2 %s %d\n" % (hashlib.sha256(raw).hexdigest().encode(), len(raw)) + raw
+    data = framed(raw, 2)
     with pytest.raises(RecordError):
         decode(data)
 
@@ -265,6 +269,6 @@ def test_a_malformed_partition_is_refused(damage):
     else:
         body["partitions"][0][key] = value
     raw = orjson.dumps(body)
-    data = b"DRAREC 3 %s %d\n" % (hashlib.sha256(raw).hexdigest().encode(), len(raw)) + raw
+    data = framed(raw, 3)
     with pytest.raises(RecordError):
         decode(data)
