@@ -33,21 +33,30 @@ from agent.claimfiles import ClaimFiles
 from agent.errors import ClaimFailure
 from agent.inventory import Inventory
 from agent.inventory.gpuminors import driver_minors
+from agent.inventory.pci import nvidia_display_functions
 from agent.metadata import AllocatedDevice
+from agent.migprep import nvml_of
 from agent.model import PCI_BUS_ID, Device, DeviceNode
 from agent.state import ClaimRecord, DeviceBinding, RecordState
 from agent.vfio.bind import DEFAULT_TIMEOUT, BindStep, apply_step, plan_bind
-from agent.vfio.errors import VfioError
+from agent.vfio.errors import UsageUnknown, VfioError
 from agent.vfio.host import VfioHost
-from agent.vfio.inuse import check_gpu_idle
+from agent.vfio.inuse import check_no_vfs, check_not_open
 from agent.vfio.nodes import IommuBackend, host_has_iommufd, vfio_device_nodes
-from agent.vfio.pci import VFIO_PCI, current_driver
+from agent.vfio.pci import VFIO_PCI, current_driver, iommu_group
+from agent.vfio.persistence import check_persistence_off
 from agent.vfio.sriov import set_vf_mac_vlan
 
 log = logging.getLogger(__name__)
 
 VFIO_KIND = "vfio"
+NVIDIA_DRIVER = "nvidia"
 _FUNCTION_KINDS = ("gpu", "nic", VFIO_KIND)
+
+
+class GroupChanged(VfioError):
+    """After a reboot, a prepared passthrough function is in another IOMMU group than its record (and
+    its CDI spec) says: binding it again would leave the spec naming a group node that is gone."""
 
 
 class FormConflict(ClaimFailure):
@@ -158,13 +167,36 @@ class Passthrough:
                 raise VfioError(f"{cfg.where}.iommu: iommufd was asked for, but this host has no "
                                 f"{self.host.dev / 'iommu'} (a kernel with CONFIG_IOMMUFD and "
                                 "CONFIG_VFIO_DEVICE_CDEV); ask for legacy")
-            if dev.attributes.get("nativeType") == "gpu" and current_driver(self.host.sysfs, bdf) != VFIO_PCI:
-                minor = self._gpu_minor(bdf)
-                if minor is not None:
-                    check_gpu_idle(self.host.sysfs, self.host.proc, self.host.dev, bdf, minor)
+            if dev.attributes.get("nativeType") == "gpu":
+                self._check_gpu_free(bdf)
             plan = plan_bind(self.host.sysfs, bdf)
             out.append(DeviceBinding(dev.name, plan, 0, boot, cfg.iommu, cfg.mac, cfg.vlan))
         return out
+
+    def _check_gpu_free(self, bdf: str) -> None:
+        """DeviceBusy when GPU `bdf` is in use on the host (SR-IOV VFs enabled, NVML persistence mode on,
+        `/dev/nvidia<minor>` open), UsageUnknown when it is on the NVIDIA driver with no known minor;
+        nothing for a GPU already on vfio-pci (nothing on the host can hold it)."""
+        driver = current_driver(self.host.sysfs, bdf)
+        if driver == VFIO_PCI:
+            return
+        check_no_vfs(self.host.sysfs, bdf)
+        access = nvml_of(self.inventory)()
+        check_persistence_off(access.nvml if access is not None else None, bdf)
+        if driver != NVIDIA_DRIVER:
+            return  # unbound, or another driver: no /dev/nvidia<N> to hold
+        minor = self._gpu_minor(bdf)
+        if minor is None:
+            raise UsageUnknown(f"GPU {bdf} is bound to {NVIDIA_DRIVER} but its device minor is not known (not "
+                               f"in NVML's GPUs, no {self.host.proc / 'driver' / 'nvidia' / 'gpus' / bdf}): "
+                               "whether a process holds it open cannot be checked, so it is not unbound")
+        check_not_open(self.host.proc, self.host.dev, bdf, minor)
+
+    def _is_gpu(self, device: str, bdf: str) -> bool:
+        dev = self.inventory.get(device)
+        if dev is not None:
+            return dev.attributes.get("nativeType") == "gpu"
+        return bdf in nvidia_display_functions(self.host.sysfs)
 
     def _gpu_minor(self, bdf: str) -> int | None:
         for d in self.inventory.devices():
@@ -266,13 +298,21 @@ class Passthrough:
         when they hold); the record with the current boot ID. Raises when that fails."""
         boot = self.host.boot_id()
         for b in record.bindings:
+            group = iommu_group(self.host.sysfs, b.plan.target)
+            if group != b.plan.group:
+                # Group numbers are the kernel's order of discovery: a reboot with other hardware or
+                # firmware settings can renumber them, and the claim's CDI spec names /dev/vfio/<old>.
+                raise GroupChanged(
+                    f"{b.device}: PCI function {b.plan.target} is in IOMMU group "
+                    f"{group if group is not None else 'none (the IOMMU is off)'} now, not {b.plan.group} as when "
+                    f"the claim was prepared (boot {boot or '?'}, recorded {b.boot_id or '?'}): its CDI spec "
+                    f"names /dev/vfio/{b.plan.group}; a new prepare of the claim uses the group it has now")
             if any(current_driver(self.host.sysfs, f.bdf) != b.plan.driver for f in b.plan.functions):
                 log.warning("claim %s/%s: %s is not bound to %s as its record says (boot %s, recorded %s): "
                             "binding it again", record.namespace, record.name, b.device, b.plan.driver,
                             boot or "?", b.boot_id or "?")
-                gpu_minor = self._gpu_minor(b.plan.target)
-                if gpu_minor is not None and current_driver(self.host.sysfs, b.plan.target) == "nvidia":
-                    check_gpu_idle(self.host.sysfs, self.host.proc, self.host.dev, b.plan.target, gpu_minor)
+                if self._is_gpu(b.device, b.plan.target):
+                    self._check_gpu_free(b.plan.target)
                 if b.mac or b.vlan:
                     set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
                 for step in b.plan.steps:

@@ -7,6 +7,7 @@ leave (mid-bind, mid-restore, a reboot)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import os
@@ -23,15 +24,16 @@ from test_vfio import fake_proc
 from agent import metadata
 from agent.allocation import config_api_version
 from agent.inventory.nvml_hardware import materialize
-from agent.inventory.nvml_profiles import load_profile
+from agent.inventory.nvml_profiles import BUILTIN, load_profile
 from agent.inventory.passthrough import NicVariants
+from agent.migprep import nvml_of
 from agent.names import ClaimRef
 from agent.recovery import recover
 from agent.simkernel.emulator import KernelEmulator, WriteKind
 from agent.simkernel.tree import SimTree
 from agent.state import ClaimRecord, ClaimStore, RecordState
 from agent.vfio.bind import BindStep, StepKind, apply_step
-from agent.vfio.pci import current_driver, current_override
+from agent.vfio.pci import current_driver, current_override, iommu_group
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
@@ -325,3 +327,107 @@ async def test_a_device_of_a_kind_prepare_does_not_know_is_refused_before_any_si
     (res,) = (await node.engine.prepare([ClaimRef("default", "npu", uid)])).values()
     assert "gpu-0-npu-0 cannot be prepared" in res.error and res.devices == []
     assert written_files(node.settings) == before
+
+
+# -- what must stop a GPU from leaving its host driver, at prepare and after a reboot ------------------------
+
+def sim_nvml(vm: VmNode) -> Any:
+    access = nvml_of(vm.node.inventory)()
+    assert access is not None
+    return access.nvml
+
+
+def set_persistence(vm: VmNode, on: bool) -> None:
+    nv = sim_nvml(vm)
+    nv.nvmlDeviceSetPersistenceMode(nv.nvmlDeviceGetHandleByPciBusId(GPU_BUS), int(on))
+
+
+async def test_gpu_with_persistence_mode_on_is_busy_and_retryable(vm: VmNode) -> None:
+    before = written_files(vm.node.settings)
+    set_persistence(vm, True)
+    res = await vm.prepare("vm-gpu", UID, GPU_VARIANT)
+    assert f"GPU {GPU_BUS} has NVML persistence mode on" in res.error and "-pm 0" in res.error
+    assert vm.driver(GPU_BUS) == "nvidia" and UID not in vm.node.engine.records
+    assert written_files(vm.node.settings) == before
+    set_persistence(vm, False)
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    assert await vm.unprepare("vm-gpu", UID) == ""
+
+
+@pytest.mark.parametrize("code", ["FUNCTION_NOT_FOUND", "NOT_SUPPORTED"])
+async def test_persistence_mode_nvml_cannot_tell_does_not_refuse(vm: VmNode, code: str) -> None:
+    # A library without the call (an older driver's, the stand-in) or a GPU without the feature.
+    set_persistence(vm, True)
+    sim_nvml(vm).inject_error(0, "nvmlDeviceGetPersistenceMode", code)
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    assert vm.driver(GPU_BUS) == "vfio-pci"
+    assert await vm.unprepare("vm-gpu", UID) == ""
+
+
+async def _variant_alone(vm: VmNode) -> None:
+    """The passthrough side sees only the variant: NVML does not list the GPU, nor does the driver's
+    /proc list (its minor is unknown)."""
+    from agentkit import StaticSource
+
+    from agent.inventory import Inventory
+
+    variant = vm.node.inventory.get(GPU_VARIANT)
+    assert variant is not None
+    inventory = Inventory([StaticSource("vfio", [variant])])
+    await inventory.scan()
+    vm.node.engine.passthrough.inventory = inventory
+    shutil.rmtree(vm.tree.root / "proc" / "driver" / "nvidia" / "gpus" / GPU_BUS)
+
+
+async def test_gpu_with_unknown_minor_is_refused_not_skipped(vm: VmNode) -> None:
+    await _variant_alone(vm)
+    res = await vm.prepare("vm-gpu", UID, GPU_VARIANT)
+    assert f"GPU {GPU_BUS} is bound to nvidia but its device minor is not known" in res.error
+    assert vm.driver(GPU_BUS) == "nvidia" and UID not in vm.node.engine.records
+
+
+async def test_gpu_with_sriov_vfs_is_busy_even_with_unknown_minor(vm: VmNode) -> None:
+    await _variant_alone(vm)
+    (vm.tree.sys / "bus" / "pci" / "devices" / GPU_BUS / "sriov_numvfs").write_text("2\n")
+    res = await vm.prepare("vm-gpu", UID, GPU_VARIANT)
+    assert f"GPU {GPU_BUS} has 2 SR-IOV virtual functions enabled" in res.error
+    assert vm.driver(GPU_BUS) == "nvidia" and UID not in vm.node.engine.records
+
+
+@pytest.mark.parametrize("busy", ["open", "persistence"])
+async def test_after_a_reboot_a_busy_gpu_drops_the_claim(vm: VmNode, busy: str) -> None:
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    before_spec = spec_of(vm, UID)
+    assert before_spec
+    materialize(load_profile("dgx-h100"), vm.tree.root, boot=True)  # the kernel forgot every binding
+    if busy == "open":  # something of the new boot opened the GPU before the agent started
+        fake_proc(vm.tree.root / "proc", 4343, "python3", {7: "/dev/nvidia0"})
+    else:
+        set_persistence(vm, True)
+    report = recover(restarted(vm.node))
+    assert report.dropped == [UID] and UID not in report.records
+    assert vm.driver(GPU_BUS) == "nvidia" and current_override(vm.tree.sys, GPU_BUS) is None
+    assert not (vm.node.settings.cdi_dir / f"{DRIVER}-claim_{UID}.json").exists()
+    assert ClaimStore(vm.node.settings.claims_state_dir).read(UID) is None
+
+
+async def test_after_a_reboot_that_renumbered_the_group_recovery_drops_the_claim(
+        vm: VmNode, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    before = written_files(vm.node.settings)
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    raw = copy.deepcopy(BUILTIN["dgx-h100"])
+    raw["gpus"][0]["iommuGroup"] = 150
+    renumbered = tmp_path / "renumbered.json"
+    renumbered.write_text(json.dumps(raw))
+    materialize(load_profile(str(renumbered)), vm.tree.root, boot=True)
+    assert iommu_group(vm.tree.sys, GPU_BUS) == 150
+    report = recover(restarted(vm.node))
+    assert report.dropped == [UID] and UID not in report.records
+    assert f"PCI function {GPU_BUS} is in IOMMU group 150 now, not {GPU_GROUP}" in caplog.text
+    assert vm.driver(GPU_BUS) == "nvidia" and current_override(vm.tree.sys, GPU_BUS) is None
+    assert written_files(vm.node.settings) == before  # no CDI spec naming /dev/vfio/100 is left
+    # The kubelet's next prepare binds it in the group it has now.
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    (dev,) = spec_of(vm, UID)["devices"]
+    assert [n["path"] for n in dev["containerEdits"]["deviceNodes"]] == ["/dev/vfio/vfio", "/dev/vfio/150"]
+    assert await vm.unprepare("vm-gpu", UID) == ""

@@ -47,6 +47,10 @@ Events and health (`nvml_sim_events`): the pynvml event API (`nvmlEventSetCreate
 (GPU_RESET, or NONE for the application XIDs 13, 31, 43, 45, 68, 109); `lose` makes the GPU fail
 every call; `recover` is a GPU reset (answers again, recovery action NONE). The same three come
 from outside the process as command files (`watch_control`, `nvml_sim_control`).
+
+Persistence mode: `nvmlDeviceGetPersistenceMode` / `nvmlDeviceSetPersistenceMode`, off on every GPU
+at start (passthrough refuses a GPU with it on); `inject_error` makes the get fail like a library
+without it (`FUNCTION_NOT_FOUND`).
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ EVENT_DEVICE_FUNCTIONS = frozenset({"nvmlDeviceGetSupportedEventTypes", "nvmlDev
                                     "nvmlDeviceGetFieldValues"})
 EVENT_SYSTEM_FUNCTIONS = frozenset({"nvmlEventSetCreate", "nvmlEventSetWait_v2", "nvmlEventSetWait",
                                     "nvmlEventSetFree"})
+# Persistence mode (off on every GPU at start, as after a boot without nvidia-persistenced).
+PERSISTENCE_FUNCTIONS = frozenset({"nvmlDeviceGetPersistenceMode", "nvmlDeviceSetPersistenceMode"})
 
 
 class SimulatedNvml:
@@ -99,6 +105,7 @@ class SimulatedNvml:
         self._gpu_errors: list[dict[str, int]] = [dict(g.errors) for g in profile.gpus]
         self._lost: list[bool] = [g.lost for g in profile.gpus]
         self._resets: list[int] = [0] * len(profile.gpus)
+        self._persistence: list[int] = [pynvml.NVML_FEATURE_DISABLED] * len(profile.gpus)
         self._events = SimEvents(len(profile.gpus))
         self._control: ControlWatcher | None = None
         # MIG (nvml_sim_mig): profiles, placements, GPU and compute instances, MIG devices.
@@ -122,7 +129,7 @@ class SimulatedNvml:
     # Fault injection.
     def inject_error(self, index: int | None, function: str, code: int | str) -> None:
         """Make `function` fail with `code` on GPU `index` (None: a system call, or every GPU)."""
-        allowed = DEVICE_FUNCTIONS | EVENT_DEVICE_FUNCTIONS | MIG_FUNCTIONS
+        allowed = DEVICE_FUNCTIONS | EVENT_DEVICE_FUNCTIONS | MIG_FUNCTIONS | PERSISTENCE_FUNCTIONS
         if index is None:
             allowed |= SYSTEM_FUNCTIONS | EVENT_SYSTEM_FUNCTIONS
         if function not in allowed:
@@ -337,6 +344,19 @@ class SimulatedNvml:
         if node is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return node
+
+    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
+        index = self._device("nvmlDeviceGetPersistenceMode", handle)[0]
+        with self._lock:
+            return self._persistence[index]
+
+    def nvmlDeviceSetPersistenceMode(self, handle: Any, mode: int) -> None:
+        """As `nvidia-smi -pm`: tests turn it on to see passthrough refuse the GPU."""
+        index = self._device("nvmlDeviceSetPersistenceMode", handle)[0]
+        if mode not in (pynvml.NVML_FEATURE_DISABLED, pynvml.NVML_FEATURE_ENABLED):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            self._persistence[index] = int(mode)
 
     # Events and field values.
     def nvmlEventSetCreate(self) -> Any:

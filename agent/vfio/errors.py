@@ -28,6 +28,14 @@ class DeviceBusy(VfioError):
     retryable: ClassVar[bool] = True
 
 
+class UsageUnknown(VfioError):
+    """Whether the host uses a GPU cannot be told: it is on the NVIDIA driver but its device minor is
+    unknown, so no `/dev/nvidia<N>` can be scanned for open handles. Refused rather than risk an unbind
+    that blocks in the driver; retryable (the driver's GPU list may show it later)."""
+
+    retryable: ClassVar[bool] = True
+
+
 class StepFailed(VfioError):
     """A binding step's write was refused, or its effect did not show within the bound; the message
     says what the function is bound to now."""

@@ -72,15 +72,16 @@ def open_holders(proc_root: Path, paths: Collection[str], rdev: int | None = Non
     return found
 
 
-def check_gpu_idle(sysfs: Path, proc_root: Path, dev_root: Path, bdf: str, minor: int) -> None:
-    """DeviceBusy unless GPU `bdf` (`/dev/nvidia<minor>`) has no open handle and no SR-IOV VFs enabled.
-
-    Not checked here, for the caller: that no container claim has the GPU prepared, and that NVML
-    persistence mode is off (the persistence daemon holds the device open, which the scan also sees)."""
+def check_no_vfs(sysfs: Path, bdf: str) -> None:
+    """DeviceBusy when GPU `bdf` has SR-IOV VFs enabled (they hang off the function; no minor needed)."""
     vfs = sriov_numvfs(sysfs, bdf)
     if vfs > 0:
         raise DeviceBusy(f"GPU {bdf} has {vfs} SR-IOV virtual functions enabled: disable them (write 0 to "
                          f"{sysfs / 'bus' / 'pci' / 'devices' / bdf / 'sriov_numvfs'}) before passing it through")
+
+
+def check_not_open(proc_root: Path, dev_root: Path, bdf: str, minor: int) -> None:
+    """DeviceBusy when a process has GPU `bdf` (`/dev/nvidia<minor>`) open."""
     node = dev_root / f"nvidia{minor}"
     rdev: int | None = None
     try:
@@ -94,3 +95,12 @@ def check_gpu_idle(sysfs: Path, proc_root: Path, dev_root: Path, bdf: str, minor
         shown = "; ".join(str(h) for h in holders[:5]) + (f"; and {len(holders) - 5} more" if len(holders) > 5 else "")
         raise DeviceBusy(f"GPU {bdf} is in use on the host: {shown}; it can leave the NVIDIA driver once they "
                          "close it")
+
+
+def check_gpu_idle(sysfs: Path, proc_root: Path, dev_root: Path, bdf: str, minor: int) -> None:
+    """DeviceBusy unless GPU `bdf` (`/dev/nvidia<minor>`) has no SR-IOV VFs enabled and no open handle.
+
+    Not checked here, for the caller: that no container claim has the GPU prepared, and that NVML
+    persistence mode is off (`agent.vfio.persistence`)."""
+    check_no_vfs(sysfs, bdf)
+    check_not_open(proc_root, dev_root, bdf, minor)
