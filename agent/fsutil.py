@@ -119,8 +119,13 @@ class Root:
         try:
             for i, part in enumerate(parts):
                 if create:
-                    with contextlib.suppress(FileExistsError):
+                    try:
                         os.mkdir(part, self.dir_mode, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    else:
+                        if self.own is not None:
+                            self.own.made(os.path.join(self.path, *parts[: i + 1]))
                 try:
                     child = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError as exc:

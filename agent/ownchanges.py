@@ -4,73 +4,123 @@ Every prepare writes a claim's files (an atomic write: a temp file renamed onto 
 unprepare removes them, and inotify reports each of those to self-healing, which would check the
 claim under its lock and find nothing to do: work on every prepare and unprepare for no outcome.
 The roots the engine writes through (`agent.fsutil.Root`) note here what they did: the inode a
-rename put in place, or that a path was removed. An event is the agent's own only when the file
-system still shows exactly that: the same inode at the path after a rename, or nothing at a path
-(or below a directory) the agent removed. Anything else (another inode, a change in place, a file
-back where the agent removed one) is someone else's, and is checked as before.
+rename put in place (and how many renames onto the name are yet to be seen), or that a path was
+removed. Self-healing reads its events in batches, so by the time an event is judged the agent
+may have changed the path again: an event is the agent's own when the file system shows exactly
+the agent's latest change to the path: its inode there after its rename, nothing at a path (or
+below a directory) it removed, or, for a removal whose path is back, the agent's own file (or a
+directory the agent created again) in its place. Then nothing can be missing or changed: the last
+change was the agent's. Anything else (another inode, a change in place, a file back where the
+agent removed one) is someone else's, and is checked as before.
 
-Bounded: entries are consumed by their event; when self-healing does not run (the CLI, tests) the
-oldest are dropped, which can only cost a check, never skip one.
+Bounded: entries are consumed by their events; when self-healing does not run (the CLI, tests)
+the oldest are dropped, which can only cost a check, never skip one.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from agent.inotify import IN_DELETE, IN_DELETE_SELF, IN_MOVED_FROM, IN_MOVED_TO
 
 LIMIT = 4096
-_REMOVED = -1
+_REMOVED = -1  # the agent removed the path (a file, or a directory with all below it)
+_REMADE = -2  # a directory the agent created (again)
+
+
+@dataclass(slots=True)
+class _Change:
+    state: int  # the inode the agent's last rename put at the path, _REMOVED or _REMADE
+    renames: int  # the agent's renames onto the path whose events are yet to be judged
+    seq: int  # when: the latest change of a path and the directories above it is the one that counts
 
 
 class OwnChanges:
     def __init__(self, limit: int = LIMIT) -> None:
         self._limit = limit
         self._lock = threading.Lock()  # noted from worker threads, asked on the event loop
-        self._changes: OrderedDict[str, int] = OrderedDict()
+        self._changes: OrderedDict[str, _Change] = OrderedDict()
+        self._seq = 0
 
-    def _note(self, path: str, what: int) -> None:
-        with self._lock:
-            self._changes[path] = what
+    def _note(self, path: str, state: int, renames: int) -> None:
+        """Under the lock."""
+        self._seq += 1
+        entry = self._changes.get(path)
+        if entry is None:
+            self._changes[path] = _Change(state, renames, self._seq)
+        else:
+            entry.state, entry.renames, entry.seq = state, entry.renames + renames, self._seq
             self._changes.move_to_end(path)
-            while len(self._changes) > self._limit:
-                self._changes.popitem(last=False)
+        while len(self._changes) > self._limit:
+            self._changes.popitem(last=False)
 
     def wrote(self, path: str, inode: int) -> None:
-        # A write below a directory the agent removed before (the same claim prepared again) makes
-        # later removals there someone else's again.
         with self._lock:
-            probe = os.path.dirname(path)
-            while probe and probe != os.sep:
-                if self._changes.get(probe) == _REMOVED:
-                    del self._changes[probe]
-                probe = os.path.dirname(probe)
-        self._note(path, inode)
+            self._note(path, inode, 1)
+
+    def made(self, path: str) -> None:
+        """The agent created the directory (a claim's, again after it removed it): removals there
+        before are not explained by the agent's removal any more, and one whose path is back is."""
+        with self._lock:
+            self._note(path, _REMADE, 0)
 
     def removed(self, path: str) -> None:
-        self._note(path, _REMOVED)
+        with self._lock:
+            self._note(path, _REMOVED, 0)
 
     def is_own(self, path: str, mask: int) -> bool:
         """Whether the event (`mask` at `path`) is the agent's own change, as the file system shows now."""
         if mask & IN_MOVED_TO:
             with self._lock:
-                inode = self._changes.pop(path, None)
-            if inode is None or inode == _REMOVED:
-                return False
-            try:
-                return os.lstat(path).st_ino == inode
-            except OSError:
-                return False  # gone again: someone removed it (its own event says so)
+                entry = self._changes.get(path)
+                if entry is None or entry.renames == 0:
+                    return False  # a rename the agent did not make (or one more than it made)
+                entry.renames -= 1
+                state = entry.state
+                if entry.renames == 0 and state >= 0:
+                    del self._changes[path]
+            if state >= 0 and (inode := _inode(path)) is not None:
+                return inode == state
+            # Renamed, then removed (the file, or a directory above it): own if the removal was.
+            return state != _REMADE and self._removed(path)
         if mask & (IN_DELETE | IN_DELETE_SELF | IN_MOVED_FROM):
-            if os.path.lexists(path):
-                return False  # back already: judged by what put it there
+            st = _lstat(path)
             with self._lock:
-                probe = path
-                while probe and probe != os.sep:
-                    if self._changes.get(probe) == _REMOVED:
-                        return True
-                    probe = os.path.dirname(probe)
-            return False
+                if st is not None:  # back already: own only if what is there is the agent's
+                    entry = self._changes.get(path)
+                    if entry is None:
+                        return False
+                    return entry.state == st.st_ino or (entry.state == _REMADE and stat.S_ISDIR(st.st_mode))
+            return self._removed(path)
         return False
+
+    def _removed(self, path: str) -> bool:
+        """Nothing at `path`, and the agent's latest change to it or a directory above it (a
+        directory made again after it was removed, or the reverse) was a removal."""
+        if os.path.lexists(path):
+            return False
+        latest: _Change | None = None
+        with self._lock:
+            probe = path
+            while probe and probe != os.sep:
+                entry = self._changes.get(probe)
+                if entry is not None and entry.state < 0 and (latest is None or entry.seq > latest.seq):
+                    latest = entry
+                probe = os.path.dirname(probe)
+            return latest is not None and latest.state == _REMOVED
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+def _inode(path: str) -> int | None:
+    st = _lstat(path)
+    return None if st is None else st.st_ino

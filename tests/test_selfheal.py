@@ -199,3 +199,24 @@ async def test_the_agents_own_writes_and_removals_cost_no_check_anyone_elses_do(
     os.unlink(meta)
     await within(TARGET, lambda: content(meta) == files[meta])
     assert heal.claim_checks > before
+
+
+async def test_own_changes_faster_than_the_events_are_read_cost_no_check(agent):
+    """Events are read in batches: the same claim prepared and unprepared many times within one
+    batch (the path changed again before its events are judged) is still the agent's own."""
+    heal = agent.selfheal
+    write_claim(agent.settings.offline / "resourceclaims", claim("c", UID1, [result("gpu-0")]))
+    ref = ClaimRef("default", "c", UID1)
+    await asyncio.sleep(0.3)
+    before = heal.claim_checks
+    for i in range(30):
+        assert (await agent.engine.prepare([ref]))[UID1].error == ""
+        if i < 29:
+            assert await agent.engine.unprepare([ref]) == {UID1: ""}
+    await asyncio.sleep(0.5)
+    assert heal.own_skipped > 0 and heal.claim_checks == before
+    # Then someone else's change is still seen and undone.
+    path = spec_path(agent, UID1)
+    expected = content(path)
+    os.unlink(path)
+    await within(TARGET, lambda: content(path) == expected)

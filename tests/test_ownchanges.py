@@ -1,0 +1,63 @@
+"""What self-healing takes for the agent's own change (agent/ownchanges.py), judged as a batch of
+events is read: after the agent (or someone else) changed the path again. Someone else's change
+must never be taken for the agent's; the agent's own, however interleaved, should be."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from agent.fsutil import Root
+from agent.inotify import IN_DELETE, IN_DELETE_SELF, IN_ISDIR, IN_MOVED_TO
+from agent.ownchanges import OwnChanges
+
+
+def setup(tmp_path: Path) -> tuple[Root, OwnChanges, str]:
+    own = OwnChanges()
+    root = Root(tmp_path / "r", own=own)
+    return root, own, str(tmp_path / "r" / "uid" / "req" / "f.json")
+
+
+def test_writes_and_removals_judged_after_later_ones_are_own(tmp_path):
+    root, own, path = setup(tmp_path)
+    claim_dir = os.path.dirname(os.path.dirname(path))
+    events = []
+    for _ in range(3):  # prepare, unprepare, ... with no event read in between
+        root.write(path, b"x")
+        events.append((path, IN_MOVED_TO))
+        root.remove_tree(claim_dir)
+        events += [(path, IN_DELETE), (os.path.dirname(path), IN_DELETE | IN_ISDIR),
+                   (os.path.dirname(path), IN_DELETE_SELF), (claim_dir, IN_DELETE | IN_ISDIR)]
+    root.write(path, b"x")
+    events.append((path, IN_MOVED_TO))
+    assert [p for p, mask in events if not own.is_own(p, mask)] == []
+
+
+def test_someone_elses_rename_or_removal_is_never_own(tmp_path):
+    root, own, path = setup(tmp_path)
+    root.write(path, b"x")
+    Path(path + ".new").write_bytes(b"y")
+    os.replace(path + ".new", path)  # another inode under the name
+    assert not own.is_own(path, IN_MOVED_TO)  # the agent's rename, judged now: not its file there
+    assert not own.is_own(path, IN_MOVED_TO)  # theirs
+
+    root.write(path, b"x")
+    os.unlink(path)
+    assert not own.is_own(path, IN_MOVED_TO) and not own.is_own(path, IN_DELETE)
+
+
+def test_a_file_gone_from_a_directory_the_agent_made_again_is_not_own(tmp_path):
+    root, own, path = setup(tmp_path)
+    claim_dir = os.path.dirname(os.path.dirname(path))
+    root.write(path, b"x")
+    root.remove_tree(claim_dir)
+    root.write(path, b"x")  # the claim again: its directories are made again
+    assert own.is_own(path, IN_MOVED_TO)
+    os.unlink(path)  # then someone removes the file
+    assert not own.is_own(path, IN_DELETE)
+    # A removal of the whole directory by someone else: the files' events say so.
+    root.write(path, b"x")
+    own.is_own(path, IN_MOVED_TO)
+    os.unlink(path)
+    os.rmdir(os.path.dirname(path))
+    assert not own.is_own(path, IN_DELETE)
