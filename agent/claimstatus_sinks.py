@@ -18,7 +18,10 @@ Offline (`DirectoryStatusSink`): `DIR/resourceclaimstatus/<namespace>/<name>.yam
 ResourceClaim object holding the status the API would hold after the apply (the claim
 file's entries of other drivers, then ours), written atomically; removed when we have no
 entries. The claim is read from `DIR/resourceclaims` first so that, as online, a claim
-that is gone or has another UID is not written.
+that is gone or has another UID is not written. The object is written as indented JSON,
+which every YAML reader takes as it is (JSON is YAML's flow style): PyYAML's representer is
+Python code and cost more CPU than the prepare it follows, a JSON encoder in C microseconds.
+A file an older agent wrote in block style is still read back (its UID, before removal).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import lightkube
+import orjson
 import yaml
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.resource_v1 import ResourceClaimStatus
@@ -45,7 +49,6 @@ API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceClaim"
 STATUS_DIR = "resourceclaimstatus"
 NAME_MAX = 255
-_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -151,15 +154,21 @@ class DirectoryStatusSink:
         theirs = [e for e in (status.get("devices") or [] if isinstance(status, Mapping) else [])
                   if isinstance(e, Mapping) and e.get("driver") not in ours]
         obj = apply_body(claim, [*theirs, *entries])
-        self.root.write(path, yaml.dump(obj, Dumper=_DUMPER, sort_keys=False, default_flow_style=False,
-                                        allow_unicode=True).encode())
+        self.root.write(path, orjson.dumps(obj, option=orjson.OPT_INDENT_2) + b"\n")
 
     def _uid_in(self, path: Path) -> str | None:
         """The UID the status file names; None when there is no (readable) file."""
         try:
-            doc = yaml.load(self.root.read(path), Loader=_LOADER)
-        except (OSError, yaml.YAMLError):
+            data = self.root.read(path)
+        except OSError:
             return None
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError:  # block style, from an older agent
+            try:
+                doc = yaml.load(data, Loader=_LOADER)
+            except yaml.YAMLError:
+                return None
         meta = doc.get("metadata") if isinstance(doc, Mapping) else None
         return str(meta.get("uid")) if isinstance(meta, Mapping) else None
 

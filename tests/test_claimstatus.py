@@ -381,6 +381,21 @@ async def test_offline_the_status_file_is_written_and_removed(node, writers):
     assert not path.exists()
 
 
+async def test_offline_a_status_file_in_block_style_is_removed_only_for_its_uid(tmp_path):
+    """Status files are written as JSON now; one an older agent wrote in block-style YAML is still
+    read back: removed at unprepare when it names the claim's UID, kept when it names another."""
+    sink = DirectoryStatusSink(tmp_path)
+    ref = ClaimRef("default", "c", UID)
+    path = sink.path(ref)
+    path.parent.mkdir(parents=True)
+    for uid, kept in ((UID2, True), (UID, False)):
+        path.write_text(yaml.safe_dump({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                        "metadata": {"name": "c", "namespace": "default", "uid": uid}},
+                                       default_flow_style=False))
+        await sink.write(ref, [])
+        assert path.exists() is kept
+
+
 async def test_offline_a_claim_file_with_another_uid_is_not_written(node, writers):
     assert node.settings.offline is not None
     writer = ClaimStatusWriter(DRIVER, DirectoryStatusSink(node.settings.offline), node.inventory,
