@@ -336,6 +336,7 @@ class Agent:
     async def _changed(self) -> None:
         snapshot = self.inventory.snapshot()
         changed = {name for name, dev in snapshot.devices.items() if self._devices.get(name) != dev}
+        changed |= set(self._devices) - set(snapshot.devices)  # gone: its claims say DeviceMissing now
         self._devices = snapshot.devices
         self.health.observe(snapshot)
         if self.publish is not None:

@@ -13,10 +13,15 @@ burst, which rescans the kinds named (a GPU lost or answering again changes what
 finds), republishes the slices (`published` lays the taints over the inventory's devices),
 updates the health stream and re-applies the status of the claims holding those devices.
 
-A GPU that is lost drops out of discovery (no NVML call about it answers). While its
-`gpu-lost` cause lasts, the device is still published as it was last seen, tainted
-(NoExecute by default), so the scheduler and the eviction controller see it; a restarted
-agent that never saw the GPU answer cannot publish it and reports it UNHEALTHY only.
+A GPU's other forms (its passthrough variant, MIG placements, vGPU devices, shared form: the
+same PCI function) are the same hardware: they carry the GPU's taints, health and readiness, and
+a change of the GPU's causes re-applies the status of the claims holding any of them.
+
+A GPU that is lost drops out of discovery (no NVML call about it answers), and so do the forms
+discovery derives from it. While its `gpu-lost` cause lasts, the GPU and those forms are still
+published as they were last seen, tainted (NoExecute by default), so the scheduler and the
+eviction controller see them; a restarted agent that never saw the GPU answer cannot publish
+it and reports it UNHEALTHY only.
 """
 
 from __future__ import annotations
@@ -127,11 +132,14 @@ class DeviceHealthService:
             self.conditions.forget(gone)
         self._nics = nics
         # Forget devices gone for good; keep lost GPUs (published from memory) and devices discovery
-        # still names but cannot read (a GPU failing its calls may be reported lost a moment later).
-        keep = {c.device for c in self.conditions.causes() if c.kind == GPU_LOST}
+        # still names but cannot read (a GPU failing its calls may be reported lost a moment later),
+        # and the forms of both (published from memory with them).
+        keep = self._lost()
         keep |= {f.device for f in snapshot.failed_devices}
+        natives = self._natives()
         for name in set(self._last_seen) - set(snapshot.devices) - keep:
-            del self._last_seen[name]
+            if _native_of(self._last_seen[name], natives) not in keep:
+                del self._last_seen[name]
 
     def gpu_event(self, event: GpuEvent) -> None:
         if isinstance(event, XidError):
@@ -149,39 +157,68 @@ class DeviceHealthService:
     # -- outputs ----------------------------------------------------------------------------------
 
     def published(self, snapshot: Snapshot) -> list[Device]:
-        """The devices to publish: the inventory's, with their taints, and lost GPUs as last seen."""
+        """The devices to publish: the inventory's, with their taints, and lost GPUs and their forms
+        as last seen."""
         out = []
-        names = set(snapshot.devices)
-        names |= {c.device for c in self.conditions.causes() if c.kind == GPU_LOST and c.device in self._last_seen}
+        remembered = self._remembered(snapshot)
         aliases = self.aliases(snapshot)
-        for name in sorted(names):
-            dev = snapshot.devices.get(name) or self._last_seen[name]
+        for name in sorted({*snapshot.devices, *remembered}):
+            dev = snapshot.devices.get(name) or remembered[name]
             taints = self.conditions.taints(aliases.get(name, name))
             out.append(dataclasses.replace(dev, taints=[*dev.taints, *taints]) if taints else dev)
         return out
 
     def get(self, name: str) -> Device | None:
-        """The device as published: the inventory's, or a lost GPU as last seen (so the status of a
-        claim holding it says GpuLost, not that the device is missing)."""
+        """The device as published: the inventory's, or a lost GPU or one of its forms as last seen
+        (so the status of a claim holding it says GpuLost, not that the device is missing)."""
         if (dev := self.inventory.get(name)) is not None:
             return dev
-        lost = any(c.kind == GPU_LOST for c in self.conditions.causes(name))
-        return self._last_seen.get(name) if lost else None
+        seen = self._last_seen.get(name)
+        return seen if seen is not None and _native_of(seen, self._natives()) in self._lost() else None
 
     def aliases(self, snapshot: Snapshot) -> dict[str, str]:
         """Passthrough variant, MIG, vGPU or shared device -> its native device (same PCI function): a form
         of a GPU is the same hardware, so it carries the native device's taints and health. A GPU
-        that is lost is found by its last-seen form."""
-        native: dict[object, str] = {}
-        for name, dev in (*self._last_seen.items(), *snapshot.devices.items()):
-            if dev.kind not in _FORMS and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
-                native[bus] = name
-        return {name: native[bus] for name, dev in snapshot.devices.items()
-                if dev.kind in _FORMS and (bus := dev.attributes.get(PCI_BUS_ID)) in native}
+        that is lost is found by its last-seen form; its own forms, gone from discovery with it, are
+        named too (published from memory: the health stream reports them with the GPU's health)."""
+        natives = self._natives(snapshot)
+        devices = {**self._remembered(snapshot), **snapshot.devices}
+        return {name: native for name, dev in devices.items()
+                if (native := _native_of(dev, natives)) != name}
 
     def readiness(self, device: Device) -> Readiness:
-        """For the claim status writer (`agent.claimstatus.DeviceReadiness`)."""
-        return self.conditions.readiness(device.name)
+        """For the claim status writer (`agent.claimstatus.DeviceReadiness`): a form of a GPU is as
+        ready as its GPU."""
+        own = self.conditions.readiness(device.name)
+        return own if not own.ready else self.conditions.readiness(_native_of(device, self._natives()))
+
+    def with_forms(self, names: set[str]) -> set[str]:
+        """`names` and every form of them, present or remembered (the claims holding a form of a GPU
+        follow the GPU's conditions)."""
+        snapshot = self.inventory.snapshot()
+        natives = self._natives(snapshot)
+        devices = {**self._remembered(snapshot), **snapshot.devices}
+        return names | {name for name, dev in devices.items() if _native_of(dev, natives) in names}
+
+    # -- what is remembered -----------------------------------------------------------------------
+
+    def _lost(self) -> set[str]:
+        return {c.device for c in self.conditions.causes() if c.kind == GPU_LOST}
+
+    def _natives(self, snapshot: Snapshot | None = None) -> dict[object, str]:
+        """PCI bus ID -> the native device there, among the devices seen (and `snapshot`'s)."""
+        native: dict[object, str] = {}
+        for name, dev in (*self._last_seen.items(), *(snapshot.devices.items() if snapshot else ())):
+            if dev.kind not in _FORMS and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
+                native[bus] = name
+        return native
+
+    def _remembered(self, snapshot: Snapshot) -> dict[str, Device]:
+        """Devices published from memory: lost GPUs, and their forms discovery no longer finds."""
+        lost = self._lost()
+        natives = self._natives(snapshot)
+        return {name: dev for name, dev in self._last_seen.items()
+                if name not in snapshot.devices and _native_of(dev, natives) in lost}
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -199,9 +236,16 @@ class DeviceHealthService:
             self.conditions.tick()
             if not self._dirty and not self._rescan:
                 continue
-            devices, self._dirty = self._dirty, set()
+            devices, self._dirty = self.with_forms(self._dirty), set()
             kinds, self._rescan = self._rescan, set()
             try:
                 await self._changed_cb(devices, kinds)
             except Exception:
                 log.exception("applying the device conditions of %s failed", ", ".join(sorted(devices)))
+
+
+def _native_of(device: Device, natives: dict[object, str]) -> str:
+    """The name of the native device `device` is a form of (by PCI bus ID), or its own name."""
+    if device.kind in _FORMS and (native := natives.get(device.attributes.get(PCI_BUS_ID))) is not None:
+        return native
+    return device.name

@@ -63,12 +63,15 @@ class HealthTracker:
                      aliases: Mapping[str, str] | None = None) -> bool:
         """Fold in a new inventory snapshot and the device conditions; True (and watchers woken)
         when anything changed. `aliases`: devices that are another device's hardware (a
-        passthrough variant -> its native device), reported with that device's health."""
+        passthrough variant, a MIG placement -> its native device), reported with that device's
+        health; those it names beyond the snapshot's are a lost GPU's forms, still published as
+        last seen (`agent.devhealth`)."""
         now = int(time.time())
         new: dict[str, DeviceHealth] = {}
         failed = {f.device: f.reason for f in snapshot.failed_devices}
-        for name in snapshot.devices:
-            source = (aliases or {}).get(name, name)
+        aliases = aliases or {}
+        for name in [*snapshot.devices, *(n for n in aliases if n not in snapshot.devices)]:
+            source = aliases.get(name, name)
             verdict = conditions.health(source) if conditions is not None else None
             if source != name and source in failed:
                 lost = f"{verdict[1]}; {failed[source]}" if verdict else failed[source]
