@@ -312,6 +312,22 @@ def test_a_device_whose_set_disagrees_or_breaks_a_rule_is_not_published(caplog: 
     valid_pool(build_slices([first, second, clash, broken, greedy], driver=DRIVER, node=NODE))
 
 
+def test_a_device_with_more_than_two_counter_consumptions_is_not_published(
+        caplog: pytest.LogCaptureFixture) -> None:
+    sets = [CounterSet(f"set-{i}", {"gpu": "1"}) for i in range(3)]
+    three = Device(name="dev-three", kind="gpu", consumes_counters=tuple(CounterConsumption.all_of(s) for s in sets))
+    two = Device(name="dev-two", kind="gpu", consumes_counters=tuple(CounterConsumption.all_of(s) for s in sets[:2]))
+    with caplog.at_level(logging.WARNING, logger="agent.slices"):
+        chunks = chunk_devices([three, two])
+    published = [d["name"] for c in chunks.slices if not isinstance(c, CounterChunk) for d in c]
+    assert published == ["dev-two"]
+    assert chunks.dropped == ["device 'dev-three' dropped: 3 counter consumptions, more than 2"]
+    # Only the sets a published device consumes are published: set-2 was dev-three's alone.
+    assert [s["name"] for c in chunks.slices if isinstance(c, CounterChunk) for s in c.sets] == ["set-0", "set-1"]
+    assert "not published: device 'dev-three' dropped" in caplog.text
+    valid_pool(build_slices([three, two], driver=DRIVER, node=NODE))
+
+
 def test_long_names_are_cut_to_distinct_stable_labels() -> None:
     a, b = "x" * 70 + "-vfio", "x" * 71 + "-vfio"
     assert len(counters.fit_label(a)) <= 63 and counters.fit_label(a) == counters.fit_label(a)

@@ -171,6 +171,19 @@ async def test_vfio_config_errors_name_the_field(vm: VmNode, fields: dict[str, A
     assert vm.driver(GPU_BUS) == "nvidia" and UID not in vm.node.engine.records
 
 
+async def test_iommufd_without_dev_iommu_is_refused_before_any_write(vm: VmNode) -> None:
+    (vm.tree.dev / "iommu").unlink()  # a kernel without CONFIG_IOMMUFD
+    before = written_files(vm.node.settings)
+    override = vm.tree.sys / "bus" / "pci" / "devices" / VF_BUS / "driver_override"
+    untouched = override.stat().st_mtime_ns  # a plan's first step writes it
+    res = await vm.prepare("vm-net", UID, VF_VARIANT, config=vfio_config(iommu="iommufd"))
+    assert f"iommufd was asked for, but this host has no {vm.tree.dev / 'iommu'}" in res.error
+    assert "ask for legacy" in res.error
+    assert vm.driver(VF_BUS) == "mlx5_core" and current_override(vm.tree.sys, VF_BUS) is None
+    assert written_files(vm.node.settings) == before and UID not in vm.node.engine.records
+    assert override.stat().st_mtime_ns == untouched and vm.kernel.refusals == []
+
+
 async def test_gpu_open_on_the_host_is_busy_and_retryable(vm: VmNode) -> None:
     # A process of the simulated machine (its /proc) holding the GPU open.
     fake_proc(vm.tree.root / "proc", 4343, "python3", {7: "/dev/nvidia0"})

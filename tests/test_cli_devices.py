@@ -1,0 +1,52 @@
+"""`dra-agent devices` as a table on the simulated machine: the DRIVER and IOMMU columns show each PCI
+function's current driver and IOMMU group as sysfs has them, and follow a function moved to vfio-pci."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent import cli
+from agent.inventory.nvml_profiles import load_profile
+from agent.simkernel.emulator import KernelEmulator
+from agent.simkernel.tree import SimTree
+from agent.vfio.bind import apply_step, plan_bind
+
+pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
+
+GPU1_BUS, GPU1_GROUP = "0000:2a:00.0", 101  # gpu-1 of dgx-h100
+GPU1_VARIANT = "gpu-0000-2a-00-0-vfio"
+
+
+def table(capsys: pytest.CaptureFixture[str], state: Path) -> dict[str, dict[str, str]]:
+    """Each row of the table by device name, cut at the header's column starts (cells may be empty)."""
+    assert cli.main(["devices", "--nvml", "sim", "--state-dir", str(state), "--nic-exclude", "*",
+                     "--offline", str(state / "offline")]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()
+    names = header.split()
+    names[names.index("PCI"):names.index("ID") + 1] = ["PCI BUS ID"]
+    starts = [header.index(n) for n in names]
+    ends = [*starts[1:], None]
+    rows = [{n: line[s:e].strip() for n, s, e in zip(names, starts, ends, strict=True)} for line in lines]
+    return {r["NAME"]: r for r in rows}
+
+
+def test_devices_table_shows_driver_and_iommu_group(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = tmp_path / "state"
+    rows = table(capsys, state)
+    for name in ("gpu-1", GPU1_VARIANT):
+        assert (rows[name]["PCI BUS ID"], rows[name]["DRIVER"], rows[name]["IOMMU"]) == \
+            (GPU1_BUS, "nvidia", str(GPU1_GROUP)), rows[name]
+    assert (rows["gpu-0"]["DRIVER"], rows["gpu-0"]["IOMMU"]) == ("nvidia", "100")
+    assert (rows["memory-numa0"]["DRIVER"], rows["memory-numa0"]["IOMMU"]) == ("", "")  # no PCI function
+
+    # The GPU moved to vfio-pci (as a passthrough prepare does): the next listing says so.
+    root = state / "nvml-sim"
+    with KernelEmulator(load_profile("dgx-h100"), root):
+        sysfs = SimTree(root).sys
+        for step in plan_bind(sysfs, GPU1_BUS).steps:
+            apply_step(sysfs, step)
+        rows = table(capsys, state)
+        assert (rows[GPU1_VARIANT]["DRIVER"], rows[GPU1_VARIANT]["IOMMU"]) == ("vfio-pci", str(GPU1_GROUP))
+        assert rows["gpu-0"]["DRIVER"] == "nvidia"
