@@ -190,7 +190,7 @@ class Agent:
         from agent.claimstatus import ClaimStatusWriter
         from agent.claimstatus_sinks import sink_for
         from agent.connection import connect
-        from agent.gc import ClaimCollector
+        from agent.gc import ClaimCollector, collection_off
         from agent.inventory.gpus import GpuSource
         from agent.metrics import MetricsServer
         from agent.prepare import PrepareEngine
@@ -240,7 +240,10 @@ class Agent:
         self._spawn(self._publishing(), "publish")
         self._spawn(self._rescans(), "rescan")
         self._spawn(self._netlink_events(), "netlink")
-        self._spawn(ClaimCollector(self.engine, s.gc_grace_period, metrics=self.metrics).run(), "gc")
+        if (off := collection_off(s, self.conn.offline)) is None:
+            self._spawn(ClaimCollector(self.engine, s.gc_grace_period, metrics=self.metrics).run(), "gc")
+        else:
+            log.info("garbage collection is off: %s", off)
 
     async def _recover(self, report: RecoveryReport) -> None:
         """Check every record listed at start-up, a batch per worker-thread call with the event loop

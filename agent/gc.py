@@ -20,6 +20,11 @@ a second agent on the node.
   grace period over, which only ever delays a collection, never hastens one; the records stay
   what prepare and unprepare alone write (no extra fsync'd writes, no format change, nothing two
   agents could disagree about).
+- An agent that fell back to offline (`--offline-fallback`: no cluster configured, reachable, or
+  knowing the node at start) collects nothing. Claims it prepared while the API server answered
+  are not in the offline directory, and a record does not say which source its claim came from:
+  "not in the directory" is no answer about them. With `--offline DIR` every claim came from DIR,
+  and collection runs.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from agent.claimbook import ClaimSummary
 from agent.claims import ClaimNotFound, ClaimSource, ClaimSourceError
+from agent.config import Settings
 from agent.metrics import Metrics
 from agent.names import ClaimRef
 from agent.prepare import PrepareEngine
@@ -46,6 +53,16 @@ MIN_INTERVAL = 0.1
 SWEEP_WINDOW = 8
 
 PRESENT, GONE, UNKNOWN = "present", "gone", "unknown"
+
+
+def collection_off(settings: Settings, offline: Path | None) -> str | None:
+    """Why the running agent must not collect claims, or None. `offline`: the directory the agent
+    reads claims from now (`agent.connection.Connection.offline`)."""
+    if offline is not None and settings.offline is None:
+        return (f"the agent fell back to offline ({offline}, --offline-fallback): claims prepared while "
+                "the API server answered are not in that directory, and a record does not say where its "
+                "claim came from")
+    return None
 
 
 def gc_interval(grace: float) -> float:

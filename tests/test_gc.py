@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from agentkit import claim, make_node, result, write_claim, written_files
 from kubeapi import RESOURCE_CLAIMS, KubeApi
-from test_agent_cluster import NODE_UID, cluster_settings, eventually, start  # noqa: F401  (fixture)
+from test_agent_cluster import NODE_UID, cluster_settings, eventually, start, write_kubeconfig  # noqa: F401  (fixture)
 
 from agent import kubelet_client as kc
 from agent.claims import ClaimSourceError
@@ -247,3 +247,33 @@ async def test_a_claim_deleted_from_the_api_server_is_unprepared_by_the_running_
     # The claim that still exists stays prepared.
     await asyncio.sleep(3 * gc_interval(grace))
     assert KEEP in agent.engine.records and not nothing_of(s, KEEP)
+
+
+async def test_an_agent_fallen_back_offline_collects_no_claim_prepared_online(
+        kube_api: KubeApi, cluster_settings, agents, short_tmp: Path, caplog) -> None:  # noqa: F811
+    # `--offline-fallback` (what `make run` uses): a claim prepared while the API server answered is
+    # not in the offline directory, and the agent cannot tell where a record's claim came from. When
+    # the API server is away at the next start, not finding it there must not collect it.
+    caplog.set_level(logging.INFO, logger="agent")
+    grace = 0.0
+    fallback = short_tmp / "fallback"
+    kube_api.add_node("node-a", uid=NODE_UID)
+    kube_api.add(claim("trainer", OLD, [result("gpu-0", "gpu")], namespace="team-a"))
+    online = await start(agents, cluster_settings(gc_grace_period=grace, offline_fallback=fallback))
+    assert online.conn is not None and online.conn.offline is None
+    async with kc.DRAClient(online.settings.dra_socket) as client:
+        response = await client.prepare([ClaimRef("team-a", "trainer", OLD)])
+    assert all(c.error == "" for c in response.claims.values())
+    await online.stop()
+    agents.remove(online)
+
+    dead = write_kubeconfig(short_tmp / "dead-kubeconfig", "http://127.0.0.1:1")  # nothing listens there
+    offline = await start(agents, cluster_settings(gc_grace_period=grace, offline_fallback=fallback,
+                                                   kubeconfig=dead))
+    assert offline.conn is not None and offline.conn.offline == fallback
+    await eventually(lambda: offline.recovered.is_set(), "the start-up check done")
+    await asyncio.sleep(10 * gc_interval(grace))  # many sweeps' time: an on collector would have collected it
+    assert offline.engine is not None and OLD in offline.engine.records
+    assert not nothing_of(offline.settings, OLD)
+    assert offline.metrics.claims_garbage_collected._value.get() == 0
+    assert any("garbage collection is off" in r.getMessage() for r in caplog.records)
