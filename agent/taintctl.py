@@ -4,9 +4,10 @@ The agent saves its current causes to `<state dir>/health/causes.json` on every 
 (`agent.conditions`); listing reads that file, so it works without a socket and shows the
 cause and age of each taint. Clearing is a request file in `<state dir>/health/requests/`,
 written atomically; the agent watches the directory (inotify, `watchdog`), applies each
-request in name order and removes it. A request written while no agent runs is applied when
-one starts. Only the state directory's owner (root on a node) can write there: no network
-endpoint can change a taint.
+request in name order, writes what it cleared beside it (`<request>.done`, read and removed
+by the CLI that asked, so it says exactly what happened) and removes it. A request written
+while no agent runs is applied when one starts. Only the state directory's owner (root on a
+node) can write there: no network endpoint can change a taint.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 HEALTH_DIR = "health"
 REQUESTS_DIR = "requests"
 REQUEST_SUFFIX = ".json"
+RESULT_SUFFIX = ".done"
+RESULT_KEEP = 60.0  # seconds a result no CLI read (it was killed while waiting) stays
 CLEAR_WAIT = 5.0  # seconds the CLI waits for the running agent to apply a request
 
 
@@ -68,6 +71,7 @@ def apply_requests(directory: Path, conditions: DeviceConditions) -> int:
         names = sorted(n for n in os.listdir(directory) if n.endswith(REQUEST_SUFFIX) and not n.startswith("."))
     except FileNotFoundError:
         return 0
+    _remove_stale_results(directory)
     applied = 0
     for name in names:
         path = directory / name
@@ -87,10 +91,44 @@ def apply_requests(directory: Path, conditions: DeviceConditions) -> int:
         gone = conditions.clear(device)
         if not gone:
             log.info("taint request: %s has no XID taint to clear", device)
+        try:  # before the request goes: the CLI reads it once the request is gone
+            atomic_write(result_path(path), orjson.dumps({"device": device, "cleared": [c.detail for c in gone]}),
+                         mode=0o600)
+        except OSError as exc:
+            log.warning("taint request %s: cannot write its result (%s)", path, exc)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         applied += 1
     return applied
+
+
+def result_path(request: Path) -> Path:
+    return request.with_name(request.name + RESULT_SUFFIX)
+
+
+def read_result(request: Path) -> list[str] | None:
+    """What the agent cleared for `request` (the causes' details), removing the result; None when
+    there is no readable result."""
+    path = result_path(request)
+    try:
+        doc = orjson.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    cleared = doc.get("cleared") if isinstance(doc, dict) else None
+    return [str(d) for d in cleared] if isinstance(cleared, list) else None
+
+
+def _remove_stale_results(directory: Path) -> None:
+    now = time.time()
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.endswith(RESULT_SUFFIX):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat(follow_symlinks=False).st_mtime > RESULT_KEEP:
+                        os.unlink(entry.path)
 
 
 class _Wake(FileSystemEventHandler):
@@ -198,12 +236,18 @@ def _clear(settings: Settings, device: str) -> int:
         print(f"queued: no running agent applied it within {CLEAR_WAIT:g}s; the agent applies it when it "
               f"starts ({path})")
         return 0
+    cleared = read_result(path)
     try:
         left = [c for c in read_saved(health_dir(settings))[0] if c.device == device]
     except (OSError, ValueError, KeyError, TypeError):
         left = []
-    print(f"cleared the XID taints of {device}" + (
-        f"; still tainted by: {'; '.join(c.detail for c in left)}" if left else ""))
+    if cleared is None:  # an agent that writes no result (older, or its write failed)
+        said = f"applied: the XID taints of {device}, if any, are cleared"
+    elif cleared:
+        said = f"cleared the XID taints of {device}: {'; '.join(cleared)}"
+    else:
+        said = f"{device} had no XID taint: nothing cleared"
+    print(said + (f"; still tainted by: {'; '.join(c.detail for c in left)}" if left else ""))
     return 0
 
 

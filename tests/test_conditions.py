@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from pathlib import Path
 
 import orjson
@@ -14,7 +16,15 @@ from agent.conditions import CAUSES_FILE, NONE, DeviceConditions, read_saved
 from agent.health import HEALTHY, UNHEALTHY, HealthTracker
 from agent.inventory import DeviceFailure, Snapshot
 from agent.model import Device
-from agent.taintctl import apply_requests, health_dir, requests_dir, submit_clear
+from agent.taintctl import (
+    RESULT_KEEP,
+    apply_requests,
+    health_dir,
+    read_result,
+    requests_dir,
+    result_path,
+    submit_clear,
+)
 from agent.taintpolicy import PolicyError, TaintPolicy, load_policy, parse_policy
 
 DRIVER = "dra.example.com"
@@ -246,13 +256,28 @@ def test_clear_requests_are_applied_in_order_and_bad_ones_set_aside(clock: Clock
     c = conditions(clock, health_dir(settings))
     c.xid("gpu-6", 48)
     c.xid("gpu-7", 63)
-    submit_clear(settings, "gpu-6")
-    submit_clear(settings, "gpu-9")  # nothing to clear: applied, harmless
+    six = submit_clear(settings, "gpu-6")
+    nine = submit_clear(settings, "gpu-9")  # nothing to clear: applied, harmless
     (requests_dir(settings) / "00000000000000000001-zz.json").write_bytes(b'{"action": "explode"}')
     assert apply_requests(requests_dir(settings), c) == 2
     assert c.taints("gpu-6") == [] and c.taints("gpu-7")
+    # Each applied request leaves what it cleared for the CLI that asked; reading it removes it.
+    assert read_result(six) == ["XID 48 (double-bit ECC error)"]
+    assert read_result(nine) == []
     left = sorted(p.name for p in requests_dir(settings).iterdir())
     assert left == ["00000000000000000001-zz.json.bad"]
+
+
+def test_results_no_cli_read_are_removed_after_a_while(clock: Clock, tmp_path: Path) -> None:
+    settings = roots(tmp_path)
+    c = conditions(clock, health_dir(settings))
+    old = submit_clear(settings, "gpu-1")
+    assert apply_requests(requests_dir(settings), c) == 1
+    stale = time.time() - RESULT_KEEP - 1
+    os.utime(result_path(old), (stale, stale))
+    new = submit_clear(settings, "gpu-2")
+    assert apply_requests(requests_dir(settings), c) == 1
+    assert not result_path(old).exists() and read_result(new) == []
 
 
 def test_a_clear_request_names_a_device() -> None:
