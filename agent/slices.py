@@ -18,7 +18,7 @@ the other roles have their own modules, re-exported here under the names callers
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +53,7 @@ __all__ = [
     "API_VERSION", "KIND", "MAX_GENERATE_NAME", "NAME_ALPHABET", "NAME_SUFFIX", "STANDARD_DOMAIN", "Chunk",
     "Chunks", "CounterChunk", "NodeRef", "PoolPlan", "SliceWrite", "build_slices", "chunk_devices", "comparable",
     "generate_name", "is_ours", "new_slice_name", "owner_references", "plan_pool", "pool_generation",
-    "render_slice", "same_slice", "sanitize_device",
+    "pool_rule_errors", "render_slice", "same_slice", "sanitize_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class Chunks:
 
     slices: list[Chunk] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    # Pool-wide API rules the split breaks (`pool_rule_errors`); empty unless this module has a bug.
+    errors: list[str] = field(default_factory=list)
 
     @property
     def device_count(self) -> int:
@@ -113,13 +115,34 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
         current.append(wire)
     if current:
         out.slices.append(current)
+    out.errors = pool_rule_errors(out.slices)
     for message in out.dropped:
         if reported is None or message not in reported:
             log.warning("not published: %s", message)
+    for message in out.errors:
+        if reported is None or message not in reported:
+            log.error("the pool's slices break an API rule (the API server will refuse them): %s", message)
     if reported is not None:
         reported.clear()
-        reported.update(out.dropped)
+        reported.update(out.dropped, out.errors)
     return out
+
+
+# Placeholders for the rendering that `pool_rule_errors` checks: the split does not depend on them,
+# and the real driver and node names are checked where they are configured.
+_CHECK_DRIVER = "pool-check.example.com"
+_CHECK_NODE = "pool-check"
+
+
+def pool_rule_errors(chunks: Sequence[Chunk]) -> list[str]:
+    """The API rules over the whole split as it would be published (`apirules.pool_errors`): each slice
+    holds counter sets or devices, never both; at most 8 counter sets per slice and 64 devices once
+    they consume counters; at most 2 consumptions per device; counter set names unique in the pool;
+    every counter a device consumes published by a set of the pool. The split is built to keep them;
+    this checks it rather than trusting the construction."""
+    count = len(chunks)
+    return apirules.pool_errors([render_slice(c, driver=_CHECK_DRIVER, node=_CHECK_NODE, owner=None, generation=1,
+                                              count=count) for c in chunks])
 
 
 def build_slices(devices: Iterable[Device], *, driver: str, node: str, owner: NodeRef | None = None,

@@ -24,7 +24,7 @@ from agent.kube import Backoff, NodeInfo, read_node
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, CounterConsumption, CounterSet, Device
 from agent.publisher import ApiPublisher, DirectoryPublisher
 from agent.simkernel.tree import SimTree
-from agent.slices import CounterChunk, build_slices, chunk_devices, plan_pool
+from agent.slices import CounterChunk, build_slices, chunk_devices, plan_pool, pool_rule_errors
 
 DRIVER = "dra.example.com"
 NODE = "node-a"
@@ -326,6 +326,22 @@ def test_a_device_with_more_than_two_counter_consumptions_is_not_published(
     assert [s["name"] for c in chunks.slices if isinstance(c, CounterChunk) for s in c.sets] == ["set-0", "set-1"]
     assert "not published: device 'dev-three' dropped" in caplog.text
     valid_pool(build_slices([three, two], driver=DRIVER, node=NODE))
+
+
+def test_the_split_is_checked_against_the_pool_rules() -> None:
+    chunks = chunk_devices(consuming(130))
+    assert chunks.errors == [] and pool_rule_errors([]) == []
+    (*counter_chunks, first, second, third) = chunks.slices
+    assert all(isinstance(c, CounterChunk) for c in counter_chunks)
+    assert pool_rule_errors(chunks.slices) == []
+    # A split that broke them: 65 consuming devices in one slice, a set published twice, and devices
+    # whose sets are in no counter slice.
+    assert not isinstance(first, CounterChunk) and not isinstance(second, CounterChunk)
+    errors = pool_rule_errors([*counter_chunks, counter_chunks[0], [*first, second[0]]])
+    assert any("spec.devices has 65 entries, more than 64" in e for e in errors)
+    assert any("counter set 'set-000' is published twice in the pool" in e for e in errors)
+    unpublished = pool_rule_errors([*counter_chunks[:16], first, second, third])  # without set-128, set-129
+    assert any("device 'dev-128' consumes counter set 'set-128'" in e for e in unpublished)
 
 
 def test_long_names_are_cut_to_distinct_stable_labels() -> None:
