@@ -64,6 +64,11 @@ class DirectoryPublisher:
     async def sync(self, devices: Sequence[Device]) -> SyncResult:
         chunks = slices.chunk_devices(devices, reported=self._reported,
                                       compatibility_groups=self.groups)
+        if chunks.errors:  # what the API server would refuse is not written either: the files stay
+            msg = f"not writing ResourceSlices to {self.dir}: the pool's slices break API rules: " + \
+                "; ".join(chunks.errors)
+            log.error(msg)
+            raise PublishError(msg)
         try:
             result = await asyncio.to_thread(self._sync_blocking, chunks.slices)
         except OSError as exc:

@@ -71,6 +71,8 @@ class ApiPublisher:
     async def sync(self, devices: Sequence[Device]) -> SyncResult:
         chunks = slices.chunk_devices(devices, reported=self._reported,
                                       compatibility_groups=self.groups)
+        if chunks.errors:  # the API server would refuse the pool: the published one stays
+            raise self._failed("the pool's slices break API rules: " + "; ".join(chunks.errors))
         for _ in range(CONFLICT_ROUNDS):
             try:
                 result = await self._sync_once(chunks.slices)

@@ -538,3 +538,20 @@ async def test_emulator_rejects_a_slice_the_schema_rejects(kube_api: KubeApi) ->
         answer = await http.post(SLICES, json=obj)
     assert answer.status_code == 422 and "basic" in answer.json()["message"]
     assert kube_api.items(RESOURCE_SLICES) == []
+
+
+async def test_a_pool_breaking_api_rules_is_not_published(tmp_path: Path, settings: Settings, kube_api: KubeApi,
+                                                          publisher: ApiPublisher,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split is checked against the pool-wide rules before anything is written: what the API
+    server would refuse is not sent (nor written offline), and what is published stays."""
+    pub = DirectoryPublisher(tmp_path, settings, NodeInfo(NODE, NODE_UID))
+    await pub.sync(nics(3))
+    await publisher.sync(nics(3))
+    before, posted = identities(tmp_path), ours(kube_api)
+    monkeypatch.setattr("agent.slices.pool_rule_errors", lambda chunks: ["spec.devices has 65 entries"])
+    with pytest.raises(PublishError, match="break API rules: spec.devices has 65 entries"):
+        await pub.sync(nics(4))
+    with pytest.raises(PublishError, match="break API rules"):
+        await publisher.sync(nics(4))
+    assert identities(tmp_path) == before and ours(kube_api) == posted
