@@ -68,6 +68,9 @@ class DeviceHealthService:
         self._changed_cb = changed
         self.requests = RequestWatcher(requests_dir(settings), self.conditions)
         self._last_seen: dict[str, Device] = {}
+        # PCI bus ID -> native device, as of the last snapshot observed: readiness and get, called per
+        # claim device on every status write, look forms up here instead of going over every device.
+        self._bus_native: dict[object, str] = {}
         self._nics: set[str] = set()
         self._dirty: set[str] = set()
         self._rescan: set[str] = set()  # kinds to rescan: a lost GPU answering is back in discovery
@@ -140,6 +143,7 @@ class DeviceHealthService:
         for name in set(self._last_seen) - set(snapshot.devices) - keep:
             if _native_of(self._last_seen[name], natives) not in keep:
                 del self._last_seen[name]
+        self._bus_native = self._natives()
 
     def gpu_event(self, event: GpuEvent) -> None:
         if isinstance(event, XidError):
@@ -174,7 +178,7 @@ class DeviceHealthService:
         if (dev := self.inventory.get(name)) is not None:
             return dev
         seen = self._last_seen.get(name)
-        return seen if seen is not None and _native_of(seen, self._natives()) in self._lost() else None
+        return seen if seen is not None and _native_of(seen, self._bus_native) in self._lost() else None
 
     def aliases(self, snapshot: Snapshot) -> dict[str, str]:
         """Passthrough variant, MIG, vGPU or shared device -> its native device (same PCI function): a form
@@ -190,7 +194,7 @@ class DeviceHealthService:
         """For the claim status writer (`agent.claimstatus.DeviceReadiness`): a form of a GPU is as
         ready as its GPU."""
         own = self.conditions.readiness(device.name)
-        return own if not own.ready else self.conditions.readiness(_native_of(device, self._natives()))
+        return own if not own.ready else self.conditions.readiness(_native_of(device, self._bus_native))
 
     def with_forms(self, names: set[str]) -> set[str]:
         """`names` and every form of them, present or remembered (the claims holding a form of a GPU
