@@ -550,7 +550,7 @@ async def test_a_pool_breaking_api_rules_is_not_published(tmp_path: Path, settin
     await publisher.sync(nics(3))
     before, posted = identities(tmp_path), ours(kube_api)
     monkeypatch.setattr("agent.slices.pool_rule_errors", lambda chunks: ["spec.devices has 65 entries"])
-    with pytest.raises(PublishError, match="break API rules: spec.devices has 65 entries"):
+    with pytest.raises(PublishError, match=r"break API rules: spec\.devices has 65 entries"):
         await pub.sync(nics(4))
     with pytest.raises(PublishError, match="break API rules"):
         await publisher.sync(nics(4))
