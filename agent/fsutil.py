@@ -113,9 +113,13 @@ class Root:
     def directory(self, parts: Sequence[str], create: bool) -> Iterator[int]:
         """An open descriptor of the directory `root/parts...`, each component opened without
         following links; FileNotFoundError when it is missing and `create` is false."""
-        if create:
-            self.ensure()
-        fd = os.open(self.path, _DIR_FLAGS)
+        try:
+            fd = os.open(self.path, _DIR_FLAGS)
+        except FileNotFoundError:
+            if not create:
+                raise
+            self.ensure()  # only when it is missing: a stat per write cost more than the rare miss
+            fd = os.open(self.path, _DIR_FLAGS)
         try:
             for i, part in enumerate(parts):
                 if create:

@@ -153,7 +153,7 @@ class Passthrough:
         device cannot be passed through now."""
         out: list[DeviceBinding] = []
         seen: set[str] = set()
-        boot = self.host.boot_id()
+        boot: str | None = None  # read once, and only for a claim with passthrough devices
         for a in alloc.devices:
             dev = a.device
             if dev.kind != VFIO_KIND or dev.name in seen:
@@ -170,6 +170,8 @@ class Passthrough:
             if dev.attributes.get("nativeType") == "gpu":
                 self._check_gpu_free(bdf)
             plan = plan_bind(self.host.sysfs, bdf)
+            if boot is None:
+                boot = self.host.boot_id()
             out.append(DeviceBinding(dev.name, plan, 0, boot, cfg.iommu, cfg.mac, cfg.vlan))
         return out
 
