@@ -123,13 +123,7 @@ class Root:
         try:
             for i, part in enumerate(parts):
                 if create:
-                    try:
-                        os.mkdir(part, self.dir_mode, dir_fd=fd)
-                    except FileExistsError:
-                        pass
-                    else:
-                        if self.own is not None:
-                            self.own.made(os.path.join(self.path, *parts[: i + 1]))
+                    self._mkdir(fd, parts[: i + 1])
                 try:
                     child = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError as exc:
@@ -146,12 +140,26 @@ class Root:
         finally:
             os.close(fd)
 
+    # The agent's own changes are noted (`agent.ownchanges`) in the same step as they are made, so
+    # self-healing never judges an event while one is made and the other not.
+    def _mkdir(self, parent_fd: int, parts: Sequence[str]) -> None:
+        with contextlib.nullcontext() if self.own is None else self.own.hold():
+            try:
+                os.mkdir(parts[-1], self.dir_mode, dir_fd=parent_fd)
+            except FileExistsError:
+                return
+            if self.own is not None:
+                self.own.made(os.path.join(self.path, *parts))
+
+    def _removing(self, path: str | Path) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext() if self.own is None else self.own.removing(str(path))
+
     def write(self, path: str | Path, data: bytes, mode: int = 0o644, durable: bool = False) -> None:
         *dirs, name = self.parts(path)
         own = self.own
-        noted = None if own is None else lambda inode: own.wrote(str(path), inode)
+        noted = None if own is None else lambda inode: own.renaming(str(path), inode)
         with self.directory(dirs, create=True) as fd:
-            write_at(fd, name, data, mode, durable, before_rename=noted)
+            write_at(fd, name, data, mode, durable, around_rename=noted)
 
     def read(self, path: str | Path) -> bytes:
         *dirs, name = self.parts(path)
@@ -163,11 +171,10 @@ class Root:
     def unlink(self, path: str | Path, durable: bool = False) -> bool:
         """Remove a file (or a link, never its target); True if it was there."""
         *dirs, name = self.parts(path)
-        if self.own is not None:
-            self.own.removed(str(path))  # before: the event may be read at once
         try:
             with self.directory(dirs, create=False) as fd:
-                os.unlink(name, dir_fd=fd)
+                with self._removing(path):
+                    os.unlink(name, dir_fd=fd)
                 if durable:
                     os.fsync(fd)
         except FileNotFoundError:
@@ -177,10 +184,8 @@ class Root:
     def remove_tree(self, path: str | Path) -> bool:
         """Remove a directory and all below it; a link in its place is removed itself."""
         *dirs, name = self.parts(path)
-        if self.own is not None:
-            self.own.removed(str(path))
         try:
-            with self.directory(dirs, create=False) as fd:
+            with self.directory(dirs, create=False) as fd, self._removing(path):
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
                     shutil.rmtree(name, dir_fd=fd)  # fd-based: immune to links swapped in below

@@ -8,21 +8,25 @@ rename put in place (and how many renames onto the name are yet to be seen), or 
 removed. Self-healing reads its events in batches, so by the time an event is judged the agent
 may have changed the path again: an event is the agent's own when the file system shows exactly
 the agent's latest change to the path: its inode there after its rename, nothing at a path (or
-below a directory) it removed, or, for a removal whose path is back, the agent's own file (or a
-directory the agent created again) in its place. Then nothing can be missing or changed: the last
+below a directory) it removed or below a directory it made again and has not written the path in
+since, or, for a removal whose path is back, the agent's own file (or a directory the agent
+created again) in its place. Then nothing can be missing or changed: the last
 change was the agent's. Anything else (another inode, a change in place, a file back where the
 agent removed one) is someone else's, and is checked as before.
 
-Bounded: entries are consumed by their events; when self-healing does not run (the CLI, tests)
-the oldest are dropped, which can only cost a check, never skip one.
+Bounded: the oldest entries are dropped past LIMIT, which can only cost a check, never skip one
+(an entry's sequence number follows its place in the table, so a directory's "made again" goes
+before the entries of the files written in it since).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from agent.inotify import IN_DELETE, IN_DELETE_SELF, IN_MOVED_FROM, IN_MOVED_TO
@@ -42,7 +46,9 @@ class _Change:
 class OwnChanges:
     def __init__(self, limit: int = LIMIT) -> None:
         self._limit = limit
-        self._lock = threading.Lock()  # noted from worker threads, asked on the event loop
+        # Noted from worker threads, asked on the event loop. Held around each change and its note, and
+        # around each judgment with the look at the file system it needs: a judgment sees both or neither.
+        self._lock = threading.RLock()
         self._changes: OrderedDict[str, _Change] = OrderedDict()
         self._seq = 0
 
@@ -58,60 +64,71 @@ class OwnChanges:
         while len(self._changes) > self._limit:
             self._changes.popitem(last=False)
 
-    def wrote(self, path: str, inode: int) -> None:
+    def hold(self) -> threading.RLock:
+        """Held around a change the caller then notes (a directory made: `made`)."""
+        return self._lock
+
+    @contextlib.contextmanager
+    def renaming(self, path: str, inode: int) -> Iterator[None]:
+        """Around the rename that puts `inode` at `path`."""
         with self._lock:
             self._note(path, inode, 1)
+            yield
+
+    @contextlib.contextmanager
+    def removing(self, path: str) -> Iterator[None]:
+        """Around the removal of `path` (a file, or a directory with all below it)."""
+        with self._lock:
+            self._note(path, _REMOVED, 0)
+            yield
 
     def made(self, path: str) -> None:
-        """The agent created the directory (a claim's, again after it removed it): removals there
-        before are not explained by the agent's removal any more, and one whose path is back is."""
+        """The agent created the directory (under `hold`): removals there before are not explained by
+        the agent's removal any more, and one whose path is back is."""
         with self._lock:
             self._note(path, _REMADE, 0)
 
-    def removed(self, path: str) -> None:
-        with self._lock:
-            self._note(path, _REMOVED, 0)
-
     def is_own(self, path: str, mask: int) -> bool:
         """Whether the event (`mask` at `path`) is the agent's own change, as the file system shows now."""
-        if mask & IN_MOVED_TO:
-            with self._lock:
+        with self._lock:
+            if mask & IN_MOVED_TO:
                 entry = self._changes.get(path)
                 if entry is None or entry.renames == 0:
                     return False  # a rename the agent did not make (or one more than it made)
                 entry.renames -= 1
-                state = entry.state
-                if entry.renames == 0 and state >= 0:
-                    del self._changes[path]
-            if state >= 0 and (inode := _inode(path)) is not None:
-                return inode == state
-            # Renamed, then removed (the file, or a directory above it): own if the removal was.
-            return state != _REMADE and self._removed(path)
-        if mask & (IN_DELETE | IN_DELETE_SELF | IN_MOVED_FROM):
-            st = _lstat(path)
-            with self._lock:
-                if st is not None:  # back already: own only if what is there is the agent's
-                    entry = self._changes.get(path)
-                    if entry is None:
-                        return False
-                    return entry.state == st.st_ino or (entry.state == _REMADE and stat.S_ISDIR(st.st_mode))
-            return self._removed(path)
-        return False
+                if entry.state >= 0 and (inode := _inode(path)) is not None:
+                    return inode == entry.state
+                # Renamed, then removed (the file, or a directory above it): own if the removal was.
+                return entry.state != _REMADE and self._removed(path)
+            if mask & (IN_DELETE | IN_DELETE_SELF | IN_MOVED_FROM):
+                st = _lstat(path)
+                if st is None:
+                    return self._removed(path)
+                entry = self._changes.get(path)  # back already: own only if what is there is the agent's
+                return entry is not None and (entry.state == st.st_ino
+                                              or (entry.state == _REMADE and stat.S_ISDIR(st.st_mode)))
+            return False
 
     def _removed(self, path: str) -> bool:
-        """Nothing at `path`, and the agent's latest change to it or a directory above it (a
-        directory made again after it was removed, or the reverse) was a removal."""
+        """(Under the lock.) Nothing at `path`, explained by the agent's latest change to it or to a
+        directory above it: a removal, or a directory made again (it was empty then) with nothing
+        written at `path` since."""
         if os.path.lexists(path):
             return False
+        own = self._changes.get(path)
         latest: _Change | None = None
-        with self._lock:
-            probe = path
-            while probe and probe != os.sep:
-                entry = self._changes.get(probe)
-                if entry is not None and entry.state < 0 and (latest is None or entry.seq > latest.seq):
-                    latest = entry
-                probe = os.path.dirname(probe)
-            return latest is not None and latest.state == _REMOVED
+        probe = path
+        while probe and probe != os.sep:
+            entry = self._changes.get(probe)
+            if entry is not None and entry.state < 0 and (latest is None or entry.seq > latest.seq):
+                latest = entry
+            probe = os.path.dirname(probe)
+        if latest is None:
+            return False
+        if latest.state == _REMOVED:
+            return True
+        # Made again: the path was not there then; gone again since the agent wrote it is not ours.
+        return latest is not own and (own is None or own.seq < latest.seq)
 
 
 def _lstat(path: str) -> os.stat_result | None:

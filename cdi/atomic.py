@@ -14,6 +14,7 @@ import contextlib
 import os
 import secrets
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 TEMP_MARK = ".tmp-"
 
@@ -27,10 +28,12 @@ def is_temp_name(name: str) -> bool:
 
 
 def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, durable: bool = False,
-             sync_dir: bool = True, before_rename: Callable[[int], None] | None = None) -> None:
+             sync_dir: bool = True,
+             around_rename: Callable[[int], AbstractContextManager[object]] | None = None) -> None:
     """Atomically write `data` as `name` in the directory `dir_fd`, with exactly `mode`.
-    `before_rename` is given the new file's inode before it takes the name (so a watcher can tell
-    this write's rename from anyone else's, whenever it sees the event).
+    `around_rename` is given the new file's inode and its context is held around the rename (so a
+    watcher can tell this write's rename from anyone else's, whenever it sees the event, and never
+    sees the one without the other).
 
     `durable` adds fsync of the file and of the directory, so the new file survives a
     power loss once this returns. With `sync_dir` false the directory's fsync is left to the
@@ -51,9 +54,8 @@ def write_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, durable: bo
                 os.fsync(fd)
         finally:
             os.close(fd)
-        if before_rename is not None:
-            before_rename(st.st_ino)
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        with contextlib.nullcontext() if around_rename is None else around_rename(st.st_ino):
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)

@@ -61,3 +61,18 @@ def test_a_file_gone_from_a_directory_the_agent_made_again_is_not_own(tmp_path):
     os.unlink(path)
     os.rmdir(os.path.dirname(path))
     assert not own.is_own(path, IN_DELETE)
+
+
+def test_the_last_unprepares_removals_judged_while_the_next_prepare_makes_the_directories(tmp_path):
+    """A batch read in the middle of a prepare: the claim's directories are made again, its files
+    not written yet. The removals of the unprepare before are still the agent's own."""
+    root, own, path = setup(tmp_path)
+    claim_dir = os.path.dirname(os.path.dirname(path))
+    root.write(path, b"x")
+    root.remove_tree(claim_dir)
+    with root.directory(root.parts(os.path.dirname(path)), create=True):
+        pass  # the next prepare has made the directories, and not written the file yet
+    assert own.is_own(path, IN_MOVED_TO)
+    assert own.is_own(path, IN_DELETE)
+    assert own.is_own(os.path.dirname(path), IN_DELETE | IN_ISDIR)
+    assert own.is_own(claim_dir, IN_DELETE_SELF)
