@@ -10,9 +10,6 @@ whole GPU is prepared for another claim, a MIG placement while a share of its GP
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,15 +42,6 @@ SHARES = {"a": ("0b7e1f3a-0000-4000-8000-0000000000a1", "4Gi", 4 * GIB),
 
 def uid(n: int) -> str:
     return f"7c2e9a00-0000-4000-8000-{n:012x}"
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dra-part-", dir="/tmp"))  # socket paths stay short
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def agent_args(s: Settings) -> list[str]:

@@ -8,9 +8,6 @@ there. Unprepare puts the function back on its driver in the simulated sysfs."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +62,6 @@ def in_vm_container(ids: list[str], pod_claim: str, request: str) -> tuple[list[
     assert rc == 0, err
     listing, stream, nodes = out.split("---\n")
     return listing.split(), stream, nodes.strip().splitlines()
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dra-vm-", dir="/tmp"))  # socket paths stay short
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def agent_args(s: Settings, nic_exclude: str = "*") -> list[str]:
