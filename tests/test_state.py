@@ -8,6 +8,7 @@ import os
 import stat
 import threading
 import time
+from typing import Any
 
 import orjson
 import pytest
@@ -34,6 +35,13 @@ UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"
 def framed(body: bytes, version: int) -> bytes:
     """A record file as the agent frames a body: header with version, checksum and length."""
     return b"DRAREC %d %s %d\n" % (version, hashlib.sha256(body).hexdigest().encode(), len(body)) + body
+
+
+def assert_refused(body: dict[str, Any], version: int) -> None:
+    """A correctly framed record whose body breaks the format is refused."""
+    with pytest.raises(RecordError):
+        decode(framed(orjson.dumps(body), version))
+
 
 def record(uid: str = UID) -> ClaimRecord:
     return ClaimRecord(
@@ -206,10 +214,7 @@ def test_a_malformed_binding_is_refused(damage):
         body["state"] = value
     else:
         body["bindings"][0][key] = value
-    raw = orjson.dumps(body)
-    data = framed(raw, 2)
-    with pytest.raises(RecordError):
-        decode(data)
+    assert_refused(body, 2)
 
 
 # -- version 3: records with GPU partitions created for the claim -------------------------------------------
@@ -268,7 +273,4 @@ def test_a_malformed_partition_is_refused(damage):
         body["partitions"] = value
     else:
         body["partitions"][0][key] = value
-    raw = orjson.dumps(body)
-    data = framed(raw, 3)
-    with pytest.raises(RecordError):
-        decode(data)
+    assert_refused(body, 3)
