@@ -113,7 +113,9 @@ class DeviceLookup(Protocol):
 @dataclass(slots=True)
 class _Pending:
     target: ClaimRef
-    entries: list[dict[str, Any]]
+    # What to write: the claim's entries, built from this record when the write starts (so the
+    # prepare that queued it never waits for them); None removes this driver's entries.
+    record: ClaimView | None
     failures: int = 0
     due: float = 0.0  # monotonic time before which it is not sent
 
@@ -178,7 +180,7 @@ class ClaimStatusWriter:
         # The keys are the record's devices (`_condition`): O(devices), not a scan of every claim's.
         for d in record.devices:
             self._transitions.pop((record.uid, d.device, d.share_id), None)
-        self._submit(_target(record), [])
+        self._submit(_target(record), None)
 
     # -- the integrator's calls ---------------------------------------------------------------------
 
@@ -215,7 +217,7 @@ class ClaimStatusWriter:
                 if self.book.record_of(record.uid) is None:
                     continue  # unprepared meanwhile
                 self.claim_prepared(record)
-                await asyncio.sleep(0)  # building entries is work on the loop: let the kubelet in
+                await asyncio.sleep(0)  # a long loop on the event loop: let the kubelet in
         finally:
             self._resync = None
             self._update_queue()
@@ -310,19 +312,14 @@ class ClaimStatusWriter:
     # -- the queue ----------------------------------------------------------------------------------
 
     def _enqueue(self, record: ClaimView) -> None:
-        try:
-            entries = self.entries(record)
-        except Exception:
-            log.exception("building the status of claim %s/%s failed", record.namespace, record.name)
-            return
-        self._submit(_target(record), entries)
+        self._submit(_target(record), record)
 
-    def _submit(self, target: ClaimRef, entries: list[dict[str, Any]]) -> None:
-        if self._closed or (entries and target.uid in self._gone):
+    def _submit(self, target: ClaimRef, record: ClaimView | None) -> None:
+        if self._closed or (record is not None and target.uid in self._gone):
             return
         old = self._pending.get(target.uid)
         # A claim in backoff keeps its wait: a newer state does not make the API server answer sooner.
-        self._pending[target.uid] = _Pending(target, entries, failures=old.failures if old else 0,
+        self._pending[target.uid] = _Pending(target, record, failures=old.failures if old else 0,
                                              due=old.due if old else 0.0)
         self._update_queue()
         self.start()
@@ -360,10 +357,13 @@ class ClaimStatusWriter:
 
     async def _write(self, item: _Pending) -> None:
         uid = item.target.uid
+        entries: list[dict[str, Any]] = []
         try:
-            await self.sink.write(item.target, item.entries)
+            if item.record is not None:
+                entries = self.entries(item.record)
+            await self.sink.write(item.target, entries)
         except ClaimGone as exc:
-            if item.entries:
+            if entries:
                 self._gone.add(uid)
                 self._gave_up(item, str(exc))
             else:
@@ -376,11 +376,11 @@ class ClaimStatusWriter:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("writing the status of %s failed unexpectedly", item.target)
+            log.exception("building or writing the status of %s failed unexpectedly", item.target)
             self._gave_up(item, repr(exc))
         else:
             self._count("ok")
-            log.debug("status of %s written (%d entries)", item.target, len(item.entries))
+            log.debug("status of %s written (%d entries)", item.target, len(entries))
         finally:
             self._in_flight.pop(uid, None)
             self._update_queue()
