@@ -42,6 +42,13 @@ class TextFormatter(logging.Formatter):
 
 
 def setup(fmt: str = "auto", level: str = "info") -> None:
+    # Neither format shows where a call was made from, nor the thread or process: not working them
+    # out saves about a fifth of each log call (a line per prepare). These module switches are the
+    # logging module provides for this.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     if fmt == "auto":
         fmt = "text" if sys.stderr.isatty() else "json"
     handler = logging.StreamHandler(sys.stderr)
