@@ -48,13 +48,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agent import apirules
-from agent.claimbook import ClaimBook
+from agent.claimbook import ClaimBook, ClaimSummary
 from agent.claimstatus_sinks import ClaimGone, StatusSink, StatusWriteFailed
 from agent.conditions import Readiness
 from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.model import Device
 from agent.names import ClaimRef
+from agent.state import ClaimRecord
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +313,9 @@ class ClaimStatusWriter:
     # -- the queue ----------------------------------------------------------------------------------
 
     def _enqueue(self, record: ClaimView) -> None:
-        self._submit(_target(record), record)
+        # A whole record holds its files' contents: a queue of thousands (a resync, a burst of
+        # prepares) keeps only the book's summary of each.
+        self._submit(_target(record), ClaimSummary.of(record) if isinstance(record, ClaimRecord) else record)
 
     def _submit(self, target: ClaimRef, record: ClaimView | None) -> None:
         if self._closed or (record is not None and target.uid in self._gone):
