@@ -317,6 +317,7 @@ class ClaimStore:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self._prefix = f"{directory}{os.sep}"
         self.root = Root(directory, dir_mode=0o700)
         self.dir_sync = DirectorySync(directory)
 
@@ -324,20 +325,25 @@ class ClaimStore:
         self.root.ensure()
 
     def path(self, uid: str) -> Path:
+        return Path(self._file(uid))
+
+    def _file(self, uid: str) -> str:
+        # A string, not a Path: the operations on a claim build it several times each.
         check_uid(uid)
-        return self.directory / f"{uid}{SUFFIX}"
+        return f"{self._prefix}{uid}{SUFFIX}"
 
     def write(self, record: ClaimRecord) -> None:
         """Durable when it returns: the file fsync'd, renamed into place, the directory fsync'd."""
         data = encode(record)
-        name = self.path(record.uid).name
+        check_uid(record.uid)
+        name = f"{record.uid}{SUFFIX}"
         with self.root.directory((), create=True) as fd:
             write_at(fd, name, data, mode=0o600, durable=True, sync_dir=False)
         self.dir_sync.sync()
 
     def delete(self, uid: str) -> bool:
         """Durable when it returns (the directory fsync'd); True if there was a record."""
-        removed = self.root.unlink(self.path(uid))
+        removed = self.root.unlink(self._file(uid))
         if removed:
             self.dir_sync.sync()
         return removed
@@ -345,14 +351,14 @@ class ClaimStore:
     def stamp(self, uid: str) -> RecordStamp | None:
         """The identity of the record file as it is now; None when there is no record."""
         try:
-            st = os.stat(self.path(uid), follow_symlinks=False)
+            st = os.stat(self._file(uid), follow_symlinks=False)
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def read(self, uid: str) -> tuple[ClaimRecord, RecordStamp] | None:
         """The record and the identity of the file it was read from; None when there is none."""
-        path = self.path(uid)
+        path = self._file(uid)
         for _ in range(3):  # replaced between the stat and the read: read the newer one
             before = self.stamp(uid)
             if before is None:
@@ -364,9 +370,9 @@ class ClaimStore:
             if self.stamp(uid) == before:
                 record = decode(data)
                 if record.uid != uid:
-                    raise RecordError(f"record {path.name} names UID {record.uid}")
+                    raise RecordError(f"record {uid}{SUFFIX} names UID {record.uid}")
                 return record, before
-        raise RecordError(f"record {path.name} keeps changing while read")
+        raise RecordError(f"record {uid}{SUFFIX} keeps changing while read")
 
     def uids(self) -> list[str]:
         """The UIDs that have a record file (readable or not), and none of the temp files."""

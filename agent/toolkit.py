@@ -66,16 +66,19 @@ class ToolkitSpecs:
         return None
 
     def _refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._scanned_at < self.min_interval:
+            return  # looked at most `min_interval` ago: not even a stat (this runs in every prepare)
+        self._scanned_at = now
         stamp: list[tuple[str, int]] = []
         for d in self.directories:
             try:
                 stamp.append((str(d), os.stat(d).st_mtime_ns))
             except OSError:
                 stamp.append((str(d), -1))
-        if tuple(stamp) == self._dir_stamp or time.monotonic() - self._scanned_at < self.min_interval:
+        if tuple(stamp) == self._dir_stamp:
             return
         self._dir_stamp = tuple(stamp)
-        self._scanned_at = time.monotonic()
         files: dict[Path, _Entry] = {}
         for d in self.directories:
             try:
