@@ -11,23 +11,18 @@ SIGTERM stops the servers and removes the sockets.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import dataclasses
 import importlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from agent import config as config_mod
-from agent import kubelet_client
+from agent.assembly import PublishedForm, build_sources, prepare_roots, set_node_allocatable, start_sim_kernel
 from agent.config import Settings
-from agent.fsutil import UnsafeRoot, check_root, makedirs
 from agent.server import Servers
 
 # This module is imported light (issue 11): the registration socket opens before discovery, the
@@ -35,9 +30,7 @@ from agent.server import Servers
 if TYPE_CHECKING:
     from agent.claimstatus import ClaimStatusWriter
     from agent.connection import Connection
-    from agent.inventory import Inventory, Source
     from agent.inventory.netwatch import NetEvent
-    from agent.kube import NodeInfo
     from agent.metrics import AgentState, Check, MetricsServer
     from agent.model import Device
     from agent.prepare import PrepareEngine
@@ -49,101 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 RECOVERY_BATCH = 64  # records checked per worker-thread call in the background start-up check
-
-
-def build_sources(settings: Settings) -> list[Source]:
-    from agent.inventory.cpus import CpuSource
-    from agent.inventory.gpus import GpuSource
-    from agent.inventory.memory import MemorySource
-    from agent.inventory.nics import NicSource
-    from agent.inventory.simnics import SimNicSource
-
-    sources: list[Source] = [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough),
-                             CpuSource(settings), MemorySource(settings)]
-    if settings.nvml.kind == "sim":
-        # The simulated NIC's functions have no netdev for NIC discovery to find; listed after GPU
-        # discovery, whose opening writes the simulated machine this source reads.
-        sources.append(SimNicSource(settings))
-    return sources
-
-
-def start_sim_kernel(settings: Settings) -> KernelEmulator | None:
-    """With `--nvml sim`, the simulated machine's kernel, which applies binding writes (the agent's
-    VFIO binds, an operator's echo into sysfs) while the agent runs. The running agent starts it, not
-    GPU discovery: one-shot CLI commands open the same machine and must not run a second one on it.
-    Started before recovery, which may bind functions again."""
-    if settings.nvml.kind != "sim":
-        return None
-    from agent.inventory.nvml_profiles import load_profile
-    from agent.simkernel.emulator import KernelEmulator
-    from agent.vfio.host import VfioHost
-
-    root = VfioHost.of(settings).sysfs.parent
-    if not (root / "sys" / "bus" / "pci" / "drivers").is_dir():
-        return None  # no simulated machine was written (GPU discovery is not among the sources)
-    kernel = KernelEmulator(load_profile(settings.nvml.profile), root)
-    kernel.start()
-    return kernel
-
-
-class PublishedForm:
-    """Reduces a scanned device to what the API server accepts, so slices, metadata files and the
-    CLI all show the same device. Each problem is logged once, not on every rescan."""
-
-    def __init__(self) -> None:
-        self._reported: set[str] = set()
-
-    def __call__(self, device: Device) -> Device | None:
-        out, problems = published_form(device)
-        for message in problems:
-            if message not in self._reported:
-                self._reported.add(message)
-                log.warning("not published: %s", message)
-        return out
-
-
-def published_form(device: Device) -> tuple[Device | None, list[str]]:
-    """The device without what the API server would reject, and what was removed."""
-    from agent import slices
-
-    wire, problems = slices.sanitize_device(device)
-    if wire is None:
-        return None, problems
-    attrs, caps = wire.get("attributes", {}), wire.get("capacity", {})
-    if len(attrs) == len(device.attributes) and len(caps) == len(device.capacity):
-        return device, problems
-    return dataclasses.replace(
-        device,
-        attributes={k: v for k, v in device.attributes.items() if k in attrs},
-        capacity={k: v for k, v in device.capacity.items() if k in caps},
-    ), problems
-
-
-def prepare_roots(settings: Settings) -> None:
-    """Create the directories the agent writes below, and refuse to start on one that another user
-    could plant links or files in (unless --allow-unsafe-roots): the agent never follows a link
-    below its roots, but it must also trust the roots themselves."""
-    roots = [("state directory", settings.state_dir, 0o700), ("records directory", settings.claims_state_dir, 0o700),
-             ("CDI directory", settings.cdi_dir, 0o755), ("plugin directory", settings.plugin_dir, 0o755),
-             ("metadata directory", settings.metadata_dir, 0o755),
-             ("plugin registry directory", settings.registry_dir, 0o755)]
-    for what, path, mode in roots:
-        makedirs(path, mode)
-        try:
-            check_root(path, what)
-        except UnsafeRoot as exc:
-            if not settings.allow_unsafe_roots:
-                from agent.connection import StartupError
-
-                raise StartupError(f"{exc}: refusing to start (--allow-unsafe-roots overrides)") from None
-            log.warning("%s (allowed by --allow-unsafe-roots)", exc)
-
-
-def set_node_allocatable(inventory: Inventory, node: NodeInfo | None) -> None:
-    enabled = bool(node and node.node_allocatable)
-    for source in inventory.sources:
-        if hasattr(source, "node_allocatable"):
-            source.node_allocatable = enabled
 
 
 class Agent:
@@ -384,100 +282,22 @@ class Agent:
             await self.conn.close()
 
 
-    # -- probes and metrics (agent.metrics serves them) -----------------------------------------
+    # -- probes and metrics (agent.metrics serves them; `agent.probes` works them out) ------------
 
     async def healthz(self) -> list[Check]:
-        """Alive: this answer comes from the event loop, and both gRPC servers answer a call."""
-        from agent.metrics import Check
+        from agent import probes
 
-        checks = [Check("event-loop", True)]
-        if self.servers is None:
-            why = "starting: recovering state and scanning devices before the sockets open"
-            return [*checks, Check("registration-server", False, why), Check("dra-server", False, why)]
-        s = self.settings
-        registration = _answers("registration-server", lambda: kubelet_client.get_info(s.registration_socket))
-        if not self.servers.dra_started:
-            why = "starting: scanning devices and listing claim records before the DRA socket opens"
-            return [*checks, await registration, Check("dra-server", False, why)]
-        return [*checks, *await asyncio.gather(
-            registration, _answers("dra-server", lambda: kubelet_client.empty_prepare(s.dra_socket)))]
+        return await probes.healthz(self)
 
     async def readyz(self) -> list[Check]:
-        """Ready: the kubelet registered the plugin, and this node's slices have been published."""
-        from agent.metrics import Check
+        from agent import probes
 
-        if self.servers is None:
-            registration = Check("kubelet-registration", False, "starting: the sockets are not open yet")
-        else:
-            state = self.servers.registration_state
-            if state.registered:
-                registration = Check("kubelet-registration", True, "the kubelet registered the plugin")
-            elif state.registered is False:
-                registration = Check("kubelet-registration", False,
-                                     f"the kubelet rejected the plugin: {state.error or '(no reason given)'}")
-            else:
-                registration = Check("kubelet-registration", False, "the kubelet has not registered the plugin "
-                                     f"yet (it watches {self.settings.registry_dir})")
-        loop = self.publish
-        if loop is None:
-            slices_check = Check("slices", False, "not publishing yet (waiting for the Node)")
-        elif loop.last_result is None:
-            why = f": {loop.failures} failed attempts, the last: {loop.last_error}" if loop.failures else ""
-            slices_check = Check("slices", False, "not published yet" + why)
-        else:
-            r = loop.last_result
-            detail = f"{r.devices} devices in {r.slices} slices, generation {r.generation}"
-            if not loop.up_to_date:
-                detail += " (a newer inventory is being published" + (
-                    f": {loop.failures} failed attempts, the last: {loop.last_error})" if loop.failures else ")")
-            slices_check = Check("slices", True, detail)
-        return [registration, slices_check]
+        return await probes.readyz(self)
 
     def metrics_state(self) -> AgentState:
-        from agent.metrics import AgentState
+        from agent import probes
 
-        snapshot = self.inventory.snapshot()
-        kinds = {name: d.kind for name, d in snapshot.devices.items()}
-        # A device that failed is known by name only; the names start with the kind (gpu-3, nic-...).
-        devices = collections.Counter((kinds.get(h.device) or h.device.split("-", 1)[0], h.status)
-                                      for h in self.tracker.current())
-        # One per published taint: a device's XIDs make one taint (agent.conditions).
-        taints = collections.Counter((c.kind, c.effect) for c in self.health.conditions.causes()
-                                     if c.kind != "xid")
-        taints.update(("xid", t.effect) for name in self.health.conditions.tainted()
-                      for t in self.health.conditions.taints(name) if t.key.endswith("/xid"))
-        state = AgentState(devices=dict(devices), failing_sources=[f.kind for f in snapshot.failing_sources],
-                           taints=dict(taints),
-                           prepared_claims=len(self.engine.book) if self.engine else 0,
-                           health_watchers=self.tracker.watchers)
-        if self.servers is not None:
-            state.registered = self.servers.registration_state.registered
-        if self.publish is not None:
-            state.publish_up_to_date = self.publish.up_to_date
-            state.publish_failures = self.publish.failures
-            if (r := self.publish.last_result) is not None:
-                state.published_devices, state.published_slices = r.devices, r.slices
-                state.dropped_values = len(r.dropped)
-        return state
-
-
-PROBE_TIMEOUT = 2.0
-
-
-async def _answers(name: str, call: Callable[[], Awaitable[Any]]) -> Check:
-    from agent.metrics import Check
-
-    started = time.monotonic()
-    try:
-        async with asyncio.timeout(PROBE_TIMEOUT):
-            await call()
-    except TimeoutError:
-        return Check(name, False, f"no answer within {PROBE_TIMEOUT:g}s")
-    except grpc.aio.AioRpcError as exc:
-        return Check(name, False, f"{exc.code().name}: {exc.details()}")
-    except Exception as exc:
-        return Check(name, False, f"{type(exc).__name__}: {exc}")
-    return Check(name, True, f"answered in {(time.monotonic() - started) * 1000:.1f} ms")
+        return probes.metrics_state(self)
 
 
 _MODULES = ("agent.prepare", "agent.recovery", "agent.connection", "agent.devhealth", "agent.claimstatus",

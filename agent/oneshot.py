@@ -7,9 +7,9 @@ import logging
 from typing import Any
 
 from agent import slices
+from agent.assembly import PublishedForm, build_sources, set_node_allocatable
 from agent.config import Settings
 from agent.connection import Connection, StartupError, connect
-from agent.daemon import PublishedForm, build_sources, set_node_allocatable
 from agent.inventory import Inventory
 from agent.kube import NodeInfo
 from agent.model import Device

@@ -20,9 +20,9 @@ import yaml
 
 from agent import apirules, quantity
 from agent import kubelet_client as kc
+from agent.assembly import PublishedForm
 from agent.claims import DirectoryClaimSource
 from agent.config import NvmlMode, Settings, build_settings
-from agent.daemon import PublishedForm
 from agent.inventory import Inventory, ScanResult
 from agent.inventory.gpus import GpuSource
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Device, NodeFacts

@@ -13,9 +13,10 @@ from agentkit import DRIVER, claim, make_node, nic, restarted, result, roots, wr
 
 from agent import failpoints, metadata
 from agent import kubelet_client as kc
+from agent.assembly import prepare_roots
 from agent.config import build_settings
 from agent.connection import StartupError
-from agent.daemon import Agent, prepare_roots
+from agent.daemon import Agent
 from agent.names import ClaimRef
 from agent.recovery import recover
 from agent.state import ClaimStore

@@ -16,8 +16,8 @@ from agentkit import DRIVER, NODE, Node, claim, make_node, result, roots, write_
 from kubeapi import RESOURCE_SLICES, KubeApi
 
 from agent import apirules, claimplan, metadata, quantity
+from agent.assembly import set_node_allocatable
 from agent.config import NvmlMode, Settings
-from agent.daemon import set_node_allocatable
 from agent.inventory import Inventory
 from agent.inventory.gpus import GpuSource
 from agent.inventory.gpushare import SHARE_KIND, memory_request_policy

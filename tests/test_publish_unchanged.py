@@ -14,7 +14,7 @@ import pytest
 from agentkit import DRIVER, NODE, roots
 from kubeapi import RESOURCE_SLICES, KubeApi
 
-from agent.daemon import PublishedForm, build_sources, set_node_allocatable
+from agent.assembly import PublishedForm, build_sources, set_node_allocatable
 from agent.inventory import Inventory
 from agent.inventory.nics import NicSource
 from agent.kube import NODE_ALLOCATABLE_FEATURE, Backoff, NodeInfo, read_node

@@ -20,8 +20,9 @@ from test_metrics import scrape, value
 
 from agent import apirules
 from agent import kubelet_client as kc
+from agent.assembly import build_sources
 from agent.config import NvmlMode, Settings, build_settings
-from agent.daemon import Agent, build_sources
+from agent.daemon import Agent
 from agent.inventory import Inventory
 from agent.inventory.gpus import GpuSource
 from agent.inventory.nvml_profiles import load_profile

@@ -33,7 +33,7 @@ class PluginChecks(Checks):
         return [passed(name, f"{s.kubelet_dir / 'plugins'} and {s.registry_dir} exist")]
 
     def agent_dirs(self) -> list[Result]:
-        """The roots the agent refuses to start on (`daemon.prepare_roots`)."""
+        """The roots the agent refuses to start on (`assembly.prepare_roots`)."""
         s = self.s
         roots = [("state directory", s.state_dir), ("records directory", s.claims_state_dir),
                  ("CDI directory", s.cdi_dir), ("plugin directory", s.plugin_dir),

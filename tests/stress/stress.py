@@ -52,9 +52,9 @@ sys.path[:0] = [str(ROOT), str(TESTS)]
 import agentkit  # noqa: E402
 
 from agent import cdispecs, failpoints, metadata  # noqa: E402
+from agent.assembly import PublishedForm  # noqa: E402
 from agent.claims import DirectoryClaimSource  # noqa: E402
 from agent.config import Settings  # noqa: E402
-from agent.daemon import PublishedForm  # noqa: E402
 from agent.fsutil import is_temp_name  # noqa: E402
 from agent.inventory import Inventory  # noqa: E402
 from agent.inventory.gpus import SIM_DIR, GpuSource  # noqa: E402
