@@ -114,7 +114,7 @@ class DeviceLookup(Protocol):
 @dataclass(slots=True)
 class _Pending:
     target: ClaimRef
-    # What to write: the claim's entries, built from this record when the write starts (so the
+    # What to write: the claim's entries, built from this record when the write is started (so the
     # prepare that queued it never waits for them); None removes this driver's entries.
     record: ClaimView | None
     failures: int = 0
@@ -352,18 +352,24 @@ class ClaimStatusWriter:
                 if len(self._in_flight) >= self.concurrency:
                     break
                 del self._pending[uid]
-                self._in_flight[uid] = asyncio.create_task(self._write(item), name=f"claim-status-{uid}")
+                # The entries are built here, at once, like an unprepare's clean-up of the claim's
+                # transitions: both run on the event loop, so neither sees the other half done.
+                try:
+                    entries = [] if item.record is None else self.entries(item.record)
+                except Exception as exc:
+                    log.exception("building the status of %s failed", item.target)
+                    self._gave_up(item, repr(exc))
+                    self._update_queue()
+                    continue
+                self._in_flight[uid] = asyncio.create_task(self._write(item, entries), name=f"claim-status-{uid}")
             timeout = None if next_due is None else max(0.0, next_due - self.clock())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
 
-    async def _write(self, item: _Pending) -> None:
+    async def _write(self, item: _Pending, entries: list[dict[str, Any]]) -> None:
         uid = item.target.uid
-        entries: list[dict[str, Any]] = []
         try:
-            if item.record is not None:
-                entries = self.entries(item.record)
             await self.sink.write(item.target, entries)
         except ClaimGone as exc:
             if entries:
@@ -379,7 +385,7 @@ class ClaimStatusWriter:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("building or writing the status of %s failed unexpectedly", item.target)
+            log.exception("writing the status of %s failed unexpectedly", item.target)
             self._gave_up(item, repr(exc))
         else:
             self._count("ok")

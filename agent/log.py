@@ -43,8 +43,8 @@ class TextFormatter(logging.Formatter):
 
 def setup(fmt: str = "auto", level: str = "info") -> None:
     # Neither format shows where a call was made from, nor the thread or process: not working them
-    # out saves about a fifth of each log call (a line per prepare). These module switches are the
-    # logging module provides for this.
+    # out saves about a fifth of each log call (a line per prepare). The logging module has these
+    # switches for that purpose.
     logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False
