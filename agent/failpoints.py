@@ -13,7 +13,7 @@ refresh `refresh-after-record`, `refresh-after-metadata-file`. Passthrough (VFIO
 add, in prepare, `after-bind-intent` and around every binding step `bind-before-step` (its
 "step k is next" record written) and `bind-after-step`; in unprepare
 `unprepare-after-restore-intent` and `restore-before-step` / `restore-after-step`. MIG partitions
-(`agent.migprep`) add, in prepare, `mig-before-<step>` (its "step is next" record written) and
+(`agent.hostprep.mig`) add, in prepare, `mig-before-<step>` (its "step is next" record written) and
 `mig-after-<step>` for the steps `mode`, `gpu-instance`, `compute-instance` and `uuid`, and in
 unprepare `mig-destroy-after-ci` and `mig-destroy-after-gi`.
 """

@@ -17,13 +17,13 @@ from pathlib import Path
 
 from agent import counters
 from agent.config import settings_from
+from agent.host.pci import nvidia_display_functions
 from agent.inventory.gpus import probe
 from agent.inventory.mig import MigProfile, device_name
 from agent.inventory.nics import NicSource
-from agent.inventory.nvml_mig_profiles import MIG_TABLES
-from agent.inventory.nvml_profiles import load_profile
 from agent.inventory.passthrough import NicVariants
-from agent.inventory.pci import nvidia_display_functions
+from agent.sim.migprofiles import MIG_TABLES
+from agent.sim.profiles import load_profile
 
 HERE = Path(__file__).resolve().parent
 

@@ -19,16 +19,16 @@ import kubernetes_validate
 import yaml
 
 from agent import apirules, quantity
-from agent import kubelet_client as kc
-from agent.assembly import PublishedForm
-from agent.claims import DirectoryClaimSource
+from agent.app.assembly import PublishedForm
+from agent.claims.records import ClaimStore
+from agent.claims.sources import DirectoryClaimSource
 from agent.config import NvmlMode, Settings, build_settings
+from agent.engine.prepare import PrepareEngine
 from agent.inventory import Inventory, ScanResult
 from agent.inventory.gpus import GpuSource
+from agent.kubelet import client as kc
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Device, NodeFacts
-from agent.prepare import PrepareEngine
-from agent.slices import build_slices
-from agent.state import ClaimStore
+from agent.publish.slices import build_slices
 
 DRIVER = "dra.example.com"
 REPO = Path(__file__).resolve().parents[1]

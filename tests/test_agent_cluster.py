@@ -19,11 +19,11 @@ import yaml
 from agentkit import DRIVER, NODE, claim, result, roots
 from kubeapi import RESOURCE_SLICES, KubeApi
 
-from agent import kubelet_client as kc
+from agent.app.connection import StartupError
+from agent.app.daemon import Agent
 from agent.config import Settings
-from agent.connection import StartupError
-from agent.daemon import Agent
 from agent.kube import NODE_ALLOCATABLE_FEATURE
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
 
 NODE_UID = "0b5c4a7e-0000-4000-8000-0000000000aa"

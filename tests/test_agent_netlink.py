@@ -24,10 +24,11 @@ from agentkit import DRIVER, NODE, claim, result, write_claim
 from conftest import need_command, need_root
 from netns import REPO, NetNS, network_namespace
 
-from agent import metadata, state
+from agent.claims import metadata
+from agent.claims import records as state
+from agent.claims.records import ClaimStore
 from agent.config import OPTIONS, Settings, build_settings
 from agent.inventory.nics import mac_device_name
-from agent.state import ClaimStore
 
 MAC_A0, MAC_A1 = "02:00:00:00:a0:00", "02:00:00:00:a1:00"
 DEV_A0, DEV_A1 = mac_device_name(MAC_A0), mac_device_name(MAC_A1)

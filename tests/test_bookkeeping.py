@@ -11,15 +11,16 @@ import grpc
 import pytest
 from agentkit import DRIVER, claim, make_node, nic, restarted, result, roots, write_claim, written_files
 
-from agent import failpoints, metadata
-from agent import kubelet_client as kc
-from agent.assembly import prepare_roots
+from agent import failpoints
+from agent.app.assembly import prepare_roots
+from agent.app.connection import StartupError
+from agent.app.daemon import Agent
+from agent.claims import metadata
+from agent.claims.records import ClaimStore
 from agent.config import build_settings
-from agent.connection import StartupError
-from agent.daemon import Agent
+from agent.engine.recovery import recover
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
-from agent.recovery import recover
-from agent.state import ClaimStore
 
 OLD = "b0000000-0000-4000-8000-000000000001"
 NEW = "b0000000-0000-4000-8000-000000000002"
@@ -219,7 +220,7 @@ async def test_a_restart_rewrites_metadata_of_devices_that_changed_while_no_agen
     from agentkit import StaticSource
 
     devices = [nic(ips=())]
-    monkeypatch.setattr("agent.daemon.build_sources", lambda s: [StaticSource("nic", devices)])
+    monkeypatch.setattr("agent.app.daemon.build_sources", lambda s: [StaticSource("nic", devices)])
     settings = roots(short_tmp, rescan_interval=3600.0)
     assert settings.offline is not None
     write_claim(settings.offline / "resourceclaims", claim("net", OLD, [result(NIC, "nic")]))

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from kubeapi import RESOURCE_CLAIMS, KubeApi
 
-from agent.claims import ApiClaimSource, ClaimNotFound, ClaimSourceError, DirectoryClaimSource
+from agent.claims.sources import ApiClaimSource, ClaimNotFound, ClaimSourceError, DirectoryClaimSource
 from agent.kube import Backoff
 
 FAST = Backoff(initial=0.01, maximum=0.05)

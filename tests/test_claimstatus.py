@@ -1,4 +1,4 @@
-"""ResourceClaim status.devices (agent/claimstatus.py): the real prepare engine with a real inventory,
+"""ResourceClaim status.devices (agent/health/claimstatus.py): the real prepare engine with a real inventory,
 the claim status written by server-side apply to the Kubernetes API emulator over HTTP (which
 enforces the API server's ownership and validation rules), and offline into a directory."""
 
@@ -19,10 +19,10 @@ from lightkube.core.exceptions import ApiError
 from lightkube.resources.resource_v1 import ResourceClaimStatus
 from lightkube.types import PatchType
 
-from agent.claims import ApiClaimSource
-from agent.claimstatus import ClaimStatusWriter
-from agent.claimstatus_sinks import ApiStatusSink, DirectoryStatusSink
-from agent.conditions import Readiness
+from agent.claims.sources import ApiClaimSource
+from agent.health.claimstatus import ClaimStatusWriter
+from agent.health.conditions import Readiness
+from agent.health.statussinks import ApiStatusSink, DirectoryStatusSink
 from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.model import Device
@@ -282,7 +282,7 @@ async def test_what_the_api_would_refuse_is_clipped_before_sending(tmp_path, kub
     writers.append(writer)
     node.engine.listeners.append(writer)
     kube_api.add(claim("c", UID, [result(NIC, "net")]))
-    with caplog.at_level(logging.WARNING, "agent.claimstatus"):
+    with caplog.at_level(logging.WARNING, "agent.health.claimstatus"):
         await prepare(node)
         await settled(writer)
     assert devices_of(kube_api)[DRIVER, NIC]["networkData"]["ips"] == valid[:16]
@@ -434,7 +434,7 @@ class _CountingSink:
 
 
 async def test_a_resync_of_many_claims_is_fed_a_window_at_a_time(node, writers) -> None:
-    from agent.claimstatus import RESYNC_WINDOW
+    from agent.health.claimstatus import RESYNC_WINDOW
 
     uids = [f"7a110000-0000-4000-8000-{i:012d}" for i in range(3 * RESYNC_WINDOW)]
     for i, uid in enumerate(uids):

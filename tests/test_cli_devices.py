@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from agent import cli
-from agent.inventory.nvml_profiles import load_profile
-from agent.simkernel.emulator import KernelEmulator
-from agent.simkernel.tree import SimTree
-from agent.vfio.bind import apply_step, plan_bind
+from agent.app import cli
+from agent.host.vfio.bind import apply_step, plan_bind
+from agent.sim.kernel.emulator import KernelEmulator
+from agent.sim.kernel.tree import SimTree
+from agent.sim.profiles import load_profile
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 

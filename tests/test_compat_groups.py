@@ -18,7 +18,7 @@ from agent import apirules, counters
 from agent.config import NvmlMode, Settings
 from agent.inventory.gpus import GpuSource
 from agent.model import CounterConsumption, Device
-from agent.slices import build_slices
+from agent.publish.slices import build_slices
 
 DRIVER = "dra.example.com"
 NODE = "node-a"

@@ -12,11 +12,7 @@ import orjson
 import pytest
 from agentkit import roots
 
-from agent.conditions import CAUSES_FILE, NONE, DeviceConditions, read_saved
-from agent.health import HEALTHY, UNHEALTHY, HealthTracker
-from agent.inventory import DeviceFailure, Snapshot
-from agent.model import Device
-from agent.taintctl import (
+from agent.app.taints import (
     RESULT_KEEP,
     apply_requests,
     health_dir,
@@ -25,7 +21,11 @@ from agent.taintctl import (
     result_path,
     submit_clear,
 )
-from agent.taintpolicy import PolicyError, TaintPolicy, load_policy, parse_policy
+from agent.health.conditions import CAUSES_FILE, NONE, DeviceConditions, read_saved
+from agent.health.policy import PolicyError, TaintPolicy, load_policy, parse_policy
+from agent.inventory import DeviceFailure, Snapshot
+from agent.kubelet.health import HEALTHY, UNHEALTHY, HealthTracker
+from agent.model import Device
 
 DRIVER = "dra.example.com"
 

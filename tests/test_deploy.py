@@ -36,9 +36,10 @@ from celpy import celtypes
 from conftest import need_command, need_root
 from netns import FakeSysfs, network_namespace
 
-from agent import cli, config
+from agent import config
+from agent.app import cli
+from agent.app.oneshot import render_slices
 from agent.config import OPTIONS, build_settings, settings_from
-from agent.oneshot import render_slices
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -213,7 +214,7 @@ def test_daemonset_environment_and_command_are_the_agents_settings(which: str) -
 
     # The command is the installed console script and a subcommand the CLI knows.
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert c["command"][0] == "dra-agent" and 'dra-agent = "agent.cli:main"' in pyproject
+    assert c["command"][0] == "dra-agent" and 'dra-agent = "agent.app.cli:main"' in pyproject
     args = cli.parser().parse_args([*c["command"][1:], *c.get("args", [])])
     assert args.command == "run" and args.fn is cli.cmd_run
 
@@ -299,7 +300,7 @@ CLIENT_VERBS = {"get": {"get"}, "list": {"list"}, "watch": {"watch"}, "wait": {"
 OTHER_CLIENT_CALLS = {"request", "log", "exec", "set"}  # not to be used without teaching this test
 
 # Granted though no code names them: since 1.36 a claim status write (status.devices, made by
-# agent/claimstatus_sinks.py) is also authorized per driver on the resourceclaims/driver
+# agent/health/statussinks.py) is also authorized per driver on the resourceclaims/driver
 # subresource; `associated-node:` limits it to claims on the writer's node.
 UPCOMING = {
     ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),
@@ -416,8 +417,8 @@ def test_the_source_scan_finds_the_calls_it_must() -> None:
     calls = code_api_calls()
     # One of each form the code uses today, so that a scan that finds nothing cannot pass.
     assert any("agent/kube.py" in w for w in calls[("", "nodes", "get")])
-    assert any("agent/publisher.py" in w for w in calls[("resource.k8s.io", "resourceslices", "update")])
-    assert any("agent/claims.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "get")])
+    assert any("agent/publish/apiserver.py" in w for w in calls[("resource.k8s.io", "resourceslices", "update")])
+    assert any("agent/claims/sources.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "get")])
 
 
 def test_the_source_scan_sees_every_form_of_call(tmp_path: Path) -> None:
@@ -461,7 +462,7 @@ def test_cluster_role_grants_exactly_the_calls_the_code_makes(which: str) -> Non
     assert grants >= UPCOMING
 
     # `dra-agent doctor` asks the API server (SelfSubjectAccessReview) for the same permissions.
-    from agent.doctor import PERMISSIONS
+    from agent.app.doctor import PERMISSIONS
     assert {(p.group, p.resource, p.verb) for p in PERMISSIONS} == set(calls) - IMPLICIT
 
     binding = one(objs, "ClusterRoleBinding")
@@ -538,7 +539,7 @@ def selects(device_class: Mapping[str, Any], driver: str, device: Mapping[str, A
 RENDER = """
 import asyncio, json, sys
 from agent.config import build_settings
-from agent.oneshot import render_slices
+from agent.app.oneshot import render_slices
 print(json.dumps(asyncio.run(render_slices(build_settings(json.loads(sys.argv[1]))))))
 """
 

@@ -16,11 +16,11 @@ import yaml
 from agentkit import DRIVER, NODE, claim, result, roots, write_claim
 from kubeapi import KubeApi
 
-from agent import doctor
-from agent import kubelet_client as kc
+from agent.app import doctor
+from agent.app.daemon import Agent
 from agent.config import Settings
-from agent.daemon import Agent
 from agent.kube import NODE_ALLOCATABLE_FEATURE
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,13 +19,13 @@ import pytest
 import runtime
 from agentkit import NODE, Quickstart, agent_process, claim, result, roots, write_claim
 
-from agent import kubelet_client as kc
-from agent import metadata
+from agent.claims import metadata
+from agent.claims.records import ClaimStore, PartitionKind
 from agent.config import Settings
-from agent.inventory.nvml_sim_migstate import STATE_FILE
-from agent.mdev import sysfs as mdev
+from agent.host.mdev import sysfs as mdev
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
-from agent.state import ClaimStore, PartitionKind
+from agent.sim.migstate import STATE_FILE
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 

@@ -12,7 +12,7 @@ import pytest
 import runtime
 from agentkit import claim, make_node, result, write_claim
 
-from agent import metadata
+from agent.claims import metadata
 from agent.model import PCI_BUS_ID
 from agent.names import ClaimRef
 

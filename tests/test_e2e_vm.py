@@ -15,12 +15,12 @@ import pytest
 import runtime
 from agentkit import NODE, Quickstart, agent_process, claim, result, roots, write_claim
 
-from agent import kubelet_client as kc
-from agent import metadata
-from agent.allocation import config_api_version
+from agent.claims import metadata
+from agent.claims.allocation import config_api_version
 from agent.config import Settings
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
-from agent.simkernel.tree import SimTree
+from agent.sim.kernel.tree import SimTree
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 

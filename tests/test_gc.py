@@ -1,4 +1,4 @@
-"""Garbage collection of prepared claims whose ResourceClaim is gone (agent/gc.py), through the real
+"""Garbage collection of prepared claims whose ResourceClaim is gone (agent/engine/gc.py), through the real
 engine and the real claim sources: the offline directory with an injected clock, and a running agent
 against the Kubernetes API emulator."""
 
@@ -16,10 +16,10 @@ from agentkit import claim, make_node, result, write_claim, written_files
 from kubeapi import RESOURCE_CLAIMS, KubeApi
 from test_agent_cluster import NODE_UID, cluster_settings, eventually, start, write_kubeconfig  # noqa: F401  (fixture)
 
-from agent import kubelet_client as kc
-from agent.claims import ClaimSourceError
+from agent.claims.sources import ClaimSourceError
 from agent.config import ConfigError, build_settings
-from agent.gc import SWEEP_WINDOW, ClaimCollector, gc_interval
+from agent.engine.gc import SWEEP_WINDOW, ClaimCollector, gc_interval
+from agent.kubelet import client as kc
 from agent.metrics import Metrics
 from agent.names import ClaimRef
 
@@ -221,7 +221,7 @@ def test_the_grace_period_setting_and_the_interval(tmp_path):
 
 async def test_a_claim_deleted_from_the_api_server_is_unprepared_by_the_running_agent(
         kube_api: KubeApi, cluster_settings, agents, caplog) -> None:  # noqa: F811
-    caplog.set_level(logging.INFO, logger="agent.gc")
+    caplog.set_level(logging.INFO, logger="agent.engine.gc")
     grace = 1.0
     kube_api.add_node("node-a", uid=NODE_UID)
     kube_api.add(claim("trainer", OLD, [result("gpu-0", "gpu")], namespace="team-a"))

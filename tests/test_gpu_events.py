@@ -28,7 +28,7 @@ from agent.inventory.gpu_events import (
     RecoveryAction,
     XidError,
 )
-from agent.inventory.nvml_sim import SimulatedNvml
+from agent.sim.nvml import SimulatedNvml
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENT_FUNCTIONS = ("nvmlEventSetCreate", "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",

@@ -19,12 +19,12 @@ from agentkit import DRIVER, NODE, claim, result, roots
 from kubeapi import RESOURCE_CLAIMS, KubeApi
 from test_agent_cluster import devices_of, eventually, our_slices, published, start, write_kubeconfig
 
-from agent import kubelet_client as kc
-from agent import simctl
+from agent.app import simctl
+from agent.app.daemon import Agent
+from agent.app.taints import submit_clear
 from agent.config import Settings
-from agent.daemon import Agent
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
-from agent.taintctl import submit_clear
 
 NODE_UID = "0b5c4a7e-0000-4000-8000-0000000000ab"
 CLAIM_UID = "6a0e0000-0000-4000-8000-000000000005"

@@ -15,8 +15,10 @@ import pytest
 from agentkit import DRIVER, NODE, Node, claim, make_node, result, roots, write_claim
 from kubeapi import RESOURCE_SLICES, KubeApi
 
-from agent import apirules, claimplan, metadata, quantity
-from agent.assembly import set_node_allocatable
+from agent import apirules, quantity
+from agent.app.assembly import set_node_allocatable
+from agent.claims import metadata
+from agent.claims import plan as claimplan
 from agent.config import NvmlMode, Settings
 from agent.inventory import Inventory
 from agent.inventory.gpus import GpuSource
@@ -24,8 +26,8 @@ from agent.inventory.gpushare import SHARE_KIND, memory_request_policy
 from agent.kube import NODE_ALLOCATABLE_FEATURE, NodeInfo, read_node
 from agent.model import Device
 from agent.names import ClaimRef
-from agent.publisher import ApiPublisher
-from agent.slices import build_slices
+from agent.publish.apiserver import ApiPublisher
+from agent.publish.slices import build_slices
 
 UID1 = "5a4e0c1d-0000-4000-8000-000000000001"
 UID2 = "5a4e0c1d-0000-4000-8000-000000000002"

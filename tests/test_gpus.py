@@ -23,9 +23,9 @@ from agent import apirules
 from agent.config import NvmlMode, Settings
 from agent.inventory import DeviceFailure, DiscoveryError, Inventory, ScanError, ScanResult, SourceProblem
 from agent.inventory.gpus import GpuSource, probe
-from agent.inventory.nvml_profiles import DEVICE_FUNCTIONS, SYSTEM_FUNCTIONS, load_profile
-from agent.inventory.nvml_sim import SimulatedNvml, materialize
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Capacity, Device, DeviceNode, Version
+from agent.sim.nvml import SimulatedNvml, materialize
+from agent.sim.profiles import DEVICE_FUNCTIONS, SYSTEM_FUNCTIONS, load_profile
 
 DGX_LAYOUT = {  # bus ID -> (PCIe root, NUMA node)
     "0000:18:00.0": ("pci0000:17", 0), "0000:2a:00.0": ("pci0000:29", 0),
@@ -419,7 +419,7 @@ def materialize_as_nobody(root: Path) -> None:
     root.mkdir()
     os.chown(root, 65534, 65534)
     # Import first: the interpreter's own files may not be readable by that user.
-    script = ("import os, sys; from pathlib import Path; from agent.inventory.nvml_sim import SimulatedNvml; "
+    script = ("import os, sys; from pathlib import Path; from agent.sim.nvml import SimulatedNvml; "
               "sim = SimulatedNvml.from_profile('dgx-h100'); os.setgid(65534); os.setuid(65534); "
               "sim.materialize(Path(sys.argv[1]))")
     subprocess.run([sys.executable, "-c", script, str(root)], check=True,

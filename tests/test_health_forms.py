@@ -17,8 +17,8 @@ from kubeapi import RESOURCE_CLAIMS, KubeApi
 from test_agent_cluster import devices_of, eventually, our_slices, published, start, write_kubeconfig
 from test_gpu_health import NODE_UID, health_feed, settings, sim, taints
 
-from agent import kubelet_client as kc
-from agent.daemon import Agent
+from agent.app.daemon import Agent
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
 
 __all__ = ["settings"]  # the fixture, shared with test_gpu_health
@@ -101,7 +101,7 @@ async def test_a_device_gone_from_discovery_makes_its_claims_not_ready(
         kube_api: KubeApi, short_tmp: Path, agents, monkeypatch) -> None:
     device = nic()
     source = StaticSource("nic", [device])
-    monkeypatch.setattr("agent.daemon.build_sources", lambda s: [source])
+    monkeypatch.setattr("agent.app.daemon.build_sources", lambda s: [source])
     kubeconfig = write_kubeconfig(short_tmp / "kubeconfig", kube_api.url)
     settings = roots(short_tmp, offline=None, kubeconfig=kubeconfig, rescan_interval=3600.0, api_timeout=2.0)
     kube_api.add_node(NODE, uid=NODE_UID)

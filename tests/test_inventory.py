@@ -18,15 +18,15 @@ from netns import NetNS, network_namespace
 from pyroute2.netlink.exceptions import NetlinkDumpInterrupted
 
 import agent.inventory as inventory_mod
+from agent.app.daemon import Agent
 from agent.config import NvmlMode, Settings
-from agent.daemon import Agent
-from agent.health import HEALTHY, UNHEALTHY, UNKNOWN, HealthTracker
 from agent.inventory import Inventory, ScanError, ScanResult
 from agent.inventory import netlink as netlink_mod
 from agent.inventory.gpus import GpuSource
+from agent.kubelet.health import HEALTHY, UNHEALTHY, UNKNOWN, HealthTracker
+from agent.kubelet.server import _Health
 from agent.model import Device
 from agent.pb import health_v1_pb2, health_v1alpha1_pb2
-from agent.server import _Health
 
 
 class FlakySource:

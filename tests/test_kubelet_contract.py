@@ -16,9 +16,9 @@ import pynvml
 import pytest
 from agentkit import DRIVER, NODE, claim, result, roots, write_claim
 
-from agent import kubelet_client as kc
+from agent.app.daemon import Agent
 from agent.config import build_settings
-from agent.daemon import Agent
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
 
 UID1 = "4c2d8e00-0000-4000-8000-000000000001"

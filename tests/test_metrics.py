@@ -13,11 +13,11 @@ import pytest
 from agentkit import DRIVER, claim, result, roots, write_claim
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import kubelet_client as kc
 from agent import metrics as metrics_mod
+from agent.app.daemon import Agent
 from agent.config import DEFAULT_METRICS_ADDRESS, OPTIONS, ConfigError, build_settings, settings_from
-from agent.daemon import Agent
 from agent.inventory.netwatch import NetEvent
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
 
 UID1 = "6a1e0c00-0000-4000-8000-000000000001"

@@ -19,9 +19,9 @@ from agent import apirules, counters
 from agent.config import NvmlMode, Settings
 from agent.inventory import mig
 from agent.inventory.gpus import GpuSource
-from agent.inventory.nvml_profiles import parse_profile
-from agent.inventory.nvml_sim import SimulatedNvml
 from agent.model import Device
+from agent.sim.nvml import SimulatedNvml
+from agent.sim.profiles import parse_profile
 
 DRIVER = "dra.example.com"
 NODE = "node-a"

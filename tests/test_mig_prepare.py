@@ -18,14 +18,15 @@ import orjson
 import pytest
 from agentkit import Node, claim, make_node, restarted, result, write_claim
 
-from agent import failpoints, metadata
-from agent.inventory.nvml_hardware import materialize
-from agent.inventory.nvml_profiles import load_profile
-from agent.inventory.nvml_sim_migstate import STATE_FILE
-from agent.migprep import nvml_of
+from agent import failpoints
+from agent.claims import metadata
+from agent.claims.records import PartitionKind, RecordState
+from agent.engine.recovery import recover
+from agent.hostprep.mig import nvml_of
 from agent.names import ClaimRef
-from agent.recovery import recover
-from agent.state import PartitionKind, RecordState
+from agent.sim.hardware import materialize
+from agent.sim.migstate import STATE_FILE
+from agent.sim.profiles import load_profile
 
 UID = "9a1e0000-0000-4000-8000-000000000001"
 UID2 = "9a1e0000-0000-4000-8000-000000000002"

@@ -32,8 +32,8 @@ from agentkit import DRIVER, NODE, claim, make_node, result, write_claim
 from conftest import need_command
 
 from agent.inventory.gpus import probe
-from agent.inventory.nvml_hardware import materialize
-from agent.inventory.nvml_profiles import parse_profile
+from agent.sim.hardware import materialize
+from agent.sim.profiles import parse_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDIN = ROOT / "tests" / "nvml_standin" / "build"

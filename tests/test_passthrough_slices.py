@@ -22,9 +22,9 @@ from agent.inventory.gpus import GpuSource
 from agent.inventory.passthrough import NicVariants
 from agent.kube import Backoff, NodeInfo, read_node
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, CounterConsumption, CounterSet, Device
-from agent.publisher import ApiPublisher, DirectoryPublisher
-from agent.simkernel.tree import SimTree
-from agent.slices import CounterChunk, build_slices, chunk_devices, plan_pool, pool_rule_errors
+from agent.publish.apiserver import ApiPublisher, DirectoryPublisher
+from agent.publish.slices import CounterChunk, build_slices, chunk_devices, plan_pool, pool_rule_errors
+from agent.sim.kernel.tree import SimTree
 
 DRIVER = "dra.example.com"
 NODE = "node-a"
@@ -304,7 +304,7 @@ def test_a_device_whose_set_disagrees_or_breaks_a_rule_is_not_published(caplog: 
                     consumes_counters=(CounterConsumption.all_of(CounterSet("Bad_Set", {"gpu": "1"})),))
     greedy = Device(name="dev-more", kind="gpu",
                     consumes_counters=(CounterConsumption(first.consumes_counters[0].counter_set, {"x": "1"}),))
-    with caplog.at_level(logging.WARNING, logger="agent.slices"):
+    with caplog.at_level(logging.WARNING, logger="agent.publish.slices"):
         chunks = chunk_devices([first, second, clash, broken, greedy])
     published = {d["name"] for c in chunks.slices if not isinstance(c, CounterChunk) for d in c}
     assert published == {"dev-000", "dev-001"}
@@ -317,7 +317,7 @@ def test_a_device_with_more_than_two_counter_consumptions_is_not_published(
     sets = [CounterSet(f"set-{i}", {"gpu": "1"}) for i in range(3)]
     three = Device(name="dev-three", kind="gpu", consumes_counters=tuple(CounterConsumption.all_of(s) for s in sets))
     two = Device(name="dev-two", kind="gpu", consumes_counters=tuple(CounterConsumption.all_of(s) for s in sets[:2]))
-    with caplog.at_level(logging.WARNING, logger="agent.slices"):
+    with caplog.at_level(logging.WARNING, logger="agent.publish.slices"):
         chunks = chunk_devices([three, two])
     published = [d["name"] for c in chunks.slices if not isinstance(c, CounterChunk) for d in c]
     assert published == ["dev-two"]

@@ -10,13 +10,7 @@ from pathlib import Path
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from agent.pb import (
-    dra_v1_pb2,
-    dra_v1beta1_pb2,
-    health_v1_pb2,
-    health_v1alpha1_pb2,
-    registration_pb2,
-)
+from agent.pb import dra_v1_pb2, dra_v1beta1_pb2, health_v1_pb2, health_v1alpha1_pb2, registration_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 REPEATED = "repeated"

@@ -14,13 +14,13 @@ import pytest
 from agentkit import DRIVER, NODE, roots
 from kubeapi import RESOURCE_SLICES, KubeApi
 
-from agent.assembly import PublishedForm, build_sources, set_node_allocatable
+from agent.app.assembly import PublishedForm, build_sources, set_node_allocatable
 from agent.inventory import Inventory
 from agent.inventory.nics import NicSource
 from agent.kube import NODE_ALLOCATABLE_FEATURE, Backoff, NodeInfo, read_node
 from agent.model import NUMA_NODE, Capacity, Device, Taint, Version
-from agent.publisher import ApiPublisher, DirectoryPublisher, Publisher
-from agent.slices import chunk_devices
+from agent.publish.apiserver import ApiPublisher, DirectoryPublisher, Publisher
+from agent.publish.slices import chunk_devices
 
 RESCANS = 10
 FAST = Backoff(initial=0.01, maximum=0.05, attempts=4)

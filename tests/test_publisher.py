@@ -18,8 +18,8 @@ from agent import kube
 from agent.config import Settings
 from agent.kube import Backoff, NodeInfo, NodeNotFound, connect, read_node, read_offline_node
 from agent.model import Device, Taint
-from agent.publisher import ApiPublisher, DirectoryPublisher, PublishError, PublishLoop
-from agent.slices import NodeRef, build_slices
+from agent.publish.apiserver import ApiPublisher, DirectoryPublisher, PublishError, PublishLoop
+from agent.publish.slices import NodeRef, build_slices
 
 DRIVER = "dra.example.com"
 NODE = "node-a"
@@ -241,7 +241,7 @@ async def test_a_name_taken_by_someone_else_is_not_mistaken_for_ours(
     taken["metadata"]["name"] = f"{DRIVER}-{NODE}-bbbbb"
     kube_api.add(taken)
     drawn = iter([f"{DRIVER}-{NODE}-bbbbb", f"{DRIVER}-{NODE}-bbbbb", f"{DRIVER}-{NODE}-ccccc"])
-    monkeypatch.setattr("agent.slices.new_slice_name", lambda driver, node: next(drawn))
+    monkeypatch.setattr("agent.publish.slices.new_slice_name", lambda driver, node: next(drawn))
     kube_api.fail("POST", SLICES, status=503)  # stored or not? The client cannot tell
     kube_api.mark()
     result = await publisher.sync(nics(3))
@@ -317,7 +317,7 @@ async def test_a_dropped_value_is_reported_once_not_on_every_sync(
         kube_api: KubeApi, publisher: ApiPublisher, caplog: pytest.LogCaptureFixture) -> None:
     devices = nics(3)
     devices[1].attributes["ifName"] = "x" * 65
-    with caplog.at_level(logging.WARNING, logger="agent.slices"):
+    with caplog.at_level(logging.WARNING, logger="agent.publish.slices"):
         for _ in range(3):
             result = await publisher.sync(devices)
             assert len(result.dropped) == 1 and "nic-001" in result.dropped[0]
@@ -549,7 +549,7 @@ async def test_a_pool_breaking_api_rules_is_not_published(tmp_path: Path, settin
     await pub.sync(nics(3))
     await publisher.sync(nics(3))
     before, posted = identities(tmp_path), ours(kube_api)
-    monkeypatch.setattr("agent.slices.pool_rule_errors", lambda chunks: ["spec.devices has 65 entries"])
+    monkeypatch.setattr("agent.publish.slices.pool_rule_errors", lambda chunks: ["spec.devices has 65 entries"])
     with pytest.raises(PublishError, match=r"break API rules: spec\.devices has 65 entries"):
         await pub.sync(nics(4))
     with pytest.raises(PublishError, match="break API rules"):

@@ -13,9 +13,9 @@ import pytest
 from agentkit import DRIVER, claim, make_node, restarted, result, write_claim, written_files
 
 from agent import failpoints
+from agent.claims.records import ClaimRecord, ClaimStore, FileRecord
+from agent.engine.recovery import recover
 from agent.names import ClaimRef
-from agent.recovery import recover
-from agent.state import ClaimRecord, ClaimStore, FileRecord
 
 UID = "3b1e9f00-0000-4000-8000-000000000001"
 OTHER = "3b1e9f00-0000-4000-8000-000000000002"

@@ -1,4 +1,4 @@
-"""Self-healing (agent/selfheal.py): a running agent's files and sockets removed or changed from
+"""Self-healing (agent/engine/selfheal.py): a running agent's files and sockets removed or changed from
 under it come back. The design target is 1 s; the socket checks allow 2 s for a loaded test machine."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 from agentkit import DRIVER, claim, result, roots, write_claim
 
-from agent import kubelet_client as kc
-from agent.daemon import Agent
+from agent.app.daemon import Agent
+from agent.kubelet import client as kc
 from agent.names import ClaimRef
 
 UID1 = "5e1f0000-0000-4000-8000-000000000001"

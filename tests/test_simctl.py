@@ -13,11 +13,12 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent import config, simctl
+from agent import config
+from agent.app import simctl
 from agent.config import NvmlMode, Settings
 from agent.inventory.gpu_events import GpuEventWatcher, GpuLost, XidError
-from agent.inventory.nvml_sim import SimulatedNvml
-from agent.inventory.nvml_sim_control import ControlWatcher, SimCommand
+from agent.sim.control import ControlWatcher, SimCommand
+from agent.sim.nvml import SimulatedNvml
 
 
 def sim_settings(tmp_path: Path, nvml: str = "sim:dgx-h100") -> Settings:

@@ -14,11 +14,11 @@ import pytest
 
 from agent.config import NvmlMode, Settings
 from agent.inventory.gpus import GpuSource
-from agent.inventory.nvml_hardware import materialize
-from agent.inventory.nvml_profiles import ProfileError, SimProfile, load_profile, parse_profile
-from agent.simkernel import mdev as simmdev
-from agent.simkernel.emulator import KernelEmulator, WriteKind
-from agent.simkernel.tree import SimTree
+from agent.sim.hardware import materialize
+from agent.sim.kernel import mdev as simmdev
+from agent.sim.kernel.emulator import KernelEmulator, WriteKind
+from agent.sim.kernel.tree import SimTree
+from agent.sim.profiles import ProfileError, SimProfile, load_profile, parse_profile
 
 GPU = "0000:18:00.0"
 AUDIO_GPU, AUDIO = "0000:2a:00.0", "0000:2a:00.1"

@@ -19,15 +19,15 @@ from agentkit import NODE, roots
 from test_metrics import scrape, value
 
 from agent import apirules
-from agent import kubelet_client as kc
-from agent.assembly import build_sources
+from agent.app.assembly import build_sources
+from agent.app.daemon import Agent
+from agent.app.oneshot import render_slices
 from agent.config import NvmlMode, Settings, build_settings
-from agent.daemon import Agent
 from agent.inventory import Inventory
 from agent.inventory.gpus import GpuSource
-from agent.inventory.nvml_profiles import load_profile
 from agent.inventory.simnics import SimNicSource
-from agent.oneshot import render_slices
+from agent.kubelet import client as kc
+from agent.sim.profiles import load_profile
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 

@@ -20,7 +20,7 @@ from agent.inventory.cpus import cpu_node_allocatable, cpu_request_policy
 from agent.inventory.gpus import GpuSource
 from agent.inventory.memory import memory_node_allocatable, memory_request_policy
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Capacity, Device, Taint, Version
-from agent.slices import (
+from agent.publish.slices import (
     NodeRef,
     build_slices,
     chunk_devices,
@@ -177,7 +177,7 @@ def test_one_tainted_device_limits_its_slice_to_64() -> None:
 def test_bad_values_are_dropped_and_logged_the_rest_is_kept(caplog: pytest.LogCaptureFixture) -> None:
     bad = gpu(1, productName="X" * 65, driverVersion=Version("570.124.06"))
     devices = [gpu(0), bad, gpu(2)]
-    with caplog.at_level(logging.WARNING, logger="agent.slices"):
+    with caplog.at_level(logging.WARNING, logger="agent.publish.slices"):
         out = build_slices(devices, driver=DRIVER, node=NODE, owner=OWNER)
     valid(out[0])
     assert names(out[0]) == ["gpu-0", "gpu-1", "gpu-2"]
@@ -198,7 +198,7 @@ def test_bad_values_are_dropped_and_logged_the_rest_is_kept(caplog: pytest.LogCa
 def test_a_device_with_an_invalid_name_is_dropped_alone(caplog: pytest.LogCaptureFixture) -> None:
     odd = gpu(9)
     odd.name = "GPU_9"
-    with caplog.at_level(logging.WARNING, logger="agent.slices"):
+    with caplog.at_level(logging.WARNING, logger="agent.publish.slices"):
         chunks = chunk_devices([gpu(0), odd, gpu(1)])
     assert [d["name"] for d in chunks.slices[0]] == ["gpu-0", "gpu-1"]
     assert any("'GPU_9'" in m for m in chunks.dropped)

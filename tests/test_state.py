@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from agent.state import (
+from agent.claims.records import (
     ClaimRecord,
     ClaimStore,
     DeviceBinding,
@@ -27,7 +27,7 @@ from agent.state import (
     decode,
     encode,
 )
-from agent.vfio.bind import BindPlan, BindStep, FunctionBinding, StepKind
+from agent.host.vfio.bind import BindPlan, BindStep, FunctionBinding, StepKind
 
 UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"
 
@@ -256,7 +256,7 @@ def test_an_older_header_over_a_body_with_partitions_is_refused(version):
 
 def test_an_agent_that_reads_only_versions_1_and_2_refuses_a_version_3_record_by_version(monkeypatch):
     """What an agent from before partitions does with a record of this one: refuse it by name."""
-    import agent.state as state_module
+    import agent.claims.records as state_module
     monkeypatch.setattr(state_module, "READABLE_VERSIONS", (1, 2))
     with pytest.raises(RecordError, match="format version 3 is not supported"):
         decode(encode(partitioned_record()))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from agentkit import DRIVER, roots
 
-from agent.conditions import DeviceConditions
+from agent.app.taints import RequestWatcher, health_dir, requests_dir
 from agent.config import Settings
-from agent.taintctl import RequestWatcher, health_dir, requests_dir
-from agent.taintpolicy import TaintPolicy
+from agent.health.conditions import DeviceConditions
+from agent.health.policy import TaintPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 

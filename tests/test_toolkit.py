@@ -12,9 +12,9 @@ import orjson
 import pytest
 from agentkit import DRIVER, Node, claim, make_node, result, write_claim
 
-from agent import toolkit
+from agent.claims import toolkit
+from agent.claims.toolkit import ToolkitSpecs
 from agent.names import ClaimRef
-from agent.toolkit import ToolkitSpecs
 
 UIDS = [f"7d1e0c4a-0000-4000-8000-{i:012d}" for i in range(1, 6)]
 

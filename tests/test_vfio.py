@@ -13,17 +13,17 @@ import pytest
 from conftest import need_root
 from test_simkernel import AUDIO, AUDIO_GPU, BRIDGED_GPU, GPU, SHARED, machine_profile
 
-from agent.inventory.nvml_hardware import materialize
-from agent.inventory.pci import pci_function
+from agent.host.pci import pci_function
+from agent.host.vfio.bind import BindPlan, BindStep, StepKind, apply_plan, apply_step, plan_bind
+from agent.host.vfio.errors import DeviceBusy, GroupNotViable, StepFailed, VfioError
+from agent.host.vfio.inuse import check_gpu_idle, open_holders
+from agent.host.vfio.nodes import IommuBackend, vfio_device_nodes
+from agent.host.vfio.pci import Role, passthrough_set, read_function
+from agent.host.vfio.report import report
 from agent.model import DeviceNode
-from agent.simkernel.emulator import KernelEmulator, WriteKind
-from agent.simkernel.tree import SimTree
-from agent.vfio.bind import BindPlan, BindStep, StepKind, apply_plan, apply_step, plan_bind
-from agent.vfio.errors import DeviceBusy, GroupNotViable, StepFailed, VfioError
-from agent.vfio.inuse import check_gpu_idle, open_holders
-from agent.vfio.nodes import IommuBackend, vfio_device_nodes
-from agent.vfio.pci import Role, passthrough_set, read_function
-from agent.vfio.report import report
+from agent.sim.hardware import materialize
+from agent.sim.kernel.emulator import KernelEmulator, WriteKind
+from agent.sim.kernel.tree import SimTree
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from agentkit import claim, make_node, restarted, result, write_claim, written_files
 
-from agent.inventory.nvml_profiles import load_profile
+from agent.claims.records import ClaimStore, RecordState
+from agent.engine.recovery import recover
+from agent.host.vfio.pci import current_driver, current_override
 from agent.names import ClaimRef
-from agent.recovery import recover
-from agent.simkernel.emulator import KernelEmulator
-from agent.state import ClaimStore, RecordState
-from agent.vfio.pci import current_driver, current_override
+from agent.sim.kernel.emulator import KernelEmulator
+from agent.sim.profiles import load_profile
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
@@ -49,9 +49,9 @@ def _in_child(tmp: Path, op: str, kill_at: int) -> tuple[int, str, str]:
         sys.path.insert(0, {str(TESTS)!r})
         import agentkit
         from agent import failpoints
-        from agent.inventory.nvml_profiles import load_profile
+        from agent.sim.profiles import load_profile
         from agent.names import ClaimRef
-        from agent.simkernel.emulator import KernelEmulator
+        from agent.sim.kernel.emulator import KernelEmulator
         async def main():
             node = await agentkit.make_node(Path({str(tmp)!r}))
             with KernelEmulator(load_profile({PROFILE!r}), node.settings.state_dir / "nvml-sim"):

@@ -21,19 +21,19 @@ import pytest
 from agentkit import Node, claim, make_node, nic, restarted, result, write_claim, written_files
 from test_vfio import fake_proc
 
-from agent import metadata
-from agent.allocation import config_api_version
-from agent.inventory.nvml_hardware import materialize
-from agent.inventory.nvml_profiles import BUILTIN, load_profile
+from agent.claims import metadata
+from agent.claims.allocation import config_api_version
+from agent.claims.records import ClaimRecord, ClaimStore, RecordState
+from agent.engine.recovery import recover
+from agent.host.vfio.bind import BindStep, StepKind, apply_step
+from agent.host.vfio.pci import current_driver, current_override, iommu_group
+from agent.hostprep.mig import nvml_of
 from agent.inventory.passthrough import NicVariants
-from agent.migprep import nvml_of
 from agent.names import ClaimRef
-from agent.recovery import recover
-from agent.simkernel.emulator import KernelEmulator, WriteKind
-from agent.simkernel.tree import SimTree
-from agent.state import ClaimRecord, ClaimStore, RecordState
-from agent.vfio.bind import BindStep, StepKind, apply_step
-from agent.vfio.pci import current_driver, current_override, iommu_group
+from agent.sim.hardware import materialize
+from agent.sim.kernel.emulator import KernelEmulator, WriteKind
+from agent.sim.kernel.tree import SimTree
+from agent.sim.profiles import BUILTIN, load_profile
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
@@ -211,8 +211,8 @@ async def _crash_mid_bind(vm: VmNode, steps_done: int) -> None:
     """The state a prepare killed after its intent record and `steps_done` bind steps leaves."""
     engine = vm.node.engine
     write_claim(vm.node.claims_dir, claim("vm-gpu", UID, [result(GPU_VARIANT, "vm")]))
-    from agent.allocation import parse_claim
-    from agent.state import ClaimRecord, PreparedDevice
+    from agent.claims.allocation import parse_claim
+    from agent.claims.records import ClaimRecord, PreparedDevice
 
     alloc = parse_claim(engine.claims.read("default", "vm-gpu"), ClaimRef("default", "vm-gpu", UID),  # type: ignore[attr-defined]
                         driver=DRIVER, pool=vm.node.settings.node_name, lookup=engine.inventory.get)
@@ -275,7 +275,7 @@ async def test_after_a_reboot_recovery_binds_again(vm: VmNode) -> None:
 
 
 async def test_cli_vfio_status_and_devices_show_the_binding(vm: VmNode, capsys: pytest.CaptureFixture[str]) -> None:
-    from agent import cli
+    from agent.app import cli
 
     s = vm.node.settings
     flags = ["--nvml", "sim", "--state-dir", str(s.state_dir), "--nic-exclude", "*", "--offline", str(s.offline)]

@@ -1,5 +1,5 @@
 """vGPU mediated devices: the types the simulated machine's GPUs offer, read and created through
-`agent.mdev` against the kernel emulator; the vGPU devices published on each GPU's counter set (valid
+`agent.host.mdev` against the kernel emulator; the vGPU devices published on each GPU's counter set (valid
 under the 1.37 schema and the API's counter rules, and what the counters allow against what the host
 driver accepts); the mdev Partitioner's create and destroy, and its convergence after a crash at any
 step."""
@@ -17,21 +17,21 @@ import pytest
 from agentkit import fits, valid_pool
 
 from agent import apirules, counters, failpoints
+from agent.claims.metadata import AllocatedDevice
+from agent.claims.records import DevicePartition, PartitionKind
 from agent.config import ConfigError, NvmlMode, Settings
+from agent.host.mdev import sysfs as mdev
+from agent.host.mdev.errors import MdevStepFailed, NoInstanceAvailable, ParentUnavailable, TypeNotOffered
+from agent.host.vfio.host import VfioHost
+from agent.hostprep.vgpu import CREATED, VgpuPartitioner
 from agent.inventory import vgpu
 from agent.inventory.gpus import SIM_DIR, GpuSource
-from agent.inventory.nvml_hardware import materialize
-from agent.inventory.nvml_profiles import load_profile
-from agent.mdev import sysfs as mdev
-from agent.mdev.errors import MdevStepFailed, NoInstanceAvailable, ParentUnavailable, TypeNotOffered
-from agent.metadata import AllocatedDevice
 from agent.model import Device
-from agent.simkernel import mdev as simmdev
-from agent.simkernel.emulator import KernelEmulator, WriteKind
-from agent.simkernel.tree import SimTree
-from agent.state import DevicePartition, PartitionKind
-from agent.vfio.host import VfioHost
-from agent.vgpuprep import CREATED, VgpuPartitioner
+from agent.sim.hardware import materialize
+from agent.sim.kernel import mdev as simmdev
+from agent.sim.kernel.emulator import KernelEmulator, WriteKind
+from agent.sim.kernel.tree import SimTree
+from agent.sim.profiles import load_profile
 
 pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
@@ -83,7 +83,7 @@ def alloc(devices: list[Device], name: str) -> AllocatedDevice:
     return AllocatedDevice("vm", DRIVER, next(d for d in devices if d.name == name))
 
 
-# -- agent.mdev against the simulated kernel ------------------------------------------------------------
+# -- agent.host.mdev against the simulated kernel ------------------------------------------------------------
 
 def test_types_read_and_devices_made_and_removed(machine: Machine) -> None:
     sysfs = machine.host.sysfs

@@ -6,7 +6,14 @@ from typing import Any
 
 from agent import quantity
 from agent.inventory import DeviceFailure, ScanResult
-from agent.inventory.numa import NodeResourceSource, cpu_package, cpu_siblings, node_cpus, numa_nodes, online_cpus
+from agent.inventory.numa import (
+    NodeResourceSource,
+    cpu_package,
+    cpu_siblings,
+    node_cpus,
+    numa_nodes,
+    online_cpus,
+)
 from agent.model import NUMA_NODE, AttrValue, Capacity, Device, NodeFacts
 
 

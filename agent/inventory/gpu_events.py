@@ -48,8 +48,8 @@ from agent.inventory.gpu_event_types import (
     RecoveryAction,
     XidError,
 )
-from agent.inventory.nvml_profiles import error_name
-from agent.inventory.nvml_sim import SimulatedNvml
+from agent.sim.nvml import SimulatedNvml
+from agent.sim.profiles import error_name
 
 log = logging.getLogger(__name__)
 

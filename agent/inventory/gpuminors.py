@@ -9,8 +9,8 @@ import os
 import re
 from pathlib import Path
 
+from agent.host.pci import normalize_bus_id
 from agent.inventory import DeviceFailure, ScanResult, SourceProblem
-from agent.inventory.pci import normalize_bus_id
 
 # The kernel driver's list of its GPUs, under the proc root: <bus id>/information.
 DRIVER_GPUS = Path("driver", "nvidia", "gpus")

@@ -37,18 +37,18 @@ import pynvml
 from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
+from agent.host.pci import normalize_bus_id, nvidia_display_functions, pci_function
 from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult
 from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
 from agent.inventory.gpuminors import driver_minors as driver_minors
 from agent.inventory.gpuminors import name_the_rest
 from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
-from agent.inventory.nvml_profiles import ProfileError, error_name
-from agent.inventory.nvml_sim import SimulatedNvml
 from agent.inventory.passthrough import GpuVariants
-from agent.inventory.pci import normalize_bus_id, nvidia_display_functions, pci_function
 from agent.inventory.vgpu import VgpuDevices
 from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, NodeFacts, Version
+from agent.sim.nvml import SimulatedNvml
+from agent.sim.profiles import ProfileError, error_name
 from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from agent.apirules import attribute_value_errors
 from agent.config import Settings
+from agent.host.pci import PciFunction, pci_function_of
 from agent.inventory import DeviceFailure, ScanResult, SourceProblem
 from agent.inventory.netlink import Address, Link, dump
 from agent.inventory.passthrough import NicVariants
-from agent.inventory.pci import PciFunction, pci_function_of
 from agent.model import AttrValue, Device, NodeFacts
 
 log = logging.getLogger(__name__)

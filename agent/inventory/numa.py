@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config import Settings
-from agent.inventory.pci import read_text
+from agent.host.pci import read_text
 
 _NODE_DIR = re.compile(r"^node(\d+)$")
 _CPU_DIR = re.compile(r"^cpu(\d+)$")

@@ -30,10 +30,17 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from agent import counters
-from agent.inventory.pci import normalize_bus_id, nvidia_display_functions, pci_function, read_text
+from agent.host.pci import normalize_bus_id, nvidia_display_functions, pci_function, read_text
+from agent.host.vfio.errors import VfioError
+from agent.host.vfio.pci import (
+    VFIO_PCI,
+    FunctionState,
+    group_members,
+    physical_function,
+    read_function,
+    sriov_numvfs,
+)
 from agent.model import PCI_BUS_ID, AttrValue, CounterConsumption, CounterSet, Device, NodeFacts
-from agent.vfio.errors import VfioError
-from agent.vfio.pci import VFIO_PCI, FunctionState, group_members, physical_function, read_function, sriov_numvfs
 
 log = logging.getLogger(__name__)
 

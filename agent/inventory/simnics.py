@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 
 from agent.config import Settings
+from agent.host.vfio.host import VfioHost
 from agent.inventory import ScanResult
 from agent.inventory.passthrough import NicVariants
-from agent.vfio.host import VfioHost
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """vGPU (mediated device) types published as devices on each GPU's counter set.
 
-A GPU whose host driver offers mediated device types (`mdev_supported_types`, `agent.mdev`) gets,
+A GPU whose host driver offers mediated device types (`mdev_supported_types`, `agent.host.mdev`) gets,
 for each type, one device per instance the type allows: `gpu-<minor>-vgpu-<type id>-<i>` for
 i < the type's instance limit (`gpu-0-vgpu-nvidia-1021-0` .. `-19`), kind `vgpu`. Attributes:
 `type=vgpu`, `vgpuType` (the type's name, `GRID H100-4C`), `mdevType` (its id, `nvidia-1021`),
 `parentUUID`, and the parent's product, brand, architecture, compute capability, driver and CUDA
 versions and standard PCI attributes. Capacity: `memory` (the type's framebuffer). Prepare creates
-the mediated device (`agent.vgpuprep`) and gives its UUID as the `mdevUUID` attribute.
+the mediated device (`agent.hostprep.vgpu`) and gives its UUID as the `mdevUUID` attribute.
 
 Why one device per instance: a device goes to at most one claim (without `allowMultipleAllocations`,
 which needs DRAConsumableCapacity and would make each allocation's share a capacity request rather
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import counters, quantity
+from agent.host.mdev import sysfs as mdev
 from agent.inventory.mig import INHERITED
-from agent.mdev import sysfs as mdev
 from agent.model import PCI_BUS_ID, AttrValue, Capacity, CounterConsumption, CounterSet, Device, NodeFacts
 from agent.vgpupolicy import VgpuPolicy
 

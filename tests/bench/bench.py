@@ -31,9 +31,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "bench")]
 
 from probes import Call, Floor, pct, rss_mib, run_seconds, timed  # noqa: E402
 
-from agent import kubelet_client as kc  # noqa: E402
 from agent.config import build_settings  # noqa: E402
 from agent.inventory.nics import NicSource  # noqa: E402
+from agent.kubelet import client as kc  # noqa: E402
 from agent.names import ClaimRef  # noqa: E402
 
 DRIVER = "dra.example.com"

@@ -24,11 +24,11 @@ import pytest
 from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import NvmlMode, Settings
+from agent.host.pci import normalize_bus_id
 from agent.inventory import DiscoveryError
 from agent.inventory.gpus import GpuSource, driver_minors
-from agent.inventory.nvml_hardware import NVIDIA_MAJOR
-from agent.inventory.pci import normalize_bus_id
 from agent.model import PCI_BUS_ID, Device, Version
+from agent.sim.hardware import NVIDIA_MAJOR
 
 QUERY = "uuid,pci.bus_id,memory.total,driver_version"
 MiB = 1024 * 1024

@@ -51,26 +51,27 @@ sys.path[:0] = [str(ROOT), str(TESTS)]
 
 import agentkit  # noqa: E402
 
-from agent import cdispecs, failpoints, metadata  # noqa: E402
-from agent.assembly import PublishedForm  # noqa: E402
-from agent.claims import DirectoryClaimSource  # noqa: E402
+from agent import failpoints  # noqa: E402
+from agent.app.assembly import PublishedForm  # noqa: E402
+from agent.claims import cdispecs, metadata  # noqa: E402
+from agent.claims.records import ClaimRecord, ClaimStore, PartitionKind  # noqa: E402
+from agent.claims.sources import DirectoryClaimSource  # noqa: E402
 from agent.config import Settings  # noqa: E402
+from agent.engine.prepare import PrepareEngine  # noqa: E402
+from agent.engine.recovery import recover  # noqa: E402
 from agent.fsutil import is_temp_name  # noqa: E402
+from agent.host.mdev import sysfs as mdev  # noqa: E402
+from agent.host.vfio.host import VfioHost  # noqa: E402
 from agent.inventory import Inventory  # noqa: E402
 from agent.inventory.gpus import SIM_DIR, GpuSource  # noqa: E402
-from agent.inventory.nvml_hardware import sim_functions  # noqa: E402
-from agent.inventory.nvml_profiles import load_profile  # noqa: E402
-from agent.inventory.nvml_sim_migstate import STATE_FILE as MIG_STATE_FILE  # noqa: E402
 from agent.inventory.passthrough import NicVariants  # noqa: E402
-from agent.mdev import sysfs as mdev  # noqa: E402
 from agent.model import Device  # noqa: E402
 from agent.names import ClaimRef  # noqa: E402
-from agent.prepare import PrepareEngine  # noqa: E402
-from agent.recovery import recover  # noqa: E402
-from agent.simkernel.emulator import KernelEmulator  # noqa: E402
-from agent.simkernel.tree import SimTree  # noqa: E402
-from agent.state import ClaimRecord, ClaimStore, PartitionKind  # noqa: E402
-from agent.vfio.host import VfioHost  # noqa: E402
+from agent.sim.hardware import sim_functions  # noqa: E402
+from agent.sim.kernel.emulator import KernelEmulator  # noqa: E402
+from agent.sim.kernel.tree import SimTree  # noqa: E402
+from agent.sim.migstate import STATE_FILE as MIG_STATE_FILE  # noqa: E402
+from agent.sim.profiles import load_profile  # noqa: E402
 
 NIC = "nic-0000-3b-00-0"
 PROFILE = "dgx-h100"
@@ -289,7 +290,7 @@ def crash_settings(work: Path) -> Settings:
 class _Agent:
     """The agent process of one round (runs in the forked child), or the last restart. Its GPUs come
     from a real GPU source over the simulated NVML, which the MIG partitioner finds in the inventory
-    (`agent.migprep.nvml_of`); scanned once per process (the NIC refreshes scan the NIC source only)."""
+    (`agent.hostprep.mig.nvml_of`); scanned once per process (the NIC refreshes scan the NIC source only)."""
 
     def __init__(self, settings: Settings, nic_variant: int) -> None:
         self.settings = settings
@@ -474,7 +475,7 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
 
     import grpc
 
-    from agent import kubelet_client as kc
+    from agent.kubelet import client as kc
 
     work.mkdir(parents=True, exist_ok=True)
     short = Path(tempfile.mkdtemp(prefix="dra-st-", dir="/tmp"))  # socket paths stay short
@@ -485,7 +486,7 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
         agentkit.write_claim(settings.offline / "resourceclaims", obj)
     refs = [ClaimRef("default", c["metadata"]["name"], c["metadata"]["uid"]) for c in claims]
     expect: dict[str, str] = {}
-    args = [sys.executable, "-m", "agent.cli", "run", "--nvml", "sim", "--node-name", agentkit.NODE,
+    args = [sys.executable, "-m", "agent.app.cli", "run", "--nvml", "sim", "--node-name", agentkit.NODE,
             "--offline", str(settings.offline), "--kubelet-dir", str(settings.kubelet_dir),
             "--cdi-dir", str(settings.cdi_dir), "--static-cdi-dir", str(settings.static_cdi_dir),
             "--state-dir", str(settings.state_dir), "--nic-exclude", "*", "--rescan-interval", "3600",
@@ -618,7 +619,7 @@ class _MemoryClaims:
         return self.read(namespace, name)
 
     def read(self, namespace: str, name: str) -> Any:
-        from agent.claims import ClaimNotFound
+        from agent.claims.sources import ClaimNotFound
 
         try:
             return self.claims[(namespace, name)]
@@ -736,9 +737,9 @@ def _fuzz_grpc(node: Any, n: int, names: Any, uids: Any, report: FuzzReport, loo
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from agent import kubelet_client as kc
-    from agent.health import HealthTracker
-    from agent.server import Servers
+    from agent.kubelet import client as kc
+    from agent.kubelet.health import HealthTracker
+    from agent.kubelet.server import Servers
 
     short = Path(tempfile.mkdtemp(prefix="dra-fz-", dir="/tmp"))
     import dataclasses

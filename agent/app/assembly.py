@@ -1,0 +1,118 @@
+"""What the running agent is put together from, shared with the one-shot CLI commands (`agent.app.oneshot`):
+the discovery sources, the simulated machine's kernel, the form a device is published in, the
+agent's root directories, and the node-allocatable switch.
+
+Imported light, like `agent.app.daemon`: every heavy module is imported where it is first used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from agent.config import Settings
+from agent.fsutil import UnsafeRoot, check_root, makedirs
+
+if TYPE_CHECKING:
+    from agent.inventory import Inventory, Source
+    from agent.kube import NodeInfo
+    from agent.model import Device
+    from agent.sim.kernel.emulator import KernelEmulator
+
+log = logging.getLogger(__name__)
+
+
+def build_sources(settings: Settings) -> list[Source]:
+    from agent.inventory.cpus import CpuSource
+    from agent.inventory.gpus import GpuSource
+    from agent.inventory.memory import MemorySource
+    from agent.inventory.nics import NicSource
+    from agent.inventory.simnics import SimNicSource
+
+    sources: list[Source] = [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough),
+                             CpuSource(settings), MemorySource(settings)]
+    if settings.nvml.kind == "sim":
+        # The simulated NIC's functions have no netdev for NIC discovery to find; listed after GPU
+        # discovery, whose opening writes the simulated machine this source reads.
+        sources.append(SimNicSource(settings))
+    return sources
+
+
+def start_sim_kernel(settings: Settings) -> KernelEmulator | None:
+    """With `--nvml sim`, the simulated machine's kernel, which applies binding writes (the agent's
+    VFIO binds, an operator's echo into sysfs) while the agent runs. The running agent starts it, not
+    GPU discovery: one-shot CLI commands open the same machine and must not run a second one on it.
+    Started before recovery, which may bind functions again."""
+    if settings.nvml.kind != "sim":
+        return None
+    from agent.host.vfio.host import VfioHost
+    from agent.sim.kernel.emulator import KernelEmulator
+    from agent.sim.profiles import load_profile
+
+    root = VfioHost.of(settings).sysfs.parent
+    if not (root / "sys" / "bus" / "pci" / "drivers").is_dir():
+        return None  # no simulated machine was written (GPU discovery is not among the sources)
+    kernel = KernelEmulator(load_profile(settings.nvml.profile), root)
+    kernel.start()
+    return kernel
+
+
+class PublishedForm:
+    """Reduces a scanned device to what the API server accepts, so slices, metadata files and the
+    CLI all show the same device. Each problem is logged once, not on every rescan."""
+
+    def __init__(self) -> None:
+        self._reported: set[str] = set()
+
+    def __call__(self, device: Device) -> Device | None:
+        out, problems = published_form(device)
+        for message in problems:
+            if message not in self._reported:
+                self._reported.add(message)
+                log.warning("not published: %s", message)
+        return out
+
+
+def published_form(device: Device) -> tuple[Device | None, list[str]]:
+    """The device without what the API server would reject, and what was removed."""
+    from agent.publish import slices
+
+    wire, problems = slices.sanitize_device(device)
+    if wire is None:
+        return None, problems
+    attrs, caps = wire.get("attributes", {}), wire.get("capacity", {})
+    if len(attrs) == len(device.attributes) and len(caps) == len(device.capacity):
+        return device, problems
+    return dataclasses.replace(
+        device,
+        attributes={k: v for k, v in device.attributes.items() if k in attrs},
+        capacity={k: v for k, v in device.capacity.items() if k in caps},
+    ), problems
+
+
+def prepare_roots(settings: Settings) -> None:
+    """Create the directories the agent writes below, and refuse to start on one that another user
+    could plant links or files in (unless --allow-unsafe-roots): the agent never follows a link
+    below its roots, but it must also trust the roots themselves."""
+    roots = [("state directory", settings.state_dir, 0o700), ("records directory", settings.claims_state_dir, 0o700),
+             ("CDI directory", settings.cdi_dir, 0o755), ("plugin directory", settings.plugin_dir, 0o755),
+             ("metadata directory", settings.metadata_dir, 0o755),
+             ("plugin registry directory", settings.registry_dir, 0o755)]
+    for what, path, mode in roots:
+        makedirs(path, mode)
+        try:
+            check_root(path, what)
+        except UnsafeRoot as exc:
+            if not settings.allow_unsafe_roots:
+                from agent.app.connection import StartupError
+
+                raise StartupError(f"{exc}: refusing to start (--allow-unsafe-roots overrides)") from None
+            log.warning("%s (allowed by --allow-unsafe-roots)", exc)
+
+
+def set_node_allocatable(inventory: Inventory, node: NodeInfo | None) -> None:
+    enabled = bool(node and node.node_allocatable)
+    for source in inventory.sources:
+        if hasattr(source, "node_allocatable"):
+            source.node_allocatable = enabled

@@ -1,0 +1,162 @@
+"""Doctor checks of the node's hardware and the agent's state on it: NVML, IOMMU and
+vfio-pci, the claim records, and free space where the agent writes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any
+
+import pynvml
+
+from agent.app.doctor.base import Checks, existing_parent
+from agent.app.doctor.results import Result, failed, passed
+from agent.claims.records import ClaimStore
+from agent.host.pci import nvidia_display_functions
+
+MIN_FREE_BYTES = 16 * 1024 * 1024  # below: blocking (a record, a CDI spec may not fit)
+LOW_FREE_BYTES = 256 * 1024 * 1024  # below: a warning
+MIN_FREE_INODES = 100
+
+
+class NodeChecks(Checks):
+    # hardware ------------------------------------------------------------------------------------
+
+    def nvml(self) -> list[Result]:
+        name = "NVML"
+        mode = self.s.nvml
+        if mode.kind == "sim":
+            return [passed(name, f"--nvml {mode}: simulated GPUs, the real NVML is not used")]
+        try:
+            pynvml.nvmlInit()
+        except (pynvml.NVMLError, OSError) as exc:
+            hardware = nvidia_display_functions(self.s.sysfs_root)
+            if (self.s.dev_root / "nvidiactl").exists():
+                hardware.append(str(self.s.dev_root / "nvidiactl"))
+            why = str(exc) or type(exc).__name__
+            if mode.kind == "real" or hardware:
+                seen = f" although NVIDIA hardware is present ({', '.join(hardware)})" if hardware else ""
+                return [failed(name, f"NVML does not load{seen}: {why}", "install the NVIDIA driver on the host "
+                               "and make libnvidia-ml.so.1 visible to the agent (mount the driver root, "
+                               "LD_LIBRARY_PATH), or run with --nvml sim")]
+            return [passed(name, f"no NVIDIA GPUs on this node (NVML: {why}); none are published")]
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
+            count = pynvml.nvmlDeviceGetCount()
+            try:
+                cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+                cuda_text = f", CUDA {cuda // 1000}.{cuda % 1000 // 10}"
+            except pynvml.NVMLError:
+                cuda_text = ""
+        except pynvml.NVMLError as exc:
+            return [failed(name, f"NVML loads but does not answer: {exc}", "nvidia-smi shows the same; check the "
+                           "driver (dmesg: Xid errors) and reboot if a GPU fell off the bus")]
+        finally:
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()
+        return [passed(name, f"driver {driver}{cuda_text}, {count} GPUs")]
+
+    def iommu(self) -> list[Result]:
+        groups = self.s.sysfs_root / "kernel" / "iommu_groups"
+        try:
+            count = len(os.listdir(groups))
+        except OSError:
+            count = 0
+        if count:
+            return [passed("IOMMU", f"on: {count} groups in {groups}")]
+        return [failed("IOMMU", f"off: no groups in {groups}", "only VFIO passthrough to VMs needs it: enable "
+                       "VT-d / AMD-Vi in the firmware and boot with intel_iommu=on iommu=pt", blocking=False)]
+
+    def vfio(self) -> list[Result]:
+        name = "vfio-pci"
+        driver = self.s.sysfs_root / "bus" / "pci" / "drivers" / "vfio-pci"
+        if driver.is_dir():
+            node = self.s.dev_root / "vfio" / "vfio"
+            return [passed(name, f"loaded ({driver})" + ("" if node.exists() else f"; {node} is missing"))]
+        release = os.uname().release
+        for modules in (self.host(f"/lib/modules/{release}"), self.host(f"/usr/lib/modules/{release}")):
+            for index in ("modules.builtin", "modules.dep"):
+                try:
+                    text = (modules / index).read_text()
+                except OSError:
+                    continue
+                if re.search(r"(^|/)vfio-pci\.ko", text, re.MULTILINE):
+                    return [failed(name, f"available ({modules / index}) but not loaded", "only VFIO passthrough "
+                                   "needs it: modprobe vfio-pci, and list it in /etc/modules-load.d/",
+                                   blocking=False)]
+        return [failed(name, f"not loaded, and no vfio-pci module for kernel {release} under "
+                       f"{self.host('/lib/modules')}", "only VFIO passthrough needs it: install the kernel's "
+                       "modules package", blocking=False)]
+
+    # state ---------------------------------------------------------------------------------------
+
+    def records(self) -> list[Result]:
+        name = "claim records"
+        directory = self.s.claims_state_dir
+        if not directory.is_dir():
+            return [passed(name, f"{directory} does not exist yet: nothing prepared")]
+        if not os.access(directory, os.R_OK | os.X_OK):
+            return [failed(name, f"cannot read {directory} as uid {os.geteuid()}", "run doctor as the agent's "
+                           "user (root)", blocking=False)]
+        store = ClaimStore(directory)
+        records, problems = store.load_all()
+        corrupt = sorted(n for n in os.listdir(directory) if n.endswith(".corrupt"))
+        out = []
+        if problems:
+            out.append(failed(name, "unreadable: " + "; ".join(f"{n}: {why}" for n, why in problems),
+                              "the agent sets an unreadable record aside at its next start and removes that "
+                              "claim's files: restart the agent, then the pods using those claims",
+                              blocking=False))
+        else:
+            out.append(passed(name, f"{len(records)} prepared claims, every record readable"))
+        if corrupt:
+            out.append(failed("records set aside", f"{len(corrupt)} in {directory}: {', '.join(corrupt[:5])}",
+                              "look at them (a disk or filesystem problem?), then delete them", blocking=False))
+        return out
+
+    def free_space(self) -> list[Result]:
+        s = self.s
+        seen: dict[int, list[str]] = {}
+        stats: dict[int, os.statvfs_result] = {}
+        for what, path in (("state", s.state_dir), ("CDI", s.cdi_dir), ("plugin", s.plugin_dir)):
+            where = existing_parent(path)
+            try:
+                st = os.statvfs(where)
+                dev = os.stat(where).st_dev
+            except OSError:
+                continue
+            seen.setdefault(dev, []).append(f"{what} dir")
+            stats[dev] = st
+        problems, warnings, details = [], [], []
+        for dev, whats in seen.items():
+            st = stats[dev]
+            free, inodes = st.f_bavail * st.f_frsize, st.f_favail
+            label = ", ".join(whats)
+            details.append(f"{label}: {_size(free)} free")
+            if st.f_flag & os.ST_RDONLY:
+                problems.append(f"{label}: read-only filesystem")
+            elif free < MIN_FREE_BYTES or (st.f_files and inodes < MIN_FREE_INODES):
+                problems.append(f"{label}: {_size(free)} and {inodes} inodes free")
+            elif free < LOW_FREE_BYTES:
+                warnings.append(f"{label}: only {_size(free)} free")
+        if problems:
+            return [failed("free space", "; ".join(problems), "free space there: prepares fail (and say so) when "
+                           "a record or a CDI spec cannot be written")]
+        if warnings:
+            return [failed("free space", "; ".join(warnings), "free space there before prepares start failing",
+                           blocking=False)]
+        return [passed("free space", "; ".join(details))]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+

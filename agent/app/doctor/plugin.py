@@ -1,0 +1,153 @@
+"""Doctor checks of the agent as the kubelet sees it: the kubelet's plugin directories, the
+agent's own directories, its registration and DRA sockets, and its probes."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import grpc
+import httpx2
+
+from agent.app.doctor.base import Checks
+from agent.app.doctor.results import Result, failed, passed, skipped
+from agent.fsutil import UnsafeRoot, check_root
+from agent.kubelet import client as kc
+
+
+class PluginChecks(Checks):
+    def kubelet_dirs(self) -> list[Result]:
+        s = self.s
+        name = "kubelet plugin directories"
+        if not s.kubelet_dir.is_dir():
+            return [failed(name, f"{s.kubelet_dir} does not exist",
+                           "give --kubelet-dir / $DRA_KUBELET_DIR the kubelet's --root-dir (default "
+                           "/var/lib/kubelet); in a pod, mount its plugins and plugins_registry from the host")]
+        missing = [p for p in (s.kubelet_dir / "plugins", s.registry_dir) if not p.is_dir()]
+        if missing:
+            return [failed(name, f"missing: {', '.join(map(str, missing))}",
+                           "the kubelet creates them when it starts: is the kubelet running with root directory "
+                           f"{s.kubelet_dir}? In a pod, mount both from the host")]
+        return [passed(name, f"{s.kubelet_dir / 'plugins'} and {s.registry_dir} exist")]
+
+    def agent_dirs(self) -> list[Result]:
+        """The roots the agent refuses to start on (`assembly.prepare_roots`)."""
+        s = self.s
+        roots = [("state directory", s.state_dir), ("records directory", s.claims_state_dir),
+                 ("CDI directory", s.cdi_dir), ("plugin directory", s.plugin_dir),
+                 ("metadata directory", s.metadata_dir), ("plugin registry directory", s.registry_dir)]
+        problems = []
+        for what, path in roots:
+            if not os.path.lexists(path):
+                continue  # the agent creates it
+            try:
+                check_root(path, what)
+            except UnsafeRoot as exc:
+                problems.append(str(exc))
+            except OSError as exc:
+                problems.append(f"{what} {path}: {exc.strerror or exc}")
+        name = "directory ownership and modes"
+        if not problems:
+            return [passed(name, f"the agent's directories are owned by uid {os.geteuid()} and not writable by "
+                           "group or others (those missing are created at start)")]
+        if s.allow_unsafe_roots:
+            return [failed(name, "; ".join(problems), "chown/chmod them (--allow-unsafe-roots starts anyway)",
+                           blocking=False)]
+        return [failed(name, "; ".join(problems), "chown them to the agent's user and chmod go-w (the agent "
+                       "refuses to start otherwise; --allow-unsafe-roots overrides)")]
+
+    async def registration(self) -> list[Result]:
+        s = self.s
+        name = "registration socket"
+        path = s.registration_socket
+        results = self._other_registrations()
+        if not _is_socket(path):
+            return [failed(name, f"no socket at {path}", "start the agent (dra-agent run, or its DaemonSet pod: "
+                           "kubectl logs shows why it stopped); the kubelet finds plugins by this socket"),
+                    *results]
+        try:
+            info = await kc.get_info(path)
+        except grpc.aio.AioRpcError as exc:
+            return [failed(name, f"GetInfo on {path}: {exc.code().name}: {exc.details()}",
+                           "a socket that nobody answers is left by an agent that died: restart the agent"), *results]
+        problems = []
+        if info.name != s.driver_name:
+            problems.append(f"it names driver {info.name!r}, not {s.driver_name!r}")
+        if info.endpoint != str(s.dra_socket):
+            problems.append(f"its endpoint is {info.endpoint}, not {s.dra_socket}")
+        if problems:
+            return [failed(name, f"GetInfo answered, but {'; '.join(problems)}",
+                           "give doctor the agent's settings (--driver-name, --kubelet-dir, "
+                           "--rolling-update-pod-uid)"), *results]
+        return [passed(name, f"GetInfo answers: {info.name}, endpoint {info.endpoint}, "
+                       f"{', '.join(info.supported_versions)}"), *results]
+
+    def _other_registrations(self) -> list[Result]:
+        """Registration sockets of this driver other than ours: a rolling update, or leftovers."""
+        s = self.s
+        try:
+            names = sorted(os.listdir(s.registry_dir))
+        except OSError:
+            return []
+        pattern = re.compile(re.escape(s.driver_name) + r"(-.+)?-reg\.sock")
+        others = [s.registry_dir / n for n in names
+                  if pattern.fullmatch(n) and s.registry_dir / n != s.registration_socket]
+        if not others:
+            return []
+        return [passed("other registration sockets", f"{', '.join(map(str, others))}: another agent of this "
+                       "driver (a rolling update with --rolling-update-pod-uid); the kubelet uses the newest")]
+
+    async def dra_socket(self) -> list[Result]:
+        s = self.s
+        name = "DRA socket"
+        path = s.dra_socket
+        if not _is_socket(path):
+            return [failed(name, f"no socket at {path}", "start the agent; it opens this socket before the "
+                           "registration socket")]
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        try:
+            await kc.empty_prepare(path, timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            return [failed(name, f"NodePrepareResources on {path}: {exc.code().name}: {exc.details()}",
+                           "restart the agent; its log says what it was doing")]
+        if mode & 0o077:
+            return [failed(name, f"{path} has mode {mode:04o}: other users can call it", "restart the agent "
+                           "(it binds its sockets 0600)", blocking=False)]
+        return [passed(name, f"{path} answers NodePrepareResources (mode {mode:04o})")]
+
+    async def probes(self) -> list[Result]:
+        s = self.s
+        name = "probes (/healthz, /readyz)"
+        endpoint = s.metrics_endpoint
+        if endpoint is None:
+            return [skipped(name, "--metrics-address is empty: the agent serves no probes")]
+        host, port = endpoint
+        host = host or "127.0.0.1"
+        base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        if port == 0:
+            return [skipped(name, f"--metrics-address {s.metrics_address}: the port is chosen at start (the "
+                            "agent logs it)")]
+        answers = {}
+        try:
+            async with httpx2.AsyncClient(timeout=5.0, trust_env=False) as client:
+                for path in ("/healthz", "/readyz"):
+                    answers[path] = await client.get(base + path)
+        except httpx2.HTTPError as exc:
+            return [failed(name, f"{base}: {exc or type(exc).__name__}", "is the agent running, with this "
+                           "--metrics-address? (its first log lines say where it serves)", blocking=False)]
+        bad = [line[3:] for r in answers.values() for line in r.text.splitlines() if line.startswith("[-]")]
+        if bad:
+            return [failed(name, "; ".join(bad), "see the failing checks: the kubelet registers the plugin when "
+                           "it sees the registration socket; slices are published once the Node is read")]
+        return [passed(name, "; ".join(line[3:] for r in answers.values() for line in r.text.splitlines()
+                                       if line.startswith("[+]") and "event-loop" not in line))]
+
+
+def _is_socket(path: Path) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+

@@ -1,0 +1,147 @@
+"""`dra-agent sim xid|lose|recover DEVICE`: tell the simulated machine, from outside the agent, to
+raise an XID on a GPU, to lose it, or to reset it.
+
+The command is a file in the simulated machine's control directory
+(`<state dir>/nvml-sim/control/`, see `agent.sim.control`), written atomically and
+named `<nanoseconds>-<pid>-<n>.json` so names sort in the order commands were written. An agent
+running with `--nvml sim` applies it within moments and deletes the file; the CLI waits a few
+seconds for that and says "applied", else that it is queued for the next agent to start.
+The same settings as `run` (`--state-dir`, `--nvml`) locate the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
+
+from agent.config import Settings
+from agent.fsutil import atomic_write, makedirs
+from agent.inventory.gpus import SIM_DIR
+from agent.sim.control import (
+    BAD_SUFFIX,
+    CONTROL_DIR,
+    XID_RANGE,
+    Action,
+    CommandError,
+    SimCommand,
+    device_index,
+)
+from agent.sim.profiles import ProfileError, load_profile
+
+WAIT = 3.0  # seconds the CLI waits for a running agent to apply the command
+_sequence = itertools.count()
+
+__all__ = ["SimCommand", "SimctlError", "add_sim_parser", "cmd_sim", "control_dir", "make_command", "submit",
+           "wait_applied"]
+
+
+class SimctlError(Exception):
+    """A `dra-agent sim` command that cannot be written, with what to do instead."""
+
+
+def control_dir(settings: Settings) -> Path:
+    """Where the simulated machine of these settings takes its commands."""
+    return settings.state_dir / SIM_DIR / CONTROL_DIR
+
+
+def make_command(settings: Settings, action: str, device: str, xid: str | int | None = None) -> SimCommand:
+    """The command for `dra-agent sim ACTION DEVICE [XID]`, checked against the settings' machine."""
+    if settings.nvml.kind != "sim":
+        raise SimctlError(f"dra-agent sim drives the simulated NVML, but --nvml is {settings.nvml} "
+                          "(DRA_NVML); pass the same --nvml sim[:PROFILE] and --state-dir as the agent's run")
+    try:
+        profile = load_profile(settings.nvml.profile)
+    except ProfileError as exc:
+        raise SimctlError(f"--nvml {settings.nvml}: {exc}") from exc
+    number: int | None = None
+    if action == "xid":
+        try:
+            number = int(str(xid), 10)
+        except ValueError:
+            number = None
+        if number is None or number not in XID_RANGE:
+            raise SimctlError(f"XID must be an integer {XID_RANGE.start}..{XID_RANGE.stop - 1}, not {xid!r}")
+    elif action not in ("lose", "recover"):
+        raise SimctlError(f"unknown sim command {action!r}; one of xid, lose, recover")
+    try:
+        device_index(profile, device)
+        return SimCommand(cast(Action, action), device, number)
+    except CommandError as exc:
+        raise SimctlError(str(exc)) from exc
+
+
+def submit(settings: Settings, command: SimCommand) -> Path:
+    """Write `command` into the control directory of the settings' simulated machine; its path."""
+    if settings.nvml.kind != "sim":
+        raise SimctlError(f"dra-agent sim drives the simulated NVML, but --nvml is {settings.nvml} (DRA_NVML)")
+    directory = control_dir(settings)
+    try:
+        makedirs(directory)
+        path = directory / f"{time.time_ns():020d}-{os.getpid()}-{next(_sequence):04d}.json"
+        atomic_write(path, command.encode())
+    except OSError as exc:
+        raise SimctlError(f"cannot write the command into {directory}: {exc}") from exc
+    return path
+
+
+def wait_applied(path: Path, timeout: float = WAIT, poll: float = 0.05) -> bool | None:
+    """True once the command file is consumed (applied), False when the agent set it aside as bad,
+    None when it is still waiting after `timeout` seconds."""
+    bad = path.with_name(path.name + BAD_SUFFIX)
+    deadline = time.monotonic() + timeout
+    while True:
+        if bad.exists():
+            return False
+        if not path.exists():
+            # Set aside between the two checks, or applied.
+            return not bad.exists()
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(poll)
+
+
+def cmd_sim(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        command = make_command(settings, args.action, args.device, getattr(args, "xid", None))
+        path = submit(settings, command)
+    except SimctlError as exc:
+        print(f"dra-agent sim: {exc}", flush=True, file=sys.stderr)
+        return 2
+    what = f"{command.command} {command.device}" + (f" XID {command.xid}" if command.xid is not None else "")
+    applied = wait_applied(path, float(args.wait))
+    if applied:
+        print(f"{what}: applied")
+        return 0
+    if applied is False:
+        print(f"{what}: rejected by the simulated NVML (see the agent's log; the command is in "
+              f"{path.name}{BAD_SUFFIX})", file=sys.stderr)
+        return 1
+    print(f"{what}: queued: an agent running with --nvml sim will apply it when it starts ({path})")
+    return 0
+
+
+def add_sim_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+                   add_arguments: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """`dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE`; each takes the run settings."""
+    sp = subparsers.add_parser("sim", help="drive the simulated NVML: raise an XID, lose or reset a GPU",
+                               description="Tell the simulated machine (--nvml sim) to raise an XID on a GPU, "
+                                           "lose it, or reset it. DEVICE is the published name (gpu-3).")
+    actions = sp.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, help in (("xid", "raise XID on DEVICE (13, 31, 43, 45, 68, 109 are application errors)"),
+                         ("lose", "DEVICE falls off the bus: every NVML call about it fails (GPU_IS_LOST)"),
+                         ("recover", "reset DEVICE: it answers again and needs no recovery action")):
+        ap = actions.add_parser(action, help=help, description=help)
+        ap.set_defaults(fn=cmd_sim)
+        ap.add_argument("device", metavar="DEVICE", help="the GPU as published, e.g. gpu-3")
+        if action == "xid":
+            ap.add_argument("xid", metavar="XID", help=f"an integer {XID_RANGE.start}..{XID_RANGE.stop - 1}")
+        ap.add_argument("--wait", type=float, default=WAIT, metavar="SECONDS",
+                        help=f"how long to wait for a running agent to apply it (default: {WAIT:g})")
+        add_arguments(ap)
+    return sp

@@ -1,0 +1,152 @@
+"""The engine's book of prepared claims: the durable records as they are on disk, read cheaply.
+
+The record files (`agent.claims.records`) are the truth, shared with any other agent on the
+node. The book keeps, per claim, a summary of its record (`ClaimSummary`: identity,
+devices, directories, generation; not the files' contents) with the identity of its
+file (inode, mtime, size), and indexes which claims hold each device, for metadata
+refreshes and claim status. A whole record is read from its file when an operation
+needs it (`current`); the last records written or read are kept whole, so a prepare
+followed by its unprepare, or a kubelet retry, costs one `stat`. Never a stale answer
+after another agent prepared, refreshed or unprepared the claim: the file's identity
+is compared first. Call it with the claim's locks held (`agent.claims.locks`).
+
+Memory: a summary is a few hundred bytes, where a whole record holds every file's
+content (4-5 KiB for a GPU claim): 10,000 prepared claims cost megabytes, not tens. A summary
+keeps of each device only what is read from it (pool, device, share ID; not its CDI device IDs),
+the strings that repeat across claims (namespace, pool, device names) are interned, and the file's
+identity is kept only with the whole records held.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+from dataclasses import dataclass
+
+from agent.claims.records import ClaimRecord, ClaimStore, PreparedDevice, RecordStamp, RecordState
+
+RECENT = 64  # whole records kept (the claims operated on last)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSummary:
+    """What the book keeps of a prepared device: which device of which pool, and its share."""
+
+    pool: str
+    device: str
+    share_id: str = ""
+
+    @classmethod
+    def of(cls, d: PreparedDevice) -> DeviceSummary:
+        # A node has a few pools and devices, held by thousands of claims: one string each.
+        return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "")
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimSummary:
+    """What the book keeps of a record: what claim status, garbage collection, orphan cleanup and
+    the device index read. The files (and their contents) are in the record file only."""
+
+    uid: str
+    namespace: str
+    name: str
+    pod_claim_name: str
+    devices: tuple[DeviceSummary, ...]
+    dirs: tuple[str, ...]
+    prepared_at: float
+    generation: int
+    state: RecordState
+
+    @classmethod
+    def of(cls, record: ClaimRecord) -> ClaimSummary:
+        return cls(record.uid, sys.intern(record.namespace), record.name, sys.intern(record.pod_claim_name),
+                   tuple(DeviceSummary.of(d) for d in record.devices), tuple(record.dirs), record.prepared_at,
+                   record.generation, record.state)
+
+    @property
+    def prepared(self) -> bool:
+        return self.state is RecordState.PREPARED
+
+
+class ClaimBook:
+    def __init__(self, store: ClaimStore, recent: int = RECENT) -> None:
+        self.store = store
+        self._guard = threading.Lock()  # over the indexes below
+        self._summaries: dict[str, ClaimSummary] = {}
+        self._recent: collections.OrderedDict[str, tuple[ClaimRecord, RecordStamp]] = collections.OrderedDict()
+        self._recent_max = recent
+        self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
+
+    def records(self) -> dict[str, ClaimSummary]:
+        """The prepared claims this agent has seen (a copy)."""
+        with self._guard:
+            return dict(self._summaries)
+
+    def __len__(self) -> int:
+        return len(self._summaries)
+
+    def record_of(self, uid: str) -> ClaimSummary | None:
+        """The summary held for `uid` (no disk access)."""
+        with self._guard:
+            return self._summaries.get(uid)
+
+    def claims_holding(self, devices: set[str]) -> list[str]:
+        with self._guard:
+            return sorted({uid for n in devices for uid in self._device_claims.get(n, ())})
+
+    def current(self, uid: str) -> ClaimRecord | None:
+        """The claim's whole record as it is on disk now; RecordError when it is unreadable."""
+        stamp = self.store.stamp(uid)
+        with self._guard:
+            cached = self._recent.get(uid)
+            if cached is not None:
+                self._recent.move_to_end(uid)
+        if stamp is None:
+            if cached is not None or uid in self._summaries:
+                self.forget(uid)
+            return None
+        if cached is not None and cached[1] == stamp:
+            return cached[0]
+        found = self.store.read(uid)
+        if found is None:
+            self.forget(uid)
+            return None
+        self._remember(*found)
+        return found[0]
+
+    def write(self, record: ClaimRecord) -> None:
+        """Write the record durably, and keep it as the current one."""
+        self.store.write(record)
+        stamp = self.store.stamp(record.uid)
+        assert stamp is not None
+        self._remember(record, stamp)
+
+    def forget(self, uid: str) -> None:
+        with self._guard:
+            self._recent.pop(uid, None)
+            old = self._summaries.pop(uid, None)
+            if old is not None:
+                self._unindex(old)
+
+    def _remember(self, record: ClaimRecord, stamp: RecordStamp) -> None:
+        summary = ClaimSummary.of(record)
+        with self._guard:
+            old = self._summaries.get(record.uid)
+            if old is not None:
+                self._unindex(old)
+            self._summaries[record.uid] = summary
+            self._recent[record.uid] = (record, stamp)
+            self._recent.move_to_end(record.uid)
+            while len(self._recent) > self._recent_max:
+                self._recent.popitem(last=False)
+            for d in summary.devices:
+                self._device_claims.setdefault(d.device, set()).add(record.uid)
+
+    def _unindex(self, summary: ClaimSummary) -> None:
+        for d in summary.devices:
+            owners = self._device_claims.get(d.device)
+            if owners is not None:
+                owners.discard(summary.uid)
+                if not owners:
+                    del self._device_claims[d.device]

@@ -1,0 +1,139 @@
+"""What a prepared claim consists of, derived without side effects: its record (every file with its
+content, the kubelet response) from an allocation, and the record a metadata refresh makes of it.
+The engine (`agent.engine.prepare`) applies them in crash-safe order.
+
+A shared GPU (`agent.inventory.gpushare`) is prepared like its GPU (device nodes, the toolkit's CDI
+device) and its CDI device also sets `DRA_<DEVICE>_UUID`, `DRA_<DEVICE>_MEMORY_LIMIT` (bytes: the sum
+of the claim's shares of that device; one per result in practice) and, for CUDA MPS clients,
+`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<GPU uuid>=<MiB>M[,...]` over every shared GPU of the claim, which the
+MPS server enforces per client. The claim's own opaque configuration may set that variable instead (a
+lower limit, or the ordinal form `0=<N>M`). One container with shares from two claims gets one claim's
+value (CDI does not merge variables). Each claim has its own CDI spec and metadata files (named by its
+UID), so claims sharing one GPU are prepared and unprepared independently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent import quantity
+from agent.claims import cdispecs, metadata
+from agent.claims.allocation import Allocation
+from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, PreparedDevice
+from agent.claims.toolkit import ToolkitSpecs
+from agent.config import Settings
+from agent.hostprep.partitions import partition_attributes
+from agent.inventory.gpushare import MIB, SHARE_KIND
+from agent.model import Device
+from agent.names import base_request
+from cdi.store import encode_spec
+
+
+def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generation: int,
+                bindings: list[DeviceBinding]) -> ClaimRecord:
+    """Every file of the prepared claim with its content, and the kubelet response. No I/O except
+    the toolkit lookup."""
+    ref = alloc.ref
+    vendor = s.cdi_vendor
+    files: list[FileRecord] = []
+    shares = share_env(alloc.devices)
+    env = {name: {**shares.get(name, {}), **alloc.config_env.get(name, {})}
+           for name in set(shares) | set(alloc.config_env)}
+    spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, env)
+    files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec)))
+    devices: list[PreparedDevice] = []
+    first_of_request: set[str] = set()
+    for a in alloc.devices:
+        ids = [cdispecs.claim_device_id(vendor, ref.uid, a.device.name)]
+        node = a.device.node
+        if a.device.kind in ("gpu", SHARE_KIND) and (tk := toolkit.device_id(node.gpu_uuid, node.gpu_index)):
+            ids.append(tk)
+        base = base_request(a.request)
+        if base not in first_of_request:
+            first_of_request.add(base)
+            ids.append(cdispecs.metadata_device_id(vendor, ref.uid, base))
+        devices.append(PreparedDevice(request=a.request, pool=a.pool, device=a.device.name,
+                                      cdi_device_ids=tuple(ids), share_id=a.share_id))
+    for base, allocs in metadata.group_by_base_request(alloc.devices).items():
+        host = metadata.host_file(s.metadata_dir, ref.uid, base)
+        content = metadata.render(driver=s.driver_name, namespace=ref.namespace, name=ref.name,
+                                  uid=ref.uid, pod_claim_name=alloc.pod_claim_name,
+                                  generation=generation, devices=allocs)
+        files.append(FileRecord(str(host), content))
+        container = metadata.container_file(s.driver_name, ref.name, base, alloc.pod_claim_name)
+        mspec = cdispecs.metadata_spec(vendor, ref.uid, base, str(host), container)
+        files.append(FileRecord(str(s.cdi_dir / cdispecs.metadata_spec_name(vendor, ref.uid, base)),
+                                encode_spec(mspec)))
+    dirs = [str(metadata.host_dir(s.metadata_dir, ref.uid))] if alloc.devices else []
+    return ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
+                       pod_claim_name=alloc.pod_claim_name, devices=devices, files=files, dirs=dirs,
+                       prepared_at=time.time(), generation=generation, bindings=list(bindings))
+
+
+MPS_MEMORY_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+
+
+def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
+    """Device name -> the variables of a shared GPU's share (see the module docstring)."""
+    limits: dict[str, int] = {}
+    devices: dict[str, Device] = {}
+    for a in allocated:
+        if a.device.kind == SHARE_KIND:
+            # allocation.parse_claim has checked that the amount is there and an integer quantity.
+            limits[a.device.name] = limits.get(a.device.name, 0) + quantity.parse_int(a.consumed["memory"])
+            devices[a.device.name] = a.device
+    mps = ",".join(f"{devices[n].node.gpu_uuid}={limits[n] // MIB}M" for n in sorted(limits))
+    return {n: {f"{cdispecs.env_prefix(n)}_UUID": devices[n].node.gpu_uuid,
+                f"{cdispecs.env_prefix(n)}_MEMORY_LIMIT": str(limits[n]), MPS_MEMORY_LIMIT: mps}
+            for n in limits}
+
+
+def _recorded_consumption(s: Settings, record: ClaimRecord) -> dict[tuple[str, str, str], dict[str, str]]:
+    """(request, device, share ID) -> consumedCapacity, as the claim's metadata files in the record say:
+    the record keeps no other copy of what each share got, and a refresh must not lose it."""
+    out: dict[tuple[str, str, str], dict[str, str]] = {}
+    paths = {str(metadata.host_file(s.metadata_dir, record.uid, base_request(d.request))) for d in record.devices}
+    for f in record.files:
+        if f.path not in paths:
+            continue
+        objs = metadata.parse_stream(f.content)
+        for req in (objs[0].get("requests") or []) if objs else []:
+            for dev in req.get("devices") or []:
+                if consumed := dev.get("consumedCapacity"):
+                    out[str(req.get("name")), str(dev.get("name")), str(dev.get("shareID", ""))] = \
+                        {str(k): str(v) for k, v in consumed.items()}
+    return out
+
+
+def refreshed(s: Settings, lookup: Callable[[str], Device | None],
+              record: ClaimRecord) -> tuple[ClaimRecord, set[str]] | None:
+    """The record with its metadata files rendered from the devices as they are now (generation + 1),
+    and the paths of those files; None when nothing changed, or a device is gone (health reports
+    it; the file keeps the last known truth)."""
+    allocated = []
+    macs = {b.device: b.mac for b in record.bindings}
+    made = {p.device: partition_attributes(p) for p in record.partitions}  # MIG or mdev UUIDs
+    consumed = _recorded_consumption(s, record)
+    for d in record.devices:
+        device = lookup(d.device)
+        if device is None:
+            return None
+        if made.get(d.device):
+            device = dataclasses.replace(device, attributes={**device.attributes, **made[d.device]})
+        allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id, macs.get(d.device, ""),
+                                                  consumed.get((d.request, d.device, d.share_id), {})))
+    common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,
+                              "uid": record.uid, "pod_claim_name": record.pod_claim_name}
+    contents = {str(metadata.host_file(s.metadata_dir, record.uid, base)): allocs
+                for base, allocs in metadata.group_by_base_request(allocated).items()}
+    current = {f.path: f.content for f in record.files}
+    if all(current.get(path) == metadata.render(generation=record.generation, devices=allocs, **common)
+           for path, allocs in contents.items()):
+        return None
+    generation = record.generation + 1
+    files = [FileRecord(f.path, metadata.render(generation=generation, devices=contents[f.path], **common),
+                        f.mode) if f.path in contents else f for f in record.files]
+    return dataclasses.replace(record, files=files, generation=generation), set(contents)

@@ -1,0 +1,408 @@
+"""Durable per-claim records: the truth about what this node has prepared.
+
+One file per claim (`<state dir>/claims/<uid>.rec`), so a prepare costs O(1)
+whatever else is prepared. A record holds everything needed to re-derive the
+claim's files after a crash (their exact content), and the kubelet response.
+
+On-disk format: one header line, then the body.
+
+    DRAREC <version> <sha256 of body, hex> <body length>\\n
+    <body: a JSON object>
+
+Version 1: a prepared claim that changed nothing outside the agent's files. Version 2: a claim
+with side effects on the host (PCI functions bound to vfio-pci): its `bindings`, and a state that
+may also be an intent (`binding`: bind steps under way; `restoring`: unprepare putting the host
+drivers back). A record without bindings is still written as version 1, so an agent that predates
+bindings reads it; one that predates them refuses a version-2 record by name instead of taking a
+half-bound device for a prepared one. Version 3: a claim with GPU partitions created on the host for
+it (MIG GPU/compute instances, mediated devices): its `partitions`, beside any `bindings`, with the
+same intent states. Only a record with partitions is written as version 3, so versions 1 and 2 are
+written as before and an older agent refuses a version-3 record by its version, never taking a
+claim whose MIG instance it cannot see for one it can clean up.
+
+The checksum catches torn or corrupted files; the version lets a later agent
+read (or refuse, clearly) what an earlier one wrote. Records are written
+atomically, the file fsync'd, and then their directory fsync'd: a write returns
+only once both are done. A record's removal is fsync'd too: once an unprepare
+has answered success, the claim must not come back after a power loss.
+
+Group commit: concurrent writes and removals share directory fsyncs
+(`DirectorySync`). Each waits for an fsync of the directory that *started after*
+its own rename or unlink, so the guarantee is the one of an fsync per write, at a
+fraction of the cost when claims are prepared in parallel.
+
+The record is the truth, also for a second agent sharing the directory during a
+rolling update: an agent reads a record again whenever the file's identity
+(`RecordStamp`) differs from the copy it holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from agent.claims.dirsync import DirectorySync as DirectorySync  # re-exported: callers import it from here
+from agent.fsutil import Root, is_temp_name
+from agent.host.vfio.bind import BindPlan
+from agent.names import InvalidName, check_uid
+from cdi.atomic import write_at
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DRAREC"
+FORMAT_VERSION = 1  # records without host side effects
+BINDINGS_VERSION = 2  # records with `bindings` (and intent states)
+PARTITIONS_VERSION = 3  # records with `partitions` (and maybe bindings)
+READABLE_VERSIONS = (FORMAT_VERSION, BINDINGS_VERSION, PARTITIONS_VERSION)
+SUFFIX = ".rec"
+
+
+class RecordState(StrEnum):
+    PREPARED = "prepared"  # the claim's files and bindings are in place
+    BINDING = "binding"  # prepare is binding functions (intent): recovery rolls it back
+    RESTORING = "restoring"  # unprepare is restoring host drivers (intent): recovery finishes it
+
+
+PREPARED = RecordState.PREPARED
+
+
+class RecordError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    """One device of a prepared claim, as the kubelet is told about it."""
+
+    request: str  # the allocation result's request: `req` or `req/sub`
+    pool: str
+    device: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"request": self.request, "pool": self.pool, "device": self.device,
+                               "cdiDeviceIds": list(self.cdi_device_ids)}
+        if self.share_id:
+            out["shareId"] = self.share_id
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any) -> PreparedDevice:
+        ids = d["cdiDeviceIds"]
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise TypeError("cdiDeviceIds must be a list of strings")
+        return cls(request=str(d["request"]), pool=str(d["pool"]), device=str(d["device"]),
+                   cdi_device_ids=tuple(ids), share_id=str(d.get("shareId", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBinding:
+    """A passthrough device's PCI functions moved to vfio-pci for the claim.
+
+    `plan` holds every step and each function's original driver, written before the first step
+    takes effect; `step` is the next step to apply, written before it is applied: of `plan` while
+    the record is `binding`, of `plan.restore()` while it is `restoring`."""
+
+    device: str  # the claim's passthrough device (`gpu-0000-18-00-0-vfio`)
+    plan: BindPlan
+    step: int = 0
+    boot_id: str = ""  # the kernel boot the functions were bound in (a reboot forgets bindings)
+    iommu: str = "legacy"  # the VFIO interface the CDI spec gives: legacy | iommufd
+    mac: str = ""  # the MAC VfioConfig set on a VF (also its metadata's hardwareAddress)
+    vlan: int = 0  # the VLAN VfioConfig set on a VF (0: none)
+
+    def wire(self) -> dict[str, Any]:
+        return {"device": self.device, "plan": self.plan.wire(), "step": self.step, "bootId": self.boot_id,
+                "iommu": self.iommu, "mac": self.mac, "vlan": self.vlan}
+
+    @classmethod
+    def from_wire(cls, raw: object) -> DeviceBinding:
+        keys = {"device", "plan", "step", "bootId", "iommu", "mac", "vlan"}
+        if not isinstance(raw, Mapping) or set(raw) != keys:
+            raise ValueError(f"not a device binding: {raw!r}"[:200])
+        device, plan, step, boot, iommu, mac, vlan = (raw[k] for k in (
+            "device", "plan", "step", "bootId", "iommu", "mac", "vlan"))
+        if not (isinstance(device, str) and isinstance(plan, Mapping) and type(step) is int and step >= 0
+                and isinstance(boot, str) and iommu in ("legacy", "iommufd") and isinstance(mac, str)
+                and type(vlan) is int):
+            raise ValueError(f"device binding of {device!r} has a field of the wrong type"[:200])
+        return cls(device, BindPlan.from_wire(plan), step, boot, iommu, mac, vlan)
+
+
+class PartitionKind(StrEnum):
+    MIG = "mig"  # a MIG GPU instance and its compute instance
+    MDEV = "mdev"  # a mediated device (vGPU)
+
+
+_PARTITION_KEYS = ("device", "kind", "parent", "profile", "start", "step", "uuid", "gpuInstance",
+                   "computeInstance", "modeChanged", "bootId")
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePartition:
+    """A partition of a GPU created on the host for the claim (a MIG GPU + compute instance, or a
+    mediated device). Written in the record before each step takes effect; the steps themselves
+    are the business of the kind's module (agent/hostprep/mig.py, agent/hostprep/vgpu.py)."""
+
+    device: str  # the claim's device as published (gpu-3-mig-1g10gb-4, gpu-3-vgpu-<type>)
+    kind: PartitionKind
+    parent: str  # MIG: the parent GPU's UUID; mdev: the parent's PCI bus ID (0000:18:00.0)
+    profile: str  # MIG profile name (1g.10gb) | mdev type id (nvidia-1021)
+    start: int = 0  # MIG placement start (memory slice); 0 for mdev
+    step: int = 0  # next step to apply
+    uuid: str = ""  # mdev: chosen BEFORE creation (so recovery can remove it); MIG: MIG-... once created
+    gpu_instance: int = -1  # MIG GI id once created
+    compute_instance: int = -1  # MIG CI id once created
+    mode_changed: bool = False  # MIG: this claim turned MIG mode on (turn it off at unprepare when unused)
+    boot_id: str = ""  # kernel boot the partition was made in (a reboot forgets mdevs; MIG GIs too)
+
+    def wire(self) -> dict[str, Any]:
+        return {"device": self.device, "kind": str(self.kind), "parent": self.parent, "profile": self.profile,
+                "start": self.start, "step": self.step, "uuid": self.uuid, "gpuInstance": self.gpu_instance,
+                "computeInstance": self.compute_instance, "modeChanged": self.mode_changed,
+                "bootId": self.boot_id}
+
+    @classmethod
+    def from_wire(cls, raw: object) -> DevicePartition:
+        if not isinstance(raw, Mapping) or set(raw) != set(_PARTITION_KEYS):
+            raise ValueError(f"not a device partition: {raw!r}"[:200])
+        device, kind, parent, profile, start, step, uuid, gi, ci, changed, boot = (raw[k] for k in _PARTITION_KEYS)
+        strings = (device, parent, profile, uuid, boot)
+        ints = (start, step, gi, ci)
+        if not (all(isinstance(v, str) for v in strings) and all(type(v) is int for v in ints)
+                and start >= 0 and step >= 0 and gi >= -1 and ci >= -1 and type(changed) is bool
+                and kind in PartitionKind.__members__.values()):
+            raise ValueError(f"device partition of {device!r} has a field of the wrong type"[:200])
+        return cls(device, PartitionKind(kind), parent, profile, start, step, uuid, gi, ci, changed, boot)
+
+
+@dataclass(slots=True)
+class FileRecord:
+    path: str
+    content: bytes
+    mode: int = 0o644
+
+
+@dataclass(slots=True)
+class ClaimRecord:
+    uid: str
+    namespace: str
+    name: str
+    pod_claim_name: str = ""
+    devices: list[PreparedDevice] = field(default_factory=list)  # the kubelet response
+    files: list[FileRecord] = field(default_factory=list)
+    # Directories created for this claim (named by its UID), removed whole at unprepare.
+    dirs: list[str] = field(default_factory=list)
+    prepared_at: float = 0.0
+    generation: int = 1
+    state: RecordState = PREPARED
+    bindings: list[DeviceBinding] = field(default_factory=list)  # version 2 or 3
+    partitions: list[DevicePartition] = field(default_factory=list)  # version 3 only
+
+    @property
+    def version(self) -> int:
+        """The format version the record is written in: the oldest one that holds it."""
+        if self.partitions:
+            return PARTITIONS_VERSION
+        return BINDINGS_VERSION if self.bindings or self.state is not PREPARED else FORMAT_VERSION
+
+    @property
+    def prepared(self) -> bool:
+        return self.state is PREPARED
+
+    def to_json(self) -> bytes:
+        body: dict[str, Any] = {
+            "uid": self.uid,
+            "namespace": self.namespace,
+            "name": self.name,
+            "state": str(self.state),
+            "podClaimName": self.pod_claim_name,
+            "devices": [d.to_json() for d in self.devices],
+            "files": [{"path": f.path, "mode": f.mode, "content": f.content.decode()} for f in self.files],
+            "dirs": self.dirs,
+            "preparedAt": self.prepared_at,
+            "generation": self.generation,
+        }
+        if self.version >= BINDINGS_VERSION:
+            body["bindings"] = [b.wire() for b in self.bindings]
+        if self.version >= PARTITIONS_VERSION:
+            body["partitions"] = [p.wire() for p in self.partitions]
+        return orjson.dumps(body)
+
+    @classmethod
+    def from_json(cls, body: bytes, version: int = FORMAT_VERSION) -> ClaimRecord:
+        d = orjson.loads(body)
+        try:
+            bindings: list[DeviceBinding] = []
+            partitions: list[DevicePartition] = []
+            if version == FORMAT_VERSION:
+                if d["state"] != PREPARED or "bindings" in d or "partitions" in d:
+                    raise ValueError(f"a version-1 record is prepared and has no bindings (state {d['state']!r})")
+                state = PREPARED
+            else:
+                state = RecordState(d["state"])
+                raw = d["bindings"]
+                if not isinstance(raw, list):
+                    raise TypeError("bindings must be a list")
+                bindings = [DeviceBinding.from_wire(b) for b in raw]
+                if version == BINDINGS_VERSION and "partitions" in d:
+                    raise ValueError("a version-2 record has no partitions")
+                if version == PARTITIONS_VERSION:
+                    parts = d["partitions"]
+                    if not isinstance(parts, list) or not parts:
+                        raise TypeError("partitions must be a non-empty list")
+                    partitions = [DevicePartition.from_wire(p) for p in parts]
+            return cls(
+                uid=d["uid"],
+                namespace=d["namespace"],
+                name=d["name"],
+                pod_claim_name=d.get("podClaimName", ""),
+                devices=[PreparedDevice.from_json(x) for x in d["devices"]],
+                files=[FileRecord(f["path"], f["content"].encode(), int(f["mode"])) for f in d["files"]],
+                dirs=list(d.get("dirs", [])),
+                prepared_at=float(d.get("preparedAt", 0.0)),
+                generation=int(d.get("generation", 1)),
+                state=state,
+                bindings=bindings,
+                partitions=partitions,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise RecordError(f"record body is incomplete: {exc!r}") from exc
+
+
+def encode(record: ClaimRecord) -> bytes:
+    body = record.to_json()
+    header = b"%s %d %s %d\n" % (MAGIC, record.version, hashlib.sha256(body).hexdigest().encode(), len(body))
+    return header + body
+
+
+def decode(data: bytes) -> ClaimRecord:
+    header, sep, body = data.partition(b"\n")
+    if not sep:
+        raise RecordError("no header line")
+    parts = header.split(b" ")
+    if len(parts) != 4 or parts[0] != MAGIC:
+        raise RecordError("not a claim record")
+    try:
+        version, length = int(parts[1]), int(parts[3])
+    except ValueError as exc:
+        raise RecordError("malformed header") from exc
+    if version not in READABLE_VERSIONS:
+        raise RecordError(f"record format version {version} is not supported (this agent reads "
+                          f"{', '.join(map(str, READABLE_VERSIONS))})")
+    if len(body) != length:
+        raise RecordError(f"body is {len(body)} bytes, header says {length} (truncated?)")
+    if hashlib.sha256(body).hexdigest().encode() != parts[2]:
+        raise RecordError("checksum mismatch (corrupted)")
+    try:
+        return ClaimRecord.from_json(body, version)
+    except orjson.JSONDecodeError as exc:
+        raise RecordError(f"body is not JSON: {exc}") from exc
+
+
+RecordStamp = tuple[int, int, int]  # (inode, mtime ns, size) of a record file
+
+
+class ClaimStore:
+    """The records directory. Blocking: call from a worker thread."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._prefix = f"{directory}{os.sep}"
+        self.root = Root(directory, dir_mode=0o700)
+        self.dir_sync = DirectorySync(directory)
+
+    def ensure(self) -> None:
+        self.root.ensure()
+
+    def path(self, uid: str) -> Path:
+        return Path(self._file(uid))
+
+    def _file(self, uid: str) -> str:
+        # A string, not a Path: the operations on a claim build it several times each.
+        check_uid(uid)
+        return f"{self._prefix}{uid}{SUFFIX}"
+
+    def write(self, record: ClaimRecord) -> None:
+        """Durable when it returns: the file fsync'd, renamed into place, the directory fsync'd."""
+        data = encode(record)
+        check_uid(record.uid)
+        name = f"{record.uid}{SUFFIX}"
+        with self.root.directory((), create=True) as fd:
+            write_at(fd, name, data, mode=0o600, durable=True, sync_dir=False)
+        self.dir_sync.sync()
+
+    def delete(self, uid: str) -> bool:
+        """Durable when it returns (the directory fsync'd); True if there was a record."""
+        removed = self.root.unlink(self._file(uid))
+        if removed:
+            self.dir_sync.sync()
+        return removed
+
+    def stamp(self, uid: str) -> RecordStamp | None:
+        """The identity of the record file as it is now; None when there is no record."""
+        try:
+            st = os.stat(self._file(uid), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def read(self, uid: str) -> tuple[ClaimRecord, RecordStamp] | None:
+        """The record and the identity of the file it was read from; None when there is none."""
+        path = self._file(uid)
+        for _ in range(3):  # replaced between the stat and the read: read the newer one
+            before = self.stamp(uid)
+            if before is None:
+                return None
+            try:
+                data = self.root.read(path)
+            except FileNotFoundError:
+                return None
+            if self.stamp(uid) == before:
+                record = decode(data)
+                if record.uid != uid:
+                    raise RecordError(f"record {uid}{SUFFIX} names UID {record.uid}")
+                return record, before
+        raise RecordError(f"record {uid}{SUFFIX} keeps changing while read")
+
+    def uids(self) -> list[str]:
+        """The UIDs that have a record file (readable or not), and none of the temp files."""
+        out = []
+        for name in self.root.listdir():
+            if name.endswith(SUFFIX) and not is_temp_name(name):
+                out.append(name[: -len(SUFFIX)])
+        return out
+
+    def temp_files(self) -> list[str]:
+        return [name for name in self.root.listdir() if is_temp_name(name)]
+
+    def load_all(self) -> tuple[dict[str, ClaimRecord], list[tuple[str, str]]]:
+        """All readable records, and (file name, problem) for those that are not (read-only)."""
+        records: dict[str, ClaimRecord] = {}
+        problems: list[tuple[str, str]] = []
+        for uid in self.uids():
+            try:
+                check_uid(uid)
+                found = self.read(uid)
+            except (OSError, RecordError, InvalidName) as exc:
+                problems.append((f"{uid}{SUFFIX}", str(exc)))
+                continue
+            if found is not None:
+                records[uid] = found[0]
+        return records, problems
+
+    def quarantine(self, name: str) -> Path:
+        """Move an unreadable record aside (kept for a person to look at, never read again)."""
+        src = self.directory / name
+        dst = self.directory / f"{name}.corrupt"
+        os.replace(src, dst)
+        return dst

@@ -1,0 +1,403 @@
+"""The prepare/unprepare engine: claim -> devices -> CDI specs + metadata files -> durable record.
+
+Every operation on a claim runs whole in one worker thread, holding the claim's
+locks (`agent.claims.locks`: this process, then every agent on the node) and then its
+devices' locks. The thread also updates the engine's bookkeeping before it
+lets go of the locks, so a kubelet call cancelled at its deadline cannot lose
+track of a claim: the thread finishes, and the next call for that claim waits
+for it and sees its result.
+
+The durable record (`agent.claims.records`) is the truth. The engine keeps a copy of
+each record with the identity of its file, and re-reads the file whenever it
+changed: a second agent sharing the state directory during a rolling update
+may have prepared or unprepared the claim meanwhile.
+
+Order of side effects, so that a crash at any point leaves all or nothing
+(start-up recovery, `agent.engine.recovery`, finishes the job):
+- prepare: claim files (UID-named) -> record (fsync'd). Without the record the
+  files are orphans that recovery removes.
+- unprepare: record removed (fsync'd) -> files. Without the record, the rest are orphans.
+- metadata refresh: new record (fsync'd) -> files. Recovery rewrites the files from the record.
+- passthrough (VFIO) devices bind PCI functions to vfio-pci, partition devices (MIG) create their
+  partition: intent record -> each step (recorded first) -> files -> final record; unprepare: restore
+  intent -> files -> each undo step -> record removed (`agent.hostprep.effects`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agent import failpoints
+from agent.claims import cdispecs
+from agent.claims.allocation import Allocation, parse_claim
+from agent.claims.book import ClaimBook, ClaimSummary
+from agent.claims.files import ClaimFiles
+from agent.claims.locks import ClaimFileLock, LockTable
+from agent.claims.plan import plan_record
+from agent.claims.records import ClaimRecord, ClaimStore, DeviceBinding, PreparedDevice, RecordError
+from agent.claims.sources import ClaimSource, LocalClaimSource
+from agent.claims.toolkit import ToolkitSpecs
+from agent.config import Settings
+from agent.engine.deferred import DeferredChecks
+from agent.engine.metarefresh import refresh_blocking
+from agent.errors import ClaimFailure
+from agent.fsutil import Root, UnsafePath
+from agent.host.vfio.host import VfioHost
+from agent.hostprep.effects import HostEffects
+from agent.hostprep.mig import MigPartitioner, nvml_of
+from agent.hostprep.migmode import MigModeMarks
+from agent.hostprep.vfio import Passthrough
+from agent.hostprep.vgpu import VgpuPartitioner
+from agent.inventory import Inventory
+from agent.metrics import Metrics
+from agent.names import ClaimRef, InvalidName, check_claim_ref
+from agent.ownchanges import OwnChanges
+
+log = logging.getLogger(__name__)
+
+
+# The kinds of device the engine knows how to prepare; any other kind is refused, never half-prepared.
+PREPARABLE_KINDS = ("gpu", "nic", "cpu", "memory", "vfio", "gpushare", "mig", "vgpu")
+
+
+class PrepareFailed(ClaimFailure):
+    """The claim is valid but this node cannot prepare it now (a device node missing, ...)."""
+
+
+@dataclass(slots=True)
+class PrepareResult:
+    devices: list[PreparedDevice] = field(default_factory=list)
+    error: str = ""
+
+
+ClaimReader = Callable[[str, str], Mapping[str, Any]]
+
+
+class ClaimListener(Protocol):
+    """Told, on the event loop, after a claim operation has succeeded (the record is durable).
+    Listeners must not block or raise: they queue their own work (the claim status writer)."""
+
+    def claim_prepared(self, record: ClaimRecord) -> None: ...
+
+    def claim_unprepared(self, record: ClaimRecord) -> None: ...
+
+    def claim_refreshed(self, record: ClaimRecord) -> None: ...
+
+
+class PrepareEngine:
+    def __init__(self, settings: Settings, inventory: Inventory, claims: ClaimSource, store: ClaimStore,
+                 toolkit: ToolkitSpecs | None = None, claim_lock: ClaimFileLock | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics(process=False)
+        self.inventory = inventory
+        self.claims = claims
+        self.store = store
+        self.toolkit = toolkit or ToolkitSpecs([settings.static_cdi_dir, settings.cdi_dir],
+                                               skip_prefixes=(settings.cdi_vendor,))
+        self.own_changes = OwnChanges()  # noted by the roots, skipped by self-healing (`agent.ownchanges`)
+        self.cdi_root = Root(settings.cdi_dir, own=self.own_changes)
+        self.metadata_root = Root(settings.metadata_dir, own=self.own_changes)
+        self.files = ClaimFiles(settings, self.cdi_root, self.metadata_root)
+        self.locks = LockTable()
+        self.claim_lock = claim_lock or ClaimFileLock(settings.state_dir / "claims.lock")
+        self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
+        self.book = ClaimBook(store)
+        self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
+        # Partitions created at prepare, by the device kind they prepare (`agent.hostprep.partitions`).
+        self.effects = HostEffects(self.book, self.passthrough, inventory, {
+            "mig": MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id,
+                                  MigModeMarks(settings.state_dir / "mig-mode")),
+            "vgpu": VgpuPartitioner(self.passthrough.host),
+        })
+        self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
+        self.listeners: list[ClaimListener] = []
+        # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is
+        # answered once per claim source (tests and tools may swap the source).
+        self._checked_source: ClaimSource | None = None
+        self._local_read: ClaimReader | None = None
+        # Records listed at start-up but not yet checked (`agent.engine.recovery`): any operation on one of
+        # these claims runs the check first, under the claim's lock, and never serves the record unchecked.
+        self.deferred = DeferredChecks()
+
+    @property
+    def records(self) -> dict[str, ClaimSummary]:
+        """The prepared claims this agent knows of (a copy; the whole records are in their files)."""
+        return self.book.records()
+
+    def whole_record(self, uid: str) -> ClaimRecord | None:
+        """The claim's whole record (its files' contents, its bindings), read from its file: for tools,
+        reports and tests. An operation reads it under the claim's lock (`book.current`)."""
+        found = self.store.read(uid)
+        return found[0] if found is not None else None
+
+    # -- kubelet entry points -------------------------------------------------------------------
+
+    async def prepare(self, refs: Iterable[ClaimRef]) -> dict[str, PrepareResult]:
+        unique = {ref.uid: ref for ref in refs}
+        if len(unique) == 1:  # the kubelet's usual call: no task per claim
+            ((uid, ref),) = unique.items()
+            return {uid: await self.prepare_claim(ref)}
+        results = await asyncio.gather(*(self.prepare_claim(ref) for ref in unique.values()))
+        return dict(zip(unique, results, strict=True))
+
+    async def unprepare(self, refs: Iterable[ClaimRef]) -> dict[str, str]:
+        unique = {ref.uid: ref for ref in refs}
+        if len(unique) == 1:
+            ((uid, ref),) = unique.items()
+            return {uid: await self.unprepare_claim(ref)}
+        results = await asyncio.gather(*(self.unprepare_claim(ref) for ref in unique.values()))
+        return dict(zip(unique, results, strict=True))
+
+    def _local_reader(self) -> ClaimReader | None:
+        """The claim source's blocking `read` when it reads local files, else None."""
+        source = self.claims
+        if source is not self._checked_source:
+            self._checked_source = source
+            self._local_read = source.read if isinstance(source, LocalClaimSource) else None
+        return self._local_read
+
+    async def prepare_claim(self, ref: ClaimRef) -> PrepareResult:
+        with self.metrics.claim_operation("prepare") as op:
+            result = await self._prepare_claim(ref)
+            op.failed = bool(result.error)
+        return result
+
+    async def _prepare_claim(self, ref: ClaimRef) -> PrepareResult:
+        started = time.monotonic()
+        try:
+            check_claim_ref(ref)
+            if (read := self._local_reader()) is not None:
+                # A local source is read in the same worker thread as the side effects.
+                record = await asyncio.to_thread(self._prepare_blocking, ref, read)
+                assert record is not None  # with a reader, _prepare_blocking prepares or raises
+            else:
+                record = await self._prepare_remote(ref, self.claims)
+        except (ClaimFailure, InvalidName, UnsafePath) as exc:
+            return self._failed("prepare", ref, str(exc), started)
+        except Exception as exc:
+            log.exception("prepare of %s failed unexpectedly", ref)
+            return self._failed("prepare", ref, f"internal error: {exc!r}", started)
+        log.info("prepared %s", ref, extra={
+            "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
+            "devices": [d.device for d in record.devices],
+            "ms": round((time.monotonic() - started) * 1000, 2)})
+        self._tell(lambda listener: listener.claim_prepared(record), record)
+        return PrepareResult(devices=record.devices)
+
+    async def _prepare_remote(self, ref: ClaimRef, source: ClaimSource) -> ClaimRecord:
+        # A prepared claim (by this agent or another one on the node) is answered from its record,
+        # without asking the API server, which may no longer have it.
+        record = await asyncio.to_thread(self._prepare_blocking, ref, None)
+        if record is not None:
+            return record
+        claim = await source.get(ref.namespace, ref.name)
+        record = await asyncio.to_thread(self._prepare_blocking, ref, lambda _ns, _n: claim)
+        assert record is not None
+        return record
+
+    async def unprepare_claim(self, ref: ClaimRef) -> str:
+        with self.metrics.claim_operation("unprepare") as op:
+            error = await self._unprepare_claim(ref)
+            op.failed = bool(error)
+        return error
+
+    async def _unprepare_claim(self, ref: ClaimRef) -> str:
+        started = time.monotonic()
+        try:
+            check_claim_ref(ref)
+            record = await asyncio.to_thread(self._unprepare_blocking, ref)
+        except (ClaimFailure, InvalidName, UnsafePath) as exc:
+            return self._failed("unprepare", ref, str(exc), started).error
+        except Exception as exc:
+            log.exception("unprepare of %s failed", ref)
+            return self._failed("unprepare", ref, f"internal error: {exc!r}", started).error
+        if record is None:
+            log.debug("%s is not prepared: nothing to undo", ref)
+            return ""
+        log.info("unprepared %s", ref, extra={
+            "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
+            "devices": [d.device for d in record.devices],
+            "ms": round((time.monotonic() - started) * 1000, 2)})
+        self._tell(lambda listener: listener.claim_unprepared(record), record)
+        return ""
+
+    async def refresh_devices(self, names: Iterable[str]) -> int:
+        """Rewrite the metadata files of prepared claims whose devices changed (a NIC got its IP
+        after prepare): record first, then the files, with generation + 1 (`agent.engine.metarefresh`).
+        Returns how many claims were updated."""
+        return await self.refresh_claims(self.book.claims_holding(set(names)))
+
+    async def refresh_claims(self, uids: Iterable[str]) -> int:
+        updated = 0
+        for uid in uids:
+            try:
+                new = await asyncio.to_thread(refresh_blocking, self, uid)
+            except Exception:
+                log.exception("refreshing the metadata of claim %s failed", uid)
+                continue
+            if new is not None:
+                updated += 1
+                self._tell_refreshed(new)
+                log.info("metadata of claim %s/%s updated (generation %d)", new.namespace, new.name,
+                         new.generation)
+        return updated
+
+    def _tell_refreshed(self, record: ClaimRecord) -> None:
+        self._tell(lambda listener: listener.claim_refreshed(record), record)
+
+    def _tell(self, call: Callable[[ClaimListener], None], record: ClaimRecord) -> None:
+        for listener in self.listeners:
+            try:
+                call(listener)
+            except Exception:
+                log.exception("a claim listener failed on claim %s/%s", record.namespace, record.name)
+
+    def _failed(self, op: str, ref: ClaimRef, why: str, started: float) -> PrepareResult:
+        message = f"{ref}: {why}"
+        log.warning("%s failed: %s", op, message, extra={
+            "claim": f"{ref.namespace}/{ref.name}"[:300], "uid": ref.uid[:80],
+            "ms": round((time.monotonic() - started) * 1000, 2)})
+        return PrepareResult(error=message)
+
+    # -- bookkeeping (worker threads, under the claim's locks) ------------------------------------
+
+    @contextlib.contextmanager
+    def claim_locked(self, uid: str) -> Iterator[None]:
+        """Hold the claim's lock in this process and across the agents of the node."""
+        with self.locks.hold([f"claim/{uid}"]), self.claim_lock.hold(uid):
+            yield
+
+    def defer_checks(self, uids: Iterable[str], check: Callable[[str], None]) -> None:
+        """Claims whose records must pass `check` (called with the claim locked) before any operation
+        on them: start-up recovery lists the records at once and checks them in the background."""
+        self.deferred.defer(uids, check)
+
+    def unverified(self) -> list[str]:
+        return self.deferred.unverified()
+
+    def ensure_checked(self, uid: str) -> None:
+        """Run the deferred start-up check of the claim, if it is still due (call with the claim locked:
+        the claim's lock makes the check run once)."""
+        self.deferred.ensure_checked(uid)
+
+    def root_of(self, path: str) -> Root:
+        return self.files.root_of(path)
+
+    def settle(self, record: ClaimRecord) -> None:
+        """Finish a prepare or unprepare with host side effects that stopped halfway (`HostEffects.settle`)."""
+        self.effects.settle(record, self.files)
+
+    # -- side effects (worker thread) -------------------------------------------------------------
+
+    def plan(self, alloc: Allocation, generation: int = 1,
+             bindings: list[DeviceBinding] | None = None) -> ClaimRecord:
+        """Every file of the prepared claim with its content, and the kubelet response
+        (`agent.claims.plan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
+        in their facts (`Passthrough.bound_devices`)."""
+        if unbound := {a.device.name for a in alloc.devices if a.device.kind == "vfio"} - \
+                {b.device for b in bindings or ()}:
+            raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
+        return plan_record(self.settings, self.toolkit, alloc, generation, bindings or [])
+
+    def _prepare_blocking(self, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
+        """Prepare the claim unless it is prepared; with `read` None, only look it up."""
+        with self.claim_locked(ref.uid):
+            self.ensure_checked(ref.uid)
+            record = self.current_or_purge(ref.uid)
+            if record is not None and (record.namespace, record.name) != (ref.namespace, ref.name):
+                raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
+            if record is not None and not record.prepared:
+                # A prepare or unprepare of passthrough devices that stopped halfway: settle it first.
+                with self.locks.hold(self.effects.record_lock_keys(record)):
+                    self.settle(record)
+                record = None
+            if record is not None:
+                log.debug("%s already prepared", ref)
+                return record
+            if read is None:
+                return None
+            claim = read(ref.namespace, ref.name)
+            alloc = parse_claim(claim, ref, driver=self.settings.driver_name, pool=self.settings.node_name,
+                                lookup=self.inventory.get)
+            with self.locks.hold(self.effects.lock_key(a.device) for a in alloc.devices):
+                return self._apply(alloc)
+
+    def current_or_purge(self, uid: str) -> ClaimRecord | None:
+        """The current record; an unreadable one is set aside and the claim's files removed, so the
+        claim is cleanly not prepared (its UID names every file, so nothing else is touched)."""
+        try:
+            return self.book.current(uid)
+        except RecordError as exc:
+            log.error("claim record of %s is unreadable (%s): setting it aside, removing its files", uid, exc)
+            self.book.forget(uid)
+            self.quarantined.append(str(self.store.quarantine(self.store.path(uid).name)))
+            self.files.remove_claim_files(uid)
+            return None
+
+    def _apply(self, alloc: Allocation) -> ClaimRecord:
+        if unknown := sorted(a.device.name for a in alloc.devices if a.device.kind not in PREPARABLE_KINDS
+                             and a.device.kind not in self.effects.by_device_kind):
+            # Published ahead of their prepare path: refused before any side effect.
+            raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
+                                f"(it prepares {', '.join(PREPARABLE_KINDS)} devices)")
+        self.effects.check(alloc.ref.uid, alloc.devices)
+        for a in alloc.devices:
+            for node in a.device.node.device_nodes:
+                if not os.path.exists(node.host_path):
+                    raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
+                                        f"on the host ({node.host_path})")
+        bindings = self.passthrough.plan(alloc)
+        parts = self.effects.plan(alloc)
+        if bindings or parts:
+            # The intent first: from here on a crash leaves a record that recovery rolls back.
+            record = self.effects.make(alloc, bindings, parts, lambda a, b: self.plan(a, bindings=b), self.files)
+        else:
+            record = self.plan(alloc)
+        try:
+            for f in record.files:
+                self.files.root_of(f.path).write(f.path, f.content, f.mode)
+                failpoints.hit(_step(f.path, self.settings))
+            self.book.write(record)
+        except BaseException:
+            if record.bindings or record.partitions:
+                self.effects.roll_back(record, self.files)
+            else:
+                self.files.roll_back(record, self.book)
+            raise
+        failpoints.hit("after-record")
+        return record
+
+    def _unprepare_blocking(self, ref: ClaimRef) -> ClaimRecord | None:
+        with self.claim_locked(ref.uid):
+            self.ensure_checked(ref.uid)
+            record = self.current_or_purge(ref.uid)
+            if record is None:
+                return None
+            with self.locks.hold(self.effects.record_lock_keys(record)):
+                if not record.prepared:
+                    self.settle(record)
+                    return record
+                if record.bindings or record.partitions:
+                    self.effects.unprepare(record, self.files)
+                    return record
+                # The record goes first: a crash from here on leaves only files that no record
+                # owns, which the next start removes.
+                self.store.delete(record.uid)
+                self.book.forget(record.uid)
+                failpoints.hit("unprepare-after-record")
+                self.files.remove_files(record)
+            return record
+
+
+def _step(path: str, settings: Settings) -> str:
+    if path.startswith(str(settings.cdi_dir) + os.sep):
+        return "after-metadata-spec" if f"_{cdispecs.METADATA_CLASS}_" in path else "after-claim-spec"
+    return "after-metadata-file"

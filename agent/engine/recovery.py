@@ -1,0 +1,233 @@
+"""Start-up recovery: listed before the DRA socket accepts calls, checked in the background.
+
+A crash can leave two things behind: prepared claims whose files went missing or
+are stale (re-derived from the record), and files of a claim that has no record
+(a prepare that never reached its record, an unprepare that removed the record
+but not yet the files: removed). Every agent-owned file carries the claim UID in
+its name or lives in a directory named by it, so what is ours and what is
+orphaned is never a guess. An unreadable record is set aside as `*.corrupt` and
+its claim's files are removed. A record with host side effects (PCI functions bound to vfio-pci,
+GPU partitions such as MIG instances) is settled first (`agent.hostprep.effects`): a prepare that
+stopped halfway is rolled back (no orphan GPU instance left), an unprepare finished, a prepared
+claim's bindings made true again (a reboot forgets them), and a prepared claim whose partition is
+gone (a reboot forgets MIG instances too, and a new one would have another UUID) dropped cleanly.
+
+With 10,000 records a full check takes seconds, so only what is O(1) per record runs before the
+DRA socket opens (`begin_recovery`: temp files removed, records listed). Each record's full check
+runs in the background (`check_records`), or first in any operation on its claim, under the
+claim's lock: a prepare or unprepare is never served from an unchecked record. Orphans are
+removed once every record is checked (`finish_recovery`).
+
+Another agent may be running beside this one (a rolling update). Each step on a
+claim therefore holds that claim's locks (`agent.claims.locks`) and looks at its record
+as it is at that moment: files of a prepare in flight in the other agent are
+never taken for orphans, because that prepare holds the claim's lock until its
+record is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from agent.claims import cdispecs
+from agent.claims.book import ClaimSummary
+from agent.claims.records import SUFFIX, ClaimRecord, RecordState
+from agent.engine.prepare import PrepareEngine
+from agent.errors import ClaimFailure
+from agent.fsutil import UnsafePath, is_temp_name
+from agent.names import InvalidName, check_uid
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecoveryReport:
+    records: dict[str, ClaimSummary] = field(default_factory=dict)  # the claims prepared after recovery
+    repaired: list[str] = field(default_factory=list)  # file paths rewritten from their records
+    removed: list[str] = field(default_factory=list)  # orphaned files and directories
+    quarantined: list[str] = field(default_factory=list)  # unreadable records set aside
+    settled: list[str] = field(default_factory=list)  # passthrough/partition operations finished or rolled back
+    dropped: list[str] = field(default_factory=list)  # prepared claims whose bindings or partitions are lost
+
+    def summary(self) -> str:
+        return (f"{len(self.records)} prepared claims, {len(self.repaired)} files repaired, "
+                f"{len(self.removed)} orphans removed, {len(self.quarantined)} unreadable records set aside, "
+                f"{len(self.settled)} interrupted passthrough operations settled, "
+                f"{len(self.dropped)} passthrough claims dropped")
+
+
+class PartitionGone(ClaimFailure):
+    """A prepared claim's partition is not on the host (a reboot): the claim cannot stay prepared."""
+
+
+def _uid_or_none(text: str) -> str | None:
+    try:
+        check_uid(text)
+    except InvalidName:
+        return None
+    return text
+
+
+def recover(engine: PrepareEngine) -> RecoveryReport:
+    """The whole recovery at once (blocking: run in a worker thread)."""
+    report = begin_recovery(engine)
+    check_records(engine, engine.unverified())
+    return finish_recovery(engine, report)
+
+
+def begin_recovery(engine: PrepareEngine) -> RecoveryReport:
+    """What must happen before the DRA socket opens, and costs O(1) per record: temp files of record
+    writes that never reached their rename are removed, and the records are listed. Each listed
+    claim is checked later (`check_records`, in the background) or first thing in the next operation
+    on it, whichever comes first: no operation is ever served from an unchecked record. Blocking."""
+    report = RecoveryReport()
+    store = engine.store
+    store.ensure()
+    for name in store.temp_files():
+        uid = _uid_or_none(name[1:].split(SUFFIX, 1)[0])
+        if uid is None:
+            continue
+        with engine.claim_locked(uid):
+            if engine.store.root.unlink(store.directory / name):
+                report.removed.append(str(store.directory / name))
+    uids = [uid for uid in store.uids() if _uid_or_none(uid) is not None]
+    engine.defer_checks(uids, lambda uid: _check_claim(engine, uid, report))
+    return report
+
+
+def check_records(engine: PrepareEngine, uids: list[str]) -> None:
+    """The deferred checks of these claims, each under its lock (a claim an operation checked
+    meanwhile is skipped). Blocking."""
+    for uid in uids:
+        with engine.claim_locked(uid):
+            engine.ensure_checked(uid)
+
+
+def finish_recovery(engine: PrepareEngine, report: RecoveryReport) -> RecoveryReport:
+    """Once every record is checked: files no record owns are removed, and the report logged. Blocking."""
+    report.quarantined = list(engine.quarantined)
+    report.removed += _remove_orphan_specs(engine)
+    report.removed += _remove_orphan_metadata(engine)
+    for path in report.repaired:
+        log.warning("repaired %s from its claim record", path)
+    for path in report.removed:
+        log.info("removed %s: no claim record owns it", path)
+    return report
+
+
+def _check_claim(engine: PrepareEngine, uid: str, report: RecoveryReport) -> None:
+    """The full check of one record (with the claim locked): decoded (or set aside when unreadable),
+    interrupted passthrough work settled, and its files rewritten where they differ from it."""
+    record = engine.current_or_purge(uid)
+    if record is not None and (not record.prepared or record.bindings or record.partitions):
+        record = _settle_bindings(engine, record, report)
+    if record is None:
+        return
+    report.records[uid] = engine.book.record_of(uid) or ClaimSummary.of(record)  # (the book's: not a copy)
+    report.repaired += repair_claim(engine, record)
+
+
+def _settle_bindings(engine: PrepareEngine, record: ClaimRecord, report: RecoveryReport) -> ClaimRecord | None:
+    """A record with PCI functions bound to vfio-pci (call with the claim locked). Mid-bind: rolled back
+    (the kubelet retries the prepare); mid-restore: finished; prepared: the bindings made true again
+    (after a reboot the kernel forgot them). Returns the record when the claim stays prepared. A
+    prepared claim whose functions cannot be bound again is rolled back and dropped, loudly: the
+    kubelet's next prepare of it does it again and says why it fails."""
+    with engine.locks.hold(engine.passthrough.record_lock_keys(record)):
+        if record.prepared:
+            try:
+                if missing := engine.effects.missing(record):
+                    raise PartitionGone(f"partition(s) {', '.join(missing)} are not on the host any more")
+                return engine.passthrough.reapply(record, engine.book.write)
+            except (ClaimFailure, OSError) as exc:
+                log.error("claim %s/%s (%s): its host side effects cannot be made true again (%s): rolling it "
+                          "back; the claim is not prepared any more", record.namespace, record.name, record.uid, exc)
+                record = dataclasses.replace(record, state=RecordState.BINDING)
+                engine.book.write(record)
+                report.dropped.append(record.uid)
+        try:
+            engine.settle(record)
+        except (ClaimFailure, OSError) as exc:
+            log.error("claim %s/%s (%s): could not undo its host changes (%s); its record stays, for the next "
+                      "operation on it or the next start", record.namespace, record.name, record.uid, exc)
+            return None
+        report.settled.append(record.uid)
+        return None
+
+
+def repair_claim(engine: PrepareEngine, record: ClaimRecord) -> list[str]:
+    """Rewrite exactly the claim's files whose content differs from its record (missing ones
+    included); returns their paths. Call with the claim locked. Used at start-up and by
+    `agent.engine.selfheal` while running."""
+    repaired = []
+    for f in record.files:
+        try:
+            root = engine.root_of(f.path)
+        except UnsafePath as exc:
+            log.error("claim %s/%s: cannot repair %s: %s", record.namespace, record.name, f.path, exc)
+            continue
+        try:
+            ok = root.read(f.path) == f.content
+        except OSError:
+            ok = False
+        if not ok:
+            try:
+                root.write(f.path, f.content, f.mode)
+            except UnsafePath as exc:
+                log.error("claim %s/%s: cannot repair %s: %s", record.namespace, record.name, f.path, exc)
+                continue
+            repaired.append(f.path)
+    return repaired
+
+
+def _remove_orphan_specs(engine: PrepareEngine) -> list[str]:
+    root = engine.cdi_root
+    by_uid: dict[str, list[str]] = defaultdict(list)
+    for name in root.listdir():
+        uid = cdispecs.claim_uid_of_spec(name, engine.settings.cdi_vendor)
+        if uid is not None:
+            by_uid[uid].append(name)
+    removed: list[str] = []
+    for uid, names in sorted(by_uid.items()):
+        with engine.claim_locked(uid):
+            record = engine.current_or_purge(uid)
+            keep = {f.path for f in record.files} if record is not None else set()
+            for name in names:
+                path = root.path / name
+                if str(path) not in keep and root.unlink(path):
+                    removed.append(str(path))
+    return removed
+
+
+def _remove_orphan_metadata(engine: PrepareEngine) -> list[str]:
+    root = engine.metadata_root
+    removed: list[str] = []
+    records = engine.records
+    owned = {d for r in records.values() for d in r.dirs}
+    for name in root.listdir():
+        path = root.path / name
+        uid = _uid_or_none(name)
+        if uid is None:
+            # Not a claim directory of this agent's layout: kept only while a record names it.
+            if str(path) not in owned and root.remove_tree(path):
+                removed.append(str(path))
+            continue
+        with engine.claim_locked(uid):
+            record = engine.current_or_purge(uid)
+            if record is None:
+                if root.remove_tree(path):
+                    removed.append(str(path))
+                continue
+            if os.path.islink(path):
+                continue  # planted: its files could not be repaired either (logged above)
+            owned = {f.path for f in record.files}
+            for parent, _dirs, files in os.walk(path):
+                for file in files:
+                    full = os.path.join(parent, file)
+                    if full not in owned and (is_temp_name(file) or file.endswith(".json")) and root.unlink(full):
+                        removed.append(full)
+    return removed

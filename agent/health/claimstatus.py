@@ -1,0 +1,413 @@
+"""ResourceClaim `status.devices`: what this driver says about each device it prepared for a claim.
+
+`ClaimStatusWriter` is a claim listener of the prepare engine (`PrepareEngine.listeners`).
+For each prepared claim it keeps this driver's entries current, one per prepared device
+(`driver`, `pool`, `device`, `shareID` when shared):
+
+- a `Ready` condition: True (reason `Prepared`) unless the `DeviceReadiness` given by
+  the integrator says otherwise (False with its reason, e.g. `LinkDown`); a device gone
+  from the inventory is `Ready` False, `DeviceMissing`. `lastTransitionTime` moves only
+  when the status does (the first one is the time of the prepare);
+- GPUs: `data` {uuid, productName};
+- NICs: `networkData` {interfaceName, ips (CIDR), hardwareAddress}.
+
+Entries are built from the prepared claim's record, whose devices prepare took from
+this very claim's `status.allocation.devices.results` (this driver, this node's pool).
+An allocation cannot change once set and every write names the claim's UID, so the
+record is the allocation check: nothing else is written. The API rules
+(`agent.apirules.clip_device_status`) are applied before each write too: an offending
+part is dropped and logged, never sent.
+
+Writes are queued and coalesced per claim (the latest desired state wins) and carried
+out in the background, a few at a time, with backoff on failures that heal (5xx,
+throttling, no connection: retried until they succeed or a newer state replaces them).
+A claim that is gone or was re-created with another UID stops being written, as does
+one whose write the API server refuses. Prepare and unprepare never wait for any of it:
+the kubelet must not wait on status. Where the writes go is the sink's business
+(`agent.health.statussinks`: server-side apply, or a file offline).
+
+Events: `claim_prepared` and `claim_refreshed` (addresses changed: the metadata file got
+generation + 1) write the claim's entries; `claim_unprepared` removes ours;
+`devices_changed(names)` re-writes every prepared claim holding those devices (the
+integrator calls it when readiness changes: a link down or up); `resync(records)` at
+start writes every prepared claim (the API may have missed writes while the agent was down).
+A resync is fed to the queue a window at a time in the background: with 10,000 prepared
+claims, neither the start nor the API server takes them all at once, and a prepare's
+write is never stuck behind thousands of old ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agent import apirules
+from agent.claims.book import ClaimBook, ClaimSummary
+from agent.claims.records import ClaimRecord
+from agent.health.conditions import Readiness
+from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed
+from agent.kube import Backoff
+from agent.metrics import Metrics
+from agent.model import Device
+from agent.names import ClaimRef
+
+log = logging.getLogger(__name__)
+
+
+class DeviceView(Protocol):
+    """A prepared device, as a status entry names it (`PreparedDevice` or the book's `DeviceSummary`)."""
+
+    @property
+    def pool(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def share_id(self) -> str: ...
+
+
+class ClaimView(Protocol):
+    """What a claim's status is built from: a whole record (from an operation) or the book's summary."""
+
+    @property
+    def uid(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def devices(self) -> Sequence[DeviceView]: ...
+
+    @property
+    def prepared_at(self) -> float: ...
+
+READY = "Ready"
+DEFAULT_CONCURRENCY = 4
+RESYNC_WINDOW = 16  # claims a resync keeps queued at most; it feeds more as writes finish
+
+
+class DeviceReadiness(Protocol):
+    """Whether a prepared device is ready for its workload now (health, link state, ...)."""
+
+    def readiness(self, device: Device) -> Readiness: ...
+
+
+class AlwaysReady:
+    def readiness(self, device: Device) -> Readiness:
+        return Readiness()
+
+
+class DeviceLookup(Protocol):
+    def get(self, name: str) -> Device | None: ...
+
+
+@dataclass(slots=True)
+class _Pending:
+    target: ClaimRef
+    # What to write: the claim's entries, built from this record when the write is started (so the
+    # prepare that queued it never waits for them); None removes this driver's entries.
+    record: ClaimView | None
+    failures: int = 0
+    due: float = 0.0  # monotonic time before which it is not sent
+
+
+@dataclass(frozen=True, slots=True)
+class _Transition:
+    status: str
+    time: str
+
+
+def _rfc3339(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _target(record: ClaimView) -> ClaimRef:
+    return ClaimRef(record.namespace, record.name, record.uid)
+
+
+@dataclass
+class ClaimStatusWriter:
+    driver: str
+    sink: StatusSink
+    inventory: DeviceLookup
+    book: ClaimBook  # the engine's, for which claims hold a device
+    readiness: DeviceReadiness = field(default_factory=AlwaysReady)
+    metrics: Metrics = field(default_factory=lambda: Metrics(process=False))
+    backoff: Backoff = field(default_factory=lambda: Backoff(initial=0.5, maximum=30.0))
+    concurrency: int = DEFAULT_CONCURRENCY
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        # Claims whose latest record was told since the start (prepared, refreshed, or re-written for a
+        # device change): a start-up resync skips them. The records themselves are the book's.
+        self._told: set[str] = set()
+        self._pending: dict[str, _Pending] = {}  # waiting to be written (the latest state per claim)
+        self._in_flight: dict[str, asyncio.Task[None]] = {}
+        # (uid, device, share) -> its Ready condition since the last change; a first True dated from the
+        # prepare is not kept (`_condition`).
+        self._transitions: dict[tuple[str, str, str], _Transition] = {}
+        # Claims found gone or re-created: a UID never comes back, so they are not written again.
+        self._gone: set[str] = set()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._worker: asyncio.Task[None] | None = None
+        self._resync: asyncio.Task[None] | None = None
+        self._drained = asyncio.Event()  # the queue is shorter than a resync window
+        self._closed = False
+
+    # -- ClaimListener (called on the event loop; never blocks, never raises) ----------------------
+
+    def claim_prepared(self, record: ClaimView) -> None:
+        self._told.add(record.uid)
+        self._enqueue(record)
+
+    def claim_refreshed(self, record: ClaimView) -> None:
+        self.claim_prepared(record)
+
+    def claim_unprepared(self, record: ClaimView) -> None:
+        self._told.discard(record.uid)
+        self._gone.discard(record.uid)
+        # The keys are the record's devices (`_condition`): O(devices), not a scan of every claim's.
+        for d in record.devices:
+            self._transitions.pop((record.uid, d.device, d.share_id), None)
+        self._submit(_target(record), None)
+
+    # -- the integrator's calls ---------------------------------------------------------------------
+
+    def devices_changed(self, names: Iterable[str]) -> int:
+        """Re-write the claims holding these devices (their readiness or addresses changed).
+        Returns how many claims were queued."""
+        queued = 0
+        for uid in self.book.claims_holding(set(names)):
+            record = self.book.record_of(uid)
+            if record is not None:
+                self._told.add(uid)
+                self._enqueue(record)
+                queued += 1
+        return queued
+
+    def resync(self, records: Iterable[ClaimView]) -> int:
+        """Write the status of every prepared claim (at start), in the background a window at a
+        time; how many claims it will write."""
+        todo = list(records)
+        if todo and not self._closed:
+            self._idle.clear()
+            self._resync = asyncio.get_running_loop().create_task(self._feed(todo), name="claim-status-resync")
+        return len(todo)
+
+    async def _feed(self, records: list[ClaimView]) -> None:
+        told = set(self._told)  # prepared or refreshed since: already written fresh
+        try:
+            for record in records:
+                while self.queued >= RESYNC_WINDOW:
+                    self._drained.clear()
+                    await self._drained.wait()
+                if record.uid in told or record.uid in self._told:
+                    continue
+                if self.book.record_of(record.uid) is None:
+                    continue  # unprepared meanwhile
+                self.claim_prepared(record)
+                await asyncio.sleep(0)  # a long loop on the event loop: let the kubelet in
+        finally:
+            self._resync = None
+            self._update_queue()
+
+    def start(self) -> None:
+        if self._worker is None and not self._closed:
+            self._worker = asyncio.get_running_loop().create_task(self._run(), name="claim-status-writer")
+
+    async def stop(self) -> None:
+        """Stop writing; what is queued is dropped (the next start's resync writes it)."""
+        self._closed = True
+        tasks = [t for t in (self._resync, self._worker, *self._in_flight.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._worker = None
+        self._pending.clear()
+        self._in_flight.clear()
+        self._update_queue()
+
+    async def idle(self) -> None:
+        """Until nothing is queued or in flight (for tests and orderly shutdowns)."""
+        await self._idle.wait()
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending.keys() | self._in_flight.keys())
+
+    # -- entries ------------------------------------------------------------------------------------
+
+    def entries(self, record: ClaimView) -> list[dict[str, Any]]:
+        """This driver's entries for the claim, as the API accepts them."""
+        allocated = {(self.driver, d.pool, d.device, d.share_id) for d in record.devices}
+        out = []
+        for d in record.devices:
+            entry, dropped = apirules.clip_device_status(self._entry(record, d), allocated)
+            for why in dropped:
+                log.warning("claim %s/%s, device %s: not reporting %s", record.namespace, record.name,
+                            d.device, why)
+            if entry is not None:
+                out.append(entry)
+        return out
+
+    def _entry(self, record: ClaimView, d: DeviceView) -> dict[str, Any]:
+        entry: dict[str, Any] = {"driver": self.driver, "pool": d.pool, "device": d.device}
+        if d.share_id:
+            entry["shareID"] = d.share_id
+        device = self.inventory.get(d.device)
+        if device is None:
+            ready = Readiness(False, "DeviceMissing", f"device {d.device} is no longer found on the node")
+        else:
+            try:
+                ready = self.readiness.readiness(device)
+            except Exception as exc:  # a readiness source's bug must not cost the whole status
+                log.exception("readiness of %s could not be read", d.device)
+                ready = Readiness(False, "ReadinessUnknown", f"readiness could not be read: {exc!r}")
+        entry["conditions"] = [self._condition(record, d, ready)]
+        if device is not None:
+            if device.node.gpu_uuid:
+                data = {"uuid": device.node.gpu_uuid}
+                if isinstance(product := device.attributes.get("productName"), str) and product:
+                    data["productName"] = product
+                entry["data"] = data
+            if device.kind == "nic":
+                net: dict[str, Any] = {"ips": list(device.node.ips)}
+                if device.node.interface:
+                    net["interfaceName"] = device.node.interface
+                if device.node.mac:
+                    net["hardwareAddress"] = device.node.mac
+                entry["networkData"] = net
+        return entry
+
+    def _condition(self, record: ClaimView, d: DeviceView, ready: Readiness) -> dict[str, Any]:
+        status = "True" if ready.ready else "False"
+        key = (record.uid, d.device, d.share_id)
+        last = self._transitions.get(key)
+        if last is None and ready.ready and record.prepared_at:
+            # The first Ready=True dates from the prepare. Not kept: it is the same on every write
+            # until a change, and 10,000 prepared claims would hold 10,000 of them.
+            when = _rfc3339(record.prepared_at)
+        elif last is None or last.status != status:
+            # Any later change (or a first False) dates from now.
+            last = self._transitions[key] = _Transition(status, _rfc3339(time.time()))
+            when = last.time
+        else:
+            when = last.time
+        return {"type": READY, "status": status, "reason": ready.reason, "message": ready.message,
+                "lastTransitionTime": when}
+
+    # -- the queue ----------------------------------------------------------------------------------
+
+    def _enqueue(self, record: ClaimView) -> None:
+        # A whole record holds its files' contents: a queue of thousands (a resync, a burst of
+        # prepares) keeps only the book's summary of each.
+        self._submit(_target(record), ClaimSummary.of(record) if isinstance(record, ClaimRecord) else record)
+
+    def _submit(self, target: ClaimRef, record: ClaimView | None) -> None:
+        if self._closed or (record is not None and target.uid in self._gone):
+            return
+        old = self._pending.get(target.uid)
+        # A claim in backoff keeps its wait: a newer state does not make the API server answer sooner.
+        self._pending[target.uid] = _Pending(target, record, failures=old.failures if old else 0,
+                                             due=old.due if old else 0.0)
+        self._update_queue()
+        self.start()
+        self._wake.set()
+
+    def _update_queue(self) -> None:
+        n = self.queued
+        self.metrics.claim_status_queue.set(n)
+        if n < RESYNC_WINDOW:
+            self._drained.set()
+        if n or self._resync is not None:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            now = self.clock()
+            next_due: float | None = None
+            for uid, item in list(self._pending.items()):
+                if uid in self._in_flight:
+                    continue  # one write per claim at a time; this one follows it
+                if item.due > now:
+                    next_due = item.due if next_due is None else min(next_due, item.due)
+                    continue
+                if len(self._in_flight) >= self.concurrency:
+                    break
+                del self._pending[uid]
+                # The entries are built here, at once, like an unprepare's clean-up of the claim's
+                # transitions: both run on the event loop, so neither sees the other half done.
+                try:
+                    entries = [] if item.record is None else self.entries(item.record)
+                except Exception as exc:
+                    log.exception("building the status of %s failed", item.target)
+                    self._gave_up(item, repr(exc))
+                    self._update_queue()
+                    continue
+                self._in_flight[uid] = asyncio.create_task(self._write(item, entries), name=f"claim-status-{uid}")
+            timeout = None if next_due is None else max(0.0, next_due - self.clock())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+
+    async def _write(self, item: _Pending, entries: list[dict[str, Any]]) -> None:
+        uid = item.target.uid
+        try:
+            await self.sink.write(item.target, entries)
+        except ClaimGone as exc:
+            if entries:
+                self._gone.add(uid)
+                self._gave_up(item, str(exc))
+            else:
+                self._count("ok")  # nothing of ours can be left on a claim that is gone
+        except StatusWriteFailed as exc:
+            if exc.retryable:
+                self._retry(item, str(exc))
+            else:
+                self._gave_up(item, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("writing the status of %s failed unexpectedly", item.target)
+            self._gave_up(item, repr(exc))
+        else:
+            self._count("ok")
+            log.debug("status of %s written (%d entries)", item.target, len(entries))
+        finally:
+            self._in_flight.pop(uid, None)
+            self._update_queue()
+            self._wake.set()
+
+    def _retry(self, item: _Pending, why: str) -> None:
+        self._count("retry")
+        failures = item.failures + 1
+        delay = self.backoff.delay(failures)
+        log.warning("status of %s not written (%s); retrying in %.1fs", item.target, why, delay)
+        newer = self._pending.get(item.target.uid)
+        again = newer if newer is not None else item
+        again.failures, again.due = failures, self.clock() + delay
+        self._pending[item.target.uid] = again
+
+    def _gave_up(self, item: _Pending, why: str) -> None:
+        self._count("gave_up")
+        log.warning("status of %s not written, not retrying: %s", item.target, why)
+
+    def _count(self, result: str) -> None:
+        self.metrics.claim_status_writes.labels(result).inc()

@@ -1,0 +1,355 @@
+"""Device conditions: what is wrong with a device now, why, and since when.
+
+Events come in (an XID from NVML, a GPU lost or answering again, a NIC's link state from
+each inventory scan); the taint policy (`agent.health.policy`) turns each into a *cause* with
+a taint effect. The same causes feed three outputs, so they always agree:
+
+- the taints published on the device in its ResourceSlice (`taints(device)`),
+- the kubelet health stream's status and message (`health(device)`),
+- the `Ready` condition of the claims holding the device (`readiness(device)`).
+
+A cause goes only when what caused it is gone (see `agent.health.policy` for each kind), or
+when an operator clears it. The current causes are saved to `<state dir>/health/causes.json`
+on every change: XID causes survive a restart of the agent (the GPU still needs its reset),
+and `dra-agent taints` reads them from there. Lost-GPU and link causes are observations,
+re-made by the running agent, so they are not restored.
+
+Not thread-safe: used on the event loop only (events from the NVML thread are handed over).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from agent.fsutil import atomic_write, makedirs
+from agent.health.policy import EFFECT_RANK, IGNORE, TaintPolicy, xid_meaning
+from agent.model import Taint
+
+log = logging.getLogger(__name__)
+
+XID = "xid"
+GPU_LOST = "gpu-lost"
+LINK_DOWN = "link-down"
+KINDS = (XID, GPU_LOST, LINK_DOWN)
+
+# The NVML recovery actions, as the agent spells them.
+NONE = "none"
+UNKNOWN_ACTION = "unknown"
+
+CAUSES_FILE = "causes.json"
+FORMAT_VERSION = 1
+
+
+def rfc3339(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(int(unix), datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """One reason a device is tainted (or reported) now."""
+
+    device: str
+    kind: str  # XID | GPU_LOST | LINK_DOWN
+    effect: str  # a taint effect
+    value: str  # the taint's value: the XID number, or ""
+    detail: str  # for people: "XID 48 (double-bit ECC error), recovery action gpu-reset"
+    since: float  # unix seconds
+    expires: float | None = None  # unix seconds: an informational cause goes by itself then
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device, "kind": self.kind, "effect": self.effect, "value": self.value,
+                "detail": self.detail, "since": self.since, "expires": self.expires}
+
+    @classmethod
+    def from_json(cls, d: Any) -> Cause:
+        kind = str(d["kind"])
+        if kind not in KINDS:
+            raise ValueError(f"unknown cause kind {kind!r}")
+        expires = d.get("expires")
+        return cls(device=str(d["device"]), kind=kind, effect=str(d["effect"]), value=str(d.get("value", "")),
+                   detail=str(d.get("detail", "")), since=float(d["since"]),
+                   expires=float(expires) if expires is not None else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """Whether a prepared device is ready for its workload now: the `Ready` condition of the
+    claims holding it (`agent.health.claimstatus`)."""
+
+    ready: bool = True
+    reason: str = "Prepared"  # CamelCase, as a condition's reason must be
+    message: str = ""
+
+
+READY = Readiness()
+
+
+@dataclass(slots=True)
+class _Device:
+    xids: dict[int, Cause] = field(default_factory=dict)
+    lost: Cause | None = None
+    link_down: Cause | None = None
+    link_up_since: float | None = None  # up again, the link taint held until the hold time passed
+
+    def causes(self) -> list[Cause]:
+        out = sorted(self.xids.values(), key=lambda c: c.since)
+        out += [c for c in (self.lost, self.link_down) if c is not None]
+        return out
+
+    def empty(self) -> bool:
+        return not self.xids and self.lost is None and self.link_down is None
+
+
+class DeviceConditions:
+    def __init__(self, driver: str, policy: TaintPolicy, directory: Path | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.driver = driver
+        self.policy = policy
+        self.directory = directory
+        self.clock = clock
+        self._devices: dict[str, _Device] = {}
+        self.version = 0  # moves on every change
+        self.on_change: Callable[[set[str]], None] | None = None  # told the devices whose causes changed
+
+    # -- events -----------------------------------------------------------------------------------
+
+    def xid(self, device: str, xid: int, action: str = UNKNOWN_ACTION) -> bool:
+        rule = self.policy.for_xid(xid)
+        what = f"XID {xid} ({xid_meaning(xid)})"
+        if not rule.taints:
+            log.info("%s on %s: not tainted (policy: ignore)", what, device)
+            return False
+        now = self.clock()
+        detail = what if action in (NONE, UNKNOWN_ACTION) else f"{what}, recovery action {action}"
+        state = self._devices.setdefault(device, _Device())
+        old = state.xids.get(xid)
+        state.xids[xid] = Cause(device, XID, rule.effect, str(xid), detail, old.since if old else now,
+                                now + rule.clear_after if rule.clear_after else None)
+        log.warning("%s on %s: taint %s/xid=%d:%s", what, device, self.driver, xid, rule.effect,
+                    extra={"device": device, "xid": xid})
+        return self._changed({device})
+
+    def gpu_lost(self, device: str, reason: str) -> bool:
+        state = self._devices.setdefault(device, _Device())
+        if state.lost is not None or not self.policy.gpu_lost.taints:
+            return False
+        state.lost = Cause(device, GPU_LOST, self.policy.gpu_lost.effect, "", f"GPU lost: {reason}", self.clock())
+        log.warning("%s is lost (%s): taint %s/gpu-lost:%s", device, reason, self.driver,
+                    self.policy.gpu_lost.effect, extra={"device": device})
+        return self._changed({device})
+
+    def gpu_answering(self, device: str, action: str) -> bool:
+        """The GPU answers again (after being lost), or its recovery action changed to `action`.
+        A lost GPU that answers, and a recovery action back to none, both mean it was reset:
+        its lost and XID causes go."""
+        state = self._devices.get(device)
+        if state is None:
+            return False
+        reset = state.lost is not None or action == NONE
+        if not reset:
+            return False
+        gone = [c.detail for c in state.causes() if c.kind in (XID, GPU_LOST)]
+        if not gone:
+            return False
+        state.lost = None
+        state.xids.clear()
+        log.info("%s answers again with recovery action %s: cleared %s", device, action, "; ".join(gone),
+                 extra={"device": device})
+        return self._changed({device})
+
+    def link(self, device: str, up: bool) -> bool:
+        """The link state of a NIC as the latest scan saw it (called for every NIC on every scan)."""
+        rule = self.policy.link_down
+        if rule.effect == IGNORE:
+            return False
+        now = self.clock()
+        if not up:
+            state = self._devices.setdefault(device, _Device())
+            state.link_up_since = None
+            if state.link_down is not None:
+                return False
+            state.link_down = Cause(device, LINK_DOWN, rule.effect, "", f"link down since {rfc3339(now)}", now)
+            log.warning("%s: link down: taint %s/link-down:%s", device, self.driver, rule.effect,
+                        extra={"device": device})
+            return self._changed({device})
+        held = self._devices.get(device)
+        if held is None or held.link_down is None:
+            return False
+        state = held
+        if state.link_up_since is None:
+            state.link_up_since = now
+            log.info("%s: link up again; its taint goes after %gs up", device, rule.up_hold)
+        # At once when the hold time is 0; else `tick` lets it go when the time has come.
+        return self._release_link(device, state, now) and self._changed({device})
+
+    def clear(self, device: str) -> list[Cause]:
+        """An operator clears the device's XID causes (`dra-agent taints clear`); the causes cleared.
+        Lost-GPU and link causes are observations: they go when the hardware says so."""
+        state = self._devices.get(device)
+        if state is None or not state.xids:
+            return []
+        gone = list(state.xids.values())
+        state.xids.clear()
+        log.info("%s: XID taints cleared by an operator: %s", device, "; ".join(c.detail for c in gone),
+                 extra={"device": device})
+        self._changed({device})
+        return gone
+
+    def forget(self, devices: Iterable[str]) -> None:
+        """Drop the link causes of NICs that are gone from the node (nothing left to taint)."""
+        changed = set()
+        for name in devices:
+            state = self._devices.get(name)
+            if state is not None and state.link_down is not None:
+                state.link_down, state.link_up_since = None, None
+                changed.add(name)
+        if changed:
+            self._changed(changed)
+
+    # -- time -------------------------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When `tick` next has something to do (unix seconds), or None."""
+        times: list[float] = []
+        for state in self._devices.values():
+            times += [c.expires for c in state.xids.values() if c.expires is not None]
+            if state.link_down is not None and state.link_up_since is not None:
+                times.append(state.link_up_since + self.policy.link_down.up_hold)
+        return min(times) if times else None
+
+    def tick(self) -> int:
+        """Let expired informational causes and held link taints go; how many went."""
+        now = self.clock()
+        changed: set[str] = set()
+        for name, state in self._devices.items():
+            expired = [x for x, c in state.xids.items() if c.expires is not None and c.expires <= now]
+            for x in expired:
+                log.info("%s: informational %s expired", name, state.xids.pop(x).detail)
+                changed.add(name)
+            if self._release_link(name, state, now):
+                changed.add(name)
+        if changed:
+            self._changed(changed)
+        return len(changed)
+
+    def _release_link(self, device: str, state: _Device, now: float) -> bool:
+        """Drop the link taint of a link up for the hold time; whether it went."""
+        if (state.link_down is None or state.link_up_since is None
+                or now - state.link_up_since < self.policy.link_down.up_hold):
+            return False
+        state.link_down, state.link_up_since = None, None
+        log.info("%s: link up for %gs: link-down taint cleared", device, self.policy.link_down.up_hold)
+        return True
+
+    # -- outputs ----------------------------------------------------------------------------------
+
+    def causes(self, device: str | None = None) -> list[Cause]:
+        if device is not None:
+            state = self._devices.get(device)
+            return state.causes() if state else []
+        return [c for name in sorted(self._devices) for c in self._devices[name].causes()]
+
+    def tainted(self) -> set[str]:
+        return {name for name, state in self._devices.items() if not state.empty()}
+
+    def taints(self, device: str) -> list[Taint]:
+        state = self._devices.get(device)
+        if state is None:
+            return []
+        out: list[Taint] = []
+        if state.xids:
+            # One XID taint per device: the strongest effect, valued with the latest XID of that effect.
+            top = max(state.xids.values(), key=lambda c: (EFFECT_RANK.get(c.effect, 0), c.since))
+            out.append(Taint(f"{self.driver}/xid", top.effect, top.value, rfc3339(top.since)))
+        if state.lost is not None:
+            out.append(Taint(f"{self.driver}/gpu-lost", state.lost.effect, "", rfc3339(state.lost.since)))
+        if state.link_down is not None:
+            out.append(Taint(f"{self.driver}/link-down", state.link_down.effect, "",
+                             rfc3339(state.link_down.since)))
+        return out
+
+    def health(self, device: str) -> tuple[bool, str] | None:
+        """(healthy, message) when the device has causes, else None. Informational causes
+        (effect None) leave it healthy, with a message saying what happened."""
+        causes = self.causes(device)
+        if not causes:
+            return None
+        healthy = all(c.effect == "None" for c in causes)
+        return healthy, "; ".join(c.detail for c in causes)
+
+    def readiness(self, device: str) -> Readiness:
+        state = self._devices.get(device)
+        if state is None:
+            return READY
+        if state.lost is not None:
+            return Readiness(False, "GpuLost", state.lost.detail)
+        if state.link_down is not None:
+            return Readiness(False, "LinkDown", state.link_down.detail)
+        evicting = [c for c in state.xids.values() if c.effect == "NoExecute"]
+        if evicting:
+            return Readiness(False, "XidError", "; ".join(c.detail for c in evicting))
+        return READY
+
+    # -- persistence ------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Restore saved XID causes (a GPU that needed a reset still does after a restart)."""
+        if self.directory is None:
+            return
+        path = self.directory / CAUSES_FILE
+        try:
+            doc = orjson.loads(path.read_bytes())
+            if doc.get("version") != FORMAT_VERSION:
+                raise ValueError(f"format version {doc.get('version')!r} is not {FORMAT_VERSION}")
+            causes = [Cause.from_json(c) for c in doc["causes"]]
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("saved device conditions in %s cannot be read (%s): starting without them", path, exc)
+            return
+        restored = 0
+        for cause in causes:
+            if cause.kind == XID and cause.value.isdigit():
+                self._devices.setdefault(cause.device, _Device()).xids[int(cause.value)] = cause
+                restored += 1
+        if restored:
+            log.info("restored %d XID taints from %s", restored, path)
+            self.version += 1
+
+    def save(self) -> None:
+        if self.directory is None:
+            return
+        doc = {"version": FORMAT_VERSION, "driver": self.driver, "savedAt": self.clock(),
+               "causes": [c.to_json() for c in self.causes()]}
+        try:
+            makedirs(self.directory, 0o755)
+            atomic_write(self.directory / CAUSES_FILE, orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        except OSError as exc:
+            log.warning("cannot save device conditions in %s: %s", self.directory, exc)
+
+    def _changed(self, devices: set[str]) -> bool:
+        for name in devices:
+            if (state := self._devices.get(name)) is not None and state.empty():
+                del self._devices[name]
+        self.version += 1
+        self.save()
+        if self.on_change is not None:
+            self.on_change(devices)
+        return True
+
+
+def read_saved(directory: Path) -> tuple[list[Cause], float | None]:
+    """The causes a running agent saved last, and when (for `dra-agent taints`)."""
+    doc = orjson.loads((directory / CAUSES_FILE).read_bytes())
+    if doc.get("version") != FORMAT_VERSION:
+        raise ValueError(f"format version {doc.get('version')!r} is not {FORMAT_VERSION}")
+    saved_at = doc.get("savedAt")
+    return [Cause.from_json(c) for c in doc["causes"]], float(saved_at) if saved_at is not None else None

@@ -1,0 +1,262 @@
+"""The running agent's device health: events in, taints, health stream and claim readiness out.
+
+`DeviceHealthService` owns the device conditions (`agent.health.conditions`) and everything that
+feeds them while the agent runs:
+- each inventory snapshot: the link state of every NIC (`observe`);
+- the GPU event watcher's events (XIDs, lost and answering GPUs), handed over from its
+  thread (`gpu_event`);
+- operators' clear requests (`agent.app.taints.RequestWatcher`);
+- time: informational XID taints expiring, link taints held until the link stays up.
+
+When the causes of devices change it calls the daemon's `changed(devices, kinds)` once per
+burst, which rescans the kinds named (a GPU lost or answering again changes what discovery
+finds), republishes the slices (`published` lays the taints over the inventory's devices),
+updates the health stream and re-applies the status of the claims holding those devices.
+
+A GPU's other forms (its passthrough variant, MIG placements, vGPU devices, shared form: the
+same PCI function) are the same hardware: they carry the GPU's taints, health and readiness, and
+a change of the GPU's causes re-applies the status of the claims holding any of them.
+
+A GPU that is lost drops out of discovery (no NVML call about it answers), and so do the forms
+discovery derives from it. While its `gpu-lost` cause lasts, the GPU and those forms are still
+published as they were last seen, tainted (NoExecute by default), so the scheduler and the
+eviction controller see them; a restarted agent that never saw the GPU answer cannot publish
+it and reports it UNHEALTHY only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from agent.app.simctl import control_dir
+from agent.app.taints import RequestWatcher, health_dir, requests_dir
+from agent.config import Settings
+from agent.health.conditions import GPU_LOST, DeviceConditions, Readiness
+from agent.health.policy import TaintPolicy, load_policy
+from agent.inventory import Inventory, Snapshot
+from agent.inventory.gpu_events import (
+    DoubleBitEcc,
+    GpuAnswering,
+    GpuEvent,
+    GpuEventWatcher,
+    GpuLost,
+    XidError,
+)
+from agent.inventory.gpus import GpuSource
+from agent.model import PCI_BUS_ID, Device
+
+log = logging.getLogger(__name__)
+
+# The longest the service sleeps between looks at the clock when nothing is due (a bound, so a
+# wall-clock jump cannot leave a held link taint for long).
+IDLE_WAKE = 30.0
+DOUBLE_BIT_ECC_XID = 48  # the XID the driver logs for a double-bit ECC error
+
+
+# Kinds that are another form of a native device on the same PCI function (its health is theirs):
+# passthrough variants, MIG placements, vGPU devices and shared GPUs.
+_FORMS = ("vfio", "mig", "vgpu", "gpushare")
+
+
+class DeviceHealthService:
+    def __init__(self, settings: Settings, inventory: Inventory,
+                 changed: Callable[[set[str], set[str]], Awaitable[None]], policy: TaintPolicy | None = None) -> None:
+        self.settings = settings
+        self.inventory = inventory
+        self.conditions = DeviceConditions(settings.driver_name,
+                                           policy if policy is not None else load_policy(settings.taint_policy),
+                                           health_dir(settings))
+        self.conditions.on_change = self._note
+        self._changed_cb = changed
+        self.requests = RequestWatcher(requests_dir(settings), self.conditions)
+        self._last_seen: dict[str, Device] = {}
+        # PCI bus ID -> native device, as of the last snapshot observed: readiness and get, called per
+        # claim device on every status write, look forms up here instead of going over every device.
+        self._bus_native: dict[object, str] = {}
+        self._nics: set[str] = set()
+        self._dirty: set[str] = set()
+        self._rescan: set[str] = set()  # kinds to rescan: a lost GPU answering is back in discovery
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.gpu_events: GpuEventWatcher | None = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.conditions.load)
+        await asyncio.to_thread(self.conditions.save)  # `dra-agent taints` tells "none" from "no agent"
+        try:
+            await self.requests.start()
+        except OSError as exc:  # out of inotify watches: listing works, clearing waits for a restart
+            log.warning("taint clear requests are not watched: %s", exc)
+        self._task = asyncio.create_task(self._run(), name="device-health")
+
+    def watch_gpus(self, source: GpuSource) -> None:
+        """Start the GPU event watcher on the source's NVML (real or simulated): its thread hands
+        each event to the loop. A node without NVML has no GPU events."""
+        if source.nvml is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def hand_over(event: GpuEvent) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the agent is stopping
+                loop.call_soon_threadsafe(self.gpu_event, event)
+
+        self.gpu_events = GpuEventWatcher(source.nvml, hand_over, probe_interval=self.settings.gpu_probe_interval,
+                                          control_dir=control_dir(self.settings), name_hint=source.device_name)
+        self.gpu_events.start()
+
+    async def stop_gpus(self) -> None:
+        """Stop the watcher (before NVML is shut down)."""
+        if self.gpu_events is not None:
+            watcher, self.gpu_events = self.gpu_events, None
+            await asyncio.to_thread(watcher.stop)
+
+    async def stop(self) -> None:
+        await self.stop_gpus()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.requests.stop()
+
+    # -- inputs -----------------------------------------------------------------------------------
+
+    def observe(self, snapshot: Snapshot) -> None:
+        """Fold in a new inventory snapshot: remember devices as last seen, and NIC link states."""
+        nics = set()
+        due = self.conditions.next_deadline()
+        for name, dev in snapshot.devices.items():
+            self._last_seen[name] = dev
+            if dev.kind == "nic":
+                nics.add(name)
+                self.conditions.link(name, dev.attributes.get("linkUp") is True)
+        if (soon := self.conditions.next_deadline()) is not None and (due is None or soon < due):
+            # A link came up: its hold ends before the loop's current sleep does (which may be the idle one).
+            self._wake.set()
+        gone = self._nics - nics
+        if gone:
+            self.conditions.forget(gone)
+        self._nics = nics
+        # Forget devices gone for good; keep lost GPUs (published from memory) and devices discovery
+        # still names but cannot read (a GPU failing its calls may be reported lost a moment later),
+        # and the forms of both (published from memory with them).
+        keep = self._lost()
+        keep |= {f.device for f in snapshot.failed_devices}
+        natives = self._natives()
+        for name in set(self._last_seen) - set(snapshot.devices) - keep:
+            if _native_of(self._last_seen[name], natives) not in keep:
+                del self._last_seen[name]
+        self._bus_native = self._natives()
+
+    def gpu_event(self, event: GpuEvent) -> None:
+        if isinstance(event, XidError):
+            self.conditions.xid(event.device, event.xid, event.recovery_action.value)
+        elif isinstance(event, DoubleBitEcc):
+            self.conditions.xid(event.device, DOUBLE_BIT_ECC_XID, event.recovery_action.value)
+        elif isinstance(event, GpuLost):
+            self._rescan.add("gpu")
+            self.conditions.gpu_lost(event.device, event.reason)
+        elif isinstance(event, GpuAnswering):
+            self._rescan.add("gpu")
+            self.conditions.gpu_answering(event.device, event.recovery_action.value)
+            self._wake.set()
+
+    # -- outputs ----------------------------------------------------------------------------------
+
+    def published(self, snapshot: Snapshot) -> list[Device]:
+        """The devices to publish: the inventory's, with their taints, and lost GPUs and their forms
+        as last seen."""
+        out = []
+        remembered = self._remembered(snapshot)
+        aliases = self.aliases(snapshot)
+        for name in sorted({*snapshot.devices, *remembered}):
+            dev = snapshot.devices.get(name) or remembered[name]
+            taints = self.conditions.taints(aliases.get(name, name))
+            out.append(dataclasses.replace(dev, taints=[*dev.taints, *taints]) if taints else dev)
+        return out
+
+    def get(self, name: str) -> Device | None:
+        """The device as published: the inventory's, or a lost GPU or one of its forms as last seen
+        (so the status of a claim holding it says GpuLost, not that the device is missing)."""
+        if (dev := self.inventory.get(name)) is not None:
+            return dev
+        seen = self._last_seen.get(name)
+        return seen if seen is not None and _native_of(seen, self._bus_native) in self._lost() else None
+
+    def aliases(self, snapshot: Snapshot) -> dict[str, str]:
+        """Passthrough variant, MIG, vGPU or shared device -> its native device (same PCI function): a form
+        of a GPU is the same hardware, so it carries the native device's taints and health. A GPU
+        that is lost is found by its last-seen form; its own forms, gone from discovery with it, are
+        named too (published from memory: the health stream reports them with the GPU's health)."""
+        natives = self._natives(snapshot)
+        devices = {**self._remembered(snapshot), **snapshot.devices}
+        return {name: native for name, dev in devices.items()
+                if (native := _native_of(dev, natives)) != name}
+
+    def readiness(self, device: Device) -> Readiness:
+        """For the claim status writer (`agent.health.claimstatus.DeviceReadiness`): a form of a GPU is as
+        ready as its GPU."""
+        own = self.conditions.readiness(device.name)
+        return own if not own.ready else self.conditions.readiness(_native_of(device, self._bus_native))
+
+    def with_forms(self, names: set[str]) -> set[str]:
+        """`names` and every form of them, present or remembered (the claims holding a form of a GPU
+        follow the GPU's conditions)."""
+        snapshot = self.inventory.snapshot()
+        natives = self._natives(snapshot)
+        devices = {**self._remembered(snapshot), **snapshot.devices}
+        return names | {name for name, dev in devices.items() if _native_of(dev, natives) in names}
+
+    # -- what is remembered -----------------------------------------------------------------------
+
+    def _lost(self) -> set[str]:
+        return {c.device for c in self.conditions.causes() if c.kind == GPU_LOST}
+
+    def _natives(self, snapshot: Snapshot | None = None) -> dict[object, str]:
+        """PCI bus ID -> the native device there, among the devices seen (and `snapshot`'s)."""
+        native: dict[object, str] = {}
+        for name, dev in (*self._last_seen.items(), *(snapshot.devices.items() if snapshot else ())):
+            if dev.kind not in _FORMS and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
+                native[bus] = name
+        return native
+
+    def _remembered(self, snapshot: Snapshot) -> dict[str, Device]:
+        """Devices published from memory: lost GPUs, and their forms discovery no longer finds."""
+        lost = self._lost()
+        natives = self._natives(snapshot)
+        return {name: dev for name, dev in self._last_seen.items()
+                if name not in snapshot.devices and _native_of(dev, natives) in lost}
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _note(self, devices: set[str]) -> None:
+        self._dirty |= devices
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            deadline = self.conditions.next_deadline()
+            timeout = IDLE_WAKE if deadline is None else min(IDLE_WAKE, max(0.0, deadline - time.time()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            self.conditions.tick()
+            if not self._dirty and not self._rescan:
+                continue
+            devices, self._dirty = self.with_forms(self._dirty), set()
+            kinds, self._rescan = self._rescan, set()
+            try:
+                await self._changed_cb(devices, kinds)
+            except Exception:
+                log.exception("applying the device conditions of %s failed", ", ".join(sorted(devices)))
+
+
+def _native_of(device: Device, natives: dict[object, str]) -> str:
+    """The name of the native device `device` is a form of (by PCI bus ID), or its own name."""
+    if device.kind in _FORMS and (native := natives.get(device.attributes.get(PCI_BUS_ID))) is not None:
+        return native
+    return device.name

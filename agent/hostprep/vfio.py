@@ -1,0 +1,335 @@
+"""Passthrough (VFIO) devices in prepare, unprepare and recovery.
+
+A claim for a passthrough device (`gpu-0000-18-00-0-vfio`, a NIC VF's `nic-...-vfio`) moves the PCI
+function (with its group's companions) from its host driver to vfio-pci. That is a side effect
+outside the agent's files, so the claim's record says what is about to happen before it happens:
+
+- prepare: checks first (no other form of the function prepared, the GPU idle, the group passable,
+  the VFIO interface present), all without a write; then an intent record (state `binding`, every
+  step of every plan and each function's original driver), then per step: record "step k is next",
+  apply it. Then the CDI spec (VFIO device nodes, never /dev/nvidia*), the metadata file, and the
+  final record (state `prepared`).
+- unprepare: a `restoring` record first, the files removed, each function back on its original
+  driver (override cleared) step by step as above, then the record removed.
+- recovery: `binding` is rolled back (the kubelet retries the prepare), `restoring` is finished,
+  `prepared` is re-applied (after a reboot the kernel forgot it; otherwise a no-op).
+
+Steps are idempotent and judged against what sysfs shows now (`agent.host.vfio.bind`), so replaying a
+step a crash interrupted, or rolling back from any prefix of a plan, converges: each function ends
+bound to exactly the driver the record says. Every write and wait is bounded (a GPU in use is a
+retryable DeviceBusy before anything moves; a step the kernel does not complete is StepFailed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+from agent import counters, failpoints
+from agent.claims.allocation import Allocation, VfioSettings
+from agent.claims.book import ClaimBook
+from agent.claims.files import ClaimFiles
+from agent.claims.metadata import AllocatedDevice
+from agent.claims.records import ClaimRecord, DeviceBinding, RecordState
+from agent.errors import ClaimFailure
+from agent.host.pci import nvidia_display_functions
+from agent.host.vfio.bind import DEFAULT_TIMEOUT, BindStep, apply_step, plan_bind
+from agent.host.vfio.errors import UsageUnknown, VfioError
+from agent.host.vfio.host import VfioHost
+from agent.host.vfio.inuse import check_no_vfs, check_not_open
+from agent.host.vfio.nodes import IommuBackend, host_has_iommufd, vfio_device_nodes
+from agent.host.vfio.pci import VFIO_PCI, current_driver, iommu_group
+from agent.host.vfio.persistence import check_persistence_off
+from agent.host.vfio.sriov import set_vf_mac_vlan
+from agent.hostprep.mig import nvml_of
+from agent.inventory import Inventory
+from agent.inventory.gpuminors import driver_minors
+from agent.model import PCI_BUS_ID, Device, DeviceNode
+
+log = logging.getLogger(__name__)
+
+VFIO_KIND = "vfio"
+NVIDIA_DRIVER = "nvidia"
+_FUNCTION_KINDS = ("gpu", "nic", VFIO_KIND)
+
+
+class GroupChanged(VfioError):
+    """After a reboot, a prepared passthrough function is in another IOMMU group than its record (and
+    its CDI spec) says: binding it again would leave the spec naming a group node that is gone."""
+
+
+class FormConflict(ClaimFailure):
+    """The other form of a PCI function (native device or passthrough variant) is prepared for a claim
+    on this node: the scheduler's counters would have kept them apart, but the gate may be off."""
+
+
+def function_of(device: Device) -> str | None:
+    """The PCI function behind a GPU, NIC or passthrough device (its bus ID); None for others."""
+    if device.kind not in _FUNCTION_KINDS:
+        return None
+    if device.kind == VFIO_KIND and device.node.pci_bus_id:
+        return device.node.pci_bus_id
+    bus = device.attributes.get(PCI_BUS_ID)
+    return bus if isinstance(bus, str) else None
+
+
+def lock_key(device: Device) -> str:
+    """One lock per PCI function for both of its forms, so a native prepare and a passthrough prepare
+    of one function never run at once; `device/<name>` for devices that are no function."""
+    bus = function_of(device)
+    return f"pci/{bus}" if bus else f"device/{device.name}"
+
+
+WriteRecord = Callable[[ClaimRecord], None]
+
+
+class Passthrough:
+    """The engine's passthrough side. Blocking: call from the claim's worker thread, with its locks."""
+
+    def __init__(self, host: VfioHost, inventory: Inventory, book: ClaimBook, *,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.host = host
+        self.inventory = inventory
+        self.book = book
+        self.timeout = timeout  # per binding step
+
+    # -- locks and exclusion ---------------------------------------------------------------------
+
+    def record_lock_keys(self, record: ClaimRecord) -> list[str]:
+        """The lock keys of a prepared claim's devices (a passthrough device by its recorded function)."""
+        bound = {b.device: b.plan.target for b in record.bindings}
+        keys = set()
+        for d in record.devices:
+            if d.device in bound:
+                keys.add(f"pci/{bound[d.device]}")
+            elif (device := self.inventory.get(d.device)) is not None:
+                keys.add(lock_key(device))
+            else:
+                keys.add(f"device/{d.device}")
+        return sorted(keys)
+
+    def check_forms(self, uid: str, allocated: Sequence[AllocatedDevice]) -> None:
+        """FormConflict when a device's other form is prepared (or asked for by this same claim)."""
+        natives: dict[str, list[str]] | None = None
+        wanted: dict[str, set[str]] = {}
+        for a in allocated:
+            if (bus := function_of(a.device)) is not None:
+                wanted.setdefault(bus, set()).add(a.device.name)
+        for a in allocated:
+            dev, bus = a.device, function_of(a.device)
+            if bus is None:
+                continue
+            if dev.kind == VFIO_KIND:
+                if natives is None:
+                    natives = {}
+                    for d in self.inventory.devices():
+                        if d.kind != VFIO_KIND and (b := function_of(d)) is not None:
+                            natives.setdefault(b, []).append(d.name)
+                others = set(natives.get(bus, ())) | {dev.name}
+            else:
+                others = {counters.passthrough_name(dev.kind, bus)}
+            # In one claim: a passthrough device with anything else of its function, or a native one with
+            # its passthrough form (two ports of one NIC function are fine).
+            same_claim = wanted[bus] - {dev.name} if dev.kind == VFIO_KIND else wanted[bus] & others
+            if same_claim:
+                raise FormConflict(f"devices {dev.name} and {', '.join(sorted(same_claim))} are two forms of PCI "
+                                   f"function {bus}: a claim can have only one")
+            for other_uid in self.book.claims_holding(others):
+                if other_uid == uid:
+                    continue
+                other = self.book.record_of(other_uid)
+                held = sorted(d.device for d in other.devices if d.device in others) if other else sorted(others)
+                who = f"claim {other.namespace}/{other.name} ({other_uid})" if other else f"claim {other_uid}"
+                why = ("a passthrough device takes the whole function" if dev.kind == VFIO_KIND
+                       else "its passthrough form has it")
+                raise FormConflict(f"device {dev.name}: PCI function {bus} is prepared as {', '.join(held)} for "
+                                   f"{who}; {why} (retry once that claim is unprepared)")
+
+    # -- prepare -----------------------------------------------------------------------------------
+
+    def plan(self, alloc: Allocation) -> list[DeviceBinding]:
+        """A binding per passthrough device, from what sysfs shows now; raises (nothing written) when a
+        device cannot be passed through now."""
+        out: list[DeviceBinding] = []
+        seen: set[str] = set()
+        boot: str | None = None  # read once, and only for a claim with passthrough devices
+        for a in alloc.devices:
+            dev = a.device
+            if dev.kind != VFIO_KIND or dev.name in seen:
+                continue
+            seen.add(dev.name)
+            cfg = alloc.vfio.get(dev.name, VfioSettings())
+            bdf = function_of(dev)
+            if bdf is None:
+                raise VfioError(f"device {dev.name}: its PCI function is not known")
+            if cfg.iommu == IommuBackend.IOMMUFD and not host_has_iommufd(self.host.dev):
+                raise VfioError(f"{cfg.where}.iommu: iommufd was asked for, but this host has no "
+                                f"{self.host.dev / 'iommu'} (a kernel with CONFIG_IOMMUFD and "
+                                "CONFIG_VFIO_DEVICE_CDEV); ask for legacy")
+            if dev.attributes.get("nativeType") == "gpu":
+                self._check_gpu_free(bdf)
+            plan = plan_bind(self.host.sysfs, bdf)
+            if boot is None:
+                boot = self.host.boot_id()
+            out.append(DeviceBinding(dev.name, plan, 0, boot, cfg.iommu, cfg.mac, cfg.vlan))
+        return out
+
+    def _check_gpu_free(self, bdf: str) -> None:
+        """DeviceBusy when GPU `bdf` is in use on the host (SR-IOV VFs enabled, NVML persistence mode on,
+        `/dev/nvidia<minor>` open), UsageUnknown when it is on the NVIDIA driver with no known minor;
+        nothing for a GPU already on vfio-pci (nothing on the host can hold it)."""
+        driver = current_driver(self.host.sysfs, bdf)
+        if driver == VFIO_PCI:
+            return
+        check_no_vfs(self.host.sysfs, bdf)
+        access = nvml_of(self.inventory)()
+        check_persistence_off(access.nvml if access is not None else None, bdf)
+        if driver != NVIDIA_DRIVER:
+            return  # unbound, or another driver: no /dev/nvidia<N> to hold
+        minor = self._gpu_minor(bdf)
+        if minor is None:
+            raise UsageUnknown(f"GPU {bdf} is bound to {NVIDIA_DRIVER} but its device minor is not known (not "
+                               f"in NVML's GPUs, no {self.host.proc / 'driver' / 'nvidia' / 'gpus' / bdf}): "
+                               "whether a process holds it open cannot be checked, so it is not unbound")
+        check_not_open(self.host.proc, self.host.dev, bdf, minor)
+
+    def _is_gpu(self, device: str, bdf: str) -> bool:
+        dev = self.inventory.get(device)
+        if dev is not None:
+            return dev.attributes.get("nativeType") == "gpu"
+        return bdf in nvidia_display_functions(self.host.sysfs)
+
+    def _gpu_minor(self, bdf: str) -> int | None:
+        for d in self.inventory.devices():
+            minor = d.attributes.get("minor")
+            if d.kind == "gpu" and d.attributes.get(PCI_BUS_ID) == bdf and isinstance(minor, int):
+                return minor
+        return driver_minors(self.host.proc).get(bdf)
+
+    def bind(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+        """Apply the `binding` record's plans, writing "step k is next" before each step; returns the
+        record as last written."""
+        for i, b in enumerate(record.bindings):
+            if b.mac or b.vlan:
+                set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
+            record = self._run(record, i, b.plan.steps, write, "bind")
+        return record
+
+    def restore(self, record: ClaimRecord, write: WriteRecord | None) -> ClaimRecord:
+        """Put every function of the record's bindings back on its original driver. With `write` (a
+        `restoring` record), from each binding's recorded step, recording each step first; without
+        (rolling back a `binding` record, which recovery rolls back again from any state), all steps."""
+        for i, b in enumerate(record.bindings):
+            steps = b.plan.restore().steps
+            if write is None:
+                for step in steps:
+                    self._step(step, "restore")
+            else:
+                record = self._run(record, i, steps, write, "restore")
+        return record
+
+    # -- a claim's passthrough operations (with the claim's and its devices' locks) -------------------
+
+    def settle(self, record: ClaimRecord, files: ClaimFiles) -> None:
+        """Finish a passthrough prepare or unprepare that stopped halfway: `binding` is rolled back,
+        `restoring` finished; the claim's files and record go. Raises (record kept) when a function
+        cannot be put back now."""
+        files.remove_claim_files(record.uid)
+        if record.state is RecordState.BINDING:
+            self.restore(record, None)
+        else:
+            self.restore(record, self.book.write)
+        self.book.store.delete(record.uid)
+        self.book.forget(record.uid)
+        log.info("claim %s/%s: %s settled: its PCI functions are back on their drivers", record.namespace,
+                 record.name, "an interrupted prepare" if record.state is RecordState.BINDING else
+                 "an interrupted unprepare")
+
+    def unprepare_bound(self, record: ClaimRecord, files: ClaimFiles) -> None:
+        """Unprepare a claim with bindings: the restore intent first (no files: from here on they are
+        orphans the next start removes), then the files, then each function back on its driver, each
+        step recorded first; the record last."""
+        restoring = dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[],
+                                        bindings=[dataclasses.replace(b, step=0) for b in record.bindings])
+        self.book.write(restoring)
+        failpoints.hit("unprepare-after-restore-intent")
+        files.remove_files(record)
+        self.restore(restoring, self.book.write)
+        self.book.store.delete(record.uid)
+        self.book.forget(record.uid)
+        failpoints.hit("unprepare-after-record")
+
+    def _run(self, record: ClaimRecord, i: int, steps: Sequence[BindStep], write: WriteRecord,
+             what: str) -> ClaimRecord:
+        for k in range(record.bindings[i].step, len(steps)):
+            record = with_step(record, i, k)
+            write(record)
+            self._step(steps[k], what)
+        if record.bindings[i].step != len(steps):
+            record = with_step(record, i, len(steps))  # done: written with the next step or the final record
+        return record
+
+    def _step(self, step: BindStep, what: str) -> None:
+        failpoints.hit(f"{what}-before-step")
+        apply_step(self.host.sysfs, step, timeout=self.timeout)
+        failpoints.hit(f"{what}-after-step")
+
+    def nodes(self, binding: DeviceBinding) -> tuple[DeviceNode, ...]:
+        """The VFIO device nodes of a bound device (legacy: the container and its group; iommufd: the
+        IOMMU and the function's cdev)."""
+        return vfio_device_nodes(self.host.sysfs, self.host.dev, [binding.plan.target], IommuBackend(binding.iommu))
+
+    def bound_devices(self, allocated: Iterable[AllocatedDevice],
+                      bindings: Sequence[DeviceBinding]) -> list[AllocatedDevice]:
+        """The allocation with each passthrough device's VFIO nodes and configured MAC filled in."""
+        by_name = {b.device: b for b in bindings}
+        out = []
+        for a in allocated:
+            b = by_name.get(a.device.name)
+            if b is not None:
+                node = dataclasses.replace(a.device.node, device_nodes=self.nodes(b))
+                a = dataclasses.replace(a, device=dataclasses.replace(a.device, node=node), mac=b.mac)
+            out.append(a)
+        return out
+
+    # -- recovery ----------------------------------------------------------------------------------
+
+    def reapply(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+        """A prepared record's bindings made true again (after a reboot the kernel forgot them; a no-op
+        when they hold); the record with the current boot ID. Raises when that fails."""
+        boot = self.host.boot_id()
+        for b in record.bindings:
+            group = iommu_group(self.host.sysfs, b.plan.target)
+            if group != b.plan.group:
+                # Group numbers are the kernel's order of discovery: a reboot with other hardware or
+                # firmware settings can renumber them, and the claim's CDI spec names /dev/vfio/<old>.
+                raise GroupChanged(
+                    f"{b.device}: PCI function {b.plan.target} is in IOMMU group "
+                    f"{group if group is not None else 'none (the IOMMU is off)'} now, not {b.plan.group} as when "
+                    f"the claim was prepared (boot {boot or '?'}, recorded {b.boot_id or '?'}): its CDI spec "
+                    f"names /dev/vfio/{b.plan.group}; a new prepare of the claim uses the group it has now")
+            if any(current_driver(self.host.sysfs, f.bdf) != b.plan.driver for f in b.plan.functions):
+                log.warning("claim %s/%s: %s is not bound to %s as its record says (boot %s, recorded %s): "
+                            "binding it again", record.namespace, record.name, b.device, b.plan.driver,
+                            boot or "?", b.boot_id or "?")
+                if self._is_gpu(b.device, b.plan.target):
+                    self._check_gpu_free(b.plan.target)
+                if b.mac or b.vlan:
+                    set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
+                for step in b.plan.steps:
+                    apply_step(self.host.sysfs, step, timeout=self.timeout)
+            self.nodes(b)  # the nodes its CDI spec names exist again
+        if any(b.boot_id != boot for b in record.bindings):
+            record = dataclasses.replace(record, bindings=[dataclasses.replace(b, boot_id=boot)
+                                                           for b in record.bindings])
+            write(record)
+        return record
+
+
+
+def with_step(record: ClaimRecord, i: int, step: int) -> ClaimRecord:
+    bindings = list(record.bindings)
+    bindings[i] = dataclasses.replace(bindings[i], step=step)
+    return dataclasses.replace(record, bindings=bindings)
+

@@ -1,0 +1,144 @@
+"""Keeping the inventory published: what a publisher is, and the loop that drives one.
+
+`Publisher` is what the loop needs of a destination (`ApiPublisher` in `publisher.py`,
+`DirectoryPublisher` in `publish_dir.py`); `SyncResult` is what one sync did and
+`PublishError` a sync that did not complete. `PublishLoop` keeps the latest inventory
+published whatever the API server does meanwhile. `log_result` and `owner_ref` are the
+bits both publishers share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from agent.kube import Backoff, NodeInfo
+from agent.metrics import Metrics
+from agent.model import Device
+from agent.publish import slices
+
+# The one logger of publishing, as before the publishers had modules of their own.
+log = logging.getLogger("agent.publish.apiserver")
+
+
+class PublishError(RuntimeError):
+    """A sync that did not complete; the next one starts from what is there."""
+
+
+@dataclass(slots=True)
+class SyncResult:
+    generation: int = 0
+    slices: int = 0
+    devices: int = 0
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # validation problems, see slices.sanitize_device
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.created or self.updated or self.deleted)
+
+
+class Publisher(Protocol):
+    async def sync(self, devices: Sequence[Device]) -> SyncResult: ...
+
+    async def close(self) -> None: ...
+
+
+def owner_ref(node: NodeInfo) -> slices.NodeRef | None:
+    return slices.NodeRef(node.name, node.uid) if node.uid else None
+
+
+def log_result(where: str, result: SyncResult) -> None:
+    if result.changed:
+        log.info("published %d devices in %d slices to %s", result.devices, result.slices, where, extra={
+            "generation": result.generation, "slices_created": len(result.created),
+            "slices_updated": len(result.updated), "slices_deleted": len(result.deleted)})
+    else:
+        log.debug("slices in %s up to date (generation %d)", where, result.generation)
+
+
+class PublishLoop:
+    """Republishes on every inventory change, retries failures, and re-checks now and then.
+
+    `run()` never returns on its own and survives any API failure: the agent keeps
+    serving the kubelet while the API server is away, and catches up when it is back.
+    """
+
+    def __init__(self, publisher: Publisher, *, verify_interval: float = 300.0,
+                 backoff: Backoff | None = None, metrics: Metrics | None = None) -> None:
+        self.publisher = publisher
+        self.metrics = metrics
+        self.verify_interval = verify_interval
+        # Between syncs, not within one: attempts are unlimited, only the delay is capped.
+        self.backoff = backoff or Backoff(initial=1.0, maximum=60.0)
+        self._devices: list[Device] | None = None
+        self._version = 0  # of the desired inventory
+        self.published_version = 0
+        self.last_result: SyncResult | None = None
+        self.last_error: str = ""
+        self.failures = 0
+        self._wake = asyncio.Event()
+        self._done = asyncio.Condition()
+
+    def update(self, devices: Sequence[Device]) -> None:
+        self._devices = list(devices)
+        self._version += 1
+        self._wake.set()
+
+    @property
+    def up_to_date(self) -> bool:
+        return self._devices is not None and self.published_version == self._version
+
+    async def wait_published(self) -> SyncResult:
+        """Until the latest inventory given to `update` is published."""
+        async with self._done:
+            await self._done.wait_for(lambda: self.up_to_date)
+        assert self.last_result is not None
+        return self.last_result
+
+    async def run(self) -> None:
+        delay: float | None = None
+        while True:
+            if delay is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
+            else:
+                await self._wake.wait()
+            self._wake.clear()
+            if self._devices is None:
+                delay = None
+                continue
+            version, devices = self._version, self._devices
+            started = time.monotonic()
+            try:
+                result = await self.publisher.sync(devices)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self.metrics is not None:
+                    self.metrics.published(time.monotonic() - started, ok=False)
+                self.failures += 1
+                self.last_error = str(exc)
+                if not isinstance(exc, PublishError):
+                    log.exception("publishing ResourceSlices failed unexpectedly")
+                delay = self.backoff.delay(self.failures)
+                log.warning("will retry publishing in %.1fs (%d failures in a row)", delay, self.failures)
+                continue
+            if self.metrics is not None:
+                self.metrics.published(time.monotonic() - started, len(result.created), len(result.updated),
+                                       len(result.deleted))
+            self.failures = 0
+            self.last_error = ""
+            self.last_result = result
+            self.published_version = version
+            async with self._done:
+                self._done.notify_all()
+            delay = self.verify_interval

@@ -1,0 +1,153 @@
+"""Inventory -> ResourceSlice objects: validation, splitting, rendering and the publish plan.
+
+Everything here is pure: both publishers (API server and offline directory) feed
+it what they read and carry out the plan it returns, so the generation rules are
+decided in one place. Whatever the API server would reject is dropped, value
+by value, with a warning naming the device, because one rejected field would
+otherwise keep the whole pool unpublished.
+
+This module splits the pool into slices (`chunk_devices`) and builds a fresh pool (`build_slices`);
+the other roles have their own modules, re-exported here under the names callers use
+(`slices.plan_pool`, `slices.new_slice_name`, ...):
+
+- `slicesanitize`: one device in API form with whatever the API server would reject removed
+- `slicerender`: what a slice carries, its name and owner, the rendered object
+- `sliceplan`: the publish plan (write in place, new generation, deletes)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent import apirules, counters
+from agent.model import Device
+from agent.publish.plan import (
+    PoolPlan,
+    SliceWrite,
+    comparable,
+    is_ours,
+    plan_pool,
+    pool_generation,
+    same_slice,
+)
+from agent.publish.render import (
+    API_VERSION,
+    KIND,
+    MAX_GENERATE_NAME,
+    NAME_ALPHABET,
+    NAME_SUFFIX,
+    Chunk,
+    CounterChunk,
+    NodeRef,
+    generate_name,
+    new_slice_name,
+    owner_references,
+    render_slice,
+)
+from agent.publish.sanitize import STANDARD_DOMAIN, sanitize_device
+
+__all__ = [
+    "API_VERSION", "KIND", "MAX_GENERATE_NAME", "NAME_ALPHABET", "NAME_SUFFIX", "STANDARD_DOMAIN", "Chunk",
+    "Chunks", "CounterChunk", "NodeRef", "PoolPlan", "SliceWrite", "build_slices", "chunk_devices", "comparable",
+    "generate_name", "is_ours", "new_slice_name", "owner_references", "plan_pool", "pool_generation",
+    "pool_rule_errors", "render_slice", "same_slice", "sanitize_device",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Chunks:
+    """The pool split into slices, counter slices first, plus what had to be dropped on the way."""
+
+    slices: list[Chunk] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    # Pool-wide API rules the split breaks (`pool_rule_errors`); empty unless this module has a bug.
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def device_count(self) -> int:
+        return sum(len(s) for s in self.slices if not isinstance(s, CounterChunk))
+
+    @property
+    def counter_set_count(self) -> int:
+        return sum(len(s.sets) for s in self.slices if isinstance(s, CounterChunk))
+
+
+def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None,
+                  compatibility_groups: bool = False) -> Chunks:
+    """The pool's slices: the counter sets the devices consume (at most 8 per slice, `counters.pack`),
+    then the validated devices sorted by name and packed greedily into as few slices as the limits
+    allow (64 per slice once one of them consumes counters or has taints).
+
+    `compatibility_groups`: the cluster has `DRADeviceCompatibilityGroups` on; each device's counter
+    consumption then carries the groups of its kind (`counters.with_compatibility_groups`). Off, none
+    is sent: the API server would drop them, and the stored slices would never match what is sent.
+
+    Every problem is logged; pass `reported` (kept by the caller between calls) to log only the
+    ones that are new since the last call, so a periodic republish does not repeat itself.
+    """
+    out = Chunks()
+    seen: set[str] = set()
+    valid: list[tuple[Device, dict[str, Any]]] = []
+    for dev in sorted(devices, key=lambda d: d.name):
+        if dev.name in seen:
+            out.dropped.append(f"device {dev.name!r} dropped: duplicate name")
+            continue
+        seen.add(dev.name)
+        if compatibility_groups:
+            dev = counters.with_compatibility_groups(dev)
+        wire, problems = sanitize_device(dev)
+        out.dropped += problems
+        if wire is not None:
+            valid.append((dev, wire))
+    packed = counters.pack(valid)
+    out.dropped += packed.dropped
+    out.slices += [CounterChunk(tuple(sets)) for sets in packed.slices]
+    current: list[dict[str, Any]] = []
+    for _, wire in packed.devices:
+        if current and len(current) + 1 > apirules.device_limit([*current, wire]):
+            out.slices.append(current)
+            current = []
+        current.append(wire)
+    if current:
+        out.slices.append(current)
+    out.errors = pool_rule_errors(out.slices)
+    for message in out.dropped:
+        if reported is None or message not in reported:
+            log.warning("not published: %s", message)
+    for message in out.errors:
+        if reported is None or message not in reported:
+            log.error("the pool's slices break an API rule (the API server will refuse them): %s", message)
+    if reported is not None:
+        reported.clear()
+        reported.update(out.dropped, out.errors)
+    return out
+
+
+# Placeholders for the rendering that `pool_rule_errors` checks: the split does not depend on them,
+# and the real driver and node names are checked where they are configured.
+_CHECK_DRIVER = "pool-check.example.com"
+_CHECK_NODE = "pool-check"
+
+
+def pool_rule_errors(chunks: Sequence[Chunk]) -> list[str]:
+    """The API rules over the whole split as it would be published (`apirules.pool_errors`): each slice
+    holds counter sets or devices, never both; at most 8 counter sets per slice and 64 devices once
+    they consume counters; at most 2 consumptions per device; counter set names unique in the pool;
+    every counter a device consumes published by a set of the pool. The split is built to keep them;
+    this checks it rather than trusting the construction."""
+    count = len(chunks)
+    return apirules.pool_errors([render_slice(c, driver=_CHECK_DRIVER, node=_CHECK_NODE, owner=None, generation=1,
+                                              count=count) for c in chunks])
+
+
+def build_slices(devices: Iterable[Device], *, driver: str, node: str, owner: NodeRef | None = None,
+                 generation: int = 1, compatibility_groups: bool = False) -> list[dict[str, Any]]:
+    """The slices for `devices` as one fresh pool (what `dra-agent slices` shows)."""
+    chunks = chunk_devices(devices, compatibility_groups=compatibility_groups).slices
+    return [render_slice(c, driver=driver, node=node, owner=owner, generation=generation, count=len(chunks))
+            for c in chunks]
