@@ -256,6 +256,11 @@ class Settings:
         return self.state_dir / "claims"
 
     @functools.cached_property
+    def sim_root(self) -> Path:
+        """The simulated machine (`--nvml sim`): its sysfs, /proc, /dev and control directory."""
+        return self.state_dir / "nvml-sim"
+
+    @functools.cached_property
     def cdi_vendor(self) -> str:
         return self.driver_name
 

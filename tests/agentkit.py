@@ -20,8 +20,8 @@ import yaml
 
 from agent import apirules, quantity
 from agent.app.assembly import PublishedForm
-from agent.claims.records import ClaimStore
 from agent.claims.sources import DirectoryClaimSource
+from agent.claims.store import ClaimStore
 from agent.config import NvmlMode, Settings, build_settings
 from agent.engine.prepare import PrepareEngine
 from agent.inventory import Inventory, ScanResult

@@ -26,7 +26,7 @@ from netns import REPO, NetNS, network_namespace
 
 from agent.claims import metadata
 from agent.claims import records as state
-from agent.claims.records import ClaimStore
+from agent.claims.store import ClaimStore
 from agent.config import OPTIONS, Settings, build_settings
 from agent.inventory.nics import mac_device_name
 

@@ -16,7 +16,7 @@ from agent.app.assembly import prepare_roots
 from agent.app.connection import StartupError
 from agent.app.daemon import Agent
 from agent.claims import metadata
-from agent.claims.records import ClaimStore
+from agent.claims.store import ClaimStore
 from agent.config import build_settings
 from agent.engine.recovery import recover
 from agent.kubelet import client as kc

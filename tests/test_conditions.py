@@ -12,7 +12,9 @@ import orjson
 import pytest
 from agentkit import roots
 
-from agent.app.taints import (
+from agent.health.conditions import CAUSES_FILE, NONE, DeviceConditions, read_saved
+from agent.health.policy import PolicyError, TaintPolicy, load_policy, parse_policy
+from agent.health.requests import (
     RESULT_KEEP,
     apply_requests,
     health_dir,
@@ -21,8 +23,6 @@ from agent.app.taints import (
     result_path,
     submit_clear,
 )
-from agent.health.conditions import CAUSES_FILE, NONE, DeviceConditions, read_saved
-from agent.health.policy import PolicyError, TaintPolicy, load_policy, parse_policy
 from agent.inventory import DeviceFailure, Snapshot
 from agent.kubelet.health import HEALTHY, UNHEALTHY, HealthTracker
 from agent.model import Device

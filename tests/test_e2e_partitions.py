@@ -20,7 +20,8 @@ import runtime
 from agentkit import NODE, Quickstart, agent_process, claim, result, roots, write_claim
 
 from agent.claims import metadata
-from agent.claims.records import ClaimStore, PartitionKind
+from agent.claims.records import PartitionKind
+from agent.claims.store import ClaimStore
 from agent.config import Settings
 from agent.host.mdev import sysfs as mdev
 from agent.kubelet import client as kc

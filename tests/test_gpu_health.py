@@ -21,8 +21,8 @@ from test_agent_cluster import devices_of, eventually, our_slices, published, st
 
 from agent.app import simctl
 from agent.app.daemon import Agent
-from agent.app.taints import submit_clear
 from agent.config import Settings
+from agent.health.requests import submit_clear
 from agent.kubelet import client as kc
 from agent.names import ClaimRef
 

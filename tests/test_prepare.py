@@ -296,7 +296,7 @@ async def test_metadata_is_rewritten_with_generation_plus_one_when_a_device_chan
         assert dev["networkData"]["ips"] == ["10.9.9.9/16"]
         assert dev["attributes"]["ipv4"] == {"string": "10.9.9.9/16"}
     # The durable record follows: after a restart the repair writes generation 2, not 1.
-    from agent.claims.records import ClaimStore
+    from agent.claims.store import ClaimStore
 
     records, _ = ClaimStore(node.settings.claims_state_dir).load_all()
     assert records[UID1].generation == 2

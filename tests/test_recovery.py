@@ -13,7 +13,8 @@ import pytest
 from agentkit import DRIVER, claim, make_node, restarted, result, write_claim, written_files
 
 from agent import failpoints
-from agent.claims.records import ClaimRecord, ClaimStore, FileRecord
+from agent.claims.records import ClaimRecord, FileRecord
+from agent.claims.store import ClaimStore
 from agent.engine.recovery import recover
 from agent.names import ClaimRef
 

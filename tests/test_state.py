@@ -13,12 +13,11 @@ from typing import Any
 import orjson
 import pytest
 
+from agent.claims.dirsync import DirectorySync
 from agent.claims.records import (
     ClaimRecord,
-    ClaimStore,
     DeviceBinding,
     DevicePartition,
-    DirectorySync,
     FileRecord,
     PartitionKind,
     PreparedDevice,
@@ -27,6 +26,7 @@ from agent.claims.records import (
     decode,
     encode,
 )
+from agent.claims.store import ClaimStore
 from agent.host.vfio.bind import BindPlan, BindStep, FunctionBinding, StepKind
 
 UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from agentkit import DRIVER, roots
 
-from agent.app.taints import RequestWatcher, health_dir, requests_dir
 from agent.config import Settings
 from agent.health.conditions import DeviceConditions
 from agent.health.policy import TaintPolicy
+from agent.health.requests import RequestWatcher, health_dir, requests_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from agentkit import claim, make_node, restarted, result, write_claim, written_files
 
-from agent.claims.records import ClaimStore, RecordState
+from agent.claims.records import RecordState
+from agent.claims.store import ClaimStore
 from agent.engine.recovery import recover
 from agent.host.vfio.pci import current_driver, current_override
 from agent.names import ClaimRef

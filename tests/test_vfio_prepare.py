@@ -23,7 +23,8 @@ from test_vfio import fake_proc
 
 from agent.claims import metadata
 from agent.claims.allocation import config_api_version
-from agent.claims.records import ClaimRecord, ClaimStore, RecordState
+from agent.claims.records import ClaimRecord, RecordState
+from agent.claims.store import ClaimStore
 from agent.engine.recovery import recover
 from agent.host.vfio.bind import BindStep, StepKind, apply_step
 from agent.host.vfio.pci import current_driver, current_override, iommu_group

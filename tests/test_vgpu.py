@@ -25,7 +25,7 @@ from agent.host.mdev.errors import MdevStepFailed, NoInstanceAvailable, ParentUn
 from agent.host.vfio.host import VfioHost
 from agent.hostprep.vgpu import CREATED, VgpuPartitioner
 from agent.inventory import vgpu
-from agent.inventory.gpus import SIM_DIR, GpuSource
+from agent.inventory.gpus import GpuSource
 from agent.model import Device
 from agent.sim.hardware import materialize
 from agent.sim.kernel import mdev as simmdev
@@ -74,7 +74,7 @@ def dgx(tmp_path_factory: pytest.TempPathFactory) -> list[Device]:
 def machine(tmp_path: Path) -> Iterator[Machine]:
     state = tmp_path / "state"
     devices = scan(state)
-    root = state / SIM_DIR
+    root = state / "nvml-sim"
     with KernelEmulator(load_profile("dgx-h100"), root) as kernel:
         yield Machine(SimTree(root), kernel, VfioHost(root / "sys", root / "proc", root / "dev", True), devices)
 
@@ -153,7 +153,7 @@ def test_no_vgpu_devices_where_the_host_driver_offers_no_types(tmp_path: Path) -
                                 compatibility_groups=True))
     source.open()
     try:
-        for types in (tmp_path / SIM_DIR / "sys").glob("bus/pci/devices/*/mdev_supported_types"):
+        for types in (tmp_path / "nvml-sim" / "sys").glob("bus/pci/devices/*/mdev_supported_types"):
             shutil.rmtree(types.resolve())  # a host without a vGPU manager
         devices = source.scan().devices
     finally:

@@ -23,31 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from agent import config
+from agent.app.output import dump, table
 
 # Each command imports what it needs when it runs: `dra-agent kubelet info` and `dra-agent claims`
 # are commands a person waits for, and the agent's full set of modules takes most of a second
 # to import on a small node.
 _LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor", "vfio"}
-
-
-def _dump(obj: Any, fmt: str) -> str:
-    if fmt == "json":
-        import orjson
-
-        return orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode()
-    import yaml
-
-    docs = obj if isinstance(obj, list) and obj and all(isinstance(o, dict) and "kind" in o for o in obj) else None
-    if docs is not None:
-        return yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True)
-    return yaml.safe_dump(obj, sort_keys=False)
-
-
-def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-             for row in [header, *rows]]
-    return "\n".join(lines)
 
 
 # -- commands ---------------------------------------------------------------------------------------
@@ -74,7 +55,7 @@ def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
                          str(attrs.get("resource.kubernetes.io/pciBusID", "")), driver,
                          "" if group is None else str(group),
                          str(attrs.get("resource.kubernetes.io/numaNode", "")), summary))
-        print(_table(rows, ("NAME", "KIND", "CAPACITY", "PCI BUS ID", "DRIVER", "IOMMU", "NUMA", "DETAILS")))
+        print(table(rows, ("NAME", "KIND", "CAPACITY", "PCI BUS ID", "DRIVER", "IOMMU", "NUMA", "DETAILS")))
         for line in not_published:
             print(f"not published: {line}", file=sys.stderr)
     else:
@@ -84,7 +65,7 @@ def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
             if d.name in functions:
                 shown["pciFunction"] = {"driver": functions[d.name][0], "iommuGroup": functions[d.name][1]}
             out.append(shown)
-        print(_dump(out, args.output))
+        print(dump(out, args.output))
     return 0
 
 
@@ -108,17 +89,17 @@ def _pci_functions(settings: config.Settings, devices: Sequence[Any]) -> dict[st
 
 def cmd_vfio(args: argparse.Namespace, settings: config.Settings) -> int:
     from agent.app.vfiostatus import bound_functions
-    from agent.claims.records import ClaimStore
+    from agent.claims.store import ClaimStore
     from agent.host.vfio.host import VfioHost
 
     records, problems = ClaimStore(settings.claims_state_dir).load_all()
     bound = bound_functions(VfioHost.of(settings).sysfs, list(records.values()))
     if args.output == "json":
-        print(_dump([b.wire() for b in bound], "json"))
+        print(dump([b.wire() for b in bound], "json"))
     else:
         rows = [(b.claim, b.state, b.device, b.function, b.role, "" if b.group is None else str(b.group), b.iommu,
                  b.original, b.now + ("" if b.consistent else f" (record says {b.expected})")) for b in bound]
-        print(_table(rows, ("CLAIM", "STATE", "DEVICE", "FUNCTION", "ROLE", "IOMMU GROUP", "INTERFACE",
+        print(table(rows, ("CLAIM", "STATE", "DEVICE", "FUNCTION", "ROLE", "IOMMU GROUP", "INTERFACE",
                             "HOST DRIVER", "DRIVER NOW")))
     for name, why in problems:
         print(f"unreadable record {name}: {why}", file=sys.stderr)
@@ -128,17 +109,17 @@ def cmd_vfio(args: argparse.Namespace, settings: config.Settings) -> int:
 def cmd_slices(args: argparse.Namespace, settings: config.Settings) -> int:
     from agent.app import oneshot
 
-    print(_dump(asyncio.run(oneshot.render_slices(settings)), args.output))
+    print(dump(asyncio.run(oneshot.render_slices(settings)), args.output))
     return 0
 
 
 def cmd_claims(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent.claims.records import ClaimStore
+    from agent.claims.store import ClaimStore
 
     records, problems = ClaimStore(settings.claims_state_dir).load_all()
     ordered = sorted(records.values(), key=lambda r: (r.namespace, r.name))
     if args.output == "json":
-        print(_dump([{
+        print(dump([{
             "namespace": r.namespace, "name": r.name, "uid": r.uid, "podClaimName": r.pod_claim_name,
             "devices": [d.to_json() for d in r.devices], "files": [f.path for f in r.files],
             "preparedAt": r.prepared_at,
@@ -146,7 +127,7 @@ def cmd_claims(args: argparse.Namespace, settings: config.Settings) -> int:
     else:
         rows = [(f"{r.namespace}/{r.name}", r.uid, ",".join(d.device for d in r.devices),
                  " ".join(i for d in r.devices for i in d.cdi_device_ids)) for r in ordered]
-        print(_table(rows, ("CLAIM", "UID", "DEVICES", "CDI DEVICE IDS")))
+        print(table(rows, ("CLAIM", "UID", "DEVICES", "CDI DEVICE IDS")))
         if args.files:
             for r in ordered:
                 print(f"\n{r.namespace}/{r.name}:")
@@ -184,7 +165,7 @@ async def _kubelet(args: argparse.Namespace, settings: config.Settings, kc: Any)
         return 0
     if args.action == "health":
         async for response in kc.watch_health(settings.dra_socket, args.api or "v1"):
-            print(_dump(kc.to_dict(response), "json"), flush=True)
+            print(dump(kc.to_dict(response), "json"), flush=True)
             if args.once:
                 break
         return 0
@@ -193,7 +174,7 @@ async def _kubelet(args: argparse.Namespace, settings: config.Settings, kc: Any)
         call = client.prepare if args.action == "prepare" else client.unprepare
         response = await call([ref])
     out = kc.to_dict(response)
-    print(_dump(out, "json"))
+    print(dump(out, "json"))
     return 1 if any(c.get("error") for c in out.get("claims", {}).values()) else 0
 
 
@@ -231,7 +212,7 @@ def cmd_doctor(args: argparse.Namespace, settings: config.Settings) -> int:
 
     results = asyncio.run(doctor.run(settings, host_root=Path(args.host_root)))
     if args.output == "json":
-        print(_dump([r.to_json() for r in results], "json"))
+        print(dump([r.to_json() for r in results], "json"))
     else:
         encoding = sys.stdout.encoding or "ascii"
         try:

@@ -52,7 +52,7 @@ RECOVERY_BATCH = 64  # records checked per worker-thread call in the background 
 
 class Agent:
     def __init__(self, settings: Settings, servers: Servers | None = None) -> None:
-        from agent.claims.records import ClaimStore
+        from agent.claims.store import ClaimStore
         from agent.health.service import DeviceHealthService
         from agent.inventory import Inventory
         from agent.kubelet.health import HealthTracker

@@ -22,14 +22,13 @@ from typing import cast
 
 from agent.config import Settings
 from agent.fsutil import atomic_write, makedirs
-from agent.inventory.gpus import SIM_DIR
 from agent.sim.control import (
     BAD_SUFFIX,
-    CONTROL_DIR,
     XID_RANGE,
     Action,
     CommandError,
     SimCommand,
+    control_dir,
     device_index,
 )
 from agent.sim.profiles import ProfileError, load_profile
@@ -43,11 +42,6 @@ __all__ = ["SimCommand", "SimctlError", "add_sim_parser", "cmd_sim", "control_di
 
 class SimctlError(Exception):
     """A `dra-agent sim` command that cannot be written, with what to do instead."""
-
-
-def control_dir(settings: Settings) -> Path:
-    """Where the simulated machine of these settings takes its commands."""
-    return settings.state_dir / SIM_DIR / CONTROL_DIR
 
 
 def make_command(settings: Settings, action: str, device: str, xid: str | int | None = None) -> SimCommand:

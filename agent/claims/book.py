@@ -24,7 +24,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from agent.claims.records import ClaimRecord, ClaimStore, PreparedDevice, RecordStamp, RecordState
+from agent.claims.records import ClaimRecord, PreparedDevice, RecordState
+from agent.claims.store import ClaimStore, RecordStamp
 
 RECENT = 64  # whole records kept (the claims operated on last)
 

@@ -22,10 +22,9 @@ from typing import Any
 from agent import quantity
 from agent.claims import cdispecs, metadata
 from agent.claims.allocation import Allocation
-from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, PreparedDevice
+from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, PreparedDevice, partition_attributes
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
-from agent.hostprep.partitions import partition_attributes
 from agent.inventory.gpushare import MIB, SHARE_KIND
 from agent.model import Device
 from agent.names import base_request

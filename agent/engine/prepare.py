@@ -41,8 +41,9 @@ from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.files import ClaimFiles
 from agent.claims.locks import ClaimFileLock, LockTable
 from agent.claims.plan import plan_record
-from agent.claims.records import ClaimRecord, ClaimStore, DeviceBinding, PreparedDevice, RecordError
+from agent.claims.records import ClaimRecord, DeviceBinding, PreparedDevice, RecordError
 from agent.claims.sources import ClaimSource, LocalClaimSource
+from agent.claims.store import ClaimStore
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
 from agent.engine.deferred import DeferredChecks

@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Protocol
 
 from agent.claims import cdispecs
 from agent.config import Settings
@@ -38,10 +39,16 @@ from agent.engine.prepare import PrepareEngine
 from agent.engine.recovery import repair_claim
 from agent.fsutil import is_temp_name, makedirs
 from agent.inotify import IN_CREATE, IN_MOVED_TO, Event, Inotify
-from agent.kubelet.server import Servers
 from agent.names import InvalidName, check_uid
 
 log = logging.getLogger(__name__)
+
+
+class SocketOwner(Protocol):
+    """Whoever serves the kubelet's sockets (`agent.kubelet.server.Servers`): binds again the ones
+    removed under it and says which."""
+
+    async def restore_missing(self) -> list[Path]: ...
 
 DEBOUNCE = 0.1  # seconds: a burst of events on one claim costs one check
 READ_DELAY = 0.05  # seconds from the first event of a batch to its read
@@ -58,7 +65,7 @@ def _dir_identity(path: str) -> tuple[int, int] | None:
 
 
 class SelfHealer:
-    def __init__(self, settings: Settings, engine: PrepareEngine, servers: Servers,
+    def __init__(self, settings: Settings, engine: PrepareEngine, servers: SocketOwner,
                  debounce: float = DEBOUNCE, read_delay: float = READ_DELAY) -> None:
         self.settings = settings
         self.engine = engine

@@ -5,7 +5,7 @@ feeds them while the agent runs:
 - each inventory snapshot: the link state of every NIC (`observe`);
 - the GPU event watcher's events (XIDs, lost and answering GPUs), handed over from its
   thread (`gpu_event`);
-- operators' clear requests (`agent.app.taints.RequestWatcher`);
+- operators' clear requests (`agent.health.requests.RequestWatcher`);
 - time: informational XID taints expiring, link taints held until the link stays up.
 
 When the causes of devices change it calls the daemon's `changed(devices, kinds)` once per
@@ -33,11 +33,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from agent.app.simctl import control_dir
-from agent.app.taints import RequestWatcher, health_dir, requests_dir
 from agent.config import Settings
 from agent.health.conditions import GPU_LOST, DeviceConditions, Readiness
 from agent.health.policy import TaintPolicy, load_policy
+from agent.health.requests import RequestWatcher, health_dir, requests_dir
 from agent.inventory import Inventory, Snapshot
 from agent.inventory.gpu_events import (
     DoubleBitEcc,
@@ -49,6 +48,7 @@ from agent.inventory.gpu_events import (
 )
 from agent.inventory.gpus import GpuSource
 from agent.model import PCI_BUS_ID, Device
+from agent.sim.control import control_dir
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,9 @@ import pynvml
 
 from agent import failpoints
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import DevicePartition, PartitionKind
+from agent.claims.records import DevicePartition, PartitionKind, partition_attributes
 from agent.errors import ClaimFailure
+from agent.host.nvcaps import caps_dir
 from agent.hostprep.migmode import MigModeMarks
 from agent.hostprep.migquery import (
     CI_PROFILES,
@@ -50,12 +51,11 @@ from agent.hostprep.migquery import (
     gi_at,
     gpu_instances,
 )
-from agent.hostprep.partitions import WritePartition, partition_attributes
+from agent.hostprep.partitions import WritePartition
 from agent.inventory import Inventory
 from agent.inventory import mig as migs
 from agent.inventory.gpus import SHARED_NODES, GpuSource
 from agent.model import DeviceNode
-from agent.sim.migstate import caps_dir
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import DevicePartition, PartitionKind
 from agent.errors import ClaimFailure
 from agent.inventory import Inventory
-from agent.model import PCI_BUS_ID, AttrValue, Device
+from agent.model import PCI_BUS_ID, Device
 
 WritePartition = Callable[[DevicePartition], None]
 
@@ -55,19 +55,7 @@ class Partitioner(Protocol):
         ...
 
 
-def partition_attributes(part: DevicePartition) -> dict[str, AttrValue]:
-    """What a made partition adds to its device's attributes (so to the metadata file): a MIG device's
-    UUID as `uuid`, a mediated device's as `mdevUUID` (KubeVirt reads it before `pciBusID`). The one
-    place for both the prepare (`Partitioner.device`) and a later metadata refresh, which renders the
-    devices from the inventory again and must keep them."""
-    if not part.uuid:
-        return {}
-    return {"uuid": part.uuid} if part.kind is PartitionKind.MIG else {MDEV_UUID: part.uuid}
-
-
 # -- the checks every kind shares ----------------------------------------------------------------------
-
-MDEV_UUID = "mdevUUID"
 
 WHOLE, SHARED, MIG_FORM, MDEV_FORM = "whole GPU", "shared GPU", "MIG", "vGPU"
 # Forms of one GPU that never coexist: the whole GPU (native, passthrough) with a share or any

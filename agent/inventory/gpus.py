@@ -53,7 +53,6 @@ from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)
 
-SIM_DIR = "nvml-sim"
 SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
 BRANDS = {
@@ -158,7 +157,7 @@ class GpuSource:
             sim = SimulatedNvml.from_profile(profile)
         except ProfileError as exc:
             raise DiscoveryError(f"--nvml sim:{profile}: {exc}") from exc
-        root = self.settings.state_dir / SIM_DIR
+        root = self.settings.sim_root
         try:
             sim.materialize(root)
         except OSError as exc:

@@ -30,6 +30,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
+from agent.config import Settings
 from agent.fsutil import is_temp_name, makedirs, unlink_quiet
 from agent.sim.profiles import SimProfile
 
@@ -41,6 +42,12 @@ COMMANDS = ("xid", "lose", "recover")
 XID_RANGE = range(1, 1000)
 
 Action = Literal["xid", "lose", "recover"]
+
+
+
+def control_dir(settings: Settings) -> Path:
+    """Where the simulated machine of these settings takes its commands."""
+    return settings.sim_root / CONTROL_DIR
 
 
 class CommandError(ValueError):

@@ -30,6 +30,7 @@ from pathlib import Path
 import orjson
 
 from agent.fsutil import atomic_write, makedirs
+from agent.host.nvcaps import caps_dir
 from agent.sim.kernel.tree import SimTree, device_node
 from agent.sim.migprofiles import MigProfileSpec
 
@@ -50,11 +51,6 @@ _PER_GI = 9
 def caps_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
     base = 3 + gpu_minor * _GIS_PER_GPU * _PER_GI + gi * _PER_GI
     return base if ci is None else base + 1 + ci
-
-
-def caps_dir(proc: Path, gpu_minor: int) -> Path:
-    """The GPU's MIG capabilities directory under the (simulated or real) /proc."""
-    return proc / "driver" / "nvidia" / "capabilities" / f"gpu{gpu_minor}" / "mig"
 
 
 @dataclass(slots=True)

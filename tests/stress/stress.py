@@ -54,8 +54,9 @@ import agentkit  # noqa: E402
 from agent import failpoints  # noqa: E402
 from agent.app.assembly import PublishedForm  # noqa: E402
 from agent.claims import cdispecs, metadata  # noqa: E402
-from agent.claims.records import ClaimRecord, ClaimStore, PartitionKind  # noqa: E402
+from agent.claims.records import ClaimRecord, PartitionKind  # noqa: E402
 from agent.claims.sources import DirectoryClaimSource  # noqa: E402
+from agent.claims.store import ClaimStore  # noqa: E402
 from agent.config import Settings  # noqa: E402
 from agent.engine.prepare import PrepareEngine  # noqa: E402
 from agent.engine.recovery import recover  # noqa: E402
@@ -63,7 +64,7 @@ from agent.fsutil import is_temp_name  # noqa: E402
 from agent.host.mdev import sysfs as mdev  # noqa: E402
 from agent.host.vfio.host import VfioHost  # noqa: E402
 from agent.inventory import Inventory  # noqa: E402
-from agent.inventory.gpus import SIM_DIR, GpuSource  # noqa: E402
+from agent.inventory.gpus import GpuSource  # noqa: E402
 from agent.inventory.passthrough import NicVariants  # noqa: E402
 from agent.model import Device  # noqa: E402
 from agent.names import ClaimRef  # noqa: E402
@@ -178,7 +179,7 @@ def check_partitions(settings: Settings, records: dict[str, ClaimRecord]) -> lis
             elif p.kind is PartitionKind.MDEV:
                 mdevs[p.uuid] = (uid, p.parent, p.profile)
         problems += _partition_metadata(settings, uid, record)
-    root = settings.state_dir / SIM_DIR
+    root = settings.sim_root
     gpus = load_profile(PROFILE).gpus
     try:
         state = orjson.loads((root / MIG_STATE_FILE).read_bytes())

@@ -12,7 +12,7 @@ import pynvml
 
 from agent.app.doctor.base import Checks, existing_parent
 from agent.app.doctor.results import Result, failed, passed
-from agent.claims.records import ClaimStore
+from agent.claims.store import ClaimStore
 from agent.host.pci import nvidia_display_functions
 
 MIN_FREE_BYTES = 16 * 1024 * 1024  # below: blocking (a record, a CDI spec may not fit)

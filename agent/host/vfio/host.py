@@ -10,8 +10,6 @@ from pathlib import Path
 
 from agent.config import Settings
 
-SIM_DIR = "nvml-sim"  # as agent.inventory.gpus.SIM_DIR: the simulated machine below the state directory
-
 
 @dataclass(frozen=True, slots=True)
 class VfioHost:
@@ -23,7 +21,7 @@ class VfioHost:
     @classmethod
     def of(cls, settings: Settings) -> VfioHost:
         if settings.nvml.kind == "sim":
-            root = settings.state_dir / SIM_DIR
+            root = settings.sim_root
             return cls(root / "sys", root / "proc", root / "dev", True)
         # `proc` beside the sysfs root, as GPU discovery reads the driver's GPU list.
         return cls(settings.sysfs_root, settings.sysfs_root.parent / "proc", settings.dev_root, False)
