@@ -8,7 +8,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -16,7 +16,25 @@ from agent.kubelet import client as kubelet_client
 from agent.metrics import AgentState, Check
 
 if TYPE_CHECKING:
-    from agent.app.daemon import Agent
+    from agent.config import Settings
+    from agent.engine.prepare import PrepareEngine
+    from agent.health.service import DeviceHealthService
+    from agent.inventory import Inventory
+    from agent.kubelet.health import HealthTracker
+    from agent.kubelet.server import Servers
+    from agent.publish.loop import PublishLoop
+
+
+class Agent(Protocol):
+    """What the probes read of the running agent (`agent.app.daemon.Agent`)."""
+
+    settings: Settings
+    servers: Servers | None
+    publish: PublishLoop | None
+    inventory: Inventory
+    tracker: HealthTracker
+    health: DeviceHealthService
+    engine: PrepareEngine | None
 
 
 async def healthz(agent: Agent) -> list[Check]:
