@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import yaml
-from agentkit import DRIVER, REPO, Quickstart, claim, result, roots, write_claim
+from agentkit import DRIVER, REPO, Quickstart, claim, make_node, nic, result, roots, write_claim
 from conftest import need_root
 from gocheck import build
 
@@ -399,3 +399,26 @@ async def test_official_libraries_read_shares_and_vgpus(short_tmp: Path, checker
         kinds = await prepare_in_rounds(quick, settings, seeded, checker)
     assert kinds == {"shared", "vgpu"}
 
+
+async def test_the_metadata_of_a_nic_with_many_addresses_passes_the_official_validation(
+        tmp_path: Path, checker: Path) -> None:
+    """The API type holds at most 16 IPs in a device's networkData: a NIC with more gets the first 16 in
+    its metadata file, as in its claim status, so a reader that validates the file accepts it."""
+    ips = [f"10.0.{i}.5/24" for i in range(20)] + ["2001:db8::5/64"]
+    node = await make_node(tmp_path, nics=[nic(ips=ips)])
+    uid = "6a0f7c1e-0000-4000-8000-000000000004"
+    write_claim(node.claims_dir, claim("nic-many", uid, [result("nic-0000-3b-00-0", "nic")]))
+    out = await node.engine.prepare([ClaimRef("default", "nic-many", uid)])
+    assert out[uid].error == "", out[uid].error
+    host = metadata.host_file(node.settings.metadata_dir, uid, "nic")
+    ids = [i for d in out[uid].devices for i in d.cdi_device_ids]
+    report = run_checker(checker, tmp_path, [node.settings.cdi_dir], {uid: ids}, [host])
+    info = report["metadata"][str(host)]
+    assert [o["source"] for o in info["objects"]] == [V1BETA1, V1ALPHA1]
+    for obj in info["objects"]:
+        assert obj["errors"] == {} and obj["validation"] == {}, (obj["errors"], obj["validation"])
+        for version in (V1BETA1, V1ALPHA1):
+            (request,) = obj["as"][version]["requests"]
+            (device,) = request["devices"]
+            assert device["networkData"] == {"interfaceName": "ens1f0", "ips": ips[:16],
+                                             "hardwareAddress": "02:00:00:00:00:01"}
