@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 RUN    ?= .run
 PB     := agent/pb/__init__.py
 
-.PHONY: all setup test lint run bench stress hw-check nvml-standin clean
+.PHONY: all setup test lint run bench stress hw-check nvml-standin gocheck clean
 
 all: setup
 
@@ -26,8 +26,15 @@ lint: setup
 	$(BIN)/ruff check agent cdi tests examples proto image
 	$(BIN)/mypy agent cdi
 
-test: lint nvml-standin
+test: lint nvml-standin gocheck
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The Go checker (tests/gocheck): the official CDI and device-metadata libraries read what the agent
+# writes (tests/test_official_readers.py). Built once into ~/.cache/dra-agent/gocheck-<hash>/, reused
+# while go.mod, go.sum, the sources and the Go toolchain stay the same. Without Go it only warns (the
+# test then skips), unless DRA_TEST_NO_SKIP is set.
+gocheck:
+	$(PYTHON) tests/gocheck/build.py >/dev/null
 
 # The stand-in libnvidia-ml.so.1 (tests/nvml_standin/): the real pynvml path without a GPU. Built
 # twice: the current driver's library, and an older driver's that lacks some functions.
