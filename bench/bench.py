@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,7 @@ SHARE_MEMORY = "4Gi"  # 120 shares over 8 GPUs of 80 GiB: 15 a GPU fit
 class Options:
     samples: int
     rounds: int
+    fill_rounds: int
     starts: int
     mid: int
     fill: int
@@ -256,7 +258,7 @@ async def on_disk(work: Path, opts: Options, r: dict[str, Any]) -> None:
             step("disk: 16 claims one at a time and in flight")
             await throughput(sides, run, "ext4", opts.rounds, r)
             step(f"disk: node fill, {NODE_FILL} claims")
-            await node_fill(sides, run, opts.rounds, r)
+            await node_fill(sides, run, opts.fill_rounds, r)
             for s in sides:
                 await measure.fill(s, fills[:10])
             step("disk: prepare + unprepare, 10 other claims prepared")
@@ -342,6 +344,7 @@ async def run_all(opts: Options) -> dict[str, Any]:
         r["prepare_nic_vs_1gpu"] = r["prepare_nic_p50_ms"] / r["prepare_1gpu_p50_ms"]
     r["samples_per_figure"] = opts.samples
     r["rounds_per_figure"] = opts.rounds
+    r["node_fill_rounds"] = opts.fill_rounds
     if opts.peer is not None:
         r["peer"] = f"{opts.peer.go_version}, device metadata {'on' if opts.metadata else 'off'}"
     return dict(sorted(r.items()))
@@ -370,11 +373,17 @@ def first_nic() -> str | None:
     return min((d.name for d in devices), default=None)
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=300, help="samples per latency figure (default: 300)")
     p.add_argument("--rounds", type=int, default=7,
                    help="rounds per throughput and node-fill figure, the median taken (default: 7)")
+    p.add_argument("--node-fill-rounds", type=int, default=3,
+                   help="rounds of the node fill, the median taken (default: 3)")
     p.add_argument("--starts", type=int, default=5, help="starts per start-up figure (default: 5)")
     p.add_argument("--mid", type=int, default=1_000,
                    help="claims prepared on both drivers for the scaling and memory comparison (default: 1000)")
@@ -388,16 +397,23 @@ def main() -> int:
     args = p.parse_args()
     if not 10 < args.mid < args.fill:
         p.error("--mid must be more than 10 and less than --fill")
+    # SIGTERM ends the run as Ctrl-C does: the drivers and servers it started are stopped on the way out.
+    signal.signal(signal.SIGTERM, _terminated)
     log: list[str] = []
     binaries = peers.build(log) if args.peer == "auto" else None
     if args.peer == "off":
         log.append("--peer off: the agent alone")
     print("\n".join(log))
-    opts = Options(args.samples, args.rounds, args.starts, args.mid, args.fill, binaries, args.peer_metadata == "on")
+    opts = Options(args.samples, args.rounds, args.node_fill_rounds, args.starts, args.mid, args.fill, binaries,
+                   args.peer_metadata == "on")
     if binaries is not None:
         print("claims: the agent reads the offline directory's YAML files; the peer reads the same claims "
               "with client-go (GET, JSON over HTTP on loopback) from the bench's claims API")
-    results = asyncio.run(run_all(opts))
+    try:
+        results = asyncio.run(run_all(opts))
+    except KeyboardInterrupt:
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
     if binaries is not None:
         print("\n" + report.side_by_side(results, args.mid))
     print("\n" + report.every_key(results))
