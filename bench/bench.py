@@ -416,6 +416,7 @@ def main() -> int:
         return 130
     if binaries is not None:
         print("\n" + report.side_by_side(results, args.mid))
+        print("\nthe agent alone\n" + report.agent_targets(results))
     print("\n" + report.every_key(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2) + b"\n")

@@ -4,11 +4,12 @@
 Starts the agent as `make bench` does, with its directories on the disk under /tmp, and keeps 16
 one-claim NodePrepareResources calls in flight (then their 16 unprepares, and again) while py-spy
 samples it twice: with --gil (only the thread holding the GIL: what the calls fight over), then
-with --idle (every thread, waiting or not). Both profiles are written as collapsed stacks, one per
-thread (`--threads`), under .bench/profile/, and summed up: each thread's share of the samples,
-and the functions most often at the top of the stack.
+with --idle (every thread, waiting or not). First, unsampled, each thread's CPU time per claim
+(from /proc), one call at a time and then with the calls in flight. Both profiles are written as
+collapsed stacks, one per thread (`--threads`), under .bench/profile/, and summed up: each group of
+threads' share of the samples, and the functions most often at the top of the stack.
 
-    .venv/bin/python bench/pyspy.py [--seconds 20] [--in-flight 16]
+    .venv/bin/python bench/pyspy.py [--seconds 20] [--in-flight 16] [--native]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import re
 import shutil
 import subprocess
@@ -44,6 +46,39 @@ async def drive(side: Side, claims: Claims, in_flight: int, seconds: float) -> f
         await asyncio.gather(*(unprepare(side, [r]) for r in refs))
         done += len(refs)
     return done / (time.perf_counter() - started)
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far: the main thread (the event loop), the other Python threads
+    (the workers among them; the kernel knows them all as `python`) and gRPC's own threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = collections.defaultdict(float)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # the thread ended
+        group = ("main thread (event loop)" if task.name == str(pid)
+                 else "other Python threads" if name == "python" else f"{name} threads")
+        out[group] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(out)
+
+
+async def cpu_per_claim(side: Side, claims: Claims, pid: int, in_flight: int, seconds: float) -> str:
+    """Each group of threads' CPU time per claim (prepare + unprepare), from /proc: what py-spy's
+    sampling does not disturb."""
+    before, started = thread_cpu(pid), time.perf_counter()
+    rate = await drive(side, claims, in_flight, seconds)
+    after, wall = thread_cpu(pid), time.perf_counter() - started
+    count = rate * wall
+    lines = [f"CPU per claim (prepare + unprepare) by thread, {rate:.0f} claims/s, {in_flight} in flight, "
+             f"{wall:.0f} s; the process used {sum(after.values()) - sum(before.values()):.1f} CPU s:"]
+    for group in sorted(after, key=lambda g: before.get(g, 0.0) - after[g]):
+        used = after[group] - before.get(group, 0.0)
+        if used > 0:
+            lines.append(f"    {used / count * 1000:7.3f} ms  {group}")
+    return "\n".join(lines)
 
 
 def summary(collapsed: Path, title: str, top: int = 20) -> str:
@@ -113,15 +148,22 @@ async def main_async(args: argparse.Namespace) -> int:
         async with kc.DRAClient(agent.dra_socket) as client:
             side = Side("ours", agent, client)
             await drive(side, claims, args.in_flight, 2.0)  # warm
-            reports = []
+            reports = [await cpu_per_claim(side, claims, agent.proc.pid, n, args.seconds // 2)
+                       for n in (1, args.in_flight)]
             for name, flags in (("gil", ["--gil"]), ("idle", ["--idle"])):
                 target = args.out / f"{name}.txt"
-                spy = subprocess.Popen([py_spy, "record", "--pid", str(agent.proc.pid), "--threads", *flags,
-                                        "--nonblocking", "--rate", str(args.rate), "--format", "raw",
-                                        "--duration", str(args.seconds), "--output", str(target)],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                rate = await drive(side, claims, args.in_flight, args.seconds)
-                await asyncio.to_thread(spy.wait)
+                # C frames are unwound only while the process is paused: --native samples in blocking
+                # mode, which slows the agent down; without it the agent runs on while sampled.
+                mode = ["--native"] if args.native else ["--nonblocking"]
+                errors = args.out / f"{name}.err"
+                with errors.open("wb") as err:
+                    spy = subprocess.Popen([py_spy, "record", "--pid", str(agent.proc.pid), "--threads", *flags,
+                                            *mode, "--rate", str(args.rate), "--format", "raw",
+                                            "--duration", str(args.seconds), "--output", str(target)],
+                                           stdout=subprocess.DEVNULL, stderr=err)
+                    rate = await drive(side, claims, args.in_flight, args.seconds)
+                    if await asyncio.to_thread(spy.wait) != 0:
+                        raise SystemExit(f"py-spy failed:\n{errors.read_text()}")
                 reports.append(summary(target, f"py-spy {' '.join(flags)} ({rate:.0f} claims/s, "
                                                f"{args.in_flight} in flight)"))
         agent.stop()
@@ -138,6 +180,8 @@ def main() -> int:
     p.add_argument("--seconds", type=int, default=20, help="seconds per profile (default: 20)")
     p.add_argument("--in-flight", type=int, default=16, help="calls in flight (default: 16)")
     p.add_argument("--rate", type=int, default=250, help="py-spy samples a second (default: 250)")
+    p.add_argument("--native", action="store_true",
+                   help="also sample C frames (gRPC's core, the interpreter): where the event loop's callbacks go")
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "profile")
     return asyncio.run(main_async(p.parse_args()))
 

@@ -52,6 +52,14 @@ SIDE_BY_SIDE: list[tuple[str, str, str, str]] = [
 ]
 
 
+def agent_targets(results: dict[str, Any]) -> str:
+    """The agent's figures with a target that the side-by-side table does not show."""
+    shown = {k for row in SIDE_BY_SIDE for k in row[1:]}
+    keys = [k for k in TARGETS if k not in shown and not k.startswith("peer_")]
+    width = max(len(k) for k in keys)
+    return "\n".join(f"{k.ljust(width)}  {fmt(results.get(k)).rjust(9)}  {target(k, results.get(k))}" for k in keys)
+
+
 def fmt(value: Any) -> str:
     if value is None:
         return "n/a"
