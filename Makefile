@@ -23,8 +23,9 @@ $(PB): proto/*.proto proto/build.py $(STAMP)
 setup: $(STAMP) $(PB)
 
 lint: setup
-	$(BIN)/ruff check agent cdi tests examples proto image
+	$(BIN)/ruff check agent cdi tests bench examples proto image
 	$(BIN)/mypy agent cdi
+	MYPYPATH=bench $(BIN)/mypy --explicit-package-bases bench/*.py
 
 test: lint nvml-standin gocheck
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -63,7 +64,7 @@ run: setup
 	  --metrics-address "$${DRA_METRICS_ADDRESS-127.0.0.1:0}" $(ARGS)
 
 bench: setup
-	$(BIN)/python tests/bench/bench.py $(ARGS)
+	$(BIN)/python bench/bench.py $(ARGS)
 
 # The crash suite and the fuzzer (tests/stress/stress.py): >= 1,000 SIGKILLs, >= 10,000 inputs.
 stress: setup
