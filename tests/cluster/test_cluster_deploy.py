@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 import pytest
-from clusterkit import ApiFailure, Cluster
+from clusterkit import ApiFailure, Cluster, eventually
 from controlplane import DEPENDENCY_GATES, DRA_GATES, RUNTIME_CONFIG
 
 pytestmark = pytest.mark.cluster
@@ -80,3 +80,30 @@ def test_device_class_selectors_are_compiled_by_the_server(cluster: Cluster) -> 
         with pytest.raises(ApiFailure) as refused:
             cluster.admin.post(CLASSES, broken, dryRun="All")
         assert refused.value.status == 422 and "compilation failed" in refused.value.message
+
+
+def _type_checked(cluster: Cluster, name: str) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        policy = cluster.admin.get(f"{POLICIES}/{name}")
+        status = policy.get("status") or {}
+        done = status.get("observedGeneration") == policy["metadata"]["generation"]
+        return status if done else None
+
+    return eventually(probe, f"the controller-manager type-checks ValidatingAdmissionPolicy {name}")
+
+
+def test_admission_policy_type_checks_without_warnings(cluster: Cluster) -> None:
+    (policy,) = [o for o in cluster.applied["base"] if o["kind"] == "ValidatingAdmissionPolicy"]
+    status = _type_checked(cluster, policy["metadata"]["name"])
+    assert (status.get("typeChecking") or {}).get("expressionWarnings") in (None, [])
+    # A copy with a misspelt field gets a warning from the same checker.
+    probe = copy.deepcopy(policy)
+    probe["metadata"] = {"name": "probe-type-checking"}
+    probe["spec"]["validations"].append({"expression": "object.spec.nodeNam == 'x'"})
+    cluster.admin.post(POLICIES, probe)
+    try:
+        warnings = (_type_checked(cluster, "probe-type-checking").get("typeChecking") or {}).get(
+            "expressionWarnings") or []
+    finally:
+        cluster.admin.delete(f"{POLICIES}/probe-type-checking")
+    assert any("nodeNam" in w["warning"] for w in warnings), warnings
