@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx2
 import yaml
-from controlplane import ControlPlane, kubeconfig, tail
+
+from .controlplane import ControlPlane, kubeconfig, tail
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -288,7 +289,7 @@ def agent(root: Path, kubeconfig_path: Path, *args: str, node: str = NODE, nvml:
     """`dra-agent run` against the cluster in `kubeconfig_path`, its roots under `root` (kept across
     runs, as on a node: a second run with the same root is a restart), metrics on a free port, JSON
     logs appended to `root/agent.log`. Stopped with SIGTERM when the block ends."""
-    from controlplane import free_port
+    from .controlplane import free_port
 
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()

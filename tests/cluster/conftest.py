@@ -21,9 +21,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster
-from controlplane import ControlPlaneError, start_plane, tail
-from pki import Pki
+
+from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster
+from .controlplane import ControlPlaneError, start_plane, tail
+from .pki import Pki
 
 DEPLOY = REPO / "deploy"
 OVERLAYS = sorted(p for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())

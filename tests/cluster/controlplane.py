@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pki import Pair, Pki
+
+from .pki import Pair, Pki
 
 # Every DRA feature gate of Kubernetes 1.37 (pkg/features/kube_features.go), with the one gate a DRA
 # gate depends on that is off by default (DRAWorkloadResourceClaims needs GenericWorkload).

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from clusterkit import DRIVER, NODE, OTHER_NODE, SLICES, ApiFailure, Cluster, Rest
+
+from .clusterkit import DRIVER, NODE, OTHER_NODE, SLICES, ApiFailure, Cluster, Rest
 
 pytestmark = pytest.mark.cluster
 

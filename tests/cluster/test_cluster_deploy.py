@@ -10,8 +10,9 @@ import re
 from typing import Any
 
 import pytest
-from clusterkit import ApiFailure, Cluster, eventually
-from controlplane import DEPENDENCY_GATES, DRA_GATES, RUNTIME_CONFIG
+
+from .clusterkit import ApiFailure, Cluster, eventually
+from .controlplane import DEPENDENCY_GATES, DRA_GATES, RUNTIME_CONFIG
 
 pytestmark = pytest.mark.cluster
 
