@@ -82,7 +82,9 @@ class Component:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = 2.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds: a cluster thrown away needs no graceful
+        shutdown (the API server's takes over ten seconds with watches open)."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)

@@ -9,11 +9,12 @@ store exactly what was sent; a restart must find the pool current and write noth
 from __future__ import annotations
 
 import collections
+import subprocess
 from typing import Any
 
 import pytest
 
-from .clusterkit import NODE_ALLOCATABLE, AgentRuns, Cluster, devices_of, slices_of
+from .clusterkit import NODE_ALLOCATABLE, VENV_BIN, AgentRuns, Cluster, devices_of, eventually, slices_of
 
 pytestmark = pytest.mark.cluster
 
@@ -71,3 +72,30 @@ def test_every_form_is_accepted_and_a_restart_writes_nothing(cluster: Cluster, a
     # Nothing rewritten, no new generation, no copy of a slice.
     assert writes(again) == {}
     assert snapshot(slices_of(cluster.admin, node)) == before
+
+
+def test_a_taint_is_written_once_and_its_time_kept(cluster: Cluster, agent_runs: AgentRuns) -> None:
+    # The API server stamps a taint's timeAdded; the agent keeps the server's stamp instead of sending
+    # the taint again without it at every sync, and a restart finds nothing to write.
+    node = "dra-taints"
+    cluster.add_node(node)
+    kubeconfig = cluster.agent_kubeconfig(node)
+    with agent_runs.run(node, kubeconfig, node=node) as agent:
+        agent.wait_published()
+        done = subprocess.run([str(VENV_BIN / "dra-agent"), "sim", "xid", "gpu-2", "79", f"--node-name={node}",
+                               "--nvml=sim:dgx-h100", f"--state-dir={agent.root / 'state'}"],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+
+        def tainted() -> list[dict[str, Any]]:
+            return devices_of(slices_of(cluster.admin, node))["gpu-2"].get("taints") or []
+
+        (taint,) = eventually(tainted, "the XID taint on gpu-2")
+        assert taint["effect"] == "NoExecute" and taint["timeAdded"]  # XID 79: off the bus
+        agent.wait_published()
+        before = snapshot(slices_of(cluster.admin, node))
+    with agent_runs.run(node, kubeconfig, node=node) as agent:
+        agent.wait_published()
+        assert writes(agent.metrics()) == {}
+    assert snapshot(slices_of(cluster.admin, node)) == before
+    assert tainted() == [taint]
