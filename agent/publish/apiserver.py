@@ -150,10 +150,8 @@ class ApiPublisher:
             obj = dict(write.obj)
             obj["metadata"] = {k: v for k, v in (write.obj.get("metadata") or {}).items()
                                if k not in ("name", "resourceVersion")}
-            model = cast(ResourceSlice, ResourceSlice.from_dict(obj))
-
-            async def dry_run(m: ResourceSlice = model) -> ResourceSlice:
-                return await self.client.create(m, dry_run=True)
+            async def dry_run(obj: dict[str, Any] = obj) -> ResourceSlice:
+                return await self.client.create(cast(ResourceSlice, ResourceSlice.from_dict(obj)), dry_run=True)
 
             answer = await self._call("a dry run of a ResourceSlice", dry_run)
             self._learn(write.obj, kube.plain(answer), "a dry run of a ResourceSlice")

@@ -87,12 +87,16 @@ def cluster(components: Path, cluster_root: Path, pki: Pki) -> Iterator[Cluster]
         c.add_node(NODE, declared=[NODE_ALLOCATABLE])
         c.add_node(OTHER_NODE)
         plane.wait_components()
-        c.ready_in = time.monotonic() - started
-        print(f"\ncontrol plane: API server ready in {plane.started_in:.1f} s, deploy/ applied and every "
-              f"component healthy in {c.ready_in:.1f} s ({plane.root})")
+    except Exception as exc:
+        logs = plane.logs()
+        c.close()
+        plane.stop()
+        pytest.fail(f"setting up the cluster failed: {exc}\n{logs}", pytrace=False)
+    c.ready_in = time.monotonic() - started
+    print(f"\ncontrol plane: API server ready in {plane.started_in:.1f} s, deploy/ applied and every "
+          f"component healthy in {c.ready_in:.1f} s ({plane.root})")
+    try:
         yield c
-    except BaseException as exc:
-        raise AssertionError(f"setting up the cluster failed: {exc}\n{plane.logs()}") from exc
     finally:
         c.close()
         plane.stop()
