@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 RUN    ?= .run
 PB     := agent/pb/__init__.py
 
-.PHONY: all setup test lint run bench stress hw-check nvml-standin gocheck clean
+.PHONY: all setup test test-cluster cluster-components lint run bench stress hw-check nvml-standin gocheck clean
 
 all: setup
 
@@ -27,7 +27,7 @@ lint: setup
 	$(BIN)/mypy agent cdi
 	MYPYPATH=bench $(BIN)/mypy --explicit-package-bases bench/*.py
 
-test: lint nvml-standin gocheck
+test: lint nvml-standin gocheck cluster-components
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The Go checker (tests/gocheck): the official CDI and device-metadata libraries read what the agent
@@ -36,6 +36,16 @@ test: lint nvml-standin gocheck
 # test then skips), unless DRA_TEST_NO_SKIP is set.
 gocheck:
 	$(PYTHON) tests/gocheck/build.py >/dev/null
+
+# The real Kubernetes control plane the tests under tests/cluster run against (README "Tests"):
+# kube-apiserver, kube-scheduler, kube-controller-manager and etcd, built with Go from
+# tests/cluster/k8s/go.mod into ~/.cache/dra-agent/k8s-<version>/, reused while go.mod, go.sum and
+# the Go version stay the same. `make test-cluster` runs only those tests.
+cluster-components: setup
+	$(BIN)/python tests/cluster/build.py >/dev/null
+
+test-cluster: cluster-components
+	$(BIN)/python -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS)
 
 # The stand-in libnvidia-ml.so.1 (tests/nvml_standin/): the real pynvml path without a GPU. Built
 # twice: the current driver's library, and an older driver's that lacks some functions.
