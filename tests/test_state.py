@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
+from agent.claims.book import ClaimBook
 from agent.claims.dirsync import DirectorySync
 from agent.claims.records import (
     ClaimRecord,
@@ -92,6 +93,30 @@ def test_store_writes_0600_and_loads_back(tmp_path):
     records, problems = store.load_all()
     assert problems == [] and records[UID] == record()
     assert store.delete(UID) is True and store.delete(UID) is False
+
+
+def test_the_book_deletes_a_record_durably_and_forgets_the_claim(tmp_path, monkeypatch):
+    store = ClaimStore(tmp_path / "claims")
+    book = ClaimBook(store)
+    book.write(record())
+    assert book.record_of(UID) is not None and book.claims_holding({"gpu-0"}) == [UID]
+    assert book.delete(UID) is True
+    assert store.stamp(UID) is None and book.record_of(UID) is None and book.claims_holding({"gpu-0"}) == []
+    assert book.delete(UID) is False
+
+    book.write(record())
+
+    def unlink_fails(path, durable=False):
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(store.root, "unlink", unlink_fails)
+    with pytest.raises(OSError):
+        book.delete(UID)
+    assert book.record_of(UID) is not None  # the caller was told: the claim is still known
+    # Best effort (a failed prepare's record): forgotten all the same; the file is read again when asked for.
+    assert book.delete(UID, best_effort=True) is False
+    assert book.record_of(UID) is None and store.stamp(UID) is not None
+    assert book.current(UID) == record() and book.record_of(UID) is not None
 
 
 def test_load_reports_damaged_records_and_ignores_temp_files(tmp_path):

@@ -58,9 +58,7 @@ class ClaimFiles:
         """A prepare without bindings failed: its record and files go."""
         # The record may be in place already (renamed, then its directory's fsync failed): the
         # prepare is reported as failed, so no record may say otherwise.
-        with contextlib.suppress(OSError):
-            book.store.delete(record.uid)
-        book.forget(record.uid)
+        book.delete(record.uid, best_effort=True)
         for f in reversed(record.files):
             with contextlib.suppress(OSError):
                 self.root_of(f.path).unlink(f.path)

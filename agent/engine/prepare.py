@@ -391,8 +391,7 @@ class PrepareEngine:
                     return record
                 # The record goes first: a crash from here on leaves only files that no record
                 # owns, which the next start removes.
-                self.store.delete(record.uid)
-                self.book.forget(record.uid)
+                self.book.delete(record.uid)
                 failpoints.hit("unprepare-after-record")
                 self.files.remove_files(record)
             return record

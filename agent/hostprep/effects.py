@@ -15,7 +15,6 @@ in the mapping the engine builds.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -151,9 +150,7 @@ class HostEffects:
                       "in state binding, to be rolled back by the next operation or start",
                       record.namespace, record.name, exc)
             return
-        with contextlib.suppress(OSError):
-            self.book.store.delete(record.uid)
-        self.book.forget(record.uid)
+        self.book.delete(record.uid, best_effort=True)
 
     # -- unprepare, settle, recovery ------------------------------------------------------------------
 
@@ -170,8 +167,7 @@ class HostEffects:
         files.remove_files(record)
         restoring = self._destroy(restoring, self.book.write)
         self.passthrough.restore(restoring, self.book.write)
-        self.book.store.delete(record.uid)
-        self.book.forget(record.uid)
+        self.book.delete(record.uid)
         failpoints.hit("unprepare-after-record")
 
     def settle(self, record: ClaimRecord, files: ClaimFiles) -> None:
@@ -184,8 +180,7 @@ class HostEffects:
         write = None if record.state is RecordState.BINDING else self.book.write
         record = self._destroy(record, write)
         self.passthrough.restore(record, write)
-        self.book.store.delete(record.uid)
-        self.book.forget(record.uid)
+        self.book.delete(record.uid)
         log.info("claim %s/%s: an interrupted %s settled: its partitions are destroyed and its functions back on "
                  "their drivers", record.namespace, record.name, "prepare" if write is None else "unprepare")
 

@@ -240,8 +240,7 @@ class Passthrough:
             self.restore(record, None)
         else:
             self.restore(record, self.book.write)
-        self.book.store.delete(record.uid)
-        self.book.forget(record.uid)
+        self.book.delete(record.uid)
         log.info("claim %s/%s: %s settled: its PCI functions are back on their drivers", record.namespace,
                  record.name, "an interrupted prepare" if record.state is RecordState.BINDING else
                  "an interrupted unprepare")
@@ -256,8 +255,7 @@ class Passthrough:
         failpoints.hit("unprepare-after-restore-intent")
         files.remove_files(record)
         self.restore(restoring, self.book.write)
-        self.book.store.delete(record.uid)
-        self.book.forget(record.uid)
+        self.book.delete(record.uid)
         failpoints.hit("unprepare-after-record")
 
     def _run(self, record: ClaimRecord, i: int, steps: Sequence[BindStep], write: WriteRecord,
