@@ -20,7 +20,8 @@ Order of side effects, so that a crash at any point leaves all or nothing
 - metadata refresh: new record (fsync'd) -> files. Recovery rewrites the files from the record.
 - passthrough (VFIO) devices bind PCI functions to vfio-pci, partition devices (MIG) create their
   partition: intent record -> each step (recorded first) -> files -> final record; unprepare: restore
-  intent -> files -> each undo step -> record removed (`agent.hostprep.effects`).
+  intent -> files -> the effects undone in the reverse order of their application, each step recorded
+  first -> record removed (`agent.hostprep.effects`).
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ class PrepareEngine:
              bindings: list[DeviceBinding] | None = None) -> ClaimRecord:
         """Every file of the prepared claim with its content, and the kubelet response
         (`agent.claims.plan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
-        in their facts (`Passthrough.bound_devices`)."""
+        in their facts (`Passthrough.devices`)."""
         if unbound := {a.device.name for a in alloc.devices if a.device.kind == "vfio"} - \
                 {b.device for b in bindings or ()}:
             raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
@@ -355,11 +356,10 @@ class PrepareEngine:
                 if not os.path.exists(node.host_path):
                     raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                         f"on the host ({node.host_path})")
-        bindings = self.passthrough.plan(alloc)
-        parts = self.effects.plan(alloc)
-        if bindings or parts:
+        intent = self.effects.intent(alloc)
+        if intent is not None:
             # The intent first: from here on a crash leaves a record that recovery rolls back.
-            record = self.effects.make(alloc, bindings, parts, lambda a, b: self.plan(a, bindings=b), self.files)
+            record = self.effects.make(alloc, intent, lambda a, b: self.plan(a, bindings=b), self.files)
         else:
             record = self.plan(alloc)
         try:
@@ -368,7 +368,7 @@ class PrepareEngine:
                 failpoints.hit(_step(f.path, self.settings))
             self.book.write(record)
         except BaseException:
-            if record.bindings or record.partitions:
+            if self.effects.held(record):
                 self.effects.roll_back(record, self.files)
             else:
                 self.files.roll_back(record, self.book)
@@ -386,8 +386,8 @@ class PrepareEngine:
                 if not record.prepared:
                     self.settle(record)
                     return record
-                if record.bindings or record.partitions:
-                    self.effects.unprepare(record, self.files)
+                if self.effects.held(record):
+                    self.effects.unprepare_with_effects(record, self.files)
                     return record
                 # The record goes first: a crash from here on leaves only files that no record
                 # owns, which the next start removes.
