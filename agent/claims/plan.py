@@ -22,7 +22,14 @@ from typing import Any
 from agent import quantity
 from agent.claims import cdispecs, metadata
 from agent.claims.allocation import Allocation
-from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, PreparedDevice, partition_attributes
+from agent.claims.records import (
+    ClaimRecord,
+    DeviceBinding,
+    FileRecord,
+    FileRole,
+    PreparedDevice,
+    partition_attributes,
+)
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
 from agent.inventory.gpushare import MIB, SHARE_KIND
@@ -42,7 +49,8 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
     env = {name: {**shares.get(name, {}), **alloc.config_env.get(name, {})}
            for name in set(shares) | set(alloc.config_env)}
     spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, env)
-    files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec)))
+    files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec),
+                            role=FileRole.CLAIM_SPEC))
     devices: list[PreparedDevice] = []
     first_of_request: set[str] = set()
     for a in alloc.devices:
@@ -61,11 +69,11 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
         content = metadata.render(driver=s.driver_name, namespace=ref.namespace, name=ref.name,
                                   uid=ref.uid, pod_claim_name=alloc.pod_claim_name,
                                   generation=generation, devices=allocs)
-        files.append(FileRecord(str(host), content))
+        files.append(FileRecord(str(host), content, role=FileRole.METADATA_FILE, request=base))
         container = metadata.container_file(s.driver_name, ref.name, base, alloc.pod_claim_name)
         mspec = cdispecs.metadata_spec(vendor, ref.uid, base, str(host), container)
         files.append(FileRecord(str(s.cdi_dir / cdispecs.metadata_spec_name(vendor, ref.uid, base)),
-                                encode_spec(mspec)))
+                                encode_spec(mspec), role=FileRole.METADATA_SPEC, request=base))
     dirs = [str(metadata.host_dir(s.metadata_dir, ref.uid))] if alloc.devices else []
     return ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
                        pod_claim_name=alloc.pod_claim_name, devices=devices, files=files, dirs=dirs,

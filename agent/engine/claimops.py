@@ -23,13 +23,12 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from agent import failpoints
-from agent.claims import cdispecs
 from agent.claims.allocation import Allocation, parse_claim
 from agent.claims.book import ClaimBook
 from agent.claims.files import ClaimFiles
 from agent.claims.locks import LockTable
 from agent.claims.plan import plan_record
-from agent.claims.records import ClaimRecord, DeviceBinding
+from agent.claims.records import ClaimRecord, DeviceBinding, FileRole
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
 from agent.errors import ClaimFailure
@@ -144,7 +143,7 @@ def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
     try:
         for f in record.files:
             engine.files.root_of(f.path).write(f.path, f.content, f.mode)
-            failpoints.hit(_step(f.path, engine.settings))
+            failpoints.hit(_WRITTEN[f.role])
         engine.book.write(record)
     except BaseException:
         if effects.held(record):
@@ -156,7 +155,5 @@ def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
     return record
 
 
-def _step(path: str, settings: Settings) -> str:
-    if path.startswith(str(settings.cdi_dir) + os.sep):
-        return "after-metadata-spec" if f"_{cdispecs.METADATA_CLASS}_" in path else "after-claim-spec"
-    return "after-metadata-file"
+_WRITTEN = {FileRole.CLAIM_SPEC: "after-claim-spec", FileRole.METADATA_FILE: "after-metadata-file",
+            FileRole.METADATA_SPEC: "after-metadata-spec"}  # the failpoint after each file of a prepare
