@@ -26,6 +26,7 @@ from agent.model import Device, attribute_wire
 API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
 CONTAINER_ROOT = "/var/run/kubernetes.io/dra-device-attributes"
 POD_CLAIM_NAME = "resource.kubernetes.io/pod-claim-name"
+FILE_NAME = "metadata.json"  # of every host file: `<metadata dir>/<uid>/<base request>/metadata.json`
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ def host_dir(metadata_root: Path, uid: str) -> Path:
 
 
 def host_file(metadata_root: Path, uid: str, base_request: str) -> Path:
-    return host_dir(metadata_root, uid) / base_request / "metadata.json"
+    return host_dir(metadata_root, uid) / base_request / FILE_NAME
 
 
 def container_file(driver: str, claim_name: str, base_request: str, pod_claim_name: str = "") -> str:
