@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from pathlib import Path
 
@@ -55,12 +56,47 @@ def wire(c: DeviceConditions, device: str) -> list[dict[str, str]]:
 
 def test_default_policy_follows_the_contract() -> None:
     p = TaintPolicy()
-    for xid in (13, 31, 43, 45, 68, 109):
+    for xid in (13, 31, 43, 45, 68, 109, 63, 92, 94):  # the GPU keeps working: informational
         assert p.for_xid(xid).effect == "None" and p.for_xid(xid).clear_after == 300
     assert p.for_xid(48).effect == "NoSchedule" and p.for_xid(48).clear_after is None
-    assert p.for_xid(79).effect == "NoExecute"
+    for xid in (79, 95, 119, 120):  # the GPU runs nothing until a reset
+        assert p.for_xid(xid).effect == "NoExecute" and p.for_xid(xid).clear_after is None
     assert p.gpu_lost.effect == "NoExecute"
     assert p.link_down.effect == "NoSchedule" and p.link_down.up_hold == 10
+
+
+def readme_policy_table() -> list[tuple[str, str]]:
+    """(cause, default effect) of each row of README's taint table."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Device health and taints"):]
+    lines = section[section.index("| cause |"):].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.append((cells[0], cells[2].strip("`")))
+    return rows
+
+
+def test_readme_states_the_default_policy() -> None:
+    p = TaintPolicy()
+    documented: set[int] = set()
+    for cause, effect in readme_policy_table():
+        numbers = [int(n) for n in re.findall(r"\d+", cause.partition("(")[0])]
+        if cause.startswith("XID"):
+            assert numbers and all(p.for_xid(x).effect == effect for x in numbers), cause
+            documented.update(numbers)
+        elif cause.startswith("any other XID"):
+            examples = [int(n) for n in re.findall(r"\d+", cause)]
+            assert effect == p.default_xid.effect and not set(examples) & set(p.xid), cause
+        elif "GPU lost" in cause:
+            assert effect == p.gpu_lost.effect
+        elif "link down" in cause:
+            assert effect == p.link_down.effect
+        else:
+            raise AssertionError(f"README's taint table has a row this test does not know: {cause}")
+    assert documented == set(p.xid)  # every XID with a rule of its own is in the table
 
 
 def test_a_policy_file_is_laid_over_the_defaults(tmp_path: Path) -> None:
