@@ -201,6 +201,7 @@ class Agent:
                 await self._changed()
         self.publish = PublishLoop(self.conn.publisher(self.settings, node),
                                    verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
+        self.publish.on_published = lambda devices: self.tracker.pool_published([d.name for d in devices])
         self.publish.update(self.health.published(self.inventory.snapshot()))
         await self.publish.run()
 
