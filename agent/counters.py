@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent import apirules, quantity
+from agent.kinds import Kind
 from agent.model import CounterConsumption, CounterSet, Device
 
 GPU_COUNTER = "gpu"
@@ -58,8 +59,6 @@ ENGINE_COUNTERS = ("multiprocessors", "copy-engines", "decoders", "encoders", "j
 PORTS_COUNTER = "ports"
 VFIO_SUFFIX = "-vfio"
 COUNTERS_SUFFIX = "-counters"
-# Device kind -> its compatibility groups on the counter sets it consumes (see the module docstring).
-COMPATIBILITY_GROUPS: Mapping[str, tuple[str, ...]] = {"mig": ("mig",), "vgpu": ("vgpu",)}
 
 
 def fit_label(name: str, limit: int = 63) -> str:
@@ -113,10 +112,11 @@ def one_port(counter_set: CounterSet) -> CounterConsumption:
 
 
 def with_compatibility_groups(dev: Device) -> Device:
-    """`dev` with the compatibility groups of its kind on every counter set it consumes (unchanged when
-    its kind has none)."""
-    groups = COMPATIBILITY_GROUPS.get(dev.kind, ())
-    if dev.kind == "vgpu" and isinstance(mdev_type := dev.attributes.get("mdevType"), str):
+    """`dev` with the compatibility group of its kind (`Kind.compatibility_group`) on every counter set it
+    consumes (unchanged when its kind has none)."""
+    group = dev.kind.compatibility_group
+    groups = (group,) if group else ()
+    if dev.kind is Kind.VGPU and isinstance(mdev_type := dev.attributes.get("mdevType"), str):
         groups = (fit_label(f"vgpu-{mdev_type.lower()}"),)  # one type per GPU at a time, as the driver allows
     if not groups or not dev.consumes_counters:
         return dev

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.kinds import Kind
+
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 NUMA_NODE = "resource.kubernetes.io/numaNode"
@@ -149,9 +151,7 @@ class NodeFacts:
 @dataclass(slots=True)
 class Device:
     name: str
-    # gpu | nic | cpu | memory | vfio (a GPU or NIC function for passthrough to a VM) | mig (a MIG placement)
-    # | gpushare (a GPU shared by claims, agent.inventory.gpushare) | vgpu (a mediated device)
-    kind: str
+    kind: Kind
     attributes: dict[str, AttrValue] = field(default_factory=dict)
     capacity: dict[str, Capacity] = field(default_factory=dict)
     taints: list[Taint] = field(default_factory=list)
@@ -182,7 +182,7 @@ class Device:
         wire = self.wire()
         return {
             "name": self.name,
-            "kind": self.kind,
+            "kind": str(self.kind),
             "attributes": wire.get("attributes", {}),
             "capacity": wire.get("capacity", {}),
         }

@@ -26,6 +26,7 @@ from agent.config import NvmlMode, Settings, build_settings
 from agent.engine.prepare import PrepareEngine
 from agent.inventory import Inventory, ScanResult
 from agent.inventory.gpus import GpuSource
+from agent.kinds import Kind
 from agent.kubelet import client as kc
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Device, NodeFacts
 from agent.publish.slices import build_slices
@@ -69,7 +70,7 @@ def nic(name: str = "nic-0000-3b-00-0", ifname: str = "ens1f0", mac: str = "02:0
                              PCI_BUS_ID: "0000:3b:00.0", PCIE_ROOT: "pci0000:3a", NUMA_NODE: 0}
     if ips:
         attrs["ipv4"] = ips[0]
-    return Device(name=name, kind="nic", attributes=attrs,
+    return Device(name=name, kind=Kind.NIC, attributes=attrs,
                   node=NodeFacts(interface=ifname, mac=mac, ips=tuple(ips)))
 
 
@@ -77,7 +78,7 @@ def cpu(node: int = 0, cpus: Iterable[int] = range(0, 8)) -> Device:
     from agent.model import Capacity
 
     ids = tuple(cpus)
-    return Device(name=f"cpu-numa{node}", kind="cpu", attributes={"type": "cpu", NUMA_NODE: node},
+    return Device(name=f"cpu-numa{node}", kind=Kind.CPU, attributes={"type": "cpu", NUMA_NODE: node},
                   capacity={"cpus": Capacity(str(len(ids)))}, node=NodeFacts(cpus=ids))
 
 

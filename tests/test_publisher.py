@@ -16,6 +16,7 @@ from kubeapi import RESOURCE_SLICES, Fault, KubeApi
 
 from agent import kube
 from agent.config import Settings
+from agent.kinds import Kind
 from agent.kube import Backoff, NodeInfo, NodeNotFound, connect, read_node, read_offline_node
 from agent.model import Device, Taint
 from agent.publish.apiserver import ApiPublisher, DirectoryPublisher, PublishError, PublishLoop
@@ -29,7 +30,7 @@ FAST = Backoff(initial=0.01, maximum=0.05, attempts=4)
 
 
 def nics(n: int, **attrs: Any) -> list[Device]:
-    return [Device(name=f"nic-{i:03d}", kind="nic",
+    return [Device(name=f"nic-{i:03d}", kind=Kind.NIC,
                    attributes={"type": "nic", "ifName": f"ens{i}", "mtu": 1500, **attrs}) for i in range(n)]
 
 

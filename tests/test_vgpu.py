@@ -26,6 +26,7 @@ from agent.host.vfio.host import VfioHost
 from agent.hostprep.vgpu import CREATED, VgpuPartitioner
 from agent.inventory import vgpu
 from agent.inventory.gpus import GpuSource
+from agent.kinds import Kind
 from agent.model import Device
 from agent.sim.hardware import materialize
 from agent.sim.kernel import mdev as simmdev
@@ -200,7 +201,7 @@ def test_plan_checks_without_a_side_effect(machine: Machine) -> None:
     with pytest.raises(NoInstanceAvailable, match="one type at a time"):
         p.plan("uid-2", alloc(machine.devices, "gpu-0-vgpu-nvidia-1021-0"))
     p.destroy(done, None)
-    gone = Device("gpu-0-vgpu-nvidia-9999-0", "vgpu", {"resource.kubernetes.io/pciBusID": GPU,
+    gone = Device("gpu-0-vgpu-nvidia-9999-0", Kind.VGPU, {"resource.kubernetes.io/pciBusID": GPU,
                                                         "mdevType": "nvidia-9999"})
     with pytest.raises(TypeNotOffered, match="nvidia-9999"):
         p.plan("uid-3", AllocatedDevice("vm", DRIVER, gone))

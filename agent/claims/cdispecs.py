@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.claims.metadata import AllocatedDevice
+from agent.kinds import Kind
 from agent.model import PCI_BUS_ID
 from cdi.atomic import TEMP_MARK, is_temp_name
 from cdi.names import qualified_name
@@ -78,13 +79,13 @@ def device_env(alloc: AllocatedDevice) -> list[str]:
     prefix = env_prefix(dev.name)
     env = [f"{prefix}_NAME={dev.name}"]
     bus_id = dev.attributes.get(PCI_BUS_ID)
-    if dev.kind in ("gpu", "mig"):  # a prepared MIG device carries its MIG-... UUID here (agent.hostprep.mig)
+    if dev.kind.cuda_uuid:  # a prepared MIG device carries its MIG-... UUID here (agent.hostprep.mig)
         env.append(f"{prefix}_UUID={dev.node.gpu_uuid}")
-    elif dev.kind == "nic":
+    elif dev.kind is Kind.NIC:
         env.append(f"{prefix}_INTERFACE={dev.node.interface}")
         if dev.node.mac:
             env.append(f"{prefix}_MAC={dev.node.mac}")
-    elif dev.kind == "cpu":
+    elif dev.kind is Kind.CPU:
         env.append(f"{prefix}_CPUS={cpuset(dev.node.cpus)}")
     if isinstance(bus_id, str):
         env.append(f"{prefix}_PCI_BUS_ID={bus_id}")

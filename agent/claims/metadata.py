@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from agent.kinds import Kind
 from agent.model import Device, attribute_wire
 
 API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
@@ -62,9 +63,9 @@ def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
     """A NIC's interface, IPs and MAC; a passthrough NIC function only its MAC (`mac` when the claim
     set one), which is what a VM's SR-IOV network matches (it has no interface on the host)."""
     facts = device.node
-    if device.kind == "vfio" and device.attributes.get("nativeType") == "nic":
+    if device.kind.passthrough and device.attributes.get("nativeType") == "nic":
         return {"hardwareAddress": mac or facts.mac} if mac or facts.mac else None
-    if device.kind != "nic" or not facts.interface:
+    if device.kind is not Kind.NIC or not facts.interface:
         return None
     out: dict[str, Any] = {"interfaceName": facts.interface}
     if facts.ips:

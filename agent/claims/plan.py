@@ -25,7 +25,7 @@ from agent.claims.allocation import Allocation
 from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, PreparedDevice, partition_attributes
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
-from agent.inventory.gpushare import MIB, SHARE_KIND
+from agent.inventory.gpushare import MIB
 from agent.model import Device
 from agent.names import base_request
 from cdi.store import encode_spec
@@ -48,7 +48,7 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
     for a in alloc.devices:
         ids = [cdispecs.claim_device_id(vendor, ref.uid, a.device.name)]
         node = a.device.node
-        if a.device.kind in ("gpu", SHARE_KIND) and (tk := toolkit.device_id(node.gpu_uuid, node.gpu_index)):
+        if a.device.kind.toolkit and (tk := toolkit.device_id(node.gpu_uuid, node.gpu_index)):
             ids.append(tk)
         base = base_request(a.request)
         if base not in first_of_request:
@@ -80,7 +80,7 @@ def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, 
     limits: dict[str, int] = {}
     devices: dict[str, Device] = {}
     for a in allocated:
-        if a.device.kind == SHARE_KIND:
+        if a.device.kind.shared:
             # allocation.parse_claim has checked that the amount is there and an integer quantity.
             limits[a.device.name] = limits.get(a.device.name, 0) + quantity.parse_int(a.consumed["memory"])
             devices[a.device.name] = a.device

@@ -48,6 +48,7 @@ from typing import Any
 import orjson
 
 from agent.host.vfio.bind import BindPlan
+from agent.kinds import PartitionKind
 from agent.model import AttrValue
 
 log = logging.getLogger(__name__)
@@ -131,11 +132,6 @@ class DeviceBinding:
                 and type(vlan) is int):
             raise ValueError(f"device binding of {device!r} has a field of the wrong type"[:200])
         return cls(device, BindPlan.from_wire(plan), step, boot, iommu, mac, vlan)
-
-
-class PartitionKind(StrEnum):
-    MIG = "mig"  # a MIG GPU instance and its compute instance
-    MDEV = "mdev"  # a mediated device (vGPU)
 
 
 _PARTITION_KEYS = ("device", "kind", "parent", "profile", "start", "step", "uuid", "gpuInstance",

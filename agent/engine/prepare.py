@@ -57,15 +57,13 @@ from agent.hostprep.migmode import MigModeMarks
 from agent.hostprep.vfio import Passthrough
 from agent.hostprep.vgpu import VgpuPartitioner
 from agent.inventory import Inventory
+from agent.kinds import preparable_kinds
 from agent.metrics import Metrics
 from agent.names import ClaimRef, InvalidName, check_claim_ref
 from agent.ownchanges import OwnChanges
 
 log = logging.getLogger(__name__)
 
-
-# The kinds of device the engine knows how to prepare; any other kind is refused, never half-prepared.
-PREPARABLE_KINDS = ("gpu", "nic", "cpu", "memory", "vfio", "gpushare", "mig", "vgpu")
 
 
 class PrepareFailed(ClaimFailure):
@@ -112,12 +110,12 @@ class PrepareEngine:
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
         self.book = ClaimBook(store)
         self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
-        # Partitions created at prepare, by the device kind they prepare (`agent.hostprep.partitions`).
-        self.effects = HostEffects(self.book, self.passthrough, inventory, {
-            "mig": MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id,
-                                  MigModeMarks(settings.state_dir / "mig-mode")),
-            "vgpu": VgpuPartitioner(self.passthrough.host),
-        })
+        # Partitions created at prepare, one partitioner per `Kind.partition_kind` (`agent.hostprep.partitions`).
+        self.effects = HostEffects(self.book, self.passthrough, inventory, [
+            MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id,
+                           MigModeMarks(settings.state_dir / "mig-mode")),
+            VgpuPartitioner(self.passthrough.host),
+        ])
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
         self.listeners: list[ClaimListener] = []
         # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is
@@ -303,7 +301,7 @@ class PrepareEngine:
         """Every file of the prepared claim with its content, and the kubelet response
         (`agent.claims.plan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
         in their facts (`Passthrough.bound_devices`)."""
-        if unbound := {a.device.name for a in alloc.devices if a.device.kind == "vfio"} - \
+        if unbound := {a.device.name for a in alloc.devices if a.device.kind.passthrough} - \
                 {b.device for b in bindings or ()}:
             raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
         return plan_record(self.settings, self.toolkit, alloc, generation, bindings or [])
@@ -344,11 +342,10 @@ class PrepareEngine:
             return None
 
     def _apply(self, alloc: Allocation) -> ClaimRecord:
-        if unknown := sorted(a.device.name for a in alloc.devices if a.device.kind not in PREPARABLE_KINDS
-                             and a.device.kind not in self.effects.by_device_kind):
+        if unknown := sorted(a.device.name for a in alloc.devices if not a.device.kind.preparable):
             # Published ahead of their prepare path: refused before any side effect.
             raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
-                                f"(it prepares {', '.join(PREPARABLE_KINDS)} devices)")
+                                f"(it prepares {', '.join(preparable_kinds())} devices)")
         self.effects.check(alloc.ref.uid, alloc.devices)
         for a in alloc.devices:
             for node in a.device.node.device_nodes:

@@ -52,6 +52,7 @@ from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.records import ClaimRecord
 from agent.health.conditions import Readiness
 from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed
+from agent.kinds import Kind
 from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.model import Device
@@ -284,7 +285,7 @@ class ClaimStatusWriter:
                 if isinstance(product := device.attributes.get("productName"), str) and product:
                     data["productName"] = product
                 entry["data"] = data
-            if device.kind == "nic":
+            if device.kind is Kind.NIC:
                 net: dict[str, Any] = {"ips": list(device.node.ips)}
                 if device.node.interface:
                     net["interfaceName"] = device.node.interface

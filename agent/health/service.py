@@ -47,6 +47,7 @@ from agent.inventory.gpu_events import (
     XidError,
 )
 from agent.inventory.gpus import GpuSource
+from agent.kinds import Kind
 from agent.model import PCI_BUS_ID, Device
 from agent.sim.control import control_dir
 
@@ -56,11 +57,6 @@ log = logging.getLogger(__name__)
 # wall-clock jump cannot leave a held link taint for long).
 IDLE_WAKE = 30.0
 DOUBLE_BIT_ECC_XID = 48  # the XID the driver logs for a double-bit ECC error
-
-
-# Kinds that are another form of a native device on the same PCI function (its health is theirs):
-# passthrough variants, MIG placements, vGPU devices and shared GPUs.
-_FORMS = ("vfio", "mig", "vgpu", "gpushare")
 
 
 class DeviceHealthService:
@@ -131,7 +127,7 @@ class DeviceHealthService:
         due = self.conditions.next_deadline()
         for name, dev in snapshot.devices.items():
             self._last_seen[name] = dev
-            if dev.kind == "nic":
+            if dev.kind is Kind.NIC:
                 nics.add(name)
                 self.conditions.link(name, dev.attributes.get("linkUp") is True)
         if (soon := self.conditions.next_deadline()) is not None and (due is None or soon < due):
@@ -220,7 +216,7 @@ class DeviceHealthService:
         """PCI bus ID -> the native device there, among the devices seen (and `snapshot`'s)."""
         native: dict[object, str] = {}
         for name, dev in (*self._last_seen.items(), *(snapshot.devices.items() if snapshot else ())):
-            if dev.kind not in _FORMS and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
+            if not dev.kind.form and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
                 native[bus] = name
         return native
 
@@ -257,6 +253,6 @@ class DeviceHealthService:
 
 def _native_of(device: Device, natives: dict[object, str]) -> str:
     """The name of the native device `device` is a form of (by PCI bus ID), or its own name."""
-    if device.kind in _FORMS and (native := natives.get(device.attributes.get(PCI_BUS_ID))) is not None:
+    if device.kind.form and (native := natives.get(device.attributes.get(PCI_BUS_ID))) is not None:
         return native
     return device.name

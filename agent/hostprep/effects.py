@@ -9,8 +9,8 @@ a partition may live on a function the claim bound), then removes the record. A 
 anywhere leaves a record that the next operation on the claim, or the next start, settles: `binding`
 rolled back, `restoring` finished.
 
-The partitioners are kept by the device kind they prepare (`mig`, `vgpu`): adding a kind is one entry
-in the mapping the engine builds.
+The partitioners are kept by the partition kind they make; a device's kind says which it needs
+(`Kind.partition_kind`): adding a partition kind is one partitioner in the list the engine builds.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from agent import failpoints
 from agent.claims.allocation import Allocation
@@ -29,7 +29,6 @@ from agent.claims.records import (
     ClaimRecord,
     DeviceBinding,
     DevicePartition,
-    PartitionKind,
     PreparedDevice,
     RecordState,
 )
@@ -37,6 +36,7 @@ from agent.errors import ClaimFailure
 from agent.hostprep.partitions import GpuForms, Partitioner, check_gpu_forms, gpu_lock_key
 from agent.hostprep.vfio import Passthrough, lock_key
 from agent.inventory import Inventory
+from agent.kinds import PartitionKind
 from agent.model import Device
 
 log = logging.getLogger(__name__)
@@ -46,19 +46,19 @@ PlanRecord = Callable[[Allocation, list[DeviceBinding]], ClaimRecord]
 
 
 class PartitionUnknown(ClaimFailure):
-    """A record names a partition kind this agent has no partitioner for (written by a newer agent)."""
+    """A record names a partition kind this agent has no partitioner for (written by a newer agent), or a
+    device needs one."""
 
 
 class HostEffects:
     """Bindings and partitions of claims. Blocking: call from the claim's worker thread, with its locks."""
 
     def __init__(self, book: ClaimBook, passthrough: Passthrough, inventory: Inventory,
-                 partitioners: Mapping[str, Partitioner]) -> None:
+                 partitioners: Iterable[Partitioner]) -> None:
         self.book = book
         self.passthrough = passthrough
         self.inventory = inventory
-        self.by_device_kind = dict(partitioners)  # device kind -> its partitioner
-        self.by_kind: dict[PartitionKind, Partitioner] = {p.kind: p for p in partitioners.values()}
+        self.by_kind: dict[PartitionKind, Partitioner] = {p.kind: p for p in partitioners}
         self.forms = GpuForms(inventory)
 
     # -- locks and checks ---------------------------------------------------------------------------
@@ -85,10 +85,10 @@ class HostEffects:
         out: list[DevicePartition] = []
         seen: set[str] = set()
         for a in alloc.devices:
-            partitioner = self.by_device_kind.get(a.device.kind)
-            if partitioner is not None and a.device.name not in seen:
+            kind = a.device.kind.partition_kind
+            if kind is not None and a.device.name not in seen:
                 seen.add(a.device.name)
-                out.append(partitioner.plan(alloc.ref.uid, a))
+                out.append(self._partitioner_of(kind, a.device.name).plan(alloc.ref.uid, a))
         return out
 
     # -- prepare ------------------------------------------------------------------------------------
@@ -207,9 +207,12 @@ class HostEffects:
         return record
 
     def _partitioner(self, part: DevicePartition) -> Partitioner:
-        found = self.by_kind.get(part.kind)
+        return self._partitioner_of(part.kind, part.device)
+
+    def _partitioner_of(self, kind: PartitionKind, device: str) -> Partitioner:
+        found = self.by_kind.get(kind)
         if found is None:
-            raise PartitionUnknown(f"device {part.device}: this agent cannot handle {part.kind} partitions")
+            raise PartitionUnknown(f"device {device}: this agent cannot handle {kind} partitions")
         return found
 
 

@@ -38,7 +38,7 @@ import pynvml
 
 from agent import failpoints
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import DevicePartition, PartitionKind, partition_attributes
+from agent.claims.records import DevicePartition, partition_attributes
 from agent.errors import ClaimFailure
 from agent.host.nvcaps import caps_dir
 from agent.hostprep.migmode import MigModeMarks
@@ -55,6 +55,7 @@ from agent.hostprep.partitions import WritePartition
 from agent.inventory import Inventory
 from agent.inventory import mig as migs
 from agent.inventory.gpus import SHARED_NODES, GpuSource
+from agent.kinds import PartitionKind
 from agent.model import DeviceNode
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,10 @@ from typing import Protocol
 
 from agent.claims.book import ClaimBook
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import DevicePartition, PartitionKind
+from agent.claims.records import DevicePartition
 from agent.errors import ClaimFailure
 from agent.inventory import Inventory
+from agent.kinds import GpuForm, PartitionKind
 from agent.model import PCI_BUS_ID, Device
 
 WritePartition = Callable[[DevicePartition], None]
@@ -57,15 +58,6 @@ class Partitioner(Protocol):
 
 # -- the checks every kind shares ----------------------------------------------------------------------
 
-WHOLE, SHARED, MIG_FORM, MDEV_FORM = "whole GPU", "shared GPU", "MIG", "vGPU"
-# Forms of one GPU that never coexist: the whole GPU (native, passthrough) with a share or any
-# partition, shares with partitions, and MIG with vGPU (the driver takes the GPU into one mode or the
-# other). Shares go with shares (that is what they are for); the native GPU and its passthrough
-# variant are kept apart by `agent.hostprep.vfio`.
-_CLASH = {frozenset((WHOLE, SHARED)), frozenset((WHOLE, MIG_FORM)), frozenset((WHOLE, MDEV_FORM)),
-          frozenset((SHARED, MIG_FORM)), frozenset((SHARED, MDEV_FORM)), frozenset((MIG_FORM, MDEV_FORM))}
-_FORMS = {"gpu": WHOLE, "gpushare": SHARED, "mig": MIG_FORM, "vgpu": MDEV_FORM}
-
 
 class GpuFormConflict(ClaimFailure):
     """Two forms of one GPU that cannot coexist (a MIG partition and its full GPU, passthrough variant or
@@ -73,21 +65,23 @@ class GpuFormConflict(ClaimFailure):
     groups would have kept them apart, but those may be off."""
 
 
-def gpu_form(device: Device) -> tuple[str, str] | None:
+def gpu_form(device: Device) -> tuple[str, GpuForm] | None:
     """(the GPU's PCI bus ID, the form the device takes it in), or None for a device of no GPU."""
-    if device.kind == "vfio":
+    form = device.kind.gpu_form
+    if form is None:
+        return None
+    if device.kind.passthrough:
         if device.attributes.get("nativeType") != "gpu" or not device.node.pci_bus_id:
             return None
-        return device.node.pci_bus_id, WHOLE
-    form = _FORMS.get(device.kind)
+        return device.node.pci_bus_id, form
     bus = device.attributes.get(PCI_BUS_ID)
-    return (bus, form) if form is not None and isinstance(bus, str) else None
+    return (bus, form) if isinstance(bus, str) else None
 
 
 def gpu_lock_key(device: Device) -> str | None:
     """One lock per GPU for its partitions (`pci/<bus>`, the key its whole forms take), so a MIG mode change
     and another claim's instance on the same GPU, or a partition and the full GPU, never run at once."""
-    found = gpu_form(device) if device.kind in ("mig", "vgpu") else None
+    found = gpu_form(device) if device.kind.partition_kind is not None else None
     return f"pci/{found[0]}" if found else None
 
 
@@ -97,12 +91,12 @@ class GpuForms:
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
         self._version = -1
-        self._by_bus: dict[str, dict[str, str]] = {}
+        self._by_bus: dict[str, dict[str, GpuForm]] = {}
 
-    def on_bus(self, bus: str) -> dict[str, str]:
+    def on_bus(self, bus: str) -> dict[str, GpuForm]:
         """Device name -> form, of every device of the GPU at `bus`."""
         if self._version != self.inventory.version:
-            by_bus: dict[str, dict[str, str]] = {}
+            by_bus: dict[str, dict[str, GpuForm]] = {}
             for d in self.inventory.devices():
                 if (found := gpu_form(d)) is not None:
                     by_bus.setdefault(found[0], {})[d.name] = found[1]
@@ -113,18 +107,18 @@ class GpuForms:
 def check_gpu_forms(uid: str, allocated: Sequence[AllocatedDevice], forms_of: GpuForms, book: ClaimBook) -> None:
     """GpuFormConflict when the claim asks for clashing forms of one GPU, or another claim holds a form that
     clashes with one the claim asks for."""
-    wanted: dict[str, dict[str, str]] = {}  # bus -> device name -> form
+    wanted: dict[str, dict[str, GpuForm]] = {}  # bus -> device name -> form
     for a in allocated:
         if (found := gpu_form(a.device)) is not None:
             wanted.setdefault(found[0], {})[a.device.name] = found[1]
     for bus, forms in wanted.items():
         for (first, fa), (second, fb) in ((x, y) for x in forms.items() for y in forms.items()):
-            if frozenset((fa, fb)) in _CLASH:
+            if fa.clashes(fb):
                 raise GpuFormConflict(f"devices {first} ({fa}) and {second} ({fb}) are forms of GPU {bus} that "
                                       "cannot be used together: a claim can have only one")
         on_bus = forms_of.on_bus(bus)
         for name, form in forms.items():
-            clashing = {n for n, f in on_bus.items() if frozenset((form, f)) in _CLASH}
+            clashing = {n for n, f in on_bus.items() if form.clashes(f)}
             for other in book.claims_holding(clashing):
                 if other == uid:
                     continue

@@ -45,13 +45,12 @@ from agent.host.vfio.sriov import set_vf_mac_vlan
 from agent.hostprep.mig import nvml_of
 from agent.inventory import Inventory
 from agent.inventory.gpuminors import driver_minors
+from agent.kinds import Kind
 from agent.model import PCI_BUS_ID, Device, DeviceNode
 
 log = logging.getLogger(__name__)
 
-VFIO_KIND = "vfio"
 NVIDIA_DRIVER = "nvidia"
-_FUNCTION_KINDS = ("gpu", "nic", VFIO_KIND)
 
 
 class GroupChanged(VfioError):
@@ -66,9 +65,9 @@ class FormConflict(ClaimFailure):
 
 def function_of(device: Device) -> str | None:
     """The PCI function behind a GPU, NIC or passthrough device (its bus ID); None for others."""
-    if device.kind not in _FUNCTION_KINDS:
+    if not device.kind.function:
         return None
-    if device.kind == VFIO_KIND and device.node.pci_bus_id:
+    if device.kind.passthrough and device.node.pci_bus_id:
         return device.node.pci_bus_id
     bus = device.attributes.get(PCI_BUS_ID)
     return bus if isinstance(bus, str) else None
@@ -120,18 +119,18 @@ class Passthrough:
             dev, bus = a.device, function_of(a.device)
             if bus is None:
                 continue
-            if dev.kind == VFIO_KIND:
+            if dev.kind.passthrough:
                 if natives is None:
                     natives = {}
                     for d in self.inventory.devices():
-                        if d.kind != VFIO_KIND and (b := function_of(d)) is not None:
+                        if not d.kind.passthrough and (b := function_of(d)) is not None:
                             natives.setdefault(b, []).append(d.name)
                 others = set(natives.get(bus, ())) | {dev.name}
             else:
                 others = {counters.passthrough_name(dev.kind, bus)}
             # In one claim: a passthrough device with anything else of its function, or a native one with
             # its passthrough form (two ports of one NIC function are fine).
-            same_claim = wanted[bus] - {dev.name} if dev.kind == VFIO_KIND else wanted[bus] & others
+            same_claim = wanted[bus] - {dev.name} if dev.kind.passthrough else wanted[bus] & others
             if same_claim:
                 raise FormConflict(f"devices {dev.name} and {', '.join(sorted(same_claim))} are two forms of PCI "
                                    f"function {bus}: a claim can have only one")
@@ -141,7 +140,7 @@ class Passthrough:
                 other = self.book.record_of(other_uid)
                 held = sorted(d.device for d in other.devices if d.device in others) if other else sorted(others)
                 who = f"claim {other.namespace}/{other.name} ({other_uid})" if other else f"claim {other_uid}"
-                why = ("a passthrough device takes the whole function" if dev.kind == VFIO_KIND
+                why = ("a passthrough device takes the whole function" if dev.kind.passthrough
                        else "its passthrough form has it")
                 raise FormConflict(f"device {dev.name}: PCI function {bus} is prepared as {', '.join(held)} for "
                                    f"{who}; {why} (retry once that claim is unprepared)")
@@ -156,7 +155,7 @@ class Passthrough:
         boot: str | None = None  # read once, and only for a claim with passthrough devices
         for a in alloc.devices:
             dev = a.device
-            if dev.kind != VFIO_KIND or dev.name in seen:
+            if not dev.kind.passthrough or dev.name in seen:
                 continue
             seen.add(dev.name)
             cfg = alloc.vfio.get(dev.name, VfioSettings())
@@ -203,7 +202,7 @@ class Passthrough:
     def _gpu_minor(self, bdf: str) -> int | None:
         for d in self.inventory.devices():
             minor = d.attributes.get("minor")
-            if d.kind == "gpu" and d.attributes.get(PCI_BUS_ID) == bdf and isinstance(minor, int):
+            if d.kind is Kind.GPU and d.attributes.get(PCI_BUS_ID) == bdf and isinstance(minor, int):
                 return minor
         return driver_minors(self.host.proc).get(bdf)
 

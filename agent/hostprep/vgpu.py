@@ -28,13 +28,14 @@ import uuid as uuidlib
 
 from agent import failpoints
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import DevicePartition, PartitionKind, partition_attributes
+from agent.claims.records import DevicePartition, partition_attributes
 from agent.host.mdev import sysfs as mdev
 from agent.host.mdev.errors import MdevError, NoInstanceAvailable, ParentUnavailable, TypeNotOffered
 from agent.host.vfio.host import VfioHost
 from agent.host.vfio.pci import VFIO_PCI, current_driver
 from agent.hostprep.partitions import WritePartition
 from agent.inventory.vgpu import target_of
+from agent.kinds import PartitionKind
 
 log = logging.getLogger(__name__)
 

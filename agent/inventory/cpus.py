@@ -14,6 +14,7 @@ from agent.inventory.numa import (
     numa_nodes,
     online_cpus,
 )
+from agent.kinds import Kind
 from agent.model import NUMA_NODE, AttrValue, Capacity, Device, NodeFacts
 
 
@@ -50,7 +51,7 @@ class CpuSource(NodeResourceSource):
 
     def _device(self, node: int, cpus: list[int], online: set[int]) -> Device:
         root = self.settings.sysfs_root
-        attrs: dict[str, AttrValue] = {"type": "cpu", NUMA_NODE: node}
+        attrs: dict[str, AttrValue] = {"type": Kind.CPU.published_type, NUMA_NODE: node}
         socket = next((p for c in cpus if (p := cpu_package(root, c)) is not None), None)
         if socket is not None:
             attrs["socket"] = socket
@@ -58,7 +59,7 @@ class CpuSource(NodeResourceSource):
         policy = cpu_request_policy() if self.node_allocatable else None
         return Device(
             name=f"cpu-numa{node}",
-            kind="cpu",
+            kind=Kind.CPU,
             attributes=attrs,
             capacity={"cpus": Capacity(quantity.decimal(len(cpus)), request_policy=policy)},
             allow_multiple_allocations=self.node_allocatable,

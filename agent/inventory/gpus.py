@@ -46,6 +46,7 @@ from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
 from agent.inventory.passthrough import GpuVariants
 from agent.inventory.vgpu import VgpuDevices
+from agent.kinds import Kind
 from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, NodeFacts, Version
 from agent.sim.nvml import SimulatedNvml
 from agent.sim.profiles import ProfileError, error_name
@@ -328,7 +329,7 @@ class GpuSource:
             raise _GpuFailed(f"nvmlDeviceGetPciInfo gave an unusable bus ID: {exc}") from exc
         memory = int(self._call("nvmlDeviceGetMemoryInfo", handle).total)
 
-        attrs: dict[str, AttrValue] = {"type": "gpu", "uuid": uuid, "index": index, "minor": minor,
+        attrs: dict[str, AttrValue] = {"type": Kind.GPU.published_type, "uuid": uuid, "index": index, "minor": minor,
                                        "productName": product}
         for attr, call, names, unknown in (("brand", "nvmlDeviceGetBrand", BRANDS, _NO_BRAND),
                                                ("architecture", "nvmlDeviceGetArchitecture", ARCHITECTURES,
@@ -365,7 +366,7 @@ class GpuSource:
         nodes += [DeviceNode(f"/dev/{name}", str(self.dev_root / name)) for name in SHARED_NODES]
         return Device(
             name=f"gpu-{minor}",
-            kind="gpu",
+            kind=Kind.GPU,
             attributes=attrs,
             capacity={"memory": Capacity(quantity.binary(memory))},
             node=NodeFacts(device_nodes=tuple(nodes), gpu_uuid=uuid, gpu_index=index),

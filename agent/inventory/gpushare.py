@@ -43,16 +43,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent import counters, quantity
+from agent.kinds import Kind
 from agent.model import Capacity, CounterConsumption, Device
 
-SHARE_KIND = "gpushare"
-SHARED_TYPE = "shared"
 SHARE_SUFFIX = "-shared"
 SHARE_GRAIN = 1 << 30  # 1Gi: the request policy's min, step and default
 MIB = 1 << 20
 DEFAULT_HOST_MEMORY_OVERHEAD = 256 * MIB
-# Kinds that stand for (a part of) a GPU used by a container on this node.
-_GPU_KINDS = ("gpu", "mig", "vgpu", SHARE_KIND)
 
 
 def share_name(gpu_name: str) -> str:
@@ -76,7 +73,9 @@ def host_memory_overhead(amount: int) -> dict[str, Any]:
 
 def is_gpu_device(dev: Device) -> bool:
     """A device that puts a GPU (or part of one) in a container or VM: what the overhead applies to."""
-    return dev.kind in _GPU_KINDS or (dev.kind == "vfio" and dev.attributes.get("nativeType") == "gpu")
+    if dev.kind.passthrough:
+        return dev.attributes.get("nativeType") == "gpu"
+    return dev.kind.gpu_form is not None
 
 
 def shared_form(gpu: Device) -> Device | None:
@@ -92,8 +91,8 @@ def shared_form(gpu: Device) -> Device | None:
     if policy is None:
         return None
     return Device(
-        name=share_name(gpu.name), kind=SHARE_KIND,
-        attributes={**gpu.attributes, "type": SHARED_TYPE},
+        name=share_name(gpu.name), kind=Kind.GPUSHARE,
+        attributes={**gpu.attributes, "type": Kind.GPUSHARE.published_type},
         capacity={"memory": Capacity(cap.value, request_policy=policy)},
         allow_multiple_allocations=True,
         node=gpu.node,
@@ -111,7 +110,7 @@ class GpuExtras:
     def apply(self, devices: Sequence[Device], *, node_allocatable: bool) -> list[Device]:
         out = list(devices)
         if self.sharing:
-            out += [s for d in devices if d.kind == "gpu" and (s := shared_form(d)) is not None]
+            out += [s for d in devices if d.kind is Kind.GPU and (s := shared_form(d)) is not None]
         if node_allocatable and self.host_memory_overhead > 0:
             out = [self._with_overhead(d) if is_gpu_device(d) else d for d in out]
         return out

@@ -22,6 +22,7 @@ from agent.inventory.numa import (
     online_block_memory,
     system_memory,
 )
+from agent.kinds import Kind
 from agent.model import NUMA_NODE, Capacity, Device
 
 
@@ -59,8 +60,8 @@ class MemorySource(NodeResourceSource):
         policy = memory_request_policy() if self.node_allocatable else None
         return Device(
             name=f"memory-numa{node}",
-            kind="memory",
-            attributes={"type": "memory", NUMA_NODE: node},
+            kind=Kind.MEMORY,
+            attributes={"type": Kind.MEMORY.published_type, NUMA_NODE: node},
             capacity={"memory": Capacity(quantity.binary(size), request_policy=policy)},
             allow_multiple_allocations=self.node_allocatable,
             node_allocatable=memory_node_allocatable() if self.node_allocatable else None,

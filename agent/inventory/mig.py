@@ -35,6 +35,7 @@ from typing import Any
 import pynvml
 
 from agent import apirules, counters, quantity
+from agent.kinds import Kind
 from agent.model import (
     NUMA_NODE,
     PCI_BUS_ID,
@@ -49,7 +50,6 @@ from agent.model import (
 
 log = logging.getLogger(__name__)
 
-MIG_KIND = "mig"
 MIB = 1 << 20
 # Attributes a MIG device takes from its parent GPU.
 INHERITED = ("productName", "brand", "architecture", "cudaComputeCapability", "driverVersion",
@@ -174,7 +174,7 @@ def placement_of(dev: Device) -> MigPlacement | None:
     a = dev.attributes
     parent, profile, start, size = a.get("parentUUID"), a.get("profile"), a.get("placementStart"), \
         a.get("placementSize")
-    if dev.kind != MIG_KIND or not isinstance(parent, str) or not isinstance(profile, str) \
+    if dev.kind is not Kind.MIG or not isinstance(parent, str) or not isinstance(profile, str) \
             or not isinstance(start, int) or not isinstance(size, int):
         return None
     return MigPlacement(parent, profile, start, size)
@@ -247,7 +247,7 @@ class MigDevices:
                          if c.counter_set.name == name else c for c in dev.consumes_counters)
             dev = dataclasses.replace(dev, consumes_counters=uses)
             out.append(dev)
-            if dev.kind == "gpu":
+            if dev.kind is Kind.GPU:
                 out += _partitions(dev, layout, next(c.counter_set for c in uses if c.counter_set.name == name))
         return out
 
@@ -270,7 +270,7 @@ def _partitions(parent: Device, layout: MigLayout, cs: CounterSet) -> list[Devic
     out = []
     for p in layout.profiles:
         for start in p.starts:
-            attrs: dict[str, AttrValue] = {"type": MIG_KIND, "profile": p.name, "parentUUID": uuid,
+            attrs: dict[str, AttrValue] = {"type": Kind.MIG.published_type, "profile": p.name, "parentUUID": uuid,
                                            "placementStart": start, "placementSize": p.size, **inherited}
             caps = {c: Capacity(str(n)) for c, n in zip(ENGINE_CAPACITIES, p.engines, strict=True)}
             caps["memory"] = Capacity(quantity.binary(p.memory))
@@ -281,7 +281,7 @@ def _partitions(parent: Device, layout: MigLayout, cs: CounterSet) -> list[Devic
                 use[_instances(p)] = "1"
             use[counters.MEMORY_COUNTER] = quantity.binary(p.memory)
             out.append(Device(
-                name=device_name(minor, p, start), kind=MIG_KIND, attributes=attrs, capacity=caps,
+                name=device_name(minor, p, start), kind=Kind.MIG, attributes=attrs, capacity=caps,
                 node=NodeFacts(gpu_uuid=uuid, gpu_index=parent.node.gpu_index),
                 consumes_counters=(CounterConsumption(cs, use),)))
     return out

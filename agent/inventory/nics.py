@@ -25,6 +25,7 @@ from agent.host.pci import PciFunction, pci_function_of
 from agent.inventory import DeviceFailure, ScanResult, SourceProblem
 from agent.inventory.netlink import Address, Link, dump
 from agent.inventory.passthrough import NicVariants
+from agent.kinds import Kind
 from agent.model import AttrValue, Device, NodeFacts
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class NicSource:
 
     def _device(self, link: Link, ident: _Identity, addresses: list[Address]) -> Device:
         netdir, pci = ident.netdir, ident.pci
-        attrs: dict[str, AttrValue] = {"type": "nic", "ifName": link.ifname}
+        attrs: dict[str, AttrValue] = {"type": Kind.NIC.published_type, "ifName": link.ifname}
         if link.mac:
             attrs["macAddress"] = link.mac
         attrs["mtu"] = link.mtu
@@ -213,7 +214,7 @@ class NicSource:
         self._check_same_link(netdir, link)
         return Device(
             name=ident.name,
-            kind="nic",
+            kind=Kind.NIC,
             attributes=_publishable(ident.name, attrs),
             node=NodeFacts(interface=link.ifname, mac=link.mac, ips=tuple(v4 + v6)),
         )

@@ -40,11 +40,11 @@ from agent.host.vfio.pci import (
     read_function,
     sriov_numvfs,
 )
+from agent.kinds import Kind
 from agent.model import PCI_BUS_ID, AttrValue, CounterConsumption, CounterSet, Device, NodeFacts
 
 log = logging.getLogger(__name__)
 
-VFIO_TYPE = "vfio"
 IOMMU_GROUP = "iommuGroup"
 _NETWORK_CLASS = 0x02
 
@@ -111,9 +111,9 @@ class Variants:
             self.host_drivers[bus_id] = fn.driver
         return fn
 
-    def variant(self, sysfs: Path, fn: FunctionState, prefix: str, counter_set: CounterSet,
+    def variant(self, sysfs: Path, fn: FunctionState, native: Kind, counter_set: CounterSet,
                 extra: dict[str, AttrValue] | None = None, mac: str = "") -> Device:
-        attrs: dict[str, AttrValue] = {"type": VFIO_TYPE, "nativeType": prefix}
+        attrs: dict[str, AttrValue] = {"type": Kind.VFIO.published_type, "nativeType": native.published_type}
         pci = pci_function(sysfs, fn.bdf)
         attrs.update(pci.standard_attributes() if pci is not None else {PCI_BUS_ID: fn.bdf})
         assert fn.iommu_group is not None  # passable() said so
@@ -124,7 +124,7 @@ class Variants:
             attrs["deviceID"] = fn.device
         attrs.update(extra or {})
         return Device(
-            name=counters.passthrough_name(prefix, fn.bdf), kind=VFIO_TYPE, attributes=attrs,
+            name=counters.passthrough_name(native, fn.bdf), kind=Kind.VFIO, attributes=attrs,
             node=NodeFacts(pci_bus_id=fn.bdf, iommu_group=fn.iommu_group, driver=fn.driver or "",
                            host_driver=self.host_drivers.get(fn.bdf, ""), mac=mac),
             consumes_counters=(CounterConsumption.all_of(counter_set),))
@@ -169,7 +169,7 @@ class GpuVariants:
         for bus in sorted(set(nvidia_display_functions(sysfs)) | {b for b in sets if _in_sysfs(sysfs, b)}):
             fn = self.variants.passable(sysfs, bus)
             if fn is not None:
-                out.append(self.variants.variant(sysfs, fn, "gpu", sets.get(bus) or self._counter_set(bus)))
+                out.append(self.variants.variant(sysfs, fn, Kind.GPU, sets.get(bus) or self._counter_set(bus)))
         return out
 
     def _counter_set(self, bus: str) -> CounterSet:
@@ -218,7 +218,7 @@ class NicVariants:
                 continue
             mac = self._macs.get(bus, "")
             extra: dict[str, AttrValue] = {"macAddress": mac} if mac else {}
-            out.append(self.variants.variant(sysfs, fn, "nic", self._counter_set(bus), extra, mac))
+            out.append(self.variants.variant(sysfs, fn, Kind.NIC, self._counter_set(bus), extra, mac))
         return out
 
     def _counter_set(self, bus: str) -> CounterSet:

@@ -44,12 +44,12 @@ from pathlib import Path
 from agent import counters, quantity
 from agent.host.mdev import sysfs as mdev
 from agent.inventory.mig import INHERITED
+from agent.kinds import Kind
 from agent.model import PCI_BUS_ID, AttrValue, Capacity, CounterConsumption, CounterSet, Device, NodeFacts
 from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)
 
-VGPU_KIND = "vgpu"
 MDEV_TYPE = "mdevType"
 MIB = 1 << 20
 
@@ -89,7 +89,7 @@ def compatibility_group(type_id: str) -> str:
 def target_of(dev: Device) -> VgpuTarget | None:
     """The parent and type a published vGPU device stands for (None: not a vGPU device of this module)."""
     bus, type_id = dev.attributes.get(PCI_BUS_ID), dev.attributes.get(MDEV_TYPE)
-    if dev.kind != VGPU_KIND or not isinstance(bus, str) or not isinstance(type_id, str):
+    if dev.kind is not Kind.VGPU or not isinstance(bus, str) or not isinstance(type_id, str):
         return None
     return VgpuTarget(bus, type_id)
 
@@ -140,10 +140,10 @@ class VgpuDevices:
         out = list(devices)
         if not self.policy.enabled:
             return out
-        with_mig = {d.attributes.get(PCI_BUS_ID) for d in devices if d.kind == "mig"}
+        with_mig = {d.attributes.get(PCI_BUS_ID) for d in devices if d.kind is Kind.MIG}
         for dev in devices:
             bus = dev.attributes.get(PCI_BUS_ID)
-            if dev.kind != "gpu" or not isinstance(bus, str):
+            if dev.kind is not Kind.GPU or not isinstance(bus, str):
                 continue
             self.learn(sysfs, bus)
             name = counters.counter_set_name("gpu", bus)
@@ -171,12 +171,12 @@ class VgpuDevices:
                 self._note(f"{cs.name}/memory", f"counter set {cs.name} has no memory counter: no vGPU devices "
                            "(the scheduler could not keep them from the whole GPU)", logging.WARNING)
                 return []
-            attrs: dict[str, AttrValue] = {"type": VGPU_KIND, "vgpuType": t.name, MDEV_TYPE: t.id,
+            attrs: dict[str, AttrValue] = {"type": Kind.VGPU.published_type, "vgpuType": t.name, MDEV_TYPE: t.id,
                                            "parentUUID": uuid, **inherited}
             caps = {"memory": Capacity(quantity.binary(t.framebuffer))} if t.framebuffer else {}
             use = (CounterConsumption(cs, {counters.MEMORY_COUNTER: memory}),)
             node = NodeFacts(gpu_uuid=uuid, gpu_index=parent.node.gpu_index)
-            out += [Device(name=device_name(minor, t, i), kind=VGPU_KIND, attributes=dict(attrs),
+            out += [Device(name=device_name(minor, t, i), kind=Kind.VGPU, attributes=dict(attrs),
                            capacity=dict(caps), node=node, consumes_counters=use) for i in range(t.instances)]
         return out
 
