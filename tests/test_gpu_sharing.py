@@ -67,7 +67,7 @@ def test_each_gpu_has_a_shared_form_taking_its_whole_counter_set(tmp_path: Path)
     assert cap.request_policy == {"default": "1Gi", "validRange": {"min": "1Gi", "max": f"{memory // GIB}Gi",
                                                                    "step": "1Gi"}}
     assert memory % GIB and memory // GIB == 79  # an H100's 81559Mi: max rounds down to a multiple of step
-    assert share.node == gpu.node  # its device nodes and UUID
+    assert (share.device_nodes, share.gpu) == (gpu.device_nodes, gpu.gpu)  # its device nodes and UUID
     assert not any(d.kind == Kind.GPUSHARE for d in scan(tmp_path / "off", sharing=False).values())
 
 
@@ -194,8 +194,8 @@ async def test_two_claims_share_one_gpu_each_with_its_own_id_and_limit(node: Nod
         env = cdev["containerEdits"]["env"]
         assert f"DRA_GPU_0_SHARED_MEMORY_LIMIT={limit}" in env
         assert f"DRA_GPU_0_SHARED_SHARE_ID={share_id}" in env
-        assert f"DRA_GPU_0_SHARED_UUID={gpu.node.gpu_uuid}" in env
-        assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu.node.gpu_uuid}={limit >> 20}M" in env
+        assert f"DRA_GPU_0_SHARED_UUID={gpu.node.gpu.uuid}" in env
+        assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu.node.gpu.uuid}={limit >> 20}M" in env
         assert {n["path"] for n in cdev["containerEdits"]["deviceNodes"]} == {
             "/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
         entry = metadata_entry(node, uid)

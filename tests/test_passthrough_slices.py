@@ -18,6 +18,7 @@ from kubeapi import RESOURCE_SLICES, KubeApi
 
 from agent import apirules, counters
 from agent.config import NvmlMode, Settings
+from agent.facts import NicFacts
 from agent.inventory.gpus import GpuSource
 from agent.inventory.passthrough import NicVariants
 from agent.kinds import Kind
@@ -221,7 +222,7 @@ def test_ports_of_one_function_share_its_set_and_the_variant_takes_them_all(mixe
     sys = sim_sys(mixed)
     bus = "0000:8b:00.0"
     ports = [Device(name=f"nic-{bus.replace(':', '-').replace('.', '-')}{suffix}", kind=Kind.NIC,
-                    attributes={"type": "nic", PCI_BUS_ID: bus})
+                    attributes={"type": "nic", PCI_BUS_ID: bus}, node=NicFacts("", pci_bus_id=bus))
              for suffix in ("", "-p1")]
     out = {d.name: d for d in NicVariants(passthrough=("eno1",)).apply(sys, ports)}
     full = counters.nic_counter_set(bus, 2)

@@ -8,8 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.claims.metadata import AllocatedDevice
-from agent.kinds import Kind
-from agent.model import PCI_BUS_ID
+from agent.facts import CpuFacts, NicFacts
 from cdi.atomic import TEMP_MARK, is_temp_name
 from cdi.names import qualified_name
 from cdi.spec import minimum_version
@@ -78,17 +77,18 @@ def device_env(alloc: AllocatedDevice) -> list[str]:
     dev = alloc.device
     prefix = env_prefix(dev.name)
     env = [f"{prefix}_NAME={dev.name}"]
-    bus_id = dev.attributes.get(PCI_BUS_ID)
-    if dev.kind.cuda_uuid:  # a prepared MIG device carries its MIG-... UUID here (agent.hostprep.mig)
-        env.append(f"{prefix}_UUID={dev.node.gpu_uuid}")
-    elif dev.kind is Kind.NIC:
-        env.append(f"{prefix}_INTERFACE={dev.node.interface}")
-        if dev.node.mac:
-            env.append(f"{prefix}_MAC={dev.node.mac}")
-    elif dev.kind is Kind.CPU:
-        env.append(f"{prefix}_CPUS={cpuset(dev.node.cpus)}")
-    if isinstance(bus_id, str):
-        env.append(f"{prefix}_PCI_BUS_ID={bus_id}")
+    facts = dev.node
+    if dev.kind.cuda_uuid:  # the GPU's, or the MIG device's that prepare made (agent.hostprep.mig)
+        uuid = alloc.made.uuid if alloc.made is not None else dev.gpu.uuid if dev.gpu is not None else ""
+        env.append(f"{prefix}_UUID={uuid}")
+    elif isinstance(facts, NicFacts):
+        env.append(f"{prefix}_INTERFACE={facts.interface}")
+        if facts.mac:
+            env.append(f"{prefix}_MAC={facts.mac}")
+    elif isinstance(facts, CpuFacts):
+        env.append(f"{prefix}_CPUS={cpuset(facts.cpus)}")
+    if dev.pci_bus_id:
+        env.append(f"{prefix}_PCI_BUS_ID={dev.pci_bus_id}")
     if alloc.share_id:
         env.append(f"{prefix}_SHARE_ID={alloc.share_id}")
     return env
@@ -107,7 +107,7 @@ def claim_spec(vendor: str, uid: str, allocated: Sequence[AllocatedDevice],
         edits: dict[str, Any] = {
             "env": device_env(alloc) + [f"{k}={v}" for k, v in sorted(config_env.get(name, {}).items())]
         }
-        nodes = [{"path": n.path, "hostPath": n.host_path} for n in alloc.device.node.device_nodes]
+        nodes = [{"path": n.path, "hostPath": n.host_path} for n in alloc.device.device_nodes]
         if nodes:
             edits["deviceNodes"] = nodes
         devices.append({"name": f"{uid}-{name}", "containerEdits": edits})

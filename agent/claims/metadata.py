@@ -20,8 +20,10 @@ from typing import Any
 
 import orjson
 
+from agent.claims.records import DevicePartition, partition_attributes
+from agent.facts import NicFacts, PassthroughFacts
 from agent.kinds import Kind
-from agent.model import Device, attribute_wire
+from agent.model import AttrValue, Device, attribute_wire
 
 API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
 CONTAINER_ROOT = "/var/run/kubernetes.io/dra-device-attributes"
@@ -39,6 +41,15 @@ class AllocatedDevice:
     mac: str = ""  # a passthrough VF's MAC set by the claim's VfioConfig (its networkData says so)
     # The result's consumedCapacity (capacity name -> quantity): what a shared device's claim got.
     consumed: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # The partition prepare made for the device (a MIG instance, a mediated device), once made.
+    made: DevicePartition | None = None
+
+    @property
+    def attributes(self) -> dict[str, AttrValue]:
+        """The device's attributes with those of the partition made for it (`partition_attributes`)."""
+        if self.made is None:
+            return self.device.attributes
+        return {**self.device.attributes, **partition_attributes(self.made)}
 
 
 def host_dir(metadata_root: Path, uid: str) -> Path:
@@ -63,9 +74,11 @@ def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
     """A NIC's interface, IPs and MAC; a passthrough NIC function only its MAC (`mac` when the claim
     set one), which is what a VM's SR-IOV network matches (it has no interface on the host)."""
     facts = device.node
-    if device.kind.passthrough and device.attributes.get("nativeType") == "nic":
+    if isinstance(facts, PassthroughFacts):
+        if facts.native is not Kind.NIC:
+            return None
         return {"hardwareAddress": mac or facts.mac} if mac or facts.mac else None
-    if device.kind is not Kind.NIC or not facts.interface:
+    if not isinstance(facts, NicFacts) or not facts.interface:
         return None
     out: dict[str, Any] = {"interfaceName": facts.interface}
     if facts.ips:
@@ -84,7 +97,7 @@ def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: 
             "driver": driver,
             "pool": alloc.pool,
             "name": alloc.device.name,
-            "attributes": {k: attribute_wire(v) for k, v in sorted(alloc.device.attributes.items())},
+            "attributes": {k: attribute_wire(v) for k, v in sorted(alloc.attributes.items())},
         }
         if (net := network_data(alloc.device, alloc.mac)) is not None:
             entry["networkData"] = net

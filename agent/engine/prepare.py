@@ -348,7 +348,7 @@ class PrepareEngine:
                                 f"(it prepares {', '.join(preparable_kinds())} devices)")
         self.effects.check(alloc.ref.uid, alloc.devices)
         for a in alloc.devices:
-            for node in a.device.node.device_nodes:
+            for node in a.device.device_nodes:
                 if not os.path.exists(node.host_path):
                     raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                         f"on the host ({node.host_path})")

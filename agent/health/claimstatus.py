@@ -50,9 +50,9 @@ from typing import Any, Protocol
 from agent import apirules
 from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.records import ClaimRecord
+from agent.facts import NicFacts
 from agent.health.conditions import Readiness
 from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed
-from agent.kinds import Kind
 from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.model import Device
@@ -280,17 +280,18 @@ class ClaimStatusWriter:
                 ready = Readiness(False, "ReadinessUnknown", f"readiness could not be read: {exc!r}")
         entry["conditions"] = [self._condition(record, d, ready)]
         if device is not None:
-            if device.node.gpu_uuid:
-                data = {"uuid": device.node.gpu_uuid}
+            if (gpu := device.gpu) is not None and gpu.uuid:
+                data = {"uuid": gpu.uuid}
+                # The product name as the device publishes it (no fact the agent works from).
                 if isinstance(product := device.attributes.get("productName"), str) and product:
                     data["productName"] = product
                 entry["data"] = data
-            if device.kind is Kind.NIC:
-                net: dict[str, Any] = {"ips": list(device.node.ips)}
-                if device.node.interface:
-                    net["interfaceName"] = device.node.interface
-                if device.node.mac:
-                    net["hardwareAddress"] = device.node.mac
+            if isinstance(facts := device.node, NicFacts):
+                net: dict[str, Any] = {"ips": list(facts.ips)}
+                if facts.interface:
+                    net["interfaceName"] = facts.interface
+                if facts.mac:
+                    net["hardwareAddress"] = facts.mac
                 entry["networkData"] = net
         return entry
 

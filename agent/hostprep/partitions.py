@@ -19,7 +19,7 @@ from agent.claims.records import DevicePartition
 from agent.errors import ClaimFailure
 from agent.inventory import Inventory
 from agent.kinds import GpuForm, PartitionKind
-from agent.model import PCI_BUS_ID, Device
+from agent.model import Device
 
 WritePartition = Callable[[DevicePartition], None]
 
@@ -51,8 +51,9 @@ class Partitioner(Protocol):
         ...
 
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
-        """The allocated device with the partition's facts (MIG: its UUID as the GPU UUID and the
-        /dev/nvidia-caps nodes; mdev: its UUID), so claimplan writes the CDI spec and metadata from it."""
+        """The allocated device as the container or VM gets it: the partition (`made`: its UUID) and its
+        device nodes (MIG: the GPU's and the /dev/nvidia-caps nodes; mdev: its VFIO group), so
+        `agent.claims.plan` writes the CDI spec and metadata from it."""
         ...
 
 
@@ -67,15 +68,8 @@ class GpuFormConflict(ClaimFailure):
 
 def gpu_form(device: Device) -> tuple[str, GpuForm] | None:
     """(the GPU's PCI bus ID, the form the device takes it in), or None for a device of no GPU."""
-    form = device.kind.gpu_form
-    if form is None:
-        return None
-    if device.kind.passthrough:
-        if device.attributes.get("nativeType") != "gpu" or not device.node.pci_bus_id:
-            return None
-        return device.node.pci_bus_id, form
-    bus = device.attributes.get(PCI_BUS_ID)
-    return (bus, form) if isinstance(bus, str) else None
+    form, bus = device.kind.gpu_form, device.gpu_function
+    return (bus, form) if form is not None and bus else None
 
 
 def gpu_lock_key(device: Device) -> str | None:

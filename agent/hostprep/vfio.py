@@ -46,7 +46,7 @@ from agent.hostprep.mig import nvml_of
 from agent.inventory import Inventory
 from agent.inventory.gpuminors import driver_minors
 from agent.kinds import Kind
-from agent.model import PCI_BUS_ID, Device, DeviceNode
+from agent.model import Device, DeviceNode
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,8 @@ class FormConflict(ClaimFailure):
 
 
 def function_of(device: Device) -> str | None:
-    """The PCI function behind a GPU, NIC or passthrough device (its bus ID); None for others."""
-    if not device.kind.function:
-        return None
-    if device.kind.passthrough and device.node.pci_bus_id:
-        return device.node.pci_bus_id
-    bus = device.attributes.get(PCI_BUS_ID)
-    return bus if isinstance(bus, str) else None
+    """The PCI function a GPU, NIC or passthrough device is (its bus ID); None for others."""
+    return device.pci_bus_id or None if device.kind.function else None
 
 
 def lock_key(device: Device) -> str:
@@ -166,7 +161,7 @@ class Passthrough:
                 raise VfioError(f"{cfg.where}.iommu: iommufd was asked for, but this host has no "
                                 f"{self.host.dev / 'iommu'} (a kernel with CONFIG_IOMMUFD and "
                                 "CONFIG_VFIO_DEVICE_CDEV); ask for legacy")
-            if dev.attributes.get("nativeType") == "gpu":
+            if dev.gpu_function is not None:
                 self._check_gpu_free(bdf)
             plan = plan_bind(self.host.sysfs, bdf)
             if boot is None:
@@ -196,14 +191,13 @@ class Passthrough:
     def _is_gpu(self, device: str, bdf: str) -> bool:
         dev = self.inventory.get(device)
         if dev is not None:
-            return dev.attributes.get("nativeType") == "gpu"
+            return dev.gpu_function is not None
         return bdf in nvidia_display_functions(self.host.sysfs)
 
     def _gpu_minor(self, bdf: str) -> int | None:
         for d in self.inventory.devices():
-            minor = d.attributes.get("minor")
-            if d.kind is Kind.GPU and d.attributes.get(PCI_BUS_ID) == bdf and isinstance(minor, int):
-                return minor
+            if d.kind is Kind.GPU and (gpu := d.gpu) is not None and gpu.pci_bus_id == bdf:
+                return gpu.minor
         return driver_minors(self.host.proc).get(bdf)
 
     def bind(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
@@ -287,8 +281,7 @@ class Passthrough:
         for a in allocated:
             b = by_name.get(a.device.name)
             if b is not None:
-                node = dataclasses.replace(a.device.node, device_nodes=self.nodes(b))
-                a = dataclasses.replace(a, device=dataclasses.replace(a.device, node=node), mac=b.mac)
+                a = dataclasses.replace(a, device=dataclasses.replace(a.device, device_nodes=self.nodes(b)), mac=b.mac)
             out.append(a)
         return out
 

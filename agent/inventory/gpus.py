@@ -37,6 +37,7 @@ import pynvml
 from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
+from agent.facts import GpuFacts, GpuIdentity
 from agent.host.pci import normalize_bus_id, nvidia_display_functions, pci_function
 from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult
 from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
@@ -45,9 +46,10 @@ from agent.inventory.gpuminors import name_the_rest
 from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
 from agent.inventory.passthrough import GpuVariants
+from agent.inventory.published import MIG_CAPABLE, MIG_ENABLED, attributes
 from agent.inventory.vgpu import VgpuDevices
 from agent.kinds import Kind
-from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, NodeFacts, Version
+from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, Version
 from agent.sim.nvml import SimulatedNvml
 from agent.sim.profiles import ProfileError, error_name
 from agent.vgpupolicy import VgpuPolicy
@@ -329,8 +331,8 @@ class GpuSource:
             raise _GpuFailed(f"nvmlDeviceGetPciInfo gave an unusable bus ID: {exc}") from exc
         memory = int(self._call("nvmlDeviceGetMemoryInfo", handle).total)
 
-        attrs: dict[str, AttrValue] = {"type": Kind.GPU.published_type, "uuid": uuid, "index": index, "minor": minor,
-                                       "productName": product}
+        facts = GpuFacts(GpuIdentity(uuid, index, minor, bus_id))
+        attrs = attributes(facts) | {"productName": product}
         for attr, call, names, unknown in (("brand", "nvmlDeviceGetBrand", BRANDS, _NO_BRAND),
                                                ("architecture", "nvmlDeviceGetArchitecture", ARCHITECTURES,
                                                 _NO_ARCHITECTURE)):
@@ -348,8 +350,8 @@ class GpuSource:
             attrs["cudaComputeCapability"] = Version(f"{int(cc[0])}.{int(cc[1])}.0")
         attrs.update(common)
         mig = self._optional("nvmlDeviceGetMigMode", handle)
-        attrs["migCapable"] = mig is not None
-        attrs["migEnabled"] = mig is not None and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        attrs[MIG_CAPABLE] = mig is not None
+        attrs[MIG_ENABLED] = mig is not None and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE
         if mig is not None and self.dynamic_mig:
             self._mig.learn(self.nvml, handle, bus_id)
 
@@ -369,7 +371,8 @@ class GpuSource:
             kind=Kind.GPU,
             attributes=attrs,
             capacity={"memory": Capacity(quantity.binary(memory))},
-            node=NodeFacts(device_nodes=tuple(nodes), gpu_uuid=uuid, gpu_index=index),
+            node=facts,
+            device_nodes=tuple(nodes),
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent import quantity
+from agent.facts import MemoryFacts
 from agent.inventory import ScanResult
 from agent.inventory.numa import (
     NodeResourceSource,
@@ -22,8 +23,9 @@ from agent.inventory.numa import (
     online_block_memory,
     system_memory,
 )
+from agent.inventory.published import attributes
 from agent.kinds import Kind
-from agent.model import NUMA_NODE, Capacity, Device
+from agent.model import Capacity, Device
 
 
 # Mebibyte granularity: finer requests only fragment the node for no workload's benefit.
@@ -58,11 +60,13 @@ class MemorySource(NodeResourceSource):
 
     def _device(self, node: int, size: int) -> Device:
         policy = memory_request_policy() if self.node_allocatable else None
+        facts = MemoryFacts(node)
         return Device(
             name=f"memory-numa{node}",
             kind=Kind.MEMORY,
-            attributes={"type": Kind.MEMORY.published_type, NUMA_NODE: node},
+            attributes=attributes(facts),
             capacity={"memory": Capacity(quantity.binary(size), request_policy=policy)},
             allow_multiple_allocations=self.node_allocatable,
             node_allocatable=memory_node_allocatable() if self.node_allocatable else None,
+            node=facts,
         )
