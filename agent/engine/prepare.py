@@ -65,7 +65,6 @@ from agent.ownchanges import OwnChanges
 log = logging.getLogger(__name__)
 
 
-
 class PrepareFailed(ClaimFailure):
     """The claim is valid but this node cannot prepare it now (a device node missing, ...)."""
 

@@ -194,7 +194,7 @@ class DeviceHealthService:
                 if (native := _native_of(dev, natives)) != name}
 
     def readiness(self, device: Device) -> Readiness:
-        """For the claim status writer (`agent.health.claimstatus.DeviceReadiness`): a form of a GPU is as
+        """For the claim status writer (`agent.health.statusentry.DeviceReadiness`): a form of a GPU is as
         ready as its GPU."""
         own = self.conditions.readiness(device.name)
         return own if not own.ready else self.conditions.readiness(_native_of(device, self._bus_native))

@@ -17,9 +17,9 @@ one GPU left over (`<proc>/driver/nvidia/gpus/<bus id>/information`, where
 `<proc>` is the `proc` directory beside the sysfs root; `agent.inventory.gpuminors`).
 Only when neither names it is it a `SourceProblem` ("GPU at NVML index N").
 
-Brand and architecture are NVML codes; a code this agent has no name for is
-published as `unknown-<code>` (logged once), never dropped. NVML's own
-"unknown" codes are omitted.
+Brand and architecture are NVML codes (named in `agent.inventory.gpunames`); a
+code this agent has no name for is published as `unknown-<code>` (logged once),
+never dropped. NVML's own "unknown" codes are omitted.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult
 from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
 from agent.inventory.gpuminors import driver_minors as driver_minors
 from agent.inventory.gpuminors import name_the_rest
+from agent.inventory.gpunames import ARCHITECTURES, BRANDS, NO_ARCHITECTURE, NO_BRAND
 from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
 from agent.inventory.passthrough import GpuVariants
@@ -58,38 +59,6 @@ log = logging.getLogger(__name__)
 
 SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
-BRANDS = {
-    pynvml.NVML_BRAND_QUADRO: "Quadro",
-    pynvml.NVML_BRAND_TESLA: "Tesla",
-    pynvml.NVML_BRAND_NVS: "NVS",
-    pynvml.NVML_BRAND_GRID: "GRID",
-    pynvml.NVML_BRAND_GEFORCE: "GeForce",
-    pynvml.NVML_BRAND_TITAN: "Titan",
-    pynvml.NVML_BRAND_NVIDIA_VAPPS: "NVIDIA Virtual Applications",
-    pynvml.NVML_BRAND_NVIDIA_VPC: "NVIDIA Virtual PC",
-    pynvml.NVML_BRAND_NVIDIA_VCS: "NVIDIA Virtual Compute Server",
-    pynvml.NVML_BRAND_NVIDIA_VWS: "NVIDIA RTX Virtual Workstation",
-    pynvml.NVML_BRAND_NVIDIA_CLOUD_GAMING: "NVIDIA Cloud Gaming",
-    pynvml.NVML_BRAND_QUADRO_RTX: "Quadro RTX",
-    pynvml.NVML_BRAND_NVIDIA_RTX: "NVIDIA RTX",
-    pynvml.NVML_BRAND_NVIDIA: "NVIDIA",
-    pynvml.NVML_BRAND_GEFORCE_RTX: "GeForce RTX",
-    pynvml.NVML_BRAND_TITAN_RTX: "Titan RTX",
-}
-ARCHITECTURES = {
-    pynvml.NVML_DEVICE_ARCH_KEPLER: "Kepler",
-    pynvml.NVML_DEVICE_ARCH_MAXWELL: "Maxwell",
-    pynvml.NVML_DEVICE_ARCH_PASCAL: "Pascal",
-    pynvml.NVML_DEVICE_ARCH_VOLTA: "Volta",
-    pynvml.NVML_DEVICE_ARCH_TURING: "Turing",
-    pynvml.NVML_DEVICE_ARCH_AMPERE: "Ampere",
-    pynvml.NVML_DEVICE_ARCH_ADA: "Ada Lovelace",
-    pynvml.NVML_DEVICE_ARCH_HOPPER: "Hopper",
-    pynvml.NVML_DEVICE_ARCH_BLACKWELL: "Blackwell",
-}
-# Codes that say NVML does not know either: the attribute is omitted.
-_NO_BRAND = pynvml.NVML_BRAND_UNKNOWN
-_NO_ARCHITECTURE = pynvml.NVML_DEVICE_ARCH_UNKNOWN
 # Answers that mean "this GPU or driver has no such thing", not "this GPU is broken".
 _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
@@ -333,9 +302,9 @@ class GpuSource:
 
         facts = GpuFacts(GpuIdentity(uuid, index, minor, bus_id))
         attrs = attributes(facts) | {"productName": product}
-        for attr, call, names, unknown in (("brand", "nvmlDeviceGetBrand", BRANDS, _NO_BRAND),
+        for attr, call, names, unknown in (("brand", "nvmlDeviceGetBrand", BRANDS, NO_BRAND),
                                                ("architecture", "nvmlDeviceGetArchitecture", ARCHITECTURES,
-                                                _NO_ARCHITECTURE)):
+                                                NO_ARCHITECTURE)):
             code = self._optional(call, handle)
             if code is None or int(code) == unknown:
                 continue
