@@ -61,6 +61,16 @@ class PartitionKind(StrEnum):
     MIG = "mig"  # a MIG GPU instance and its compute instance
     MDEV = "mdev"  # a mediated device (vGPU)
 
+    @property
+    def uuid_attribute(self) -> str:
+        """The attribute the made partition's UUID is given in the device metadata file."""
+        return _UUID_ATTRIBUTES[self]
+
+
+# A MIG device's UUID is the one CUDA knows it by; a mediated device's goes to the VM's
+# launcher (KubeVirt reads `mdevUUID` before `pciBusID`).
+_UUID_ATTRIBUTES = {PartitionKind.MIG: "uuid", PartitionKind.MDEV: "mdevUUID"}
+
 
 @dataclass(frozen=True, slots=True)
 class Traits:

@@ -300,14 +300,10 @@ def decode(data: bytes) -> ClaimRecord:
         raise RecordError(f"body is not JSON: {exc}") from exc
 
 
-MDEV_UUID = "mdevUUID"
-
-
 def partition_attributes(part: DevicePartition) -> dict[str, AttrValue]:
-    """What a made partition adds to its device's attributes (so to the metadata file): a MIG device's
-    UUID as `uuid`, a mediated device's as `mdevUUID` (KubeVirt reads it before `pciBusID`). The one
-    place for both the prepare (`Partitioner.device`) and a later metadata refresh, which renders the
-    devices from the inventory again and must keep them."""
+    """What a made partition adds to its device's attributes (so to the metadata file): its UUID, under
+    its kind's `uuid_attribute`. The one place for both the prepare (`Partitioner.device`) and a later
+    metadata refresh, which renders the devices from the inventory again and must keep them."""
     if not part.uuid:
         return {}
-    return {"uuid": part.uuid} if part.kind is PartitionKind.MIG else {MDEV_UUID: part.uuid}
+    return {part.kind.uuid_attribute: part.uuid}
