@@ -299,7 +299,7 @@ class PrepareEngine:
              bindings: list[DeviceBinding] | None = None) -> ClaimRecord:
         """Every file of the prepared claim with its content, and the kubelet response
         (`agent.claims.plan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
-        in their facts (`Passthrough.bound_devices`)."""
+        their device nodes (`Passthrough.bound_devices`)."""
         if unbound := {a.device.name for a in alloc.devices if a.device.kind.passthrough} - \
                 {b.device for b in bindings or ()}:
             raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")

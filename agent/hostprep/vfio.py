@@ -65,7 +65,7 @@ class FormConflict(ClaimFailure):
 
 def function_of(device: Device) -> str | None:
     """The PCI function a GPU, NIC or passthrough device is (its bus ID); None for others."""
-    return device.pci_bus_id or None if device.kind.function else None
+    return (device.pci_bus_id or None) if device.kind.function else None
 
 
 def lock_key(device: Device) -> str:
