@@ -138,7 +138,7 @@ async def test_prepare_writes_ready_entries_with_gpu_data_and_network_data(node,
     assert ready(gpu)["status"] == "True" and ready(gpu)["reason"] == "Prepared"
     device = node.inventory.get("gpu-0")
     assert device is not None
-    assert gpu["data"] == {"uuid": device.node.gpu_uuid, "productName": device.attributes["productName"]}
+    assert gpu["data"] == {"uuid": device.node.gpu.uuid, "productName": device.attributes["productName"]}
     assert "networkData" not in gpu
     assert net["networkData"] == {"interfaceName": "ens1f0", "ips": ["10.0.0.5/24"],
                                   "hardwareAddress": "02:00:00:00:00:01"}

@@ -25,6 +25,7 @@ from agent.health.requests import (
     submit_clear,
 )
 from agent.inventory import DeviceFailure, Snapshot
+from agent.kinds import Kind
 from agent.kubelet.health import HEALTHY, UNHEALTHY, HealthTracker
 from agent.model import Device
 
@@ -354,7 +355,7 @@ def test_the_health_stream_names_the_cause(clock: Clock) -> None:
     async def run() -> None:
         c = conditions(clock)
         tracker = HealthTracker(pool="node-a")
-        gpu, other = Device("gpu-0", "gpu"), Device("gpu-1", "gpu")
+        gpu, other = Device("gpu-0", Kind.GPU), Device("gpu-1", Kind.GPU)
         await tracker.update(_snapshot(gpu, other), c)
         assert {h.device: h.status for h in tracker.current()} == {"gpu-0": HEALTHY, "gpu-1": HEALTHY}
         c.xid("gpu-0", 48, "gpu-reset")

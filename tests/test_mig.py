@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from agent import apirules, counters
 from agent.config import NvmlMode, Settings
+from agent.facts import GpuFacts, MigPlacement
 from agent.inventory import mig
 from agent.inventory.gpus import GpuSource
 from agent.model import Device
@@ -181,7 +182,8 @@ def test_every_placement_is_published_within_the_api_limits(tmp_path: Path, prof
         "resource.kubernetes.io/pciBusID"] == parent.attributes["resource.kubernetes.io/pciBusID"])
     assert parent.consumes_counters[0].counters == variant.consumes_counters[0].counters == whole.counters
     assert all(len(n) <= 63 and not apirules.dns_label_errors(n) for n in published)
-    assert mig.placement_of(me) == mig.MigPlacement(str(parent.attributes["uuid"]), "1g.10gb+me", 3, 1)
+    assert me.node == GpuFacts(parent.node.gpu, MigPlacement("1g.10gb+me", 3, 1))
+    assert me.node.gpu.uuid == parent.attributes["uuid"]
 
 
 def test_dynamic_mig_off_publishes_no_placement_and_plain_sets(tmp_path: Path) -> None:
@@ -195,7 +197,7 @@ def test_a_gpu_offering_no_profile_gets_no_mig_devices(tmp_path: Path) -> None:
     path.write_text(json.dumps({"gpus": [dict(H100, migProfiles="")]}))
     devices = scan(tmp_path, str(path))
     assert [d.kind for d in devices] == ["gpu", "vfio"]
-    assert mig.placement_of(devices[0]) is None
+    assert devices[0].node.target is None
 
 
 # -- the counter model is the hardware's ------------------------------------------------------------------
@@ -218,8 +220,8 @@ def nvml_accepts(devices: list[Device]) -> bool:
     gpu = nvml.nvmlDeviceGetHandleByIndex(0)
     nvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_ENABLE)
     for dev in devices:
-        where = mig.placement_of(dev)
-        assert where is not None
+        where = dev.node.target
+        assert isinstance(where, MigPlacement)
         profile = mig.find_profile(nvml, gpu, where.profile)
         assert profile is not None
         try:

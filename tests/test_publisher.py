@@ -16,6 +16,7 @@ from kubeapi import RESOURCE_SLICES, Fault, KubeApi
 
 from agent import kube
 from agent.config import Settings
+from agent.kinds import Kind
 from agent.kube import Backoff, NodeInfo, NodeNotFound, connect, read_node, read_offline_node
 from agent.model import Device, Taint
 from agent.publish.apiserver import ApiPublisher, DirectoryPublisher, PublishError, PublishLoop
@@ -29,7 +30,7 @@ FAST = Backoff(initial=0.01, maximum=0.05, attempts=4)
 
 
 def nics(n: int, **attrs: Any) -> list[Device]:
-    return [Device(name=f"nic-{i:03d}", kind="nic",
+    return [Device(name=f"nic-{i:03d}", kind=Kind.NIC,
                    attributes={"type": "nic", "ifName": f"ens{i}", "mtu": 1500, **attrs}) for i in range(n)]
 
 
@@ -562,14 +563,19 @@ async def test_a_pool_breaking_api_rules_is_not_published(tmp_path: Path, settin
 def mig_and_vgpu() -> list[Device]:
     """A MIG placement and a vGPU of one GPU, on its counter set (what `--compatibility-groups` keeps apart)."""
     from agent import counters
+    from agent.facts import GpuFacts, GpuIdentity, MigPlacement, VgpuType
+    from agent.kinds import Kind
     from agent.model import PCI_BUS_ID, CounterConsumption
 
     bus = "0000:18:00.0"
+    gpu = GpuIdentity(uuid="GPU-0", index=0, minor=0, pci_bus_id=bus)
     cs = counters.gpu_counter_set(bus, 80 << 30)
-    mig = Device(name="gpu-0-mig-1g10gb-0", kind="mig", attributes={"type": "mig", PCI_BUS_ID: bus},
+    mig = Device(name="gpu-0-mig-1g10gb-0", kind=Kind.MIG, attributes={"type": "mig", PCI_BUS_ID: bus},
+                 node=GpuFacts(gpu, MigPlacement("1g.10gb", 0, 1)),
                  consumes_counters=(CounterConsumption(cs, {"memory": "10Gi"}),))
-    vgpu = Device(name="gpu-0-vgpu-nvidia-1021-0", kind="vgpu",
+    vgpu = Device(name="gpu-0-vgpu-nvidia-1021-0", kind=Kind.VGPU,
                   attributes={"type": "vgpu", PCI_BUS_ID: bus, "mdevType": "nvidia-1021", "vgpuType": "GRID H100-4C"},
+                  node=GpuFacts(gpu, VgpuType("nvidia-1021", "GRID H100-4C", 4 << 30, 20)),
                   consumes_counters=(CounterConsumption(cs, {"memory": "4Gi"}),))
     return [mig, vgpu]
 

@@ -6,6 +6,7 @@ step."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from agent import apirules, counters, failpoints
 from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import DevicePartition, PartitionKind
 from agent.config import ConfigError, NvmlMode, Settings
+from agent.facts import GpuFacts, VgpuType
 from agent.host.mdev import sysfs as mdev
 from agent.host.mdev.errors import MdevStepFailed, NoInstanceAvailable, ParentUnavailable, TypeNotOffered
 from agent.host.vfio.host import VfioHost
@@ -129,7 +131,7 @@ def test_vgpu_devices_published_per_instance_within_the_api_limits(dgx: list[Dev
     assert dev.capacity["memory"].value == "8Gi"
     [use] = dev.consumes_counters
     assert use.counter_set == gpu0.consumes_counters[0].counter_set and set(use.counters) == {"memory"}
-    assert vgpu.target_of(dev) == vgpu.VgpuTarget(GPU, "nvidia-1022")
+    assert (dev.node.gpu.pci_bus_id, dev.node.target.id) == (GPU, "nvidia-1022")
     assert all(not apirules.dns_label_errors(n) for n in published)
 
 
@@ -200,8 +202,9 @@ def test_plan_checks_without_a_side_effect(machine: Machine) -> None:
     with pytest.raises(NoInstanceAvailable, match="one type at a time"):
         p.plan("uid-2", alloc(machine.devices, "gpu-0-vgpu-nvidia-1021-0"))
     p.destroy(done, None)
-    gone = Device("gpu-0-vgpu-nvidia-9999-0", "vgpu", {"resource.kubernetes.io/pciBusID": GPU,
-                                                        "mdevType": "nvidia-9999"})
+    real = alloc(machine.devices, DEVICE).device
+    gone = dataclasses.replace(real, name="gpu-0-vgpu-nvidia-9999-0",
+                               node=GpuFacts(real.node.gpu, VgpuType("nvidia-9999", "gone", None, 1)))
     with pytest.raises(TypeNotOffered, match="nvidia-9999"):
         p.plan("uid-3", AllocatedDevice("vm", DRIVER, gone))
     (machine.tree.drivers / "nvidia" / "unbind").write_text(GPU)
@@ -228,9 +231,9 @@ def test_create_records_the_uuid_first_then_destroy(machine: Machine) -> None:
     assert p.exists(done) and mdev.type_of(machine.host.sysfs, done.uuid) == "nvidia-1024"
     assert p.create(done, write) == done and len(written) == 1  # made already: nothing again
     ready = p.device(done, allocated)
-    assert ready.device.attributes["mdevUUID"] == done.uuid and ready.device.name == DEVICE
-    assert all(os.path.exists(n.host_path) for n in ready.device.node.device_nodes)
-    assert [n.path for n in ready.device.node.device_nodes] == [
+    assert ready.attributes["mdevUUID"] == done.uuid and ready.device.name == DEVICE
+    assert all(os.path.exists(n.host_path) for n in ready.device.device_nodes)
+    assert [n.path for n in ready.device.device_nodes] == [
         "/dev/vfio/vfio", f"/dev/vfio/{mdev.iommu_group(machine.host.sysfs, done.uuid)}"]
     p.destroy(done, None)
     assert not p.exists(done) and mdev.mdevs_of(machine.host.sysfs, GPU) == {}

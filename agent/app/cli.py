@@ -78,8 +78,8 @@ def _pci_functions(settings: config.Settings, devices: Sequence[Any]) -> dict[st
     roots = [VfioHost.of(settings).sysfs, settings.sysfs_root]
     out: dict[str, tuple[str, int | None]] = {}
     for d in devices:
-        bus = d.node.pci_bus_id or d.attributes.get("resource.kubernetes.io/pciBusID")
-        if not isinstance(bus, str) or not bus:
+        bus = d.pci_bus_id
+        if not bus:
             continue
         sysfs = next((r for r in roots if function_dir(r, bus).exists()), None)
         if sysfs is not None:

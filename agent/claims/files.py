@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from agent import failpoints
-from agent.claims import cdispecs, metadata
+from agent.claims import filenames, metadata
 from agent.claims.book import ClaimBook
 from agent.claims.records import ClaimRecord
 from agent.config import Settings
@@ -69,7 +69,7 @@ class ClaimFiles:
         """Every agent-owned file named by this UID (call with the claim locked)."""
         removed = []
         for name in self.cdi_root.listdir():
-            if cdispecs.claim_uid_of_spec(name, self.settings.cdi_vendor) == uid and self.cdi_root.unlink(
+            if filenames.claim_uid_of_spec(name, self.settings.cdi_vendor) == uid and self.cdi_root.unlink(
                     self.cdi_root.path / name):
                 removed.append(str(self.cdi_root.path / name))
         path = metadata.host_dir(self.settings.metadata_dir, uid)

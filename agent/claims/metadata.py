@@ -21,12 +21,15 @@ from typing import Any
 import orjson
 
 from agent import apirules
-from agent.model import Device, attribute_wire
+from agent.claims.filenames import METADATA_FILE_NAME
+from agent.claims.records import DevicePartition, partition_attributes
+from agent.facts import NicFacts, PassthroughFacts
+from agent.kinds import Kind
+from agent.model import AttrValue, Device, attribute_wire
 
 API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
 CONTAINER_ROOT = "/var/run/kubernetes.io/dra-device-attributes"
 POD_CLAIM_NAME = "resource.kubernetes.io/pod-claim-name"
-FILE_NAME = "metadata.json"  # of every host file: `<metadata dir>/<uid>/<base request>/metadata.json`
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,15 @@ class AllocatedDevice:
     mac: str = ""  # a passthrough VF's MAC set by the claim's VfioConfig (its networkData says so)
     # The result's consumedCapacity (capacity name -> quantity): what a shared device's claim got.
     consumed: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # The partition prepare made for the device (a MIG instance, a mediated device), once made.
+    made: DevicePartition | None = None
+
+    @property
+    def attributes(self) -> dict[str, AttrValue]:
+        """The device's attributes with those of the partition made for it (`partition_attributes`)."""
+        if self.made is None:
+            return self.device.attributes
+        return {**self.device.attributes, **partition_attributes(self.made)}
 
 
 def host_dir(metadata_root: Path, uid: str) -> Path:
@@ -49,7 +61,7 @@ def host_dir(metadata_root: Path, uid: str) -> Path:
 
 
 def host_file(metadata_root: Path, uid: str, base_request: str) -> Path:
-    return host_dir(metadata_root, uid) / base_request / FILE_NAME
+    return host_dir(metadata_root, uid) / base_request / METADATA_FILE_NAME
 
 
 def container_file(driver: str, claim_name: str, base_request: str, pod_claim_name: str = "") -> str:
@@ -68,9 +80,11 @@ def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
     address), as the claim's status is, so a reader that validates the file accepts it. The status
     writer logs what it cuts from the same device facts."""
     facts = device.node
-    if device.kind == "vfio" and device.attributes.get("nativeType") == "nic":
+    if isinstance(facts, PassthroughFacts):
+        if facts.native is not Kind.NIC:
+            return None
         out: dict[str, Any] = {"hardwareAddress": mac or facts.mac} if mac or facts.mac else {}
-    elif device.kind != "nic" or not facts.interface:
+    elif not isinstance(facts, NicFacts) or not facts.interface:
         return None
     else:
         out = {"interfaceName": facts.interface, "ips": list(facts.ips), "hardwareAddress": facts.mac}
@@ -87,7 +101,7 @@ def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: 
             "driver": driver,
             "pool": alloc.pool,
             "name": alloc.device.name,
-            "attributes": {k: attribute_wire(v) for k, v in sorted(alloc.device.attributes.items())},
+            "attributes": {k: attribute_wire(v) for k, v in sorted(alloc.attributes.items())},
         }
         if (net := network_data(alloc.device, alloc.mac)) is not None:
             entry["networkData"] = net

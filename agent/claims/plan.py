@@ -20,19 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from agent import quantity
-from agent.claims import cdispecs, metadata
+from agent.claims import cdispecs, filenames, metadata
 from agent.claims.allocation import Allocation
-from agent.claims.records import (
-    ClaimRecord,
-    DeviceBinding,
-    FileRecord,
-    FileRole,
-    PreparedDevice,
-    partition_attributes,
-)
+from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, FileRole, PreparedDevice
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
-from agent.inventory.gpushare import MIB, SHARE_KIND
+from agent.inventory.gpushare import MIB
 from agent.model import Device
 from agent.names import base_request
 from cdi.store import encode_spec
@@ -49,14 +42,14 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
     env = {name: {**shares.get(name, {}), **alloc.config_env.get(name, {})}
            for name in set(shares) | set(alloc.config_env)}
     spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, env)
-    files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec),
+    files.append(FileRecord(str(s.cdi_dir / filenames.claim_spec_name(vendor, ref.uid)), encode_spec(spec),
                             role=FileRole.CLAIM_SPEC))
     devices: list[PreparedDevice] = []
     first_of_request: set[str] = set()
     for a in alloc.devices:
         ids = [cdispecs.claim_device_id(vendor, ref.uid, a.device.name)]
-        node = a.device.node
-        if a.device.kind in ("gpu", SHARE_KIND) and (tk := toolkit.device_id(node.gpu_uuid, node.gpu_index)):
+        gpu = a.device.gpu
+        if a.device.kind.toolkit and gpu is not None and (tk := toolkit.device_id(gpu.uuid, gpu.index)):
             ids.append(tk)
         base = base_request(a.request)
         if base not in first_of_request:
@@ -72,7 +65,7 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
         files.append(FileRecord(str(host), content, role=FileRole.METADATA_FILE, request=base))
         container = metadata.container_file(s.driver_name, ref.name, base, alloc.pod_claim_name)
         mspec = cdispecs.metadata_spec(vendor, ref.uid, base, str(host), container)
-        files.append(FileRecord(str(s.cdi_dir / cdispecs.metadata_spec_name(vendor, ref.uid, base)),
+        files.append(FileRecord(str(s.cdi_dir / filenames.metadata_spec_name(vendor, ref.uid, base)),
                                 encode_spec(mspec), role=FileRole.METADATA_SPEC, request=base))
     dirs = [str(metadata.host_dir(s.metadata_dir, ref.uid))] if alloc.devices else []
     return ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
@@ -86,14 +79,14 @@ MPS_MEMORY_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
     """Device name -> the variables of a shared GPU's share (see the module docstring)."""
     limits: dict[str, int] = {}
-    devices: dict[str, Device] = {}
+    uuids: dict[str, str] = {}
     for a in allocated:
-        if a.device.kind == SHARE_KIND:
+        if a.device.kind.shared:
             # allocation.parse_claim has checked that the amount is there and an integer quantity.
             limits[a.device.name] = limits.get(a.device.name, 0) + quantity.parse_int(a.consumed["memory"])
-            devices[a.device.name] = a.device
-    mps = ",".join(f"{devices[n].node.gpu_uuid}={limits[n] // MIB}M" for n in sorted(limits))
-    return {n: {f"{cdispecs.env_prefix(n)}_UUID": devices[n].node.gpu_uuid,
+            uuids[a.device.name] = a.device.gpu.uuid if a.device.gpu is not None else ""
+    mps = ",".join(f"{uuids[n]}={limits[n] // MIB}M" for n in sorted(limits))
+    return {n: {f"{cdispecs.env_prefix(n)}_UUID": uuids[n],
                 f"{cdispecs.env_prefix(n)}_MEMORY_LIMIT": str(limits[n]), MPS_MEMORY_LIMIT: mps}
             for n in limits}
 
@@ -123,16 +116,15 @@ def refreshed(s: Settings, lookup: Callable[[str], Device | None],
     the metadata directory is today (`agent.claims.records.FileRole`)."""
     allocated = []
     macs = {b.device: b.mac for b in record.bindings}
-    made = {p.device: partition_attributes(p) for p in record.partitions}  # MIG or mdev UUIDs
+    made = {p.device: p for p in record.partitions}  # their MIG or mdev UUIDs are in the metadata
     consumed = _recorded_consumption(record)
     for d in record.devices:
         device = lookup(d.device)
         if device is None:
             return None
-        if made.get(d.device):
-            device = dataclasses.replace(device, attributes={**device.attributes, **made[d.device]})
         allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id, macs.get(d.device, ""),
-                                                  consumed.get((d.request, d.device, d.share_id), {})))
+                                                  consumed.get((d.request, d.device, d.share_id), {}),
+                                                  made.get(d.device)))
     common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,
                               "uid": record.uid, "pod_claim_name": record.pod_claim_name}
     recorded = {f.request: f.path for f in record.files if f.role is FileRole.METADATA_FILE}

@@ -54,8 +54,9 @@ from typing import Any
 
 import orjson
 
-from agent.claims import cdispecs, metadata
+from agent.claims.filenames import METADATA_FILE_NAME, metadata_spec_request
 from agent.host.vfio.bind import BindPlan
+from agent.kinds import PartitionKind
 from agent.model import AttrValue
 
 log = logging.getLogger(__name__)
@@ -141,11 +142,6 @@ class DeviceBinding:
         return cls(device, BindPlan.from_wire(plan), step, boot, iommu, mac, vlan)
 
 
-class PartitionKind(StrEnum):
-    MIG = "mig"  # a MIG GPU instance and its compute instance
-    MDEV = "mdev"  # a mediated device (vGPU)
-
-
 _PARTITION_KEYS = ("device", "kind", "parent", "profile", "start", "step", "uuid", "gpuInstance",
                    "computeInstance", "modeChanged", "bootId")
 
@@ -196,13 +192,13 @@ class FileRole(StrEnum):
 
 def role_of(path: str) -> tuple[FileRole, str]:
     """The role and base request of a claim's file from its name alone, for a record written before files
-    carried them: by the rules that name the files (`agent.claims.metadata.host_file`:
-    `<uid>/<request>/metadata.json` below the metadata directory; `agent.claims.cdispecs.metadata_spec_name`:
+    carried them: by the rules that name the files (`agent.claims.filenames`:
+    `<uid>/<request>/metadata.json` below the metadata directory; `metadata_spec_name`:
     `<vendor>_metadata_<uid>_<request>.json`); any other file of a record is the claim's CDI spec."""
     p = PurePosixPath(path)
-    if p.name == metadata.FILE_NAME:
+    if p.name == METADATA_FILE_NAME:
         return FileRole.METADATA_FILE, p.parent.name
-    if (request := cdispecs.metadata_spec_request(p.name)) is not None:
+    if (request := metadata_spec_request(p.name)) is not None:
         return FileRole.METADATA_SPEC, request
     return FileRole.CLAIM_SPEC, ""
 
@@ -353,14 +349,10 @@ def decode(data: bytes) -> ClaimRecord:
         raise RecordError(f"body is not JSON: {exc}") from exc
 
 
-MDEV_UUID = "mdevUUID"
-
-
 def partition_attributes(part: DevicePartition) -> dict[str, AttrValue]:
-    """What a made partition adds to its device's attributes (so to the metadata file): a MIG device's
-    UUID as `uuid`, a mediated device's as `mdevUUID` (KubeVirt reads it before `pciBusID`). The one
-    place for both the prepare (`Partitioner.device`) and a later metadata refresh, which renders the
-    devices from the inventory again and must keep them."""
+    """What a made partition adds to its device's attributes (so to the metadata file): its UUID, under
+    its kind's `uuid_attribute`. The one place for both the prepare (`Partitioner.device`) and a later
+    metadata refresh, which renders the devices from the inventory again and must keep them."""
     if not part.uuid:
         return {}
-    return {"uuid": part.uuid} if part.kind is PartitionKind.MIG else {MDEV_UUID: part.uuid}
+    return {part.kind.uuid_attribute: part.uuid}

@@ -34,12 +34,12 @@ from agent.config import Settings
 from agent.errors import ClaimFailure
 from agent.hostprep.effects import HostEffects
 from agent.inventory import Inventory
+from agent.kinds import preparable_kinds
 from agent.names import ClaimRef
 
 log = logging.getLogger(__name__)
 
 # The kinds of device the engine knows how to prepare; any other kind is refused, never half-prepared.
-PREPARABLE_KINDS = ("gpu", "nic", "cpu", "memory", "vfio", "gpushare", "mig", "vgpu")
 
 ClaimReader = Callable[[str, str], Mapping[str, Any]]
 
@@ -116,21 +116,20 @@ def plan_claim(engine: ClaimEngine, alloc: Allocation, bindings: list[DeviceBind
     """Every file of the prepared claim with its content, and the kubelet response
     (`agent.claims.plan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
     in their facts (`Passthrough.devices`)."""
-    if unbound := {a.device.name for a in alloc.devices if a.device.kind == "vfio"} - {b.device for b in bindings}:
+    if unbound := {a.device.name for a in alloc.devices if a.device.kind.passthrough} - {b.device for b in bindings}:
         raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
     return plan_record(engine.settings, engine.toolkit, alloc, 1, bindings)
 
 
 def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
     effects = engine.effects
-    if unknown := sorted(a.device.name for a in alloc.devices if a.device.kind not in PREPARABLE_KINDS
-                         and a.device.kind not in effects.by_device_kind):
+    if unknown := sorted(a.device.name for a in alloc.devices if not a.device.kind.preparable):
         # Published ahead of their prepare path: refused before any side effect.
         raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
-                            f"(it prepares {', '.join(PREPARABLE_KINDS)} devices)")
+                            f"(it prepares {', '.join(preparable_kinds())} devices)")
     effects.check(alloc.ref.uid, alloc.devices)
     for a in alloc.devices:
-        for node in a.device.node.device_nodes:
+        for node in a.device.device_nodes:
             if not os.path.exists(node.host_path):
                 raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                     f"on the host ({node.host_path})")

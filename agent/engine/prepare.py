@@ -93,12 +93,12 @@ class PrepareEngine:
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
         self.book = ClaimBook(store)
         self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
-        # Partitions created at prepare, by the device kind they prepare (`agent.hostprep.partitions`).
-        self.effects = HostEffects(self.book, self.passthrough, inventory, {
-            "mig": MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id,
-                                  MigModeMarks(settings.state_dir / "mig-mode")),
-            "vgpu": VgpuPartitioner(self.passthrough.host),
-        })
+        # Partitions created at prepare, one partitioner per `Kind.partition_kind` (`agent.hostprep.partitions`).
+        self.effects = HostEffects(self.book, self.passthrough, inventory, [
+            MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id,
+                           MigModeMarks(settings.state_dir / "mig-mode")),
+            VgpuPartitioner(self.passthrough.host),
+        ])
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
         self.listeners: list[ClaimListener] = []
         # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is

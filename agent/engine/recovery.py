@@ -33,7 +33,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from agent.claims import cdispecs
+from agent.claims import filenames
 from agent.claims.book import ClaimSummary
 from agent.claims.records import SUFFIX, ClaimRecord, RecordState
 from agent.engine.prepare import PrepareEngine
@@ -183,7 +183,7 @@ def _remove_orphan_specs(engine: PrepareEngine) -> list[str]:
     root = engine.cdi_root
     by_uid: dict[str, list[str]] = defaultdict(list)
     for name in root.listdir():
-        uid = cdispecs.claim_uid_of_spec(name, engine.settings.cdi_vendor)
+        uid = filenames.claim_uid_of_spec(name, engine.settings.cdi_vendor)
         if uid is not None:
             by_uid[uid].append(name)
     removed: list[str] = []

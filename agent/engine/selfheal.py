@@ -33,7 +33,7 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from agent.claims import cdispecs
+from agent.claims import filenames
 from agent.config import Settings
 from agent.engine.prepare import PrepareEngine
 from agent.engine.recovery import repair_claim
@@ -234,7 +234,7 @@ class SelfHealer:
         s = self.settings
         parent, name = os.path.split(path)
         if parent == str(s.cdi_dir):
-            return cdispecs.claim_uid_of_spec(name, s.cdi_vendor)
+            return filenames.claim_uid_of_spec(name, s.cdi_vendor)
         prefix = str(s.metadata_dir) + os.sep
         if path.startswith(prefix):
             uid = path[len(prefix):].split(os.sep, 1)[0]

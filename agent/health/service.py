@@ -35,6 +35,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from agent.config import Settings
+from agent.facts import NicFacts
 from agent.health.conditions import GPU_LOST, DeviceConditions, Readiness
 from agent.health.policy import TaintPolicy, load_policy
 from agent.health.requests import RequestWatcher, health_dir, requests_dir
@@ -50,7 +51,7 @@ from agent.inventory.gpu_events import (
     XidError,
 )
 from agent.inventory.gpus import GpuSource
-from agent.model import PCI_BUS_ID, Device
+from agent.model import Device
 from agent.sim.control import control_dir
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,6 @@ log = logging.getLogger(__name__)
 # wall-clock jump cannot leave a held link taint for long).
 IDLE_WAKE = 30.0
 DOUBLE_BIT_ECC_XID = 48  # the XID the driver logs for a double-bit ECC error
-
-
-# Kinds that are another form of a native device on the same PCI function (its health is theirs):
-# passthrough variants, MIG placements, vGPU devices and shared GPUs.
-_FORMS = ("vfio", "mig", "vgpu", "gpushare")
 
 
 class DeviceHealthService:
@@ -80,7 +76,7 @@ class DeviceHealthService:
         self._last_seen: dict[str, Device] = {}
         # PCI bus ID -> native device, as of the last snapshot observed: readiness and get, called per
         # claim device on every status write, look forms up here instead of going over every device.
-        self._bus_native: dict[object, str] = {}
+        self._bus_native: dict[str, str] = {}
         self._nics: set[str] = set()
         self._dirty: set[str] = set()
         self._rescan: set[str] = set()  # kinds to rescan: a lost GPU answering is back in discovery
@@ -138,9 +134,9 @@ class DeviceHealthService:
         due = self.conditions.next_deadline()
         for name, dev in snapshot.devices.items():
             self._last_seen[name] = dev
-            if dev.kind == "nic":
+            if isinstance(dev.node, NicFacts):
                 nics.add(name)
-                self.conditions.link(name, dev.attributes.get("linkUp") is True)
+                self.conditions.link(name, dev.node.link_up)
         if (soon := self.conditions.next_deadline()) is not None and (due is None or soon < due):
             # A link came up: its hold ends before the loop's current sleep does (which may be the idle one).
             self._wake.set()
@@ -207,7 +203,7 @@ class DeviceHealthService:
                 if (native := _native_of(dev, natives)) != name}
 
     def readiness(self, device: Device) -> Readiness:
-        """For the claim status writer (`agent.health.claimstatus.DeviceReadiness`): a form of a GPU is as
+        """For the claim status writer (`agent.health.statusentry.DeviceReadiness`): a form of a GPU is as
         ready as its GPU."""
         own = self.conditions.readiness(device.name)
         return own if not own.ready else self.conditions.readiness(_native_of(device, self._bus_native))
@@ -225,11 +221,11 @@ class DeviceHealthService:
     def _lost(self) -> set[str]:
         return {c.device for c in self.conditions.causes() if c.kind == GPU_LOST}
 
-    def _natives(self, snapshot: Snapshot | None = None) -> dict[object, str]:
+    def _natives(self, snapshot: Snapshot | None = None) -> dict[str, str]:
         """PCI bus ID -> the native device there, among the devices seen (and `snapshot`'s)."""
-        native: dict[object, str] = {}
+        native: dict[str, str] = {}
         for name, dev in (*self._last_seen.items(), *(snapshot.devices.items() if snapshot else ())):
-            if dev.kind not in _FORMS and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
+            if not dev.kind.form and (bus := dev.pci_bus_id):
                 native[bus] = name
         return native
 
@@ -264,8 +260,9 @@ class DeviceHealthService:
                 log.exception("applying the device conditions of %s failed", ", ".join(sorted(devices)))
 
 
-def _native_of(device: Device, natives: dict[object, str]) -> str:
-    """The name of the native device `device` is a form of (by PCI bus ID), or its own name."""
-    if device.kind in _FORMS and (native := natives.get(device.attributes.get(PCI_BUS_ID))) is not None:
+def _native_of(device: Device, natives: dict[str, str]) -> str:
+    """The name of the native device `device` is a form of (the one on the PCI function its facts name:
+    a GPU form's GPU, a passthrough variant's function), or its own name."""
+    if device.kind.form and (native := natives.get(device.pci_bus_id)) is not None:
         return native
     return device.name

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from agent import failpoints
 from agent.claims.allocation import Allocation
@@ -39,18 +39,13 @@ class HostEffects:
     """Bindings and partitions of claims. Blocking: call from the claim's worker thread, with its locks."""
 
     def __init__(self, book: ClaimBook, passthrough: Passthrough, inventory: Inventory,
-                 partitioners: Mapping[str, Partitioner]) -> None:
+                 partitioners: Iterable[Partitioner]) -> None:
         self.book = book
         self.passthrough = passthrough
         self.partitions = Partitions(partitioners)
         self.kinds: tuple[HostEffect, ...] = (passthrough, self.partitions)  # in order of application
         self.inventory = inventory
         self.forms = GpuForms(inventory)
-
-    @property
-    def by_device_kind(self) -> dict[str, Partitioner]:
-        """The device kinds prepared by making a partition, with their partitioners."""
-        return self.partitions.by_device_kind
 
     def held(self, record: ClaimRecord) -> bool:
         """Whether the record holds any host side effect."""

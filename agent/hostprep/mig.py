@@ -38,8 +38,9 @@ import pynvml
 
 from agent import failpoints
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import DevicePartition, PartitionKind, partition_attributes
+from agent.claims.records import DevicePartition
 from agent.errors import ClaimFailure
+from agent.facts import GpuFacts, MigPlacement
 from agent.host.nvcaps import caps_dir
 from agent.hostprep.migmode import MigModeMarks
 from agent.hostprep.migquery import (
@@ -55,6 +56,7 @@ from agent.hostprep.partitions import WritePartition
 from agent.inventory import Inventory
 from agent.inventory import mig as migs
 from agent.inventory.gpus import SHARED_NODES, GpuSource
+from agent.kinds import PartitionKind
 from agent.model import DeviceNode
 
 log = logging.getLogger(__name__)
@@ -110,26 +112,26 @@ class MigPartitioner:
 
     def plan(self, uid: str, allocated: AllocatedDevice) -> DevicePartition:
         dev = allocated.device
-        where = migs.placement_of(dev)
-        if where is None:
+        if not isinstance(dev.node, GpuFacts) or not isinstance(where := dev.node.target, MigPlacement):
             raise MigFailure(f"device {dev.name} is not a MIG placement this agent published")
-        nv, handle = self._parent(where.parent_uuid, dev.name)
+        parent = dev.node.gpu.uuid
+        nv, handle = self._parent(parent, dev.name)
         profile = self._profile(nv, handle, where.profile, dev.name)
         if where.start not in profile.starts or where.size != profile.size:
-            raise MigFailure(f"device {dev.name}: GPU {where.parent_uuid} has no placement {where.start} (size "
+            raise MigFailure(f"device {dev.name}: GPU {parent} has no placement {where.start} (size "
                              f"{where.size}) for profile {profile.name} (it offers {list(profile.starts)})")
         current, pending = self._mode(nv, handle, dev.name)
         if current != _ENABLE and pending == _ENABLE:
-            raise MigModeUnavailable(f"device {dev.name}: MIG mode of GPU {where.parent_uuid} is pending: it takes "
+            raise MigModeUnavailable(f"device {dev.name}: MIG mode of GPU {parent} is pending: it takes "
                                      "effect only after a GPU reset (nvidia-smi -r), which the agent does not do")
         if current == _ENABLE:
             for gi_id, start, size, name in gpu_instances(nv, handle):
                 if start < where.start + where.size and where.start < start + size:
                     raise PlacementTaken(
                         f"device {dev.name}: memory slices {where.start}..{where.start + where.size - 1} of GPU "
-                        f"{where.parent_uuid} overlap GPU instance {gi_id} ({name} at {start}); retry once it is "
+                        f"{parent} overlap GPU instance {gi_id} ({name} at {start}); retry once it is "
                         "destroyed")
-        return DevicePartition(dev.name, PartitionKind.MIG, where.parent_uuid, profile.name, where.start,
+        return DevicePartition(dev.name, PartitionKind.MIG, parent, profile.name, where.start,
                                boot_id=self._boot_id())
 
     def create(self, part: DevicePartition, write: WritePartition) -> DevicePartition:
@@ -285,10 +287,8 @@ class MigPartitioner:
             if not host.exists():
                 raise MigFailure(f"device {part.device}: {host} is missing (nvidia-modprobe -f {cap} makes it)")
             nodes.append(DeviceNode(f"/dev/{path}", str(host)))
-        dev = allocated.device
-        node = dataclasses.replace(dev.node, device_nodes=tuple(nodes), gpu_uuid=part.uuid)
-        return dataclasses.replace(allocated, device=dataclasses.replace(
-            dev, attributes={**dev.attributes, **partition_attributes(part)}, node=node))
+        return dataclasses.replace(allocated, device=dataclasses.replace(allocated.device, device_nodes=tuple(nodes)),
+                                   made=part)
 
     # -- NVML ----------------------------------------------------------------------------------------
 

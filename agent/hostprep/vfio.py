@@ -48,13 +48,12 @@ from agent.hostprep.hosteffect import WriteRecord
 from agent.hostprep.mig import nvml_of
 from agent.inventory import Inventory
 from agent.inventory.gpuminors import driver_minors
-from agent.model import PCI_BUS_ID, Device, DeviceNode
+from agent.kinds import Kind
+from agent.model import Device, DeviceNode
 
 log = logging.getLogger(__name__)
 
-VFIO_KIND = "vfio"
 NVIDIA_DRIVER = "nvidia"
-_FUNCTION_KINDS = ("gpu", "nic", VFIO_KIND)
 
 
 class GroupChanged(VfioError):
@@ -68,13 +67,8 @@ class FormConflict(ClaimFailure):
 
 
 def function_of(device: Device) -> str | None:
-    """The PCI function behind a GPU, NIC or passthrough device (its bus ID); None for others."""
-    if device.kind not in _FUNCTION_KINDS:
-        return None
-    if device.kind == VFIO_KIND and device.node.pci_bus_id:
-        return device.node.pci_bus_id
-    bus = device.attributes.get(PCI_BUS_ID)
-    return bus if isinstance(bus, str) else None
+    """The PCI function a GPU, NIC or passthrough device is (its bus ID); None for others."""
+    return (device.pci_bus_id or None) if device.kind.function else None
 
 
 def lock_key(device: Device) -> str:
@@ -123,18 +117,18 @@ class Passthrough:
             dev, bus = a.device, function_of(a.device)
             if bus is None:
                 continue
-            if dev.kind == VFIO_KIND:
+            if dev.kind.passthrough:
                 if natives is None:
                     natives = {}
                     for d in self.inventory.devices():
-                        if d.kind != VFIO_KIND and (b := function_of(d)) is not None:
+                        if not d.kind.passthrough and (b := function_of(d)) is not None:
                             natives.setdefault(b, []).append(d.name)
                 others = set(natives.get(bus, ())) | {dev.name}
             else:
                 others = {counters.passthrough_name(dev.kind, bus)}
             # In one claim: a passthrough device with anything else of its function, or a native one with
             # its passthrough form (two ports of one NIC function are fine).
-            same_claim = wanted[bus] - {dev.name} if dev.kind == VFIO_KIND else wanted[bus] & others
+            same_claim = wanted[bus] - {dev.name} if dev.kind.passthrough else wanted[bus] & others
             if same_claim:
                 raise FormConflict(f"devices {dev.name} and {', '.join(sorted(same_claim))} are two forms of PCI "
                                    f"function {bus}: a claim can have only one")
@@ -144,7 +138,7 @@ class Passthrough:
                 other = self.book.record_of(other_uid)
                 held = sorted(d.device for d in other.devices if d.device in others) if other else sorted(others)
                 who = f"claim {other.namespace}/{other.name} ({other_uid})" if other else f"claim {other_uid}"
-                why = ("a passthrough device takes the whole function" if dev.kind == VFIO_KIND
+                why = ("a passthrough device takes the whole function" if dev.kind.passthrough
                        else "its passthrough form has it")
                 raise FormConflict(f"device {dev.name}: PCI function {bus} is prepared as {', '.join(held)} for "
                                    f"{who}; {why} (retry once that claim is unprepared)")
@@ -165,7 +159,7 @@ class Passthrough:
         boot: str | None = None  # read once, and only for a claim with passthrough devices
         for a in alloc.devices:
             dev = a.device
-            if dev.kind != VFIO_KIND or dev.name in seen:
+            if not dev.kind.passthrough or dev.name in seen:
                 continue
             seen.add(dev.name)
             cfg = alloc.vfio.get(dev.name, VfioSettings())
@@ -176,7 +170,7 @@ class Passthrough:
                 raise VfioError(f"{cfg.where}.iommu: iommufd was asked for, but this host has no "
                                 f"{self.host.dev / 'iommu'} (a kernel with CONFIG_IOMMUFD and "
                                 "CONFIG_VFIO_DEVICE_CDEV); ask for legacy")
-            if dev.attributes.get("nativeType") == "gpu":
+            if dev.gpu_function is not None:
                 self._check_gpu_free(bdf)
             plan = plan_bind(self.host.sysfs, bdf)
             if boot is None:
@@ -206,14 +200,13 @@ class Passthrough:
     def _is_gpu(self, device: str, bdf: str) -> bool:
         dev = self.inventory.get(device)
         if dev is not None:
-            return dev.attributes.get("nativeType") == "gpu"
+            return dev.gpu_function is not None
         return bdf in nvidia_display_functions(self.host.sysfs)
 
     def _gpu_minor(self, bdf: str) -> int | None:
         for d in self.inventory.devices():
-            minor = d.attributes.get("minor")
-            if d.kind == "gpu" and d.attributes.get(PCI_BUS_ID) == bdf and isinstance(minor, int):
-                return minor
+            if d.kind is Kind.GPU and (gpu := d.gpu) is not None and gpu.pci_bus_id == bdf:
+                return gpu.minor
         return driver_minors(self.host.proc).get(bdf)
 
     def apply(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
@@ -270,8 +263,7 @@ class Passthrough:
         for a in allocated:
             b = by_name.get(a.device.name)
             if b is not None:
-                node = dataclasses.replace(a.device.node, device_nodes=self.nodes(b))
-                a = dataclasses.replace(a, device=dataclasses.replace(a.device, node=node), mac=b.mac)
+                a = dataclasses.replace(a, device=dataclasses.replace(a.device, device_nodes=self.nodes(b)), mac=b.mac)
             out.append(a)
         return out
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from agent.inventory.vgpu import VGPU_KIND, target_of
-from agent.model import PCI_BUS_ID, Device
+from agent.facts import GpuFacts, VgpuType
+from agent.kinds import Kind
+from agent.model import Device
 from agent.vgpupolicy import VgpuPolicy
 
 COMPATIBILITY_GROUPS = "devices[].consumesCounters[].compatibilityGroups"
@@ -148,14 +149,14 @@ def exact_without_groups(devices: Sequence[Device], vgpu_types: str) -> list[Dev
         policy = VgpuPolicy.of(vgpu_types, compatibility_groups=False)
     except ValueError:
         policy = VgpuPolicy(frozenset(), exclusive=True, enabled=False)
-    with_mig = {d.attributes.get(PCI_BUS_ID) for d in devices if d.kind == "mig"}
+    with_mig = {d.gpu_function for d in devices if d.kind is Kind.MIG}
     out = []
     for dev in devices:
-        if dev.kind == VGPU_KIND:
-            target = target_of(dev)
-            name = dev.attributes.get("vgpuType")
-            if (not policy.enabled or target is None or target.parent in with_mig
-                    or not policy.wants(target.type_id, name if isinstance(name, str) else "")):
+        if dev.kind is Kind.VGPU:
+            facts = dev.node
+            vgpu = facts.target if isinstance(facts, GpuFacts) else None
+            if (not policy.enabled or not isinstance(vgpu, VgpuType) or dev.gpu_function in with_mig
+                    or not policy.wants(vgpu.id, vgpu.name)):
                 continue
         out.append(dev)
     return out
