@@ -177,6 +177,12 @@ class SimulatedNvml:
         with self._lock:
             return self._resets[self._checked_index(index)]
 
+    def wait_for_waiters(self, count: int = 1, timeout: float = 30.0) -> None:
+        """Block until `count` threads wait in nvmlEventSetWait(_v2) (TimeoutError if they do not
+        within `timeout` s): a test raises its event only once the waiter it means to wake waits."""
+        if not self._events.until_waiting(count, timeout):
+            raise TimeoutError(f"{count} threads did not wait for NVML events within {timeout:g}s")
+
     def set_supported_events(self, index: int, mask: int) -> None:
         """What nvmlDeviceGetSupportedEventTypes answers for GPU `index` (0: no events at all)."""
         self._events.set_supported(self._checked_index(index), mask)
