@@ -4,8 +4,10 @@
 for the GPUs of a simulated machine; `SimulatedNvml` delegates them here. Placement rules are
 the hardware's as NVML states them: a GPU instance occupies the memory slices of its placement
 (`start`, `size`), a placement must be one `nvmlDeviceGetGpuInstancePossiblePlacements` lists for
-its profile, two instances never share a memory slice, and a profile has at most `instanceCount`
-instances. Anything else fails as NVML does: an overlap or one instance too many is
+its profile, two instances never share a memory slice, a profile has at most `instanceCount`
+instances, and instances side by side hold no more compute slices or engines than the GPU has (what
+its whole-GPU profile holds: an A30's two media profiles never exist together). Anything else fails
+as NVML does: an overlap, one instance too many or an engine too many is
 `NVML_ERROR_INSUFFICIENT_RESOURCES`, an unlisted placement `NVML_ERROR_INVALID_ARGUMENT`, a profile
 the GPU does not offer `NVML_ERROR_NOT_SUPPORTED`, creating with MIG mode off
 `NVML_ERROR_NOT_SUPPORTED`, destroying a GPU instance that still has compute instances (or turning
@@ -17,7 +19,7 @@ could be split into. `nvmlDeviceSetMigMode` takes effect at once here (activatio
 NVML_SUCCESS); on real hardware the change may stay pending until a GPU reset
 (`nvmlDeviceGetMigMode` then answers [current, pending] with the two differing).
 
-The profile tables (H100 80GB) are in `agent.sim.migprofiles`. Attached to a simulated
+The profile tables (A30, A100, H100, H200) are in `agent.sim.migprofiles`. Attached to a simulated
 machine's directory (`attach`), the state outlives the process like hardware's does
 (`agent.sim.migstate`): every change is written there, and read back by the next
 simulated NVML on that machine.
@@ -29,6 +31,7 @@ import contextlib
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,10 @@ _NO_ROOM: int = pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES
 
 def _err(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
+
+
+# What one GPU instance holds of the GPU's compute slices and engines (no two instances share them).
+_SHARES = tuple(attrgetter(name) for name in ("slices", "copy_engines", "decoders", "encoders", "jpegs", "ofas"))
 
 
 # (function, GPU handle) -> (GPU index, its UUID), raising the GPU's faults; (function, GPU index) -> its
@@ -341,6 +348,11 @@ class SimMig:
         wanted = set(range(start, start + spec.size))
         if any(wanted & g.covers() for g in gpu.gis.values()):
             return _NO_ROOM
+        # Compute slices and engines belong to one GPU instance each; the GPU has what its largest
+        # profile (the whole GPU's) holds.
+        for share in _SHARES:
+            if sum(share(g.spec) for g in gpu.gis.values()) + share(spec) > max(map(share, gpu.table)):
+                return _NO_ROOM
         return None
 
     def _gpu(self, function: str, handle: Any) -> tuple[int, SimGpuMig]:

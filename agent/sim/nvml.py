@@ -38,7 +38,7 @@ Error codes are numbers or names, with or without the `NVML_ERROR_` prefix.
 In-process tests inject the same faults with `inject_error` and `lose`.
 
 MIG (`nvml_sim_mig`): the pynvml MIG calls with real placement rules, for GPUs whose `migMode` is
-set and whose `migProfiles` names a profile table (`h100-80gb`, in `nvml_mig_profiles`).
+set and whose `migProfiles` names a profile table (`h100-80gb` and the others in `agent.sim.migprofiles`).
 
 Events and health (`nvml_sim_events`): the pynvml event API (`nvmlEventSetCreate`,
 `nvmlDeviceGetSupportedEventTypes`, `nvmlDeviceRegisterEvents`, `nvmlEventSetWait_v2`,

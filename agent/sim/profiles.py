@@ -13,7 +13,8 @@ PCI keys, per GPU:
     audio           true: an HD audio function (class 0x0403) at function 1 of its slot, same group
     bridgeInGroup   true: the root port above it is in its group too (no ACS)
 
-MIG key, per GPU: `migProfiles` names the GPU's MIG profile table (`h100-80gb`, the builtins' default);
+MIG key, per GPU: `migProfiles` names the GPU's MIG profile table (`a30-24gb`, `a100-40gb`, `a100-80gb`,
+`h100-80gb` (the builtins' default), `h100-94gb`, `h100-96gb`, `h200-141gb`);
 with `migMode` set the GPU answers the MIG calls with that table's profiles and placements.
 
 and at the top level:
