@@ -2,21 +2,13 @@
 
 `ClaimStatusWriter` is a claim listener of the prepare engine (`PrepareEngine.listeners`).
 For each prepared claim it keeps this driver's entries current, one per prepared device
-(`driver`, `pool`, `device`, `shareID` when shared):
-
-- a `Ready` condition: True (reason `Prepared`) unless the `DeviceReadiness` given by
-  the integrator says otherwise (False with its reason, e.g. `LinkDown`); a device gone
-  from the inventory is `Ready` False, `DeviceMissing`. `lastTransitionTime` moves only
-  when the status does (the first one is the time of the prepare);
-- GPUs: `data` {uuid, productName};
-- NICs: `networkData` {interfaceName, ips (CIDR), hardwareAddress}.
+(`driver`, `pool`, `device`, `shareID` when shared), with a `Ready` condition and the
+device's data (`agent.health.statusentries` builds them).
 
 Entries are built from the prepared claim's record, whose devices prepare took from
 this very claim's `status.allocation.devices.results` (this driver, this node's pool).
 An allocation cannot change once set and every write names the claim's UID, so the
-record is the allocation check: nothing else is written. The API rules
-(`agent.apirules.clip_device_status`) are applied before each write too: an offending
-part is dropped and logged, never sent.
+record is the allocation check: nothing else is written.
 
 Writes are queued and coalesced per claim (the latest desired state wins) and carried
 out in the background, a few at a time, with backoff on failures that heal (5xx,
@@ -40,75 +32,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from agent import apirules
 from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.records import ClaimRecord
-from agent.health.conditions import Readiness
+from agent.health.statusentries import (
+    READY,
+    AlwaysReady,
+    ClaimView,
+    DeviceLookup,
+    DeviceReadiness,
+    DeviceView,
+    StatusEntries,
+)
 from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed
 from agent.kube import Backoff
 from agent.metrics import Metrics
-from agent.model import Device
 from agent.names import ClaimRef
 
 log = logging.getLogger(__name__)
 
-
-class DeviceView(Protocol):
-    """A prepared device, as a status entry names it (`PreparedDevice` or the book's `DeviceSummary`)."""
-
-    @property
-    def pool(self) -> str: ...
-
-    @property
-    def device(self) -> str: ...
-
-    @property
-    def share_id(self) -> str: ...
-
-
-class ClaimView(Protocol):
-    """What a claim's status is built from: a whole record (from an operation) or the book's summary."""
-
-    @property
-    def uid(self) -> str: ...
-
-    @property
-    def namespace(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def devices(self) -> Sequence[DeviceView]: ...
-
-    @property
-    def prepared_at(self) -> float: ...
-
-READY = "Ready"
 DEFAULT_CONCURRENCY = 4
 RESYNC_WINDOW = 16  # claims a resync keeps queued at most; it feeds more as writes finish
 
-
-class DeviceReadiness(Protocol):
-    """Whether a prepared device is ready for its workload now (health, link state, ...)."""
-
-    def readiness(self, device: Device) -> Readiness: ...
-
-
-class AlwaysReady:
-    def readiness(self, device: Device) -> Readiness:
-        return Readiness()
-
-
-class DeviceLookup(Protocol):
-    def get(self, name: str) -> Device | None: ...
+__all__ = ["READY", "AlwaysReady", "ClaimStatusWriter", "ClaimView", "DeviceLookup", "DeviceReadiness", "DeviceView"]
 
 
 @dataclass(slots=True)
@@ -119,16 +70,6 @@ class _Pending:
     record: ClaimView | None
     failures: int = 0
     due: float = 0.0  # monotonic time before which it is not sent
-
-
-@dataclass(frozen=True, slots=True)
-class _Transition:
-    status: str
-    time: str
-
-
-def _rfc3339(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _target(record: ClaimView) -> ClaimRef:
@@ -153,9 +94,7 @@ class ClaimStatusWriter:
         self._told: set[str] = set()
         self._pending: dict[str, _Pending] = {}  # waiting to be written (the latest state per claim)
         self._in_flight: dict[str, asyncio.Task[None]] = {}
-        # (uid, device, share) -> its Ready condition since the last change; a first True dated from the
-        # prepare is not kept (`_condition`).
-        self._transitions: dict[tuple[str, str, str], _Transition] = {}
+        self._entries = StatusEntries(self.driver, self.inventory, self.readiness)
         # Claims found gone or re-created: a UID never comes back, so they are not written again.
         self._gone: set[str] = set()
         self._wake = asyncio.Event()
@@ -178,9 +117,7 @@ class ClaimStatusWriter:
     def claim_unprepared(self, record: ClaimView) -> None:
         self._told.discard(record.uid)
         self._gone.discard(record.uid)
-        # The keys are the record's devices (`_condition`): O(devices), not a scan of every claim's.
-        for d in record.devices:
-            self._transitions.pop((record.uid, d.device, d.share_id), None)
+        self._entries.forget(record)
         self._submit(_target(record), None)
 
     # -- the integrator's calls ---------------------------------------------------------------------
@@ -252,63 +189,8 @@ class ClaimStatusWriter:
     # -- entries ------------------------------------------------------------------------------------
 
     def entries(self, record: ClaimView) -> list[dict[str, Any]]:
-        """This driver's entries for the claim, as the API accepts them."""
-        allocated = {(self.driver, d.pool, d.device, d.share_id) for d in record.devices}
-        out = []
-        for d in record.devices:
-            entry, dropped = apirules.clip_device_status(self._entry(record, d), allocated)
-            for why in dropped:
-                log.warning("claim %s/%s, device %s: not reporting %s", record.namespace, record.name,
-                            d.device, why)
-            if entry is not None:
-                out.append(entry)
-        return out
-
-    def _entry(self, record: ClaimView, d: DeviceView) -> dict[str, Any]:
-        entry: dict[str, Any] = {"driver": self.driver, "pool": d.pool, "device": d.device}
-        if d.share_id:
-            entry["shareID"] = d.share_id
-        device = self.inventory.get(d.device)
-        if device is None:
-            ready = Readiness(False, "DeviceMissing", f"device {d.device} is no longer found on the node")
-        else:
-            try:
-                ready = self.readiness.readiness(device)
-            except Exception as exc:  # a readiness source's bug must not cost the whole status
-                log.exception("readiness of %s could not be read", d.device)
-                ready = Readiness(False, "ReadinessUnknown", f"readiness could not be read: {exc!r}")
-        entry["conditions"] = [self._condition(record, d, ready)]
-        if device is not None:
-            if device.node.gpu_uuid:
-                data = {"uuid": device.node.gpu_uuid}
-                if isinstance(product := device.attributes.get("productName"), str) and product:
-                    data["productName"] = product
-                entry["data"] = data
-            if device.kind == "nic":
-                net: dict[str, Any] = {"ips": list(device.node.ips)}
-                if device.node.interface:
-                    net["interfaceName"] = device.node.interface
-                if device.node.mac:
-                    net["hardwareAddress"] = device.node.mac
-                entry["networkData"] = net
-        return entry
-
-    def _condition(self, record: ClaimView, d: DeviceView, ready: Readiness) -> dict[str, Any]:
-        status = "True" if ready.ready else "False"
-        key = (record.uid, d.device, d.share_id)
-        last = self._transitions.get(key)
-        if last is None and ready.ready and record.prepared_at:
-            # The first Ready=True dates from the prepare. Not kept: it is the same on every write
-            # until a change, and 10,000 prepared claims would hold 10,000 of them.
-            when = _rfc3339(record.prepared_at)
-        elif last is None or last.status != status:
-            # Any later change (or a first False) dates from now.
-            last = self._transitions[key] = _Transition(status, _rfc3339(time.time()))
-            when = last.time
-        else:
-            when = last.time
-        return {"type": READY, "status": status, "reason": ready.reason, "message": ready.message,
-                "lastTransitionTime": when}
+        """This driver's entries for the claim, as the API accepts them (`StatusEntries`)."""
+        return self._entries.entries(record)
 
     # -- the queue ----------------------------------------------------------------------------------
 

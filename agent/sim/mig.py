@@ -49,13 +49,10 @@ from agent.sim.mighandles import (
     split,
     target,
 )
+from agent.sim.miginfo import CI_PROFILES, compute_instance_profile_info, gpu_instance_profile_info
 from agent.sim.migprofiles import MigProfileSpec
 from agent.sim.migstate import MigMachine, SimGi, SimGpuMig
 
-# Compute instance profiles a GPU instance offers: NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE, n <= its slices.
-_CI_PROFILES = {pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE: 1, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE: 2,
-                pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE: 3, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE: 4,
-                pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE: 7}
 _SUCCESS: int = pynvml.NVML_SUCCESS
 _NO_ROOM: int = pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES
 
@@ -139,25 +136,7 @@ class SimMig:
 
     def nvmlDeviceGetGpuInstanceProfileInfo(self, device: Any, profile: int, version: int = 2) -> Any:
         spec = self._spec_by_enum(self._gpu("nvmlDeviceGetGpuInstanceProfileInfo", device)[1], profile)
-        if version == 2:
-            info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
-            info.name = f"MIG {spec.name}".encode()
-        elif version == 1:
-            info = pynvml.c_nvmlGpuInstanceProfileInfo_t()
-        else:
-            raise _err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        info.id = spec.id
-        info.isP2pSupported = 0
-        info.sliceCount = spec.slices
-        info.instanceCount = spec.instances
-        info.multiprocessorCount = spec.multiprocessors
-        info.copyEngineCount = spec.copy_engines
-        info.decoderCount = spec.decoders
-        info.encoderCount = spec.encoders
-        info.jpegCount = spec.jpegs
-        info.ofaCount = spec.ofas
-        info.memorySizeMB = spec.memory_mib
-        return info
+        return gpu_instance_profile_info(spec, version)
 
     nvmlDeviceGetGpuInstanceProfileInfoV = nvmlDeviceGetGpuInstanceProfileInfo
 
@@ -234,35 +213,13 @@ class SimMig:
     def nvmlGpuInstanceGetComputeInstanceProfileInfo(self, device: Any, profile: int, engProfile: int,
                                                      version: int = 2) -> Any:
         _, _, gi = self._gi("nvmlGpuInstanceGetComputeInstanceProfileInfo", device)
-        slices = _CI_PROFILES.get(profile)
-        if slices is None or slices > gi.spec.slices:
-            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if engProfile != pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if version == 2:
-            info = pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
-            info.name = (f"MIG {gi.spec.name}" if slices == gi.spec.slices
-                         else f"MIG {slices}c.{gi.spec.name}").encode()
-        elif version == 1:
-            info = pynvml.c_nvmlComputeInstanceProfileInfo_t()
-        else:
-            raise _err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        info.id = profile
-        info.sliceCount = slices
-        info.instanceCount = gi.spec.slices // slices
-        info.multiprocessorCount = gi.spec.multiprocessors * slices // gi.spec.slices
-        info.sharedCopyEngineCount = gi.spec.copy_engines
-        info.sharedDecoderCount = gi.spec.decoders
-        info.sharedEncoderCount = gi.spec.encoders
-        info.sharedJpegCount = gi.spec.jpegs
-        info.sharedOfaCount = gi.spec.ofas
-        return info
+        return compute_instance_profile_info(gi.spec, profile, engProfile, version)
 
     nvmlGpuInstanceGetComputeInstanceProfileInfoV = nvmlGpuInstanceGetComputeInstanceProfileInfo
 
     def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
         index, gpu, gi = self._gi("nvmlGpuInstanceCreateComputeInstance", gpuInstance)
-        slices = _CI_PROFILES.get(profileId)
+        slices = CI_PROFILES.get(profileId)
         if slices is None or slices > gi.spec.slices:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         with self._changing():
@@ -276,7 +233,7 @@ class SimMig:
     def nvmlGpuInstanceGetComputeInstances(self, gpuInstance: Any, profileId: int, computeInstancesRef: Any,
                                            countRef: Any) -> int:
         index, _, gi = self._gi("nvmlGpuInstanceGetComputeInstances", gpuInstance)
-        wanted = _CI_PROFILES.get(profileId)
+        wanted = CI_PROFILES.get(profileId)
         with self._lock:
             ids = sorted(c for c, s in gi.cis.items() if s == wanted)
         return fill(computeInstancesRef, countRef, [ci_handle(index, gi.id, ci_id) for ci_id in ids])
@@ -288,7 +245,7 @@ class SimMig:
         info.gpuInstance = gi_handle(index, gi.id)
         info.id = ci_id
         slices = gi.cis[ci_id]
-        info.profileId = next(p for p, s in _CI_PROFILES.items() if s == slices)
+        info.profileId = next(p for p, s in CI_PROFILES.items() if s == slices)
         info.placement.start = 0
         info.placement.size = slices
         return info
