@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -34,15 +34,6 @@ async def until(probe: Callable[[], T], what: str, limit: float = BOUND, every: 
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {limit:g}s")
         await asyncio.sleep(every)
-    return value
-
-
-async def until_async(probe: Callable[[], Awaitable[T]], what: str, limit: float = BOUND) -> T:
-    deadline = time.monotonic() + limit
-    while not (value := await probe()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {limit:g}s")
-        await asyncio.sleep(0.01)
     return value
 
 
