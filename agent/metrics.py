@@ -200,6 +200,9 @@ class Metrics:
             PREFIX + "claims_garbage_collected", "Prepared claims unprepared by garbage collection because "
             "their ResourceClaim was gone (deleted, or re-created with another UID) for longer than "
             "--gc-grace-period", registry=r)
+        self.gc_sweeps = Counter(
+            PREFIX + "gc_sweeps", "Passes of garbage collection over the prepared claims (each looks up every "
+            "prepared claim's ResourceClaim)", registry=r)
         self.claim_status_writes = Counter(
             PREFIX + "claim_status_writes", "Writes of this driver's ResourceClaim status.devices entries (server-side "
             "apply, or the offline file), by result: ok, retry (failed, tried again after a backoff) or gave_up "

@@ -34,6 +34,7 @@ import pytest
 import yaml
 from celpy import celtypes
 from conftest import need_command, need_root
+from lightkube.core.resource import Resource, api_info
 from netns import FakeSysfs, network_namespace
 
 from agent import config
@@ -293,6 +294,10 @@ def test_privilege_is_dropped_where_no_gpu_is_opened() -> None:
 
 # -- RBAC: the ClusterRole against the code's API calls ----------------------------------------------
 
+def is_resource(cls: object) -> bool:
+    return isinstance(cls, type) and issubclass(cls, Resource)
+
+
 # lightkube client method -> the RBAC verbs of its requests.
 CLIENT_VERBS = {"get": {"get"}, "list": {"list"}, "watch": {"watch"}, "wait": {"list", "watch"},
                 "create": {"create"}, "replace": {"update"}, "patch": {"patch"}, "apply": {"patch"},
@@ -384,14 +389,13 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
                         named.add(getattr(classes[sub.value.id], sub.attr))  # ResourceClaim.Status
                     elif isinstance(sub, ast.Name) and sub.id in classes:
                         named.add(classes[sub.id])
-            named = {c for c in named if not any(c is not o and getattr(o, "_api_info", None) is not None
-                                                 and o._api_info.parent is not None and
-                                                 o._api_info.resource == c._api_info.resource for o in named)}
+            named = {c for c in named if not any(c is not o and is_resource(o) and api_info(o).parent is not None
+                                                 and api_info(o).resource == api_info(c).resource for o in named)}
             if len(named) != 1:
                 problems.append(f"{where}: client.{node.attr} on {sorted(c.__name__ for c in named) or 'no'} "
                                 "resource class: name exactly one in the call")
                 continue
-            info = next(iter(named))._api_info
+            info = api_info(next(iter(named)))
             resource = info.plural + (f"/{info.action}" if info.action else "")
             for verb in CLIENT_VERBS[node.attr]:
                 calls.setdefault((info.resource.group, resource, verb), []).append(where)

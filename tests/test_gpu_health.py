@@ -143,8 +143,7 @@ async def test_a_lost_gpu_stays_published_with_a_noexecute_taint(kube_api: KubeA
         assert ready["reason"] == "GpuLost" and "GPU lost" in ready["message"]
 
         # A rescan while it is lost (discovery fails it) keeps it published.
-        await agent.inventory.scan(["gpu"])
-        await agent._changed()
+        await agent.rescan(["gpu"])
         assert taints(kube_api, "gpu-5").get(f"{DRIVER}/gpu-lost")
 
         sim(agent, "recover", "gpu-5")

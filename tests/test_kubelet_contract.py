@@ -8,6 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -146,9 +147,12 @@ async def test_one_entry_per_claim_and_errors_are_per_claim(agent):
 async def test_get_info_answers_within_the_kubelets_1s_while_50_prepares_are_in_flight(agent):
     source = agent.engine.claims
     real_read = source.read
+    reading = threading.Semaphore(0)
+    go_on = threading.Event()
 
     def slow_read(namespace, name):  # a claim source that takes its time, in the worker threads
-        time.sleep(2)
+        reading.release()
+        assert go_on.wait(60), "never let go"
         return real_read(namespace, name)
 
     source.read = slow_read
@@ -160,11 +164,15 @@ async def test_get_info_answers_within_the_kubelets_1s_while_50_prepares_are_in_
         refs.append(ClaimRef("default", f"c{i}", uid))
     async with kc.DRAClient(agent.settings.dra_socket) as client:
         calls = [asyncio.create_task(client.prepare([r])) for r in refs]
-        await asyncio.sleep(0.5)
-        assert not any(c.done() for c in calls)
-        for _ in range(5):
-            info = await kc.get_info(agent.settings.registration_socket, timeout=kc.GET_INFO_TIMEOUT)
-            assert info.name == DRIVER
+        try:
+            for _ in refs:  # every prepare is in the agent, reading its claim
+                assert await asyncio.to_thread(reading.acquire, True, 60), "the prepares did not all start"
+            for _ in range(5):
+                info = await kc.get_info(agent.settings.registration_socket, timeout=kc.GET_INFO_TIMEOUT)
+                assert info.name == DRIVER
+            assert not any(c.done() for c in calls)
+        finally:
+            go_on.set()
         responses = await asyncio.gather(*calls)
     assert all(r.claims[ref.uid].error == "" for r, ref in zip(responses, refs, strict=True))
 
@@ -182,8 +190,7 @@ async def test_health_stream_sends_the_full_list_then_changes(agent, api):
 
     gpus = next(s for s in agent.inventory.sources if s.kind == "gpu")
     gpus.nvml.inject_error(2, "nvmlDeviceGetMemoryInfo", pynvml.NVML_ERROR_GPU_IS_LOST)
-    assert await agent.inventory.scan(["gpu"])
-    await agent._changed()
+    assert await agent.rescan(["gpu"])
     second = await asyncio.wait_for(anext(stream), 10)
     by_name = {d.device.device_name: d for d in second.devices}
     assert len(by_name) == len(devices)  # still the complete list

@@ -203,16 +203,36 @@ async def test_a_taken_port_does_not_stop_the_agent(started, http, monkeypatch):
     assert (await http.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
 
 
-async def test_netlink_events_are_counted_by_kind(short_tmp):
-    agent = Agent(roots(short_tmp))
+class ScriptedNetlink:
+    """The daemon's netlink watcher, delivering three events and then none."""
 
-    async def events() -> AsyncIterator[NetEvent]:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def events(self) -> AsyncIterator[NetEvent]:
         for kind in ("link-changed", "link-changed", "address-added"):
             yield NetEvent(kind)
+        await asyncio.Event().wait()
 
-    seen = [e.kind async for e in agent._counted(events())]
-    assert seen == ["link-changed", "link-changed", "address-added"]
-    assert agent.metrics.registry.get_sample_value("dra_agent_netlink_events_total", {"kind": "link-changed"}) == 2
+    async def close(self) -> None:
+        pass
+
+
+async def test_netlink_events_are_counted_by_kind(started, http, monkeypatch):
+    monkeypatch.setattr("agent.inventory.netwatch.NetlinkWatcher", ScriptedNetlink)
+    agent = await started()
+
+    async def counted() -> Any:
+        samples = await scrape(http, agent)
+        return samples.get(("dra_agent_netlink_events_total", (("kind", "address-added"),)))
+
+    await eventually(counted, "the address event counted")
+    samples = await scrape(http, agent)
+    assert samples[("dra_agent_netlink_events_total", (("kind", "link-changed"),))] == 2
+    assert samples[("dra_agent_netlink_events_total", (("kind", "address-added"),))] == 1
 
 
 def test_metrics_address_setting():

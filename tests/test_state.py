@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import os
 import stat
 import threading
-import time
 from typing import Any
 
 import orjson
@@ -191,23 +191,35 @@ def test_concurrent_directory_syncs_share_fsyncs_and_each_waits_for_one_that_beg
     """Group commit: 16 writers cost a few fsyncs, and none returns before an fsync that started
     after it asked (so its rename is covered)."""
     sync = DirectorySync(tmp_path)
-    started: list[float] = []
+    order = itertools.count()  # one order for every step of every thread
+    order_lock = threading.Lock()
+
+    def now() -> int:
+        with order_lock:
+            return next(order)
+
+    fsyncs: list[tuple[int, int]] = []  # (began, ended)
     real_fsync = os.fsync
+    asked_all = threading.Semaphore(0)
 
-    def slow_fsync(fd: int) -> None:
-        started.append(time.monotonic())
-        time.sleep(0.02)
+    def held_fsync(fd: int) -> None:
+        if not fsyncs:  # the first fsync waits until every writer has asked: the rest arrive while it runs
+            for _ in range(16):
+                assert asked_all.acquire(timeout=30)
+        began = now()
         real_fsync(fd)
+        fsyncs.append((began, now()))
 
-    monkeypatch.setattr(os, "fsync", slow_fsync)
-    calls: list[tuple[float, float]] = []
+    monkeypatch.setattr(os, "fsync", held_fsync)
+    calls: list[tuple[int, int]] = []
     gate = threading.Barrier(16)
 
     def writer() -> None:
         gate.wait()
-        asked = time.monotonic()
+        asked = now()
+        asked_all.release()
         sync.sync()
-        calls.append((asked, time.monotonic()))
+        calls.append((asked, now()))
 
     threads = [threading.Thread(target=writer) for _ in range(16)]
     for t in threads:
@@ -215,9 +227,9 @@ def test_concurrent_directory_syncs_share_fsyncs_and_each_waits_for_one_that_beg
     for t in threads:
         t.join()
     assert len(calls) == 16
-    assert sync.fsyncs == len(started) < 16
+    assert sync.fsyncs == len(fsyncs) < 16
     for asked, returned in calls:
-        assert any(asked <= s <= returned - 0.02 for s in started), (asked, returned, started)
+        assert any(asked < began and ended < returned for began, ended in fsyncs), (asked, returned, fsyncs)
 
 
 def test_a_failed_directory_sync_raises_and_the_next_caller_syncs_again(tmp_path, monkeypatch):

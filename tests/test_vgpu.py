@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,12 @@ LIMITS = {"nvidia-1021": 20, "nvidia-1022": 10, "nvidia-1023": 8, "nvidia-1024":
           "nvidia-1026": 1}
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    mdev._wait(check, timeout, lambda: "the simulated kernel did not act in time")
+def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Until the simulated kernel has acted (its emulator thread applies sysfs writes)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "the simulated kernel did not act in time"
+        time.sleep(0.01)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import importlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -197,8 +197,7 @@ class Agent:
         if node is None:
             node = await wait_for_node(self.conn, self.settings.node_name)
             set_node_allocatable(self.inventory, node)
-            if await self.inventory.scan(["cpu", "memory", "gpu"]):
-                await self._changed()
+            await self.rescan(["cpu", "memory", "gpu"])
         self.publish = PublishLoop(self.conn.publisher(self.settings, node),
                                    verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
         self.publish.on_published = lambda devices: self.tracker.pool_published([d.name for d in devices])
@@ -210,10 +209,9 @@ class Agent:
             due = time.monotonic() + self.settings.rescan_interval
             # Between periodic rescans, a source whose scan failed is retried on its backoff.
             while (left := due - time.monotonic()) > 0:
-                if (retry := await self.inventory.wait_retry(left)) and await self.inventory.scan(retry):
-                    await self._changed()
-            if await self.inventory.scan():
-                await self._changed()
+                if retry := await self.inventory.wait_retry(left):
+                    await self.rescan(retry)
+            await self.rescan()
 
     async def _netlink_events(self) -> None:
         from agent.inventory.netwatch import NetlinkWatcher, debounced
@@ -227,12 +225,10 @@ class Agent:
             return
         try:
             # The first scan ran before the socket was subscribed: a change in between has no event.
-            if await self.inventory.scan(["nic"]):
-                await self._changed()
+            await self.rescan(["nic"])
             log.info("watching netlink link and address events")
             async for _ in debounced(self._counted(watcher.events()), self.settings.netlink_debounce):
-                if await self.inventory.scan(["nic"]):
-                    await self._changed()
+                await self.rescan(["nic"])
         finally:
             await watcher.close()
 
@@ -240,6 +236,14 @@ class Agent:
         async for event in events:
             self.metrics.netlink_events.labels(event.kind).inc()
             yield event
+
+    async def rescan(self, kinds: Iterable[str] | None = None) -> bool:
+        """Rescan these kinds of device (all by default); when anything changed, the slices, the health
+        stream, the prepared claims' metadata and their status follow. True when something changed."""
+        changed = await self.inventory.scan(kinds)
+        if changed:
+            await self._changed()
+        return changed
 
     async def _changed(self) -> None:
         snapshot = self.inventory.snapshot()
@@ -258,8 +262,8 @@ class Agent:
     async def _conditions_changed(self, devices: set[str], rescan: set[str]) -> None:
         """Device conditions changed (an XID, a link down or up again, a taint cleared): the
         slices, the health stream and the claims holding those devices follow."""
-        if rescan and await self.inventory.scan(sorted(rescan)):
-            await self._changed()
+        if rescan:
+            await self.rescan(sorted(rescan))
         snapshot = self.inventory.snapshot()
         if self.publish is not None:
             self.publish.update(self.health.published(snapshot))

@@ -85,6 +85,7 @@ class _Gpu:
 class WatcherStats:
     events: int = 0  # events handed to on_event
     errors: int = 0  # failures logged and gone past
+    probes: int = 0  # probes finished
     registered: list[str] = field(default_factory=list)  # devices registered for NVML events
 
 
@@ -114,6 +115,8 @@ class GpuEventWatcher:
         self._logged: dict[str, str] = {}  # key -> message already logged, logged again when it changes
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._probing = threading.Condition()
+        self._probes_begun = 0
 
     def start(self) -> None:
         if self._sim is not None and self.control_dir is not None:
@@ -133,6 +136,16 @@ class GpuEventWatcher:
         if self._sim is not None and self.control_dir is not None:
             self._sim.stop_watching()
 
+    def probed(self, timeout: float = 30.0) -> None:
+        """Block until two whole probes that began after this call have finished (TimeoutError if they
+        have not within `timeout` s). Whatever a probe sees that changed before the call has been
+        reported then, and so has an event raised before the call (the thread waited for events
+        between the two probes): a test's handshake, where a sleep would only guess."""
+        with self._probing:
+            target = self._probes_begun + 2
+            if not self._probing.wait_for(lambda: self.stats.probes >= target, timeout):
+                raise TimeoutError(f"no two GPU probes finished within {timeout:g}s")
+
     # -- the thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -141,7 +154,12 @@ class GpuEventWatcher:
             while not self._stopping.is_set():
                 now = time.monotonic()
                 if now >= next_probe:
+                    with self._probing:
+                        self._probes_begun += 1
                     self._guarded("probe", self._probe)
+                    with self._probing:
+                        self.stats.probes += 1
+                        self._probing.notify_all()
                     next_probe = now + self.probe_interval
                 left = max(0.0, min(self.wait_ms / 1000, next_probe - time.monotonic()))
                 if self._event_set is None or not self._guarded("wait", functools.partial(self._wait, left)):

@@ -19,7 +19,10 @@ The counter model (`agent.counters`): one `memory-slice-<i>` per memory slice, t
 covering it, is exactly NVML's rule (two GPU instances never share a memory slice); an
 `instances-<profile>` counter carries a profile's instance limit where it binds; engines and memory
 are set to the most any set of placements NVML accepts can use together, so they never refuse such
-a set (tests/test_mig.py proves both directions against the simulated NVML).
+a set. An engine belongs to one GPU instance, and the GPU has no more of it than its largest profile
+(the whole GPU's) holds: no set beyond that is accepted, which is what keeps an A30's two media
+profiles (1g.6gb+me, 2g.12gb+me: one JPEG and one OFA engine each, the GPU has one of each) apart.
+tests/test_mig.py proves both directions against NVIDIA's published profiles (tests/mig_facts.py).
 """
 
 from __future__ import annotations
@@ -151,9 +154,10 @@ def find_profile(nvml: Any, handle: Any, name: str) -> MigProfile | None:
 @functools.lru_cache(maxsize=32)
 def _most_used(layout: MigLayout) -> tuple[int, ...]:
     """(memory, *engines): the most of each that one set of placements NVML accepts uses together
-    (no shared memory slice, no profile beyond its instance limit)."""
+    (no shared memory slice, no profile beyond its instance limit, no engine beyond the GPU's)."""
     options = [(p, s) for p in layout.profiles for s in p.starts]
     best = [0] * (1 + len(counters.ENGINE_COUNTERS))
+    gpu_engines = [max(p.engines[k] for p in layout.profiles) for k in range(len(counters.ENGINE_COUNTERS))]
 
     def walk(i: int, used: int, counts: dict[int, int], total: list[int]) -> None:
         for k in range(len(best)):
@@ -161,7 +165,8 @@ def _most_used(layout: MigLayout) -> tuple[int, ...]:
         for j in range(i, len(options)):
             p, start = options[j]
             mask = ((1 << p.size) - 1) << start
-            if used & mask or counts.get(p.id, 0) >= p.instances:
+            if used & mask or counts.get(p.id, 0) >= p.instances or any(
+                    t + v > most for t, v, most in zip(total[1:], p.engines, gpu_engines, strict=True)):
                 continue
             counts[p.id] = counts.get(p.id, 0) + 1
             walk(j + 1, used | mask, counts, [t + v for t, v in zip(total, (p.memory, *p.engines), strict=True)])

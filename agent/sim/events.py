@@ -62,7 +62,9 @@ class SimEvents:
     """Event sets, per-GPU supported event types and recovery actions of one simulated machine."""
 
     def __init__(self, gpu_count: int) -> None:
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._waiters_changed = threading.Condition(lock)  # (for `until_waiting`, so waiters never wake each other)
         self._sets: dict[int, _EventSet] = {}
         self._next_set = 1
         self._supported: list[int] = [SUPPORTED_EVENTS] * gpu_count
@@ -92,6 +94,7 @@ class SimEvents:
         with self._cond:
             actions = list(self._actions)
         atomic_write(path, orjson.dumps({"bootId": boot_id(), "actions": actions}), mode=0o644)
+        self._waiting = 0  # threads blocked in wait() now
 
     # Event sets.
     def create(self) -> Any:
@@ -145,7 +148,17 @@ class SimEvents:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
-                self._cond.wait(left)
+                self._waiting += 1
+                self._waiters_changed.notify_all()
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
+
+    def until_waiting(self, count: int, timeout: float) -> bool:
+        """Block until `count` threads are blocked in `wait`; False if they are not within `timeout`."""
+        with self._waiters_changed:
+            return self._waiters_changed.wait_for(lambda: self._waiting >= count, timeout)
 
     def open(self) -> None:
         with self._cond:

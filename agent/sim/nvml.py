@@ -37,16 +37,16 @@ GPU fields (only `name`, `busId` and `memoryTotal` are required):
 Error codes are numbers or names, with or without the `NVML_ERROR_` prefix.
 In-process tests inject the same faults with `inject_error` and `lose`.
 
-MIG (`nvml_sim_mig`): the pynvml MIG calls with real placement rules, for GPUs whose `migMode` is
-set and whose `migProfiles` names a profile table (`h100-80gb`, in `nvml_mig_profiles`).
+MIG (`agent.sim.mig`): the pynvml MIG calls with real placement rules, for GPUs whose `migMode` is
+set and whose `migProfiles` names a profile table (`h100-80gb` and the others in `agent.sim.migprofiles`).
 
-Events and health (`nvml_sim_events`): the pynvml event API (`nvmlEventSetCreate`,
-`nvmlDeviceGetSupportedEventTypes`, `nvmlDeviceRegisterEvents`, `nvmlEventSetWait_v2`,
+Events and health (`agent.sim.nvmlhealth`, the event sets in `agent.sim.events`): the pynvml event
+API (`nvmlEventSetCreate`, `nvmlDeviceGetSupportedEventTypes`, `nvmlDeviceRegisterEvents`, `nvmlEventSetWait_v2`,
 `nvmlEventSetFree`) and `nvmlDeviceGetFieldValues` for `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`.
 `raise_xid` delivers an XID to the event sets registered for it and sets the recovery action
 (GPU_RESET, or NONE for the application XIDs 13, 31, 43, 45, 68, 109); `lose` makes the GPU fail
 every call; `recover` is a GPU reset (answers again, recovery action NONE). The same three come
-from outside the process as command files (`watch_control`, `nvml_sim_control`).
+from outside the process as command files (`watch_control`, `agent.sim.control`).
 
 Persistence mode: `nvmlDeviceGetPersistenceMode` / `nvmlDeviceSetPersistenceMode`, off on every GPU
 at start (passthrough refuses a GPU with it on); `inject_error` makes the get fail like a library
@@ -55,7 +55,6 @@ without it (`FUNCTION_NOT_FOUND`).
 
 from __future__ import annotations
 
-import ctypes
 import re
 import threading
 from collections.abc import Callable
@@ -65,12 +64,14 @@ from typing import Any
 import pynvml
 
 from agent.host.pci import normalize_bus_id
-from agent.sim.control import ControlWatcher, SimCommand, device_index
-from agent.sim.events import APPLICATION_XIDS, SimEvent, SimEvents, event_data, field_values
+from agent.sim.control import ControlWatcher
+from agent.sim.events import SimEvents
 from agent.sim.hardware import materialize
 from agent.sim.kernel.tree import SimTree
 from agent.sim.mig import SimMig
+from agent.sim.mighandles import gpu_handle, gpu_index
 from agent.sim.migprofiles import MIG_FUNCTIONS, MIG_TABLES
+from agent.sim.nvmlhealth import EVENT_DEVICE_FUNCTIONS, EVENT_SYSTEM_FUNCTIONS, SimHealth
 from agent.sim.profiles import (
     DEVICE_FUNCTIONS,
     SYSTEM_FUNCTIONS,
@@ -84,18 +85,12 @@ from agent.sim.profiles import (
 __all__ = ["ProfileError", "SimulatedNvml", "load_profile", "materialize"]
 
 
-_HANDLE_BASE = 0x5151_0000
 _FORWARDED = re.compile(r"^(NVML|c_nvml|nvmlPciInfo_t$|nvmlExceptionClass$|nvmlEventType)")
-# The event and field-value calls, which faults may name too (`inject_error`).
-EVENT_DEVICE_FUNCTIONS = frozenset({"nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",
-                                    "nvmlDeviceGetFieldValues"})
-EVENT_SYSTEM_FUNCTIONS = frozenset({"nvmlEventSetCreate", "nvmlEventSetWait_v2", "nvmlEventSetWait",
-                                    "nvmlEventSetFree"})
 # Persistence mode (off on every GPU at start, as after a boot without nvidia-persistenced).
 PERSISTENCE_FUNCTIONS = frozenset({"nvmlDeviceGetPersistenceMode", "nvmlDeviceSetPersistenceMode"})
 
 
-class SimulatedNvml:
+class SimulatedNvml(SimHealth):
     """Answers pynvml calls for one profile; faults can be injected while it runs."""
 
     def __init__(self, profile: SimProfile) -> None:
@@ -112,7 +107,7 @@ class SimulatedNvml:
         # MIG (nvml_sim_mig): profiles, placements, GPU and compute instances, MIG devices.
         self._mig = SimMig([MIG_TABLES.get(g.mig_profiles, ()) for g in profile.gpus],
                            [None if g.mig_mode is None else g.mig_mode[0] for g in profile.gpus],
-                           self._mig_parent, lambda fn, i: self._checked(fn, i).uuid, _handle)
+                           self._mig_parent, lambda fn, i: self._checked(fn, i).uuid, gpu_handle)
 
     @classmethod
     def from_profile(cls, spec: str) -> SimulatedNvml:
@@ -141,71 +136,6 @@ class SimulatedNvml:
                 self._system_errors[function] = value
             else:
                 self._gpu_errors[self._checked_index(index)][function] = value
-
-    def lose(self, index: int) -> None:
-        """The GPU falls off the bus: every call about it fails with GPU_IS_LOST, and its event
-        registrations are gone (the GPU that comes back after a reset is registered afresh)."""
-        with self._lock:
-            self._lost[self._checked_index(index)] = True
-        self._events.forget(index)
-
-    def raise_xid(self, index: int, xid: int) -> int:
-        """An XID on GPU `index`: queued to every event set registered for it and for XID critical
-        errors, and the GPU's recovery action set (NONE for an application XID, else GPU_RESET).
-        Returns how many event sets received it."""
-        if isinstance(xid, bool) or not isinstance(xid, int) or not 0 < xid < 1000:
-            raise ValueError(f"XID must be an integer 1..999, not {xid!r}")
-        action = (pynvml.NVML_GPU_RECOVERY_ACTION_NONE if xid in APPLICATION_XIDS
-                  else pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
-        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeXidCriticalError, xid)
-        return self._events.queue(event, action)
-
-    def raise_double_bit_ecc(self, index: int) -> int:
-        """An uncorrectable (double-bit) ECC error on GPU `index`; the GPU then needs a reset."""
-        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeDoubleBitEccError, 0)
-        return self._events.queue(event, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
-
-    def recover(self, index: int) -> None:
-        """A GPU reset: the GPU answers again and needs nothing (recovery action NONE)."""
-        with self._lock:
-            self._lost[self._checked_index(index)] = False
-            self._resets[index] += 1
-        self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
-
-    def reset_count(self, index: int) -> int:
-        """How many resets (`recover`) GPU `index` has had: not an NVML call, but the one way a
-        reset that changed nothing NVML shows (after an application XID) can be seen."""
-        with self._lock:
-            return self._resets[self._checked_index(index)]
-
-    def set_supported_events(self, index: int, mask: int) -> None:
-        """What nvmlDeviceGetSupportedEventTypes answers for GPU `index` (0: no events at all)."""
-        self._events.set_supported(self._checked_index(index), mask)
-
-    def apply(self, command: SimCommand) -> None:
-        """Apply one control command (see `nvml_sim_control`)."""
-        index = device_index(self.profile, command.device)
-        if command.command == "xid":
-            assert command.xid is not None  # SimCommand checks it
-            self.raise_xid(index, command.xid)
-        elif command.command == "lose":
-            self.lose(index)
-        else:
-            self.recover(index)
-
-    # The control channel.
-    def watch_control(self, directory: Path) -> None:
-        """Apply the command files written to `directory` now and whenever new ones appear."""
-        if self._control is not None:
-            raise RuntimeError(f"the simulated NVML already watches {self._control.directory}")
-        control = ControlWatcher(directory, self.apply)
-        control.start()
-        self._control = control
-
-    def stop_watching(self) -> None:
-        control, self._control = self._control, None
-        if control is not None:
-            control.stop()
 
     def clear_errors(self) -> None:
         with self._lock:
@@ -276,7 +206,7 @@ class SimulatedNvml:
             if not isinstance(index, int) or not 0 <= index < len(self.profile.gpus):
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             self._raise_device("nvmlDeviceGetHandleByIndex", index)
-        return _handle(index)
+        return gpu_handle(index)
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
         text = uuid.decode() if isinstance(uuid, bytes) else uuid
@@ -361,36 +291,6 @@ class SimulatedNvml:
         with self._lock:
             self._persistence[index] = int(mode)
 
-    # Events and field values.
-    def nvmlEventSetCreate(self) -> Any:
-        self._system("nvmlEventSetCreate")
-        return self._events.create()
-
-    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
-        index = self._device("nvmlDeviceGetSupportedEventTypes", handle)[0]
-        return self._events.supported(index)
-
-    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
-        index = self._device("nvmlDeviceRegisterEvents", handle)[0]
-        self._events.register(index, int(eventTypes), eventSet)
-
-    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
-        self._system("nvmlEventSetWait_v2")
-        event = self._events.wait(eventSet, timeoutms)
-        return event_data(_handle(event.index), event)
-
-    def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> Any:
-        self._system("nvmlEventSetWait")
-        return self.nvmlEventSetWait_v2(eventSet, timeoutms)
-
-    def nvmlEventSetFree(self, eventSet: Any) -> None:
-        self._system("nvmlEventSetFree")
-        self._events.free(eventSet)
-
-    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[int] | list[tuple[int, int]]) -> Any:
-        index = self._device("nvmlDeviceGetFieldValues", handle)[0]
-        return field_values(fieldIds, self._events.action(index))
-
     # Internals.
     def _checked_index(self, index: int) -> int:
         if not 0 <= index < len(self.profile.gpus):
@@ -416,7 +316,7 @@ class SimulatedNvml:
     def _device(self, function: str, handle: Any) -> tuple[int, SimGpu]:
         with self._lock:
             self._raise_system(function)
-            index = _index_of(handle, len(self.profile.gpus))
+            index = gpu_index(handle, len(self.profile.gpus))
             self._raise_device(function, index)
         return index, self.profile.gpus[index]
 
@@ -437,23 +337,8 @@ class SimulatedNvml:
             for index, gpu in enumerate(self.profile.gpus):
                 if match(gpu):
                     self._raise_device(function, index)
-                    return _handle(index)
+                    return gpu_handle(index)
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
-
-
-def _handle(index: int) -> Any:
-    # A real c_nvmlDevice_t, never dereferenced: its address encodes the index.
-    return ctypes.cast(ctypes.c_void_p(_HANDLE_BASE + index), pynvml.c_nvmlDevice_t)
-
-
-def _index_of(handle: Any, count: int) -> int:
-    if not isinstance(handle, pynvml.c_nvmlDevice_t):
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    address = ctypes.cast(handle, ctypes.c_void_p).value or 0
-    index = address - _HANDLE_BASE
-    if not 0 <= index < count:
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    return index
 
 
 def _pci_info(gpu: SimGpu) -> Any:
