@@ -1,6 +1,6 @@
 """Ways for a test to know that something has happened, or that nothing more can happen, without
 sleeping: a condition polled to a bound, the agent's worker threads drained, a thread seen waiting
-for a claim's lock in the kernel's lock table, a metric read from the exposition text.
+for a claim's or a device's lock in the kernel's lock table, a metric read from the exposition text.
 
 A sleep only guesses how long the agent needs; on a loaded machine the guess is wrong, and a test
 that asserts "nothing happened" after a sleep passes whether or not the thing would have happened.
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent import failpoints
-from agent.claims.locks import ClaimFileLock
+from agent.claims.locks import CLAIMS_LOCK_FILE, DEVICES_LOCK_FILE, KeyFileLock
 
 T = TypeVar("T")
 BOUND = 30.0  # how long a condition may take to come true on a loaded machine: a bound, never an expectation
@@ -68,8 +68,21 @@ def claim_lock_waiters(state_dir: Path, uid: str) -> int:
     """How many lock requests wait now, in the kernel's lock table (/proc/locks), for the claim's
     lock across agents (`ClaimFileLock` on `<state>/claims.lock`): a second agent's thread that has
     reached the claim and waits for the agent in the middle of an operation on it."""
-    inode = os.stat(state_dir / "claims.lock").st_ino
-    offset = ClaimFileLock.offset(uid)
+    return _byte_lock_waiters(state_dir / CLAIMS_LOCK_FILE, uid)
+
+
+def device_lock_waiters(state_dir: Path, key: str) -> int:
+    """The same for a device's lock across agents (`<state>/devices.lock`, key `pci/<bus>` or
+    `device/<name>`): an agent's thread that reached a device another agent holds."""
+    return _byte_lock_waiters(state_dir / DEVICES_LOCK_FILE, key)
+
+
+def _byte_lock_waiters(path: Path, key: str) -> int:
+    try:
+        inode = os.stat(path).st_ino
+    except FileNotFoundError:
+        return 0
+    offset = KeyFileLock.offset(key)
     waiting = 0
     with open("/proc/locks") as table:
         for line in table:

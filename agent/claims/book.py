@@ -24,8 +24,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from agent.claims.records import ClaimRecord, PreparedDevice, RecordState
+from agent.claims.records import ClaimRecord, PreparedDevice, RecordError, RecordState
 from agent.claims.store import ClaimStore, RecordStamp
+from agent.names import InvalidName
 
 RECENT = 64  # whole records kept (the claims operated on last)
 
@@ -115,6 +116,29 @@ class ClaimBook:
             return None
         self._remember(*found)
         return found[0]
+
+    def sync(self) -> None:
+        """Make the book say what the records directory says: records this book has not read (another
+        agent's, or ones listed at start-up and not yet checked) are read, and records gone from disk
+        forgotten. The forms checks call it holding the devices' locks, so which claim holds a form of a
+        GPU is read from the durable records, not from this process's memory. Costs a directory listing;
+        reads only the records new to this book. An unreadable record is left to its own claim's check."""
+        on_disk = set(self.store.uids())
+        with self._guard:
+            known = set(self._summaries)
+        for uid in known - on_disk:
+            if self.store.stamp(uid) is None:  # (listed before a write of this process renamed it into place)
+                self.forget(uid)
+        for uid in sorted(on_disk - known):
+            try:
+                found = self.store.read(uid)
+            except (RecordError, InvalidName, OSError):
+                continue
+            if found is None:
+                continue
+            self._remember(*found)
+            if self.store.stamp(uid) is None:  # removed meanwhile by an operation on the claim
+                self.forget(uid)
 
     def write(self, record: ClaimRecord) -> None:
         """Write the record durably, and keep it as the current one."""

@@ -1,15 +1,19 @@
-"""The agent's one lock table, and the lock that extends a claim's lock to other agents on the node.
+"""The agent's one lock table, and the byte locks that extend its locks to other agents on the node.
 
 Every operation on a claim (prepare, unprepare, metadata refresh, start-up
 repair or cleanup) runs in one worker thread and holds, in this order:
 1. the claim's lock in this process (`LockTable`, key `claim/<uid>`);
-2. the claim's lock across processes (`ClaimFileLock`): during a rolling update
-   two agents share the state directory, and the kubelet may send a claim's
+2. the claim's lock across processes (`ClaimFileLock` on `<state>/claims.lock`): during a
+   rolling update two agents share the state directory, and the kubelet may send a claim's
    unprepare to the newer one while the older one is still preparing it;
-3. for prepare and unprepare, which change what a device is bound to, the locks
-   of the claim's devices (`device/<name>`), in sorted order.
+3. for prepare, unprepare and the settling of host side effects, which change what a device is
+   bound to or made into, the locks of the claim's devices (`pci/<bus>` for a PCI function and
+   every form of a GPU, `device/<name>` for others), in sorted order, each in this process and
+   then across processes (`KeyFileLock` on `<state>/devices.lock`): two agents never prepare two
+   forms of one GPU at once, and each judges the other forms against the records on disk while
+   it holds the GPU's lock.
 A claim lock is never requested while a device lock is held, and device locks
-are always taken in one global order, so there is no deadlock.
+are always taken in one global order, so there is no deadlock, within an agent or between two.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ class LockTable:
 
     def __len__(self) -> int:
         return len(self._locks)
+
+    def users(self, key: str) -> int:
+        """How many threads hold or wait for `key` now (a test's handshake: one holds, others wait)."""
+        with self._guard:
+            found = self._locks.get(key)
+        return found[1] if found else 0
 
     @contextlib.contextmanager
     def hold(self, keys: Iterable[str]) -> Iterator[None]:
@@ -67,14 +77,15 @@ _FLOCK = "@hhqqi4x"
 _OFFSET_BITS = 62
 
 
-class ClaimFileLock:
-    """A byte-range lock per claim UID on one file in the state directory, shared by every agent
-    on the node. Open file description locks (`F_OFD_SETLKW`) belong to the descriptor, not the
-    process, so closing some other descriptor of the file never drops them, and the kernel
-    releases them when the process dies: a killed agent never leaves a claim locked.
+class KeyFileLock:
+    """A byte-range lock per key (a claim UID, a device lock key) on one file in the state directory,
+    shared by every agent on the node. Open file description locks (`F_OFD_SETLKW`) belong to the
+    descriptor, not the process, so closing some other descriptor of the file never drops them, and
+    the kernel releases them when the process dies: a killed agent never leaves a key locked.
 
-    Within a process the `LockTable` already serializes a claim, so one descriptor serves all
-    threads. Two UIDs share a byte only if 62 bits of their digests collide.
+    Within a process the `LockTable` already serializes each key, so one descriptor serves all
+    threads (locks of one descriptor never wait for each other). Two keys share a byte only if 62
+    bits of their digests collide.
     """
 
     def __init__(self, path: Path) -> None:
@@ -93,22 +104,35 @@ class ClaimFileLock:
             return self._fd
 
     @staticmethod
-    def offset(uid: str) -> int:
-        digest = hashlib.blake2b(uid.encode(), digest_size=8).digest()
+    def offset(key: str) -> int:
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big") >> (64 - _OFFSET_BITS)
 
     @contextlib.contextmanager
-    def hold(self, uid: str) -> Iterator[None]:
+    def hold(self, key: str) -> Iterator[None]:
         fd = self._descriptor()
-        start = self.offset(uid)
+        start = self.offset(key)
         fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0))
         try:
             yield
         finally:
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, start, 1, 0))
 
+    @contextlib.contextmanager
+    def hold_all(self, keys: Iterable[str]) -> Iterator[None]:
+        """Every key, taken in sorted order (the one order every agent takes them in)."""
+        with contextlib.ExitStack() as stack:
+            for key in sorted(set(keys)):
+                stack.enter_context(self.hold(key))
+            yield
+
     def close(self) -> None:
         with self._open_guard:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+ClaimFileLock = KeyFileLock  # `<state>/claims.lock`, keyed by claim UID
+CLAIMS_LOCK_FILE = "claims.lock"
+DEVICES_LOCK_FILE = "devices.lock"  # keyed by device lock key (`pci/<bus>`, `device/<name>`)

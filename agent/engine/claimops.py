@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -26,7 +26,6 @@ from agent import failpoints
 from agent.claims.allocation import Allocation, parse_claim
 from agent.claims.book import ClaimBook
 from agent.claims.files import ClaimFiles
-from agent.claims.locks import LockTable
 from agent.claims.plan import plan_record
 from agent.claims.records import ClaimRecord, DeviceBinding, FileRole
 from agent.claims.toolkit import ToolkitSpecs
@@ -57,9 +56,10 @@ class ClaimEngine(Protocol):
     book: ClaimBook
     files: ClaimFiles
     effects: HostEffects
-    locks: LockTable
 
     def claim_locked(self, uid: str) -> AbstractContextManager[None]: ...
+
+    def devices_locked(self, keys: Iterable[str]) -> AbstractContextManager[None]: ...
 
     def ensure_checked(self, uid: str) -> None: ...
 
@@ -75,7 +75,7 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
             raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
         if record is not None and not record.prepared:
             # A prepare or unprepare with host side effects that stopped halfway: settle it first.
-            with engine.locks.hold(engine.effects.record_lock_keys(record)):
+            with engine.devices_locked(engine.effects.record_lock_keys(record)):
                 engine.effects.settle(record, engine.files)
             record = None
         if record is not None:
@@ -86,7 +86,7 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
         claim = read(ref.namespace, ref.name)
         alloc = parse_claim(claim, ref, driver=engine.settings.driver_name, pool=engine.settings.node_name,
                             lookup=engine.inventory.get)
-        with engine.locks.hold(engine.effects.lock_key(a.device) for a in alloc.devices):
+        with engine.devices_locked(engine.effects.lock_key(a.device) for a in alloc.devices):
             return _apply(engine, alloc)
 
 
@@ -97,7 +97,7 @@ def unprepare_blocking(engine: ClaimEngine, ref: ClaimRef) -> ClaimRecord | None
         record = engine.current_or_purge(ref.uid)
         if record is None:
             return None
-        with engine.locks.hold(engine.effects.record_lock_keys(record)):
+        with engine.devices_locked(engine.effects.record_lock_keys(record)):
             if not record.prepared:
                 engine.effects.settle(record, engine.files)
                 return record

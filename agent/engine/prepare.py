@@ -31,7 +31,7 @@ from typing import Protocol
 
 from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.files import ClaimFiles
-from agent.claims.locks import ClaimFileLock, LockTable
+from agent.claims.locks import CLAIMS_LOCK_FILE, DEVICES_LOCK_FILE, ClaimFileLock, KeyFileLock, LockTable
 from agent.claims.records import ClaimRecord, PreparedDevice, RecordError
 from agent.claims.sources import ClaimSource, LocalClaimSource
 from agent.claims.store import ClaimStore
@@ -89,8 +89,10 @@ class PrepareEngine:
         self.metadata_root = Root(settings.metadata_dir, own=self.own_changes)
         self.files = ClaimFiles(settings, self.cdi_root, self.metadata_root)
         self.locks = LockTable()
-        self.claim_lock = claim_lock or ClaimFileLock(settings.state_dir / "claims.lock")
+        self.claim_lock = claim_lock or ClaimFileLock(settings.state_dir / CLAIMS_LOCK_FILE)
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
+        self.device_lock = KeyFileLock(settings.state_dir / DEVICES_LOCK_FILE)  # devices, across agents
+        self.device_lock.open()
         self.book = ClaimBook(store)
         self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
         # Partitions created at prepare, one partitioner per `Kind.partition_kind` (`agent.hostprep.partitions`).
@@ -255,6 +257,14 @@ class PrepareEngine:
     def claim_locked(self, uid: str) -> Iterator[None]:
         """Hold the claim's lock in this process and across the agents of the node."""
         with self.locks.hold([f"claim/{uid}"]), self.claim_lock.hold(uid):
+            yield
+
+    @contextlib.contextmanager
+    def devices_locked(self, keys: Iterable[str]) -> Iterator[None]:
+        """Hold the device locks (`pci/<bus>`, `device/<name>`) in this process and across the agents of the
+        node, in sorted order (call with the claim locked)."""
+        ordered = sorted(set(keys))
+        with self.locks.hold(ordered), self.device_lock.hold_all(ordered):
             yield
 
     def defer_checks(self, uids: Iterable[str], check: Callable[[str], None]) -> None:

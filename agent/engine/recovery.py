@@ -134,7 +134,7 @@ def _settle_effects(engine: PrepareEngine, record: ClaimRecord, report: Recovery
     record when the claim stays prepared. A prepared claim whose effects cannot be made true again (a
     function that cannot be bound, a partition gone) is rolled back and dropped, loudly: the kubelet's
     next prepare of it does it again and says why it fails."""
-    with engine.locks.hold(engine.passthrough.record_lock_keys(record)):
+    with engine.devices_locked(engine.effects.record_lock_keys(record)):
         if record.prepared:
             try:
                 return engine.effects.reassert(record)

@@ -22,12 +22,13 @@ from agent.claims.allocation import Allocation
 from agent.claims.book import ClaimBook
 from agent.claims.files import ClaimFiles
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import ClaimRecord, DeviceBinding, PreparedDevice, RecordState
+from agent.claims.records import ClaimRecord, DeviceBinding, DevicePartition, PreparedDevice, RecordState
 from agent.errors import ClaimFailure
 from agent.hostprep.hosteffect import HostEffect, WriteRecord
 from agent.hostprep.partitions import GpuForms, Partitioner, Partitions, check_gpu_forms, gpu_lock_key
 from agent.hostprep.vfio import Passthrough, lock_key
 from agent.inventory import Inventory
+from agent.kinds import PartitionKind
 from agent.model import Device
 
 log = logging.getLogger(__name__)
@@ -55,18 +56,40 @@ class HostEffects:
 
     @staticmethod
     def lock_key(device: Device) -> str:
-        """A partition by its GPU (`pci/<bus>`, as the GPU's whole forms), any other device as before."""
+        """Every form of a GPU by its GPU (`pci/<bus>`), any other device by its function or name."""
         return gpu_lock_key(device) or lock_key(device)
 
     def record_lock_keys(self, record: ClaimRecord) -> list[str]:
+        """The device locks of a recorded claim, the ones its prepare took: every form of a GPU by its GPU,
+        also when the device has left the inventory (a partition by its recorded parent)."""
         keys = set(self.passthrough.record_lock_keys(record))
-        for part in record.partitions:
-            device = self.inventory.get(part.device)
+        for d in record.devices:
+            device = self.inventory.get(d.device)
             if device is not None and (key := gpu_lock_key(device)) is not None:
+                keys.discard(f"device/{d.device}")
                 keys.add(key)
+        for part in record.partitions:
+            if (bus := self._parent_bus(part)) is not None:
+                keys.discard(f"device/{part.device}")
+                keys.add(f"pci/{bus}")
         return sorted(keys)
 
+    def _parent_bus(self, part: DevicePartition) -> str | None:
+        """The PCI function of a partition's GPU: recorded for a mediated device; a MIG partition records
+        its GPU's UUID, found among the inventory's GPUs."""
+        if part.kind is PartitionKind.MDEV:
+            return part.parent
+        for d in self.inventory.devices():
+            if (gpu := d.gpu) is not None and gpu.uuid == part.parent:
+                return gpu.pci_bus_id
+        return None
+
     def check(self, uid: str, allocated: Sequence[AllocatedDevice]) -> None:
+        """The forms checks, against the records on disk (call holding the devices' locks: another agent
+        that prepares a form of the same GPU holds the same lock, across processes, until its record is
+        written)."""
+        if any(a.device.kind.function or a.device.kind.gpu_form is not None for a in allocated):
+            self.book.sync()
         self.passthrough.check_forms(uid, allocated)
         check_gpu_forms(uid, allocated, self.forms, self.book)
 

@@ -163,9 +163,11 @@ def gpu_form(device: Device) -> tuple[str, GpuForm] | None:
 
 
 def gpu_lock_key(device: Device) -> str | None:
-    """One lock per GPU for its partitions (`pci/<bus>`, the key its whole forms take), so a MIG mode change
-    and another claim's instance on the same GPU, or a partition and the full GPU, never run at once."""
-    found = gpu_form(device) if device.kind.partition_kind is not None else None
+    """One lock per GPU for every form of it (`pci/<bus>`, the key of its PCI function): the forms check
+    and the claim of the GPU by one form happen under it, so two forms of one GPU are never prepared at
+    once (by two claims of one kubelet call, or by two agents), nor a MIG mode change beside another
+    claim's instance on the same GPU. None for a device of no GPU."""
+    found = gpu_form(device)
     return f"pci/{found[0]}" if found else None
 
 
