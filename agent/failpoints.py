@@ -18,7 +18,9 @@ add, in prepare, `after-bind-intent` and around every binding step `bind-before-
 `unprepare-after-restore-intent` and `restore-before-step` / `restore-after-step`. MIG partitions
 (`agent.hostprep.mig`) add, in prepare, `mig-before-<step>` (its "step is next" record written) and
 `mig-after-<step>` for the steps `mode`, `gpu-instance`, `compute-instance` and `uuid`, and in
-unprepare `mig-destroy-after-ci` and `mig-destroy-after-gi`.
+unprepare `mig-destroy-after-ci` and `mig-destroy-after-gi`. The check of a prepared record against
+the host (`agent.engine.recheck`, at start-up and when a prepare is answered from a record) adds
+`recheck-after-record`: the record that says what the devices are now is written, its files not yet.
 """
 
 from __future__ import annotations

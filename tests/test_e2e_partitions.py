@@ -57,7 +57,8 @@ def agent_args(s: Settings) -> list[str]:
 
 def mig_state(s: Settings) -> list[dict[str, Any]]:
     """Each GPU's MIG mode and instances as the simulated hardware persisted them (what outlives the agent)."""
-    gpus: list[dict[str, Any]] = orjson.loads((s.state_dir / "nvml-sim" / STATE_FILE).read_bytes())["gpus"]
+    gpus: list[dict[str, Any]] = [{k: v for k, v in g.items() if k != "uuid"} for g in orjson.loads(
+        (s.state_dir / "nvml-sim" / STATE_FILE).read_bytes())["gpus"]]
     return gpus
 
 

@@ -53,8 +53,9 @@ def hardware(node: Node) -> dict[str, Any]:
 
 
 def gpu0(node: Node) -> dict[str, Any]:
+    """GPU 0's MIG mode and instances (the state names the GPU by its UUID too)."""
     state: dict[str, Any] = hardware(node)["gpus"][0]
-    return state
+    return {k: v for k, v in state.items() if k != "uuid"}
 
 
 async def prepare(node: Node, name: str, uid: str, *devices: str) -> str:
@@ -147,15 +148,35 @@ async def test_mig_mode_that_needs_a_reset_is_refused_precisely(node: Node) -> N
     assert node.engine.whole_record(UID) is None and gpu0(node) == {"mode": 0, "gis": []}
 
 
-async def test_reboot_forgets_the_instance_and_recovery_drops_the_claim(node: Node, tmp_path: Path) -> None:
+async def test_a_reboot_forgets_the_instance_and_recovery_makes_it_again_under_a_new_uuid(
+        node: Node, tmp_path: Path) -> None:
     assert await prepare(node, "m", UID, MIG) == ""
+    before = node.engine.whole_record(UID)
+    assert before is not None
+    (old,) = before.partitions
     root = node.settings.state_dir / "nvml-sim"
     materialize(load_profile("dgx-h100"), root, boot=True)
     after = await make_node(tmp_path, dynamic_mig=True)  # the agent of the new boot
     assert gpu0(after) == {"mode": 1, "gis": []}  # an H100 keeps its MIG mode across a reboot
     report = recover(after.engine)
-    assert report.dropped == [UID] and report.records == {}
-    assert after.engine.whole_record(UID) is None and gpu0(after) == {"mode": 0, "gis": []}
+    assert set(report.records) == {UID} and report.dropped == []
+    record = after.engine.whole_record(UID)
+    assert record is not None and record.devices == before.devices  # the kubelet's answer is the same
+    (part,) = record.partitions
+    assert part.uuid.startswith("MIG-") and part.uuid != old.uuid  # NVML gives a new instance a new UUID
+    assert [(g["id"], g["start"], g["cis"]) for g in gpu0(after)["gis"]] == [
+        (part.gpu_instance, 4, {str(part.compute_instance): 1})]
+    # Every file says the new instance: the variable, the caps nodes, the metadata.
+    spec = json.loads((after.settings.cdi_dir / f"{DRIVER}-claim_{UID}.json").read_text())
+    (dev,) = spec["devices"]
+    assert f"DRA_GPU_0_MIG_1G10GB_4_UUID={part.uuid}" in dev["containerEdits"]["env"]
+    assert all(os.path.exists(n["hostPath"]) for n in dev["containerEdits"]["deviceNodes"])
+    recorded = next(f.content for f in record.files if f.path.endswith(f"claim_{UID}.json"))
+    assert dev == json.loads(recorded)["devices"][0]
+    stream = metadata.parse_stream(metadata.host_file(after.settings.metadata_dir, UID, "r0").read_bytes())
+    assert stream[0]["requests"][0]["devices"][0]["attributes"]["uuid"] == {"string": part.uuid}
+    assert await unprepare(after, "m", UID) == ""
+    assert gpu0(after) == {"mode": 0, "gis": []}
 
 
 # -- crash suite: a kill at every step, then a restart converges ---------------------------------------------

@@ -429,23 +429,43 @@ async def test_after_a_reboot_a_busy_gpu_drops_the_claim(vm: VmNode, busy: str) 
     assert ClaimStore(vm.node.settings.claims_state_dir).read(UID) is None
 
 
-async def test_after_a_reboot_that_renumbered_the_group_recovery_drops_the_claim(
+def _renumbered(tmp_path: Path, **groups: int) -> Path:
+    """dgx-h100 with GPU i in IOMMU group `groups[f"gpu{i}"]`."""
+    raw = copy.deepcopy(BUILTIN["dgx-h100"])
+    for key, group in groups.items():
+        raw["gpus"][int(key[3:])]["iommuGroup"] = group
+    path = tmp_path / "renumbered.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+async def test_after_a_reboot_that_renumbered_the_group_the_spec_names_the_new_group(
+        vm: VmNode, tmp_path: Path) -> None:
+    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
+    answer = whole(vm, UID).devices
+    materialize(load_profile(str(_renumbered(tmp_path, gpu0=150))), vm.tree.root, boot=True)
+    assert iommu_group(vm.tree.sys, GPU_BUS) == 150
+    report = recover(restarted(vm.node))
+    assert UID in report.records and report.dropped == []
+    assert vm.driver(GPU_BUS) == "vfio-pci"
+    (dev,) = spec_of(vm, UID)["devices"]
+    nodes = dev["containerEdits"]["deviceNodes"]
+    assert [n["path"] for n in nodes] == ["/dev/vfio/vfio", "/dev/vfio/150"]  # never the gone /dev/vfio/100
+    assert all(os.path.exists(n["hostPath"]) for n in nodes)
+    record = whole(vm, UID)
+    assert record.bindings[0].plan.group == 150 and record.devices == answer  # the kubelet's answer is the same
+    assert await vm.unprepare("vm-gpu", UID) == ""
+    assert vm.driver(GPU_BUS) == "nvidia"
+
+
+async def test_after_a_reboot_that_put_another_function_in_the_group_recovery_drops_the_claim(
         vm: VmNode, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     before = written_files(vm.node.settings)
     assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
-    raw = copy.deepcopy(BUILTIN["dgx-h100"])
-    raw["gpus"][0]["iommuGroup"] = 150
-    renumbered = tmp_path / "renumbered.json"
-    renumbered.write_text(json.dumps(raw))
-    materialize(load_profile(str(renumbered)), vm.tree.root, boot=True)
-    assert iommu_group(vm.tree.sys, GPU_BUS) == 150
+    # GPU 1 (on its host driver) shares the group now: binding the recorded plan would not be viable.
+    materialize(load_profile(str(_renumbered(tmp_path, gpu0=150, gpu1=150))), vm.tree.root, boot=True)
     report = recover(restarted(vm.node))
     assert report.dropped == [UID] and UID not in report.records
-    assert f"PCI function {GPU_BUS} is in IOMMU group 150 now, not {GPU_GROUP}" in caplog.text
+    assert f"PCI function {GPU_BUS} is " in caplog.text and f"it was in group {GPU_GROUP}" in caplog.text
     assert vm.driver(GPU_BUS) == "nvidia" and current_override(vm.tree.sys, GPU_BUS) is None
     assert written_files(vm.node.settings) == before  # no CDI spec naming /dev/vfio/100 is left
-    # The kubelet's next prepare binds it in the group it has now.
-    assert (await vm.prepare("vm-gpu", UID, GPU_VARIANT)).error == ""
-    (dev,) = spec_of(vm, UID)["devices"]
-    assert [n["path"] for n in dev["containerEdits"]["deviceNodes"]] == ["/dev/vfio/vfio", "/dev/vfio/150"]
-    assert await vm.unprepare("vm-gpu", UID) == ""

@@ -20,6 +20,11 @@ def metadata_device_id(vendor: str, uid: str, base_request: str) -> str:
     return qualified_name(vendor, METADATA_CLASS, f"{uid}_{base_request}")
 
 
+# The variables that describe a device (`device_env`, `<env_prefix>_<name>`): they come first in its CDI
+# device, before the claim's own; `agent.claims.respec` tells the two apart by these names.
+DEVICE_VARIABLES = ("NAME", "UUID", "INTERFACE", "MAC", "CPUS", "PCI_BUS_ID", "SHARE_ID")
+
+
 def env_prefix(device_name: str) -> str:
     """`gpu-3` -> `DRA_GPU_3`: one namespace of variables per device, so devices never collide."""
     return "DRA_" + device_name.upper().replace("-", "_")

@@ -107,13 +107,11 @@ def _recorded_consumption(record: ClaimRecord) -> dict[tuple[str, str, str], dic
     return out
 
 
-def refreshed(s: Settings, lookup: Callable[[str], Device | None],
-              record: ClaimRecord) -> tuple[ClaimRecord, set[str]] | None:
-    """The record with its metadata files rendered from the devices as they are now (generation + 1),
-    and the paths of those files; None when nothing changed, or a device is gone (health reports
-    it; the file keeps the last known truth). The files are the ones the record holds in the role of
-    metadata file, at the paths it names: the claim's metadata CDI specs mount them from there, whatever
-    the metadata directory is today (`agent.claims.records.FileRole`)."""
+def recorded_allocation(record: ClaimRecord,
+                        lookup: Callable[[str], Device | None]) -> list[metadata.AllocatedDevice] | None:
+    """The claim's allocated devices as its record holds them, each the device as discovery has it now:
+    the requests, shares and what each share consumed, a passthrough VF's MAC, the partitions made;
+    None when a device is not in the inventory."""
     allocated = []
     macs = {b.device: b.mac for b in record.bindings}
     made = {p.device: p for p in record.partitions}  # their MIG or mdev UUIDs are in the metadata
@@ -125,6 +123,19 @@ def refreshed(s: Settings, lookup: Callable[[str], Device | None],
         allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id, macs.get(d.device, ""),
                                                   consumed.get((d.request, d.device, d.share_id), {}),
                                                   made.get(d.device)))
+    return allocated
+
+
+def refreshed(s: Settings, lookup: Callable[[str], Device | None],
+              record: ClaimRecord) -> tuple[ClaimRecord, set[str]] | None:
+    """The record with its metadata files rendered from the devices as they are now (generation + 1),
+    and the paths of those files; None when nothing changed, or a device is gone (health reports
+    it; the file keeps the last known truth). The files are the ones the record holds in the role of
+    metadata file, at the paths it names: the claim's metadata CDI specs mount them from there, whatever
+    the metadata directory is today (`agent.claims.records.FileRole`)."""
+    allocated = recorded_allocation(record, lookup)
+    if allocated is None:
+        return None
     common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,
                               "uid": record.uid, "pod_claim_name": record.pod_claim_name}
     recorded = {f.request: f.path for f in record.files if f.role is FileRole.METADATA_FILE}

@@ -61,15 +61,21 @@ class ClaimEngine(Protocol):
 
     def devices_locked(self, keys: Iterable[str]) -> AbstractContextManager[None]: ...
 
-    def ensure_checked(self, uid: str) -> None: ...
+    def ensure_checked(self, uid: str) -> bool: ...
+
+    def recheck(self, record: ClaimRecord) -> tuple[ClaimRecord, list[str]] | None: ...
 
     def current_or_purge(self, uid: str) -> ClaimRecord | None: ...
 
 
 def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
-    """Prepare the claim unless it is prepared; with `read` None, only look it up."""
+    """Prepare the claim unless it is prepared; with `read` None, only look it up. A prepared claim is
+    answered from its record once the record is checked against the host as it is now and made true
+    again (`agent.engine.recheck`: the kubelet prepares again after its own restart or a reboot, which
+    takes files, bindings and partitions); a claim that had to be rolled back by that check (a device
+    that is another one now) is prepared again from its allocation (with `read`; without, None)."""
     with engine.claim_locked(ref.uid):
-        engine.ensure_checked(ref.uid)
+        checked = engine.ensure_checked(ref.uid)  # the start-up check: the same as `recheck` below
         record = engine.current_or_purge(ref.uid)
         if record is not None and (record.namespace, record.name) != (ref.namespace, ref.name):
             raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
@@ -78,6 +84,9 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
             with engine.devices_locked(engine.effects.record_lock_keys(record)):
                 engine.effects.settle(record, engine.files)
             record = None
+        if record is not None and not checked:
+            found = engine.recheck(record)
+            record = found[0] if found is not None else None
         if record is not None:
             log.debug("%s already prepared", ref)
             return record

@@ -26,12 +26,14 @@ class DeferredChecks:
         with self._unverified_guard:
             return sorted(self._unverified)
 
-    def ensure_checked(self, uid: str) -> None:
+    def ensure_checked(self, uid: str) -> bool:
         """Run the deferred check of the claim, if it is still due (call with the claim locked: the
-        claim's lock makes the check run once)."""
+        claim's lock makes the check run once); whether it ran now."""
         if uid in self._unverified and self._check is not None:
             self._check(uid)
             with self._unverified_guard:
                 self._unverified.discard(uid)
                 if not self._unverified:
                     self._check = None  # (it holds the start-up report, with every record it checked)
+            return True
+        return False

@@ -40,6 +40,7 @@ from agent.config import Settings
 from agent.engine.claimops import ClaimReader, prepare_blocking, unprepare_blocking
 from agent.engine.deferred import DeferredChecks
 from agent.engine.metarefresh import refresh_blocking
+from agent.engine.recheck import recheck
 from agent.errors import ClaimFailure
 from agent.fsutil import Root, UnsafePath
 from agent.host.vfio.host import VfioHost
@@ -275,10 +276,15 @@ class PrepareEngine:
     def unverified(self) -> list[str]:
         return self.deferred.unverified()
 
-    def ensure_checked(self, uid: str) -> None:
+    def ensure_checked(self, uid: str) -> bool:
         """Run the deferred start-up check of the claim, if it is still due (call with the claim locked:
-        the claim's lock makes the check run once)."""
-        self.deferred.ensure_checked(uid)
+        the claim's lock makes the check run once); whether it ran now."""
+        return self.deferred.ensure_checked(uid)
+
+    def recheck(self, record: ClaimRecord) -> tuple[ClaimRecord, list[str]] | None:
+        """A prepared record checked against the host as it is now, and made true again
+        (`agent.engine.recheck`); None when the claim had to be rolled back. Call with the claim locked."""
+        return recheck(self, record)
 
     def root_of(self, path: str) -> Root:
         return self.files.root_of(path)

@@ -27,7 +27,6 @@ record is written.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections import defaultdict
@@ -35,10 +34,10 @@ from dataclasses import dataclass, field
 
 from agent.claims import filenames
 from agent.claims.book import ClaimSummary
-from agent.claims.records import SUFFIX, ClaimRecord, RecordState
+from agent.claims.records import SUFFIX, ClaimRecord
 from agent.engine.prepare import PrepareEngine
 from agent.errors import ClaimFailure
-from agent.fsutil import UnsafePath, is_temp_name
+from agent.fsutil import is_temp_name
 from agent.names import InvalidName, check_uid
 
 log = logging.getLogger(__name__)
@@ -117,66 +116,34 @@ def finish_recovery(engine: PrepareEngine, report: RecoveryReport) -> RecoveryRe
 
 def _check_claim(engine: PrepareEngine, uid: str, report: RecoveryReport) -> None:
     """The full check of one record (with the claim locked): decoded (or set aside when unreadable),
-    interrupted work on its host side effects settled, and its files rewritten where they differ from it."""
+    interrupted work on its host side effects settled, and a prepared claim checked against the host as
+    it is in this boot (`agent.engine.recheck`: its devices, its host effects, its files)."""
     record = engine.current_or_purge(uid)
-    if record is not None and (not record.prepared or engine.effects.held(record)):
-        record = _settle_effects(engine, record, report)
+    if record is not None and not record.prepared:
+        _settle(engine, record, report)
+        return
     if record is None:
         return
+    checked = engine.recheck(record)
+    if checked is None:
+        report.dropped.append(uid)
+        return
+    record, repaired = checked
     report.records[uid] = engine.book.record_of(uid) or ClaimSummary.of(record)  # (the book's: not a copy)
-    report.repaired += repair_claim(engine, record)
+    report.repaired += repaired
 
 
-def _settle_effects(engine: PrepareEngine, record: ClaimRecord, report: RecoveryReport) -> ClaimRecord | None:
-    """A record with host side effects, or one an operation left halfway (call with the claim locked).
-    Mid-bind: rolled back (the kubelet retries the prepare); mid-restore: finished; prepared: its effects
-    made true again (`HostEffects.reassert`: after a reboot the kernel forgot the bindings). Returns the
-    record when the claim stays prepared. A prepared claim whose effects cannot be made true again (a
-    function that cannot be bound, a partition gone) is rolled back and dropped, loudly: the kubelet's
-    next prepare of it does it again and says why it fails."""
+def _settle(engine: PrepareEngine, record: ClaimRecord, report: RecoveryReport) -> None:
+    """A prepare or unprepare with host side effects that stopped halfway (call with the claim locked):
+    mid-bind rolled back (the kubelet retries the prepare), mid-restore finished."""
     with engine.devices_locked(engine.effects.record_lock_keys(record)):
-        if record.prepared:
-            try:
-                return engine.effects.reassert(record)
-            except (ClaimFailure, OSError) as exc:
-                log.error("claim %s/%s (%s): its host side effects cannot be made true again (%s): rolling it "
-                          "back; the claim is not prepared any more", record.namespace, record.name, record.uid, exc)
-                record = dataclasses.replace(record, state=RecordState.BINDING)
-                engine.book.write(record)
-                report.dropped.append(record.uid)
         try:
             engine.settle(record)
         except (ClaimFailure, OSError) as exc:
             log.error("claim %s/%s (%s): could not undo its host changes (%s); its record stays, for the next "
                       "operation on it or the next start", record.namespace, record.name, record.uid, exc)
-            return None
-        report.settled.append(record.uid)
-        return None
-
-
-def repair_claim(engine: PrepareEngine, record: ClaimRecord) -> list[str]:
-    """Rewrite exactly the claim's files whose content differs from its record (missing ones
-    included); returns their paths. Call with the claim locked. Used at start-up and by
-    `agent.engine.selfheal` while running."""
-    repaired = []
-    for f in record.files:
-        try:
-            root = engine.root_of(f.path)
-        except UnsafePath as exc:
-            log.error("claim %s/%s: cannot repair %s: %s", record.namespace, record.name, f.path, exc)
-            continue
-        try:
-            ok = root.read(f.path) == f.content
-        except OSError:
-            ok = False
-        if not ok:
-            try:
-                root.write(f.path, f.content, f.mode)
-            except UnsafePath as exc:
-                log.error("claim %s/%s: cannot repair %s: %s", record.namespace, record.name, f.path, exc)
-                continue
-            repaired.append(f.path)
-    return repaired
+            return
+    report.settled.append(record.uid)
 
 
 def _remove_orphan_specs(engine: PrepareEngine) -> list[str]:

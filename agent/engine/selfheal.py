@@ -39,7 +39,7 @@ from typing import Protocol
 from agent.claims import filenames
 from agent.config import Settings
 from agent.engine.prepare import PrepareEngine
-from agent.engine.recovery import repair_claim
+from agent.engine.recheck import repair_claim
 from agent.fsutil import is_temp_name, makedirs
 from agent.inotify import IN_CREATE, IN_MOVED_TO, Event, Inotify
 from agent.names import InvalidName, check_uid

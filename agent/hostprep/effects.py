@@ -173,13 +173,22 @@ class HostEffects:
                  record.name, "prepare" if write is None else "unprepare", undone)
 
     def reassert(self, record: ClaimRecord) -> ClaimRecord:
-        """A prepared record's effects made true again (`HostEffect.reassert`); raises when they cannot be.
-        The last kind applied goes first: a partition that is gone cannot be made again, and is found so
-        before any function is bound again."""
-        for kind in reversed(self.kinds):
+        """A prepared record's effects made true again for this boot (`HostEffect.reassert`), in the order
+        of their application (a partition may live on a function the claim bound); raises when they
+        cannot be. Every change is recorded before it is made."""
+        for kind in self.kinds:
             if kind.held(record):
                 record = kind.reassert(record, self.book.write)
         return record
+
+    def devices(self, allocated: Iterable[AllocatedDevice], record: ClaimRecord) -> list[AllocatedDevice]:
+        """The allocation with what the record's effects give its devices now (VFIO nodes, a partition's
+        UUID and nodes): what the claim's files must say."""
+        devices = list(allocated)
+        for kind in self.kinds:
+            if kind.held(record):
+                devices = kind.devices(devices, record)
+        return devices
 
     def _undo(self, record: ClaimRecord, write: WriteRecord | None) -> ClaimRecord:
         """Every kind's effects undone, in the reverse of the order they were applied in."""

@@ -263,12 +263,19 @@ class MigPartitioner:
                 self._marks.clear(part.parent)
 
     def exists(self, part: DevicePartition) -> bool:
+        if part.step != DONE:
+            return False  # made again after a reboot and stopped halfway: made again, adopting what is there
         found = self._parent_or_none(part)
         if found is None:
             return False
         nv, handle = found
         gi = self._gi_by_id(nv, handle, part)
         return gi is not None and part.compute_instance in ci_ids(nv, gi)
+
+    def remake(self, part: DevicePartition) -> DevicePartition:
+        """From step 0 at the recorded placement: new GPU and compute instances, and so a new MIG UUID."""
+        return dataclasses.replace(part, step=STEP_MODE, gpu_instance=-1, compute_instance=-1, uuid="",
+                                   boot_id=self._boot_id())
 
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
         access = self._nvml(part.device)

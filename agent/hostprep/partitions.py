@@ -12,6 +12,7 @@ a prepare that stopped anywhere.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -24,6 +25,8 @@ from agent.hostprep.hosteffect import WriteRecord
 from agent.inventory import Inventory
 from agent.kinds import GpuForm, PartitionKind
 from agent.model import Device
+
+log = logging.getLogger(__name__)
 
 WritePartition = Callable[[DevicePartition], None]
 
@@ -54,6 +57,12 @@ class Partitioner(Protocol):
         """Recovery: is the finished partition still on the host? (After a reboot: no.)"""
         ...
 
+    def remake(self, part: DevicePartition) -> DevicePartition:
+        """A finished partition that is gone (a reboot forgot it), as `create` takes it to make it again:
+        what can be kept is kept (a mediated device's UUID, which the agent chooses), the rest starts over
+        (a MIG instance gets new ids and a new UUID from NVML). No side effect."""
+        ...
+
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
         """The allocated device as the container or VM gets it: the partition (`made`: its UUID) and its
         device nodes (MIG: the GPU's and the /dev/nvidia-caps nodes; mdev: its VFIO group), so
@@ -64,10 +73,6 @@ class Partitioner(Protocol):
 class PartitionUnknown(ClaimFailure):
     """A record names a partition kind this agent has no partitioner for (written by a newer agent), or a
     device needs one."""
-
-
-class PartitionGone(ClaimFailure):
-    """A prepared claim's partition is not on the host (a reboot): the claim cannot stay prepared."""
 
 
 class Partitions:
@@ -125,10 +130,25 @@ class Partitions:
         return record
 
     def reassert(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
-        """PartitionGone when a partition is not on the host any more (after a reboot: all): one made again
-        would have another UUID than the claim's files name."""
-        if missing := [p.device for p in record.partitions if not self._partitioner(p).exists(p)]:
-            raise PartitionGone(f"partition(s) {', '.join(missing)} are not on the host any more")
+        """Every partition that is not on the host any more (after a reboot: all) made again, each step
+        recorded first as at prepare (`Partitioner.remake`, then `create`); the record with the partitions
+        as made. A MIG instance made again has a new UUID: the claim's files are rewritten to say it
+        (`agent.engine.recheck`). Raises (a ClaimFailure) when one cannot be made."""
+        for i in range(len(record.partitions)):
+            part = record.partitions[i]
+            partitioner = self._partitioner(part)
+            if partitioner.exists(part):
+                continue
+            log.warning("claim %s/%s: %s partition %s is not on the host (boot %s): making it again",
+                        record.namespace, record.name, part.kind, part.device, part.boot_id or "?")
+
+            def write_part(p: DevicePartition, i: int = i) -> None:
+                nonlocal record
+                record = _with_partition(record, i, p)
+                write(record)
+            done = partitioner.create(partitioner.remake(part), write_part)
+            record = _with_partition(record, i, done)
+            write(record)  # made: its UUID and ids recorded before any file names them
         return record
 
     def _partitioner(self, part: DevicePartition) -> Partitioner:

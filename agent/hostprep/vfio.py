@@ -41,7 +41,7 @@ from agent.host.vfio.errors import UsageUnknown, VfioError
 from agent.host.vfio.host import VfioHost
 from agent.host.vfio.inuse import check_no_vfs, check_not_open
 from agent.host.vfio.nodes import IommuBackend, host_has_iommufd, vfio_device_nodes
-from agent.host.vfio.pci import VFIO_PCI, current_driver, iommu_group
+from agent.host.vfio.pci import VFIO_PCI, current_driver, iommu_group, passthrough_set
 from agent.host.vfio.persistence import check_persistence_off
 from agent.host.vfio.sriov import set_vf_mac_vlan
 from agent.hostprep.hosteffect import WriteRecord
@@ -57,8 +57,8 @@ NVIDIA_DRIVER = "nvidia"
 
 
 class GroupChanged(VfioError):
-    """After a reboot, a prepared passthrough function is in another IOMMU group than its record (and
-    its CDI spec) says: binding it again would leave the spec naming a group node that is gone."""
+    """After a reboot, a prepared passthrough function's IOMMU group holds other functions than its record
+    says (or there is none): its recorded binding plan would move the wrong functions."""
 
 
 class FormConflict(ClaimFailure):
@@ -271,18 +271,17 @@ class Passthrough:
 
     def reassert(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
         """A prepared record's bindings made true again (after a reboot the kernel forgot them; a no-op
-        when they hold); the record with the current boot ID. Raises when that fails."""
+        when they hold); the record with the current boot ID. A function whose IOMMU group has another
+        number now, with the same members, is bound in it (the new number recorded first: the claim's
+        files are rewritten to name it, `agent.engine.recheck`). Raises when that fails."""
         boot = self.host.boot_id()
-        for b in record.bindings:
+        for i in range(len(record.bindings)):
+            b = record.bindings[i]
             group = iommu_group(self.host.sysfs, b.plan.target)
             if group != b.plan.group:
-                # Group numbers are the kernel's order of discovery: a reboot with other hardware or
-                # firmware settings can renumber them, and the claim's CDI spec names /dev/vfio/<old>.
-                raise GroupChanged(
-                    f"{b.device}: PCI function {b.plan.target} is in IOMMU group "
-                    f"{group if group is not None else 'none (the IOMMU is off)'} now, not {b.plan.group} as when "
-                    f"the claim was prepared (boot {boot or '?'}, recorded {b.boot_id or '?'}): its CDI spec "
-                    f"names /dev/vfio/{b.plan.group}; a new prepare of the claim uses the group it has now")
+                record = self._regrouped(record, i, group, boot)
+                write(record)
+                b = record.bindings[i]
             if any(current_driver(self.host.sysfs, f.bdf) != b.plan.driver for f in b.plan.functions):
                 log.warning("claim %s/%s: %s is not bound to %s as its record says (boot %s, recorded %s): "
                             "binding it again", record.namespace, record.name, b.device, b.plan.driver,
@@ -300,6 +299,32 @@ class Passthrough:
             write(record)
         return record
 
+    def _regrouped(self, record: ClaimRecord, i: int, group: int | None, boot: str) -> ClaimRecord:
+        """The record with binding i in IOMMU group `group`, when the group holds the same functions to move
+        (group numbers are the kernel's order of discovery: a reboot with other hardware or firmware
+        settings can renumber them); GroupChanged when it does not (the binding plan would move others)."""
+        b = record.bindings[i]
+        why = ""
+        if group is None:
+            why = "in no IOMMU group now (the IOMMU is off)"
+        else:
+            try:
+                moving = {f.bdf for f in passthrough_set(self.host.sysfs, b.plan.target).moving}
+            except VfioError as exc:
+                moving, why = set(), str(exc)
+            if not why and moving != {f.bdf for f in b.plan.functions}:
+                why = (f"in IOMMU group {group} now, with other functions to move ({', '.join(sorted(moving))}, "
+                       f"not {', '.join(f.bdf for f in b.plan.functions)})")
+        if why:
+            raise GroupChanged(f"{b.device}: PCI function {b.plan.target} is {why}; it was in group {b.plan.group} "
+                               f"when the claim was prepared (boot {boot or '?'}, recorded {b.boot_id or '?'}); a "
+                               "new prepare of the claim uses the group it has now")
+        log.warning("claim %s/%s: PCI function %s is in IOMMU group %s now, not %d: its files are rewritten to "
+                    "name /dev/vfio/%s", record.namespace, record.name, b.plan.target, group, b.plan.group, group)
+        assert group is not None
+        bindings = list(record.bindings)
+        bindings[i] = dataclasses.replace(b, plan=dataclasses.replace(b.plan, group=group))
+        return dataclasses.replace(record, bindings=bindings)
 
 
 def with_step(record: ClaimRecord, i: int, step: int) -> ClaimRecord:

@@ -79,7 +79,7 @@ class VgpuPartitioner:
                                boot_id=self.host.boot_id())
 
     def create(self, part: DevicePartition, write: WritePartition) -> DevicePartition:
-        if part.uuid and self.exists(part):
+        if part.uuid and self._present(part):
             return dataclasses.replace(part, step=CREATED)
         # The UUID goes to the record before the kernel hears of it: whatever happens next, recovery
         # knows which device to look for. A recorded one is kept (its CDI spec and metadata name it).
@@ -103,9 +103,17 @@ class VgpuPartitioner:
         log.info("mediated device %s (%s) removed from %s (%s)", part.uuid, part.profile, part.parent, part.device)
 
     def exists(self, part: DevicePartition) -> bool:
+        return part.step == CREATED and self._present(part)
+
+    def _present(self, part: DevicePartition) -> bool:
+        """A mediated device with the partition's UUID, parent and type is on the host."""
         sysfs = self.host.sysfs
         return bool(part.uuid) and mdev.exists(sysfs, part.uuid) and mdev.parent_of(sysfs, part.uuid) == part.parent \
             and mdev.type_of(sysfs, part.uuid) == part.profile
+
+    def remake(self, part: DevicePartition) -> DevicePartition:
+        """The same UUID (the claim's files name it: the VM keeps its mediated device's identity)."""
+        return dataclasses.replace(part, step=0, boot_id=self.host.boot_id())
 
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
         nodes = mdev.vfio_nodes(self.host.sysfs, self.host.dev, part.uuid)

@@ -301,6 +301,16 @@ class Inventory:
     def get(self, name: str) -> Device | None:
         return self._index.get(name)
 
+    def judges(self, name: str) -> bool:
+        """Whether the absence of device `name` means it is not on the node: every source has scanned
+        and its latest scan succeeded, and none named the device as one it could not read."""
+        for state in self._kinds.values():
+            if state.good is None or state.failure is not None:
+                return False
+            if any(f.device == name for f in state.good.failed_devices):
+                return False
+        return True
+
     def source_failures(self) -> list[SourceFailure]:
         """The sources whose latest scans failed, by kind."""
         return sorted((st.failure for st in self._kinds.values() if st.failure is not None),

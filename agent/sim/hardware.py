@@ -7,11 +7,13 @@ Discovery in sim mode reads PCI facts from this tree exactly as it reads the rea
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,14 +56,19 @@ class SimFunction:
         return self.parent / self.bdf
 
 
-def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
+def materialize(profile: SimProfile, root: Path, *, boot: bool = False, missing: Iterable[str] = ()) -> None:
     """Write the profile's sysfs (`root/sys`), the driver's GPU list (`root/proc`) and device nodes
     (`root/dev`); safe to repeat.
 
     A repeat keeps what the simulated kernel changed since (drivers bound and unbound, overrides, VFIO
     nodes), as a real host keeps it across an agent restart. `boot=True` is a simulated reboot:
-    every function back on its native driver, no overrides, no VFIO nodes, a new boot ID."""
+    every function back on its native driver, no overrides, no VFIO nodes, a new boot ID, every GPU
+    back (healthy: a reboot resets it) except those whose bus IDs are in `missing`, which did not come
+    back in this boot (`machine_profile`: the GPUs after them get new minors)."""
     tree = SimTree(root)
+    if boot:
+        _write_missing(tree, missing)
+    profile = machine_profile(profile, root)
     for d in (tree.devices, tree.drivers, tree.groups):
         d.mkdir(parents=True, exist_ok=True)
     functions = sim_functions(profile, tree)
@@ -95,6 +102,42 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
     if boot or not tree.boot_id.is_file():
         tree.boot_id.parent.mkdir(parents=True, exist_ok=True)
         tree.boot_id.write_text(f"{uuid.uuid4()}\n")
+
+
+def reboot(profile: SimProfile, root: Path, *, missing: Iterable[str] = ()) -> None:
+    """The simulated machine's reboot: the kernel forgets every binding, mediated device and VFIO node,
+    MIG instances are gone (`agent.sim.migstate` drops those of another boot), a new boot ID; the GPUs
+    in `missing` (bus IDs) do not come back, and the minors of the others are renumbered."""
+    materialize(profile, root, boot=True, missing=missing)
+
+
+def machine_profile(profile: SimProfile, root: Path) -> SimProfile:
+    """The profile as the machine at `root` has it in this boot: without the GPUs that did not come back
+    (`reboot(missing=...)`), the others numbered again in the order of their minors. The NVIDIA driver
+    numbers the GPUs it brings up in probe order, so a GPU that does not come up shifts the minor of
+    every GPU probed after it: `/dev/nvidia<N>` is another GPU than before the reboot."""
+    gone = _read_missing(SimTree(root))
+    if not gone or not any(g.bus_id in gone for g in profile.gpus):
+        return profile
+    kept = [g for g in profile.gpus if g.bus_id not in gone]
+    minors = {g.bus_id: n for n, g in enumerate(sorted(kept, key=lambda g: g.minor))}
+    return dataclasses.replace(profile, gpus=tuple(dataclasses.replace(g, minor=minors[g.bus_id]) for g in kept))
+
+
+def _write_missing(tree: SimTree, missing: Iterable[str]) -> None:
+    gone = sorted(set(missing))
+    tree.root.mkdir(parents=True, exist_ok=True)
+    if gone:
+        tree.missing_gpus.write_text("".join(f"{bus}\n" for bus in gone))
+    else:
+        tree.missing_gpus.unlink(missing_ok=True)
+
+
+def _read_missing(tree: SimTree) -> set[str]:
+    try:
+        return set(tree.missing_gpus.read_text().split())
+    except FileNotFoundError:
+        return set()
 
 
 def sim_functions(profile: SimProfile, tree: SimTree) -> list[SimFunction]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from operator import attrgetter
@@ -87,10 +88,10 @@ class SimMig:
         self._handle_of = handle_of
         self._machine: MigMachine | None = None
 
-    def attach(self, root: Path, minors: list[int]) -> None:
-        """Keep the MIG state in the simulated machine at `root` (GPU i has minor `minors[i]`): what an
-        earlier process left there is loaded now, each change is written there."""
-        machine = MigMachine(root, minors)
+    def attach(self, root: Path, minors: list[int], uuids: list[str]) -> None:
+        """Keep the MIG state in the simulated machine at `root` (GPU i has minor `minors[i]` and UUID
+        `uuids[i]`): what an earlier process left there is loaded now, each change is written there."""
+        machine = MigMachine(root, minors, uuids)
         with self._lock:
             machine.attach(self._gpus)
             self._machine = machine
@@ -228,6 +229,7 @@ class SimMig:
                 raise _err(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
             ci_id = min(set(range(0, 8)) - set(gi.cis))
             gi.cis[ci_id] = slices
+            gi.serials[ci_id] = secrets.token_hex(8)
         return ci_handle(index, gi.id, ci_id)
 
     def nvmlGpuInstanceGetComputeInstances(self, gpuInstance: Any, profileId: int, computeInstancesRef: Any,
@@ -258,6 +260,7 @@ class SimMig:
         with self._changing():
             if (now := gpu.gis.get(gi.id)) is not None:  # (as the machine's state says now)
                 now.cis.pop(ci_id, None)
+                now.serials.pop(ci_id, None)
         return _SUCCESS
 
     # -- MIG devices ---------------------------------------------------------------------------------
@@ -281,9 +284,11 @@ class SimMig:
         return self.is_mig_handle(device)
 
     def mig_uuid(self, function: str, handle: Any) -> str:
-        """`MIG-<uuid>` of a MIG device: stable for its parent, GPU instance and compute instance."""
+        """`MIG-<uuid>` of a MIG device: stable while its compute instance lives, new for each one made (as
+        NVIDIA's are: the same GPU instance made again after a reboot has another UUID)."""
         parent_uuid, gi, ci = self._mig_device(function, handle)
-        h = hashlib.sha256(f"nvml-sim-mig/{parent_uuid}/{gi.id}/{gi.start}/{ci}".encode()).hexdigest()
+        serial = gi.serials.get(ci, "")
+        h = hashlib.sha256(f"nvml-sim-mig/{parent_uuid}/{gi.id}/{gi.start}/{ci}/{serial}".encode()).hexdigest()
         return f"MIG-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
     def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:

@@ -59,6 +59,9 @@ class SimGi:
     spec: MigProfileSpec
     start: int
     cis: dict[int, int] = field(default_factory=dict)  # compute instance id -> its compute slices
+    # compute instance id -> a token drawn when it was made: a MIG device's UUID is new at each creation,
+    # also at the same GPU instance id, placement and compute instance id ("" in a state kept before).
+    serials: dict[int, str] = field(default_factory=dict)
 
     def covers(self) -> set[int]:
         return set(range(self.start, self.start + self.spec.size))
@@ -78,10 +81,11 @@ class MigStateError(ValueError):
 class MigMachine:
     """The persisted MIG state of one simulated machine rooted at `root` (GPU i has minor `minors[i]`)."""
 
-    def __init__(self, root: Path, minors: list[int]) -> None:
+    def __init__(self, root: Path, minors: list[int], uuids: list[str]) -> None:
         self.tree = SimTree(root)
         self.path = root / STATE_FILE
         self.minors = minors
+        self.uuids = uuids  # each GPU's state is kept under its UUID: a GPU missing after a reboot shifts indexes
         self._seen: tuple[int, int, int] | None = None  # the file as last read or written
 
     @contextlib.contextmanager
@@ -106,7 +110,7 @@ class MigMachine:
             return
         try:
             raw = orjson.loads(self.path.read_bytes())
-            boot, states = _decode(raw, gpus)
+            boot, states = _decode(raw, gpus, self.uuids)
         except (OSError, orjson.JSONDecodeError, MigStateError) as exc:
             log.warning("simulated MIG state %s is not readable (%s): starting from the profile", self.path, exc)
             self._seen = stamp
@@ -123,10 +127,11 @@ class MigMachine:
 
     def save(self, gpus: list[SimGpuMig | None]) -> None:
         body = {"version": VERSION, "bootId": self._boot_id(), "gpus": [None if g is None else {
-            "mode": g.mode,
+            "uuid": uuid, "mode": g.mode,
             "gis": [{"id": gi.id, "profileId": gi.spec.id, "start": gi.start,
-                     "cis": {str(c): s for c, s in sorted(gi.cis.items())}} for gi in sorted(
-                         g.gis.values(), key=lambda gi: gi.id)]} for g in gpus]}
+                     "cis": {str(c): s for c, s in sorted(gi.cis.items())},
+                     "serials": {str(c): gi.serials.get(c, "") for c in sorted(gi.cis)}} for gi in sorted(
+                         g.gis.values(), key=lambda gi: gi.id)]} for g, uuid in zip(gpus, self.uuids, strict=True)]}
         # Atomic, not fsync'd: the state stands for the GPU's, which outlives the agent's process (the
         # page cache does that); the simulated machine has no power to lose, and an fsync here would
         # bill the agent for a cost real MIG changes do not have (`make bench` measures MIG prepares).
@@ -172,11 +177,19 @@ def _capability(tree: SimTree, where: Path, minor: int) -> None:
     device_node(tree.dev / "nvidia-caps" / f"nvidia-cap{minor}", CAPS_MAJOR, minor)
 
 
-def _decode(raw: object, gpus: list[SimGpuMig | None]) -> tuple[str, list[tuple[int, dict[int, SimGi]] | None]]:
+def _decode(raw: object, gpus: list[SimGpuMig | None],
+            uuids: list[str]) -> tuple[str, list[tuple[int, dict[int, SimGi]] | None]]:
+    """The boot the state was written in, and each GPU's (mode, instances), found by its UUID (by its index
+    in a state written before UUIDs were kept); None for a GPU the state does not have."""
     if not isinstance(raw, Mapping) or raw.get("version") != VERSION or not isinstance(raw.get("bootId"), str):
         raise MigStateError("not a version-1 MIG state")
     states = raw.get("gpus")
-    if not isinstance(states, list) or len(states) != len(gpus):
+    if not isinstance(states, list):
+        raise MigStateError("no list of GPUs")
+    by_uuid = {s.get("uuid"): s for s in states if isinstance(s, Mapping) and isinstance(s.get("uuid"), str)}
+    if by_uuid:
+        states = [by_uuid.get(u) for u in uuids]
+    elif len(states) != len(gpus):
         raise MigStateError("written for a machine with another number of GPUs")
     out: list[tuple[int, dict[int, SimGi]] | None] = []
     for gpu, state in zip(gpus, states, strict=True):
@@ -191,7 +204,8 @@ def _decode(raw: object, gpus: list[SimGpuMig | None]) -> tuple[str, list[tuple[
             try:
                 spec = next(s for s in gpu.table if s.id == g["profileId"])
                 cis = {int(c): int(s) for c, s in g["cis"].items()}
-                gis[int(g["id"])] = SimGi(int(g["id"]), spec, int(g["start"]), cis)
+                serials = {int(c): str(t) for c, t in (g.get("serials") or {}).items()}
+                gis[int(g["id"])] = SimGi(int(g["id"]), spec, int(g["start"]), cis, serials)
             except (StopIteration, KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise MigStateError(f"GPU instance {g!r} is malformed ({exc!r})"[:200]) from exc
         out.append((state["mode"], gis))

@@ -66,7 +66,7 @@ import pynvml
 from agent.host.pci import normalize_bus_id
 from agent.sim.control import ControlWatcher
 from agent.sim.events import SimEvents
-from agent.sim.hardware import materialize
+from agent.sim.hardware import machine_profile, materialize
 from agent.sim.kernel.tree import SimTree
 from agent.sim.mig import SimMig
 from agent.sim.mighandles import gpu_handle, gpu_index
@@ -94,6 +94,9 @@ class SimulatedNvml(SimHealth):
     """Answers pynvml calls for one profile; faults can be injected while it runs."""
 
     def __init__(self, profile: SimProfile) -> None:
+        self._use(profile)
+
+    def _use(self, profile: SimProfile) -> None:
         self.profile = profile
         self._lock = threading.Lock()
         self._refcount = 0
@@ -174,7 +177,10 @@ class SimulatedNvml(SimHealth):
         MIG state and the recovery actions are kept there from now on, as hardware keeps them across an
         agent restart."""
         materialize(self.profile, root)
-        self._mig.attach(root, [g.minor for g in self.profile.gpus])
+        booted = machine_profile(self.profile, root)
+        if booted != self.profile:  # GPUs that did not come back in this boot: NVML does not list them
+            self._use(booted)
+        self._mig.attach(root, [g.minor for g in self.profile.gpus], [g.uuid for g in self.profile.gpus])
         self._events.keep_actions(root / "gpu-recovery.json", SimTree(root).read_boot_id)
 
     # System queries.

@@ -34,6 +34,7 @@ import logging
 import os
 import random
 import select
+import shutil
 import signal
 import sys
 import tempfile
@@ -54,7 +55,7 @@ import agentkit  # noqa: E402
 from agent import failpoints  # noqa: E402
 from agent.app.assembly import PublishedForm  # noqa: E402
 from agent.claims import filenames, metadata  # noqa: E402
-from agent.claims.records import ClaimRecord, PartitionKind  # noqa: E402
+from agent.claims.records import ClaimRecord, FileRole, PartitionKind  # noqa: E402
 from agent.claims.sources import DirectoryClaimSource  # noqa: E402
 from agent.claims.store import ClaimStore  # noqa: E402
 from agent.config import Settings  # noqa: E402
@@ -68,7 +69,7 @@ from agent.inventory.gpus import GpuSource  # noqa: E402
 from agent.inventory.passthrough import NicVariants  # noqa: E402
 from agent.model import Device  # noqa: E402
 from agent.names import ClaimRef  # noqa: E402
-from agent.sim.hardware import sim_functions  # noqa: E402
+from agent.sim.hardware import reboot, sim_functions  # noqa: E402
 from agent.sim.kernel.emulator import KernelEmulator  # noqa: E402
 from agent.sim.kernel.tree import SimTree  # noqa: E402
 from agent.sim.migstate import STATE_FILE as MIG_STATE_FILE  # noqa: E402
@@ -86,6 +87,7 @@ VM_CLAIMS = {4: VM_GPU, 5: VM_VF}
 PARTITION_CLAIMS = {1: "gpu-4-mig-1g10gb-0", 2: "gpu-5-vgpu-nvidia-1022-0", 6: "gpu-4-mig-2g20gb-2",
                     7: "gpu-4-mig-3g40gb-4", 8: "gpu-5-vgpu-nvidia-1022-1"}
 NIC_VARIANTS: tuple[tuple[str, ...], ...] = ((), ("10.0.0.5/24",), ("10.0.0.6/24", "fd00::6/64"))
+REBOOTS = 0.15  # the share of crash rounds that begin with a reboot of the simulated machine
 
 
 def claim_uid(i: int) -> str:
@@ -143,7 +145,9 @@ def check_disk(settings: Settings, expect: dict[str, str]) -> list[str]:
 
 def check_bindings(settings: Settings, records: dict[str, ClaimRecord]) -> list[str]:
     """Each function of the simulated machine bound to exactly the driver the records say: vfio-pci
-    (with the override) for a prepared passthrough device, else its own driver and no override."""
+    (with the override) for a prepared passthrough device, else its own driver and no override; and the
+    claim's CDI spec naming the VFIO device file the function has now (iommufd files are numbered in
+    bind order: a reboot renumbers them)."""
     problems = []
     tree = SimTree(VfioHost.of(settings).sysfs.parent)
     want: dict[str, tuple[str, str | None]] = {}
@@ -153,6 +157,11 @@ def check_bindings(settings: Settings, records: dict[str, ClaimRecord]) -> list[
         for b in record.bindings:
             for f in b.plan.functions:
                 want[f.bdf] = (b.plan.driver, b.plan.driver)
+            cdev = tree.vfio_cdev_of(b.plan.target)
+            named = _spec_nodes(record, b.device)
+            if b.iommu == "iommufd" and f"/dev/vfio/devices/{cdev}" not in named:
+                problems.append(f"claim {uid}: its CDI spec names {named} for {b.device}, whose device file is "
+                                f"{cdev}")
     for fn in sim_functions(load_profile(PROFILE), tree):
         driver, override = want.get(fn.bdf, (fn.driver, None))
         now = (tree.driver_of(fn.bdf), tree.override_of(fn.bdf))
@@ -220,6 +229,16 @@ def check_partitions(settings: Settings, records: dict[str, ClaimRecord]) -> lis
     return problems
 
 
+def _spec_nodes(record: ClaimRecord, device: str) -> list[str]:
+    """The container paths of the device nodes the claim's CDI spec gives `device`."""
+    for f in record.files:
+        if f.role is FileRole.CLAIM_SPEC:
+            for d in orjson.loads(f.content)["devices"]:
+                if d["name"] == f"{record.uid}-{device}":
+                    return [n["path"] for n in d["containerEdits"].get("deviceNodes", [])]
+    return []
+
+
 def _partition_metadata(settings: Settings, uid: str, record: ClaimRecord) -> list[str]:
     """The claim's metadata files give each partition device its partition's UUID."""
     want = {p.device: ("uuid" if p.kind is PartitionKind.MIG else "mdevUUID", p.uuid) for p in record.partitions}
@@ -245,6 +264,7 @@ def _partition_metadata(settings: Settings, uid: str, record: ClaimRecord) -> li
 class CrashReport:
     kills: int = 0
     daemon_kills: int = 0
+    reboots: int = 0  # rounds that began with a reboot of the simulated machine
     rounds: int = 0
     completed_rounds: int = 0  # rounds whose agent finished its operations before the drawn step
     inconsistencies: int = 0
@@ -257,11 +277,11 @@ class CrashReport:
 def _claims(rng: random.Random, count: int) -> list[dict[str, Any]]:
     out = []
     for i in range(count):
-        if i in VM_CLAIMS:  # a VM's claim: one passthrough device (a VF with its MAC and VLAN set)
-            config = [] if VM_CLAIMS[i] == VM_GPU else [{"requests": ["vm"], "opaque": {
-                "driver": agentkit.DRIVER, "parameters": {"apiVersion": f"{agentkit.DRIVER}/v1alpha1",
-                                                          "kind": "VfioConfig", "mac": f"02:00:00:00:01:{i:02x}",
-                                                          "vlan": 10 + i}}}]
+        if i in VM_CLAIMS:  # a VM's claim: one passthrough device (the GPU on iommufd, a VF with its MAC and VLAN)
+            params: dict[str, Any] = {"iommu": "iommufd"} if VM_CLAIMS[i] == VM_GPU else {
+                "mac": f"02:00:00:00:01:{i:02x}", "vlan": 10 + i}
+            config = [{"requests": ["vm"], "opaque": {"driver": agentkit.DRIVER, "parameters": {
+                "apiVersion": f"{agentkit.DRIVER}/v1alpha1", "kind": "VfioConfig", **params}}}]
             out.append(agentkit.claim(f"claim-{i}", claim_uid(i), [agentkit.result(VM_CLAIMS[i], "vm")],
                                       config=config))
             continue
@@ -317,6 +337,17 @@ class _Agent:
         return kernel
 
 
+def power_cycle(settings: Settings) -> None:
+    """The node reboots between two agent processes: the machine forgets its bindings, MIG instances and
+    mediated devices and renumbers what it hands out in order; the tmpfs CDI and kubelet directories
+    come back empty. The next agent (killed anywhere in its recovery too) must make every prepared claim
+    whole again, its files naming what the devices are in the new boot."""
+    reboot(load_profile(PROFILE), settings.sim_root)
+    for tmpfs in (settings.cdi_dir, settings.kubelet_dir):
+        shutil.rmtree(tmpfs, ignore_errors=True)
+        tmpfs.mkdir(parents=True)
+
+
 def _child(settings: Settings, uids: list[str], seed: int, kill_at: int, out_fd: int, in_fd: int) -> None:
     rng = random.Random(seed)
     out = os.fdopen(out_fd, "w", buffering=1)
@@ -343,11 +374,12 @@ def _child(settings: Settings, uids: list[str], seed: int, kill_at: int, out_fd:
         agent = _Agent(settings, rng.randrange(len(NIC_VARIANTS)))
         agent.open()
         await agent.inventory.scan()
+        failpoints.before_kill = lambda step: say("K", step)
+        # Killed in recovery too (after a reboot it makes partitions and bindings again, and rewrites files).
+        failpoints.configure(f"*@{kill_at}=kill")
         report = await asyncio.to_thread(recover, agent.engine)
         say("R", str(len(report.records)))
         os.read(in_fd, 1)  # the parent has checked the disk after this restart
-        failpoints.before_kill = lambda step: say("K", step)
-        failpoints.configure(f"*@{kill_at}=kill")
         await agent.engine.refresh_claims(sorted(agent.engine.records))  # as the daemon does at start
         for _ in range(rng.randint(2, 6)):
             batch: list[Any] = []
@@ -392,6 +424,9 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
     while report.kills < kills and time.monotonic() < deadline:
         report.rounds += 1
         kill_at = rng.randint(1, 36)
+        if rng.random() < REBOOTS:
+            power_cycle(settings)
+            report.reboots += 1
         out_r, out_w = os.pipe()
         in_r, in_w = os.pipe()
         pid = os.fork()
@@ -585,8 +620,6 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
             proc.wait(timeout=30)
         report.inconsistencies += len(problems)
         report.problems += [f"daemon round: {p}" for p in problems]
-    import shutil
-
     shutil.rmtree(short, ignore_errors=True)
 
 
@@ -778,8 +811,6 @@ def _fuzz_grpc(node: Any, n: int, names: Any, uids: Any, report: FuzzReport, loo
     finally:
         loop.run_until_complete(client.close())
         loop.run_until_complete(servers.stop(0))
-        import shutil
-
         shutil.rmtree(short, ignore_errors=True)
 
 
@@ -799,14 +830,13 @@ def run(kills: int, daemon_kills: int, engine_inputs: int, grpc_inputs: int, see
         fz = fuzz(base / "fuzz", engine_inputs, grpc_inputs, seed)
     finally:
         if own:
-            import shutil
-
             shutil.rmtree(base, ignore_errors=True)
     return {
         "kills": crash.kills,
         "daemon_kills": crash.daemon_kills,
         "rounds": crash.rounds,
         "rounds_without_kill": crash.completed_rounds,
+        "reboots": crash.reboots,
         "kills_by_step": dict(sorted(crash.steps_reached.items())),
         "partition_prepares": dict(sorted(crash.partition_prepares.items())),
         "inconsistencies": crash.inconsistencies,

@@ -60,7 +60,7 @@ from watchdog.events import EVENT_TYPE_CLOSED, FileSystemEvent, FileSystemEventH
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from agent.sim.hardware import SimFunction, sim_functions, sync_net
+from agent.sim.hardware import SimFunction, machine_profile, sim_functions, sync_net
 from agent.sim.kernel import mdev
 from agent.sim.kernel.tree import COMMAND_FILES, NO_OVERRIDE, VFIO_PCI, SimTree
 from agent.sim.profiles import SimProfile
@@ -121,6 +121,7 @@ class KernelEmulator:
     def __init__(self, profile: SimProfile, root: Path, *, delay: float = 0.0) -> None:
         self.tree = SimTree(root)
         self.delay = delay  # seconds before each write takes effect: a slow kernel
+        profile = machine_profile(profile, root)  # (without the GPUs that did not come back in this boot)
         self._native: dict[str, SimFunction] = {f.bdf: f for f in sim_functions(profile, self.tree)}
         self._cdevs = profile.iommufd
         self._dynamic_ids: dict[str, set[tuple[str, str]]] = {}

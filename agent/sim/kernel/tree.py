@@ -72,6 +72,11 @@ class SimTree:
             return ""
 
     @property
+    def missing_gpus(self) -> Path:
+        """The bus IDs of the GPUs that did not come back in this boot, one a line (none: no file)."""
+        return self.root / "boot-missing-gpus"
+
+    @property
     def kernel_log(self) -> Path:
         """Where the emulator writes what the kernel would print (refusals, with why): a dmesg."""
         return self.root / "kmsg.log"

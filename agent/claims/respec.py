@@ -1,0 +1,115 @@
+"""What a prepared claim's CDI spec says of each of its devices, and the spec rewritten to say what the
+devices are now (`agent.engine.recheck`: after a reboot the host renumbers VFIO device files and IOMMU
+groups, and a MIG instance made again has a new UUID).
+
+A device's entry in the claim spec (`agent.claims.cdispecs.claim_spec`) is its device nodes and its
+variables: first those that describe the device (`device_env`: `DRA_<DEVICE>_NAME`, `_UUID`, `_PCI_BUS_ID`,
+...), then the claim's own (its opaque configuration, a share's limits), sorted. Rewriting an entry
+replaces the nodes and the describing variables and keeps the rest as the claim's prepare wrote them:
+the record holds no other copy of the claim's configuration, and none is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from agent.claims.cdispecs import DEVICE_VARIABLES, device_env, env_prefix
+from agent.claims.metadata import AllocatedDevice
+from agent.claims.records import ClaimRecord, FileRole
+from agent.errors import ClaimFailure
+from cdi.spec import minimum_version
+from cdi.store import encode_spec
+
+
+class SpecUnknown(ClaimFailure):
+    """The record's claim spec is not one this agent can read its devices from (no such file, not JSON,
+    a device without an entry): what the claim's containers get cannot be judged or rewritten."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpecEntry:
+    """A device's entry in the claim spec: its describing variables (name -> value), the claim's own
+    variables after them (as written), and its device nodes (container path, host path)."""
+
+    described: dict[str, str]
+    own: tuple[str, ...]
+    nodes: tuple[tuple[str, str], ...]
+
+
+def claim_spec_of(record: ClaimRecord) -> tuple[int, dict[str, Any]]:
+    """The index of the claim spec among the record's files, and the spec."""
+    for i, f in enumerate(record.files):
+        if f.role is FileRole.CLAIM_SPEC:
+            try:
+                spec = orjson.loads(f.content)
+            except orjson.JSONDecodeError as exc:
+                raise SpecUnknown(f"the claim's CDI spec {f.path} in its record is not JSON: {exc}") from exc
+            if not isinstance(spec, dict) or not isinstance(spec.get("devices"), list):
+                raise SpecUnknown(f"the claim's CDI spec {f.path} in its record has no list of devices")
+            return i, spec
+    raise SpecUnknown("the claim's record holds no CDI spec of its devices")
+
+
+def entries(record: ClaimRecord) -> dict[str, SpecEntry]:
+    """Device name -> its entry, for every device of the record."""
+    _, spec = claim_spec_of(record)
+    by_name = {d.get("name"): d for d in spec["devices"] if isinstance(d, dict)}
+    out = {}
+    for d in record.devices:
+        raw = by_name.get(f"{record.uid}-{d.device}")
+        if raw is None:
+            raise SpecUnknown(f"the claim's CDI spec has no entry for device {d.device}")
+        out[d.device] = _entry(d.device, raw)
+    return out
+
+
+def _entry(name: str, raw: dict[str, Any]) -> SpecEntry:
+    edits = raw.get("containerEdits") or {}
+    env = [e for e in edits.get("env") or [] if isinstance(e, str)]
+    nodes = tuple((str(n.get("path")), str(n.get("hostPath"))) for n in edits.get("deviceNodes") or []
+                  if isinstance(n, dict))
+    # The describing variables come first, each once (`device_env`); the claim's own follow.
+    keys = {f"{env_prefix(name)}_{v}" for v in DEVICE_VARIABLES}
+    described: dict[str, str] = {}
+    n = 0
+    for item in env:
+        key, _, value = item.partition("=")
+        if key not in keys or key in described:
+            break
+        described[key] = value
+        n += 1
+    return SpecEntry(described, tuple(env[n:]), nodes)
+
+
+def respecified(record: ClaimRecord, now: Sequence[AllocatedDevice]) -> bytes | None:
+    """The claim spec's content with each device's entry saying what `now` says of it (its device nodes,
+    its describing variables), the claim's own variables kept; None when the record's spec says it
+    already. SpecUnknown when the record's spec cannot be read so."""
+    i, spec = claim_spec_of(record)
+    have = entries(record)
+    changed = False
+    for a in now:
+        name = a.device.name
+        raw = next(d for d in spec["devices"] if isinstance(d, dict) and d.get("name") == f"{record.uid}-{name}")
+        old = have[name]
+        described = device_env(a)
+        nodes = tuple((n.path, n.host_path) for n in a.device.device_nodes)
+        if [f"{k}={v}" for k, v in old.described.items()] == described and old.nodes == nodes:
+            continue
+        changed = True
+        edits = dict(raw.get("containerEdits") or {})
+        edits["env"] = described + list(old.own)
+        if nodes:
+            edits["deviceNodes"] = [{"path": p, "hostPath": h} for p, h in nodes]
+        else:
+            edits.pop("deviceNodes", None)
+        raw["containerEdits"] = edits
+    if not changed:
+        return None
+    spec["cdiVersion"] = minimum_version(spec)
+    content = encode_spec(spec)
+    return None if content == record.files[i].content else content
