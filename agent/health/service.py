@@ -246,8 +246,11 @@ class DeviceHealthService:
         while True:
             deadline = self.conditions.next_deadline()
             timeout = IDLE_WAKE if deadline is None else min(IDLE_WAKE, max(0.0, deadline - time.time()))
+            # `asyncio.timeout`, not `wait_for`: Python 3.11's wait_for swallows a cancellation that comes
+            # as the wake-up does, and `stop` would then wait for a task that goes on looping.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             self._wake.clear()
             self.conditions.tick()
             if not self._dirty and not self._rescan:
