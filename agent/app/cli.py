@@ -88,22 +88,29 @@ def _pci_functions(settings: config.Settings, devices: Sequence[Any]) -> dict[st
 
 
 def cmd_vfio(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent.app.vfiostatus import bound_functions
+    from agent.app.vfiostatus import bound_functions, left_undone
+    from agent.claims.leftovers import Leftovers, leftovers_dir
     from agent.claims.store import ClaimStore
     from agent.host.vfio.host import VfioHost
 
     records, problems = ClaimStore(settings.claims_state_dir).load_all()
-    bound = bound_functions(VfioHost.of(settings).sysfs, list(records.values()))
+    sysfs = VfioHost.of(settings).sysfs
+    bound = bound_functions(sysfs, list(records.values()))
+    left = left_undone(sysfs, Leftovers(leftovers_dir(settings.state_dir)).all())
     if args.output == "json":
-        print(dump([b.wire() for b in bound], "json"))
+        print(dump([b.wire() for b in bound] + [lo.wire() for lo in left], "json"))
     else:
-        rows = [(b.claim, b.state, b.device, b.function, b.role, "" if b.group is None else str(b.group), b.iommu,
-                 b.original, b.now + ("" if b.consistent else f" (record says {b.expected})")) for b in bound]
+        rows = [(b.claim, str(b.state), b.device, b.function, b.role, "" if b.group is None else str(b.group),
+                 b.iommu, b.original, b.now + ("" if b.consistent else f" (record says {b.expected})")) for b in bound]
+        rows += [(lo.claim, "left undone", lo.device, lo.function, lo.role, "", "", lo.original, lo.now)
+                 for lo in left]
         print(table(rows, ("CLAIM", "STATE", "DEVICE", "FUNCTION", "ROLE", "IOMMU GROUP", "INTERFACE",
                             "HOST DRIVER", "DRIVER NOW")))
+        for lo in left:
+            print(f"left undone: {lo.why}", file=sys.stderr)
     for name, why in problems:
         print(f"unreadable record {name}: {why}", file=sys.stderr)
-    return 1 if problems or not all(b.consistent for b in bound) else 0
+    return 1 if problems or left or not all(b.consistent for b in bound) else 0
 
 
 def cmd_slices(args: argparse.Namespace, settings: config.Settings) -> int:

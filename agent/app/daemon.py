@@ -114,6 +114,11 @@ class Agent:
         self.kernel = await asyncio.to_thread(start_sim_kernel, s)
         set_node_allocatable(self.inventory, self.conn.node)
         self.engine = PrepareEngine(s, self.inventory, self.conn.claim_source(s), self.store, metrics=self.metrics)
+        loop = asyncio.get_running_loop()
+
+        def leftovers_changed() -> None:  # host changes an unprepare left: the devices' undo-failed taint follows
+            loop.call_soon_threadsafe(self.health.note_leftovers)
+        self.engine.leftovers.on_change = leftovers_changed
         # Records are only listed here; each is checked in the background or by the first operation
         # on its claim, whichever comes first (agent.engine.recovery).
         _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(begin_recovery, self.engine))

@@ -20,6 +20,9 @@ a second agent on the node.
   grace period over, which only ever delays a collection, never hastens one; the records stay
   what prepare and unprepare alone write (no extra fsync'd writes, no format change, nothing two
   agents could disagree about).
+- A collected claim whose host changes cannot be undone (the hardware is gone) is unprepared all the
+  same, as a kubelet unprepare is (`agent.claims.leftovers`); every sweep tries the undoing of such
+  leftovers again.
 - An agent that fell back to offline (`--offline-fallback`: no cluster configured, reachable, or
   knowing the node at start) collects nothing. Claims it prepared while the API server answered
   are not in the offline directory, and a record does not say which source its claim came from:
@@ -112,6 +115,12 @@ class ClaimCollector:
             window = [rec for rec in todo[i:i + SWEEP_WINDOW] if self.engine.book.record_of(rec.uid) is not None]
             found = await asyncio.gather(*(self.observe(rec) for rec in window))
             await self._judge(window, found, collected)
+        # Host changes an unprepare (this collector's too) could not undo: tried again every sweep, so a
+        # device whose hardware came back loses its undo-failed taint without an operator.
+        try:
+            await asyncio.to_thread(self.engine.retry_leftovers)
+        except Exception:
+            log.exception("undoing leftover host changes failed")
         if self.metrics is not None:
             self.metrics.gc_sweeps.inc()
         return collected

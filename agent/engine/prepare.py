@@ -31,6 +31,7 @@ from typing import Protocol
 
 from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.files import ClaimFiles
+from agent.claims.leftovers import Leftovers, leftovers_dir
 from agent.claims.locks import CLAIMS_LOCK_FILE, DEVICES_LOCK_FILE, ClaimFileLock, KeyFileLock, LockTable
 from agent.claims.records import ClaimRecord, PreparedDevice, RecordError
 from agent.claims.sources import ClaimSource, LocalClaimSource
@@ -97,11 +98,13 @@ class PrepareEngine:
         self.book = ClaimBook(store)
         self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
         # Partitions created at prepare, one partitioner per `Kind.partition_kind` (`agent.hostprep.partitions`).
+        # Host changes an unprepare could not undo (`agent.claims.leftovers`): the daemon sets `on_change`.
+        self.leftovers = Leftovers(leftovers_dir(settings.state_dir))
         self.effects = HostEffects(self.book, self.passthrough, inventory, [
             MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id,
                            MigModeMarks(settings.state_dir / "mig-mode")),
             VgpuPartitioner(self.passthrough.host),
-        ])
+        ], self.leftovers)
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
         self.listeners: list[ClaimListener] = []
         # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is
@@ -280,6 +283,16 @@ class PrepareEngine:
         """Run the deferred start-up check of the claim, if it is still due (call with the claim locked:
         the claim's lock makes the check run once); whether it ran now."""
         return self.deferred.ensure_checked(uid)
+
+    def retry_leftovers(self) -> list[str]:
+        """Undo again what unprepares left (`agent.claims.leftovers`), each under its devices' locks; the
+        claims whose leftovers are undone now. Blocking: at start-up and garbage collection's sweeps."""
+        done = []
+        for lo in self.leftovers.all():
+            with self.devices_locked(lo.locks):
+                if self.leftovers.get(lo.uid) == lo and self.effects.retry(lo):
+                    done.append(lo.uid)
+        return done
 
     def recheck(self, record: ClaimRecord) -> tuple[ClaimRecord, list[str]] | None:
         """A prepared record checked against the host as it is now, and made true again

@@ -50,13 +50,14 @@ class RecoveryReport:
     removed: list[str] = field(default_factory=list)  # orphaned files and directories
     quarantined: list[str] = field(default_factory=list)  # unreadable records set aside
     settled: list[str] = field(default_factory=list)  # passthrough/partition operations finished or rolled back
-    dropped: list[str] = field(default_factory=list)  # prepared claims whose bindings or partitions are lost
+    dropped: list[str] = field(default_factory=list)  # prepared claims rolled back: a device is another one now
+    undone: list[str] = field(default_factory=list)  # claims whose leftover host changes are undone now
 
     def summary(self) -> str:
         return (f"{len(self.records)} prepared claims, {len(self.repaired)} files repaired, "
                 f"{len(self.removed)} orphans removed, {len(self.quarantined)} unreadable records set aside, "
-                f"{len(self.settled)} interrupted passthrough operations settled, "
-                f"{len(self.dropped)} passthrough claims dropped")
+                f"{len(self.settled)} interrupted host side effects settled, "
+                f"{len(self.dropped)} claims rolled back, {len(self.undone)} leftover host changes undone")
 
 
 def _uid_or_none(text: str) -> str | None:
@@ -105,6 +106,7 @@ def check_records(engine: PrepareEngine, uids: list[str]) -> None:
 def finish_recovery(engine: PrepareEngine, report: RecoveryReport) -> RecoveryReport:
     """Once every record is checked: files no record owns are removed, and the report logged. Blocking."""
     report.quarantined = list(engine.quarantined)
+    report.undone = engine.retry_leftovers()  # a reboot or a reset mostly left nothing to undo
     report.removed += _remove_orphan_specs(engine)
     report.removed += _remove_orphan_metadata(engine)
     for path in report.repaired:

@@ -27,7 +27,8 @@ import orjson
 XID = "xid"
 GPU_LOST = "gpu-lost"
 LINK_DOWN = "link-down"
-KINDS = (XID, GPU_LOST, LINK_DOWN)
+UNDO_FAILED = "undo-failed"  # a claim's unprepare could not undo its host changes (`agent.claims.leftovers`)
+KINDS = (XID, GPU_LOST, LINK_DOWN, UNDO_FAILED)
 
 CAUSES_FILE = "causes.json"
 FORMAT_VERSION = 1
@@ -42,7 +43,7 @@ class Cause:
     """One reason a device is tainted (or reported) now."""
 
     device: str
-    kind: str  # XID | GPU_LOST | LINK_DOWN
+    kind: str  # XID | GPU_LOST | LINK_DOWN | UNDO_FAILED
     effect: str  # a taint effect
     value: str  # the taint's value: the XID number, or ""
     detail: str  # for people: "XID 48 (double-bit ECC error), recovery action gpu-reset"

@@ -40,6 +40,7 @@ from agent.health.causes import (
     GPU_LOST,
     KINDS,
     LINK_DOWN,
+    UNDO_FAILED,
     XID,
     Cause,
     encode,
@@ -49,8 +50,8 @@ from agent.health.causes import (
 from agent.health.policy import EFFECT_RANK, IGNORE, TaintPolicy, xid_meaning
 from agent.model import Taint
 
-__all__ = ["CAUSES_FILE", "GPU_LOST", "KINDS", "LINK_DOWN", "NONE", "READY", "UNKNOWN_ACTION", "XID", "Cause",
-           "DeviceConditions", "Readiness", "read_saved", "rfc3339"]
+__all__ = ["CAUSES_FILE", "GPU_LOST", "KINDS", "LINK_DOWN", "NONE", "READY", "UNDO_FAILED", "UNKNOWN_ACTION", "XID",
+           "Cause", "DeviceConditions", "Readiness", "read_saved", "rfc3339"]
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +79,15 @@ class _Device:
     lost: Cause | None = None
     link_down: Cause | None = None
     link_up_since: float | None = None  # up again, the link taint held until the hold time passed
+    undone: Cause | None = None  # host changes of a gone claim not undone (`agent.claims.leftovers`)
 
     def causes(self) -> list[Cause]:
         out = sorted(self.xids.values(), key=lambda c: c.since)
-        out += [c for c in (self.lost, self.link_down) if c is not None]
+        out += [c for c in (self.lost, self.link_down, self.undone) if c is not None]
         return out
 
     def empty(self) -> bool:
-        return not self.xids and self.lost is None and self.link_down is None
+        return not self.xids and self.lost is None and self.link_down is None and self.undone is None
 
 
 class DeviceConditions:
@@ -101,6 +103,7 @@ class DeviceConditions:
         self._restored: set[str] = set()  # devices with restored XID causes their GPU has not confirmed
         self.version = 0  # moves on every change
         self.on_change: Callable[[set[str]], None] | None = None  # told the devices whose causes changed
+        self.on_cleared: Callable[[str, list[Cause]], None] | None = None  # told what an operator cleared
 
     # -- events -----------------------------------------------------------------------------------
 
@@ -196,15 +199,38 @@ class DeviceConditions:
         # At once when the hold time is 0; else `tick` lets it go when the time has come.
         return self._release_link(device, state, now) and self._changed({device})
 
+    def undo_failed(self, leftovers: dict[str, str]) -> bool:
+        """The devices with host changes a gone claim's unprepare could not undo now, each with why (device
+        -> detail); the causes of devices not named go (undone, or cleared)."""
+        rule = self.policy.undo_failed
+        changed = set()
+        for name, state in self._devices.items():
+            if state.undone is not None and name not in leftovers:
+                state.undone = None
+                changed.add(name)
+        for name, detail in leftovers.items() if rule.taints else ():
+            state = self._devices.setdefault(name, _Device())
+            if state.undone is None or state.undone.detail != detail:
+                since = state.undone.since if state.undone is not None else self.clock()
+                state.undone = Cause(name, UNDO_FAILED, rule.effect, "", detail, since)
+                log.warning("%s: %s: taint %s/undo-failed:%s", name, detail, self.driver, rule.effect,
+                            extra={"device": name})
+                changed.add(name)
+        return bool(changed) and self._changed(changed)
+
     def clear(self, device: str) -> list[Cause]:
-        """An operator clears the device's XID causes (`dra-agent taints clear`); the causes cleared.
-        Lost-GPU and link causes are observations: they go when the hardware says so."""
+        """An operator clears the device's XID and undo-failed causes (`dra-agent taints clear`); the
+        causes cleared (`on_cleared` is told, to drop what the undo-failed one stood for). Lost-GPU and
+        link causes are observations: they go when the hardware says so."""
         state = self._devices.get(device)
-        if state is None or not state.xids:
+        if state is None or not (state.xids or state.undone):
             return []
-        gone = list(state.xids.values())
+        gone = [*state.xids.values(), *([state.undone] if state.undone else [])]
         state.xids.clear()
-        log.info("%s: XID taints cleared by an operator: %s", device, "; ".join(c.detail for c in gone),
+        state.undone = None
+        if self.on_cleared is not None:
+            self.on_cleared(device, gone)
+        log.info("%s: taints cleared by an operator: %s", device, "; ".join(c.detail for c in gone),
                  extra={"device": device})
         self._changed({device})
         return gone
@@ -280,6 +306,8 @@ class DeviceConditions:
         if state.link_down is not None:
             out.append(Taint(f"{self.driver}/link-down", state.link_down.effect, "",
                              rfc3339(state.link_down.since)))
+        if state.undone is not None:
+            out.append(Taint(f"{self.driver}/undo-failed", state.undone.effect, "", rfc3339(state.undone.since)))
         return out
 
     def health(self, device: str) -> tuple[bool, str] | None:

@@ -10,6 +10,7 @@ given with `--taint-policy FILE`:
     defaultXid: {effect: NoSchedule}
     gpuLost: {effect: NoExecute}
     linkDown: {effect: NoSchedule, upHold: 10}
+    undoFailed: {effect: NoSchedule}
 
 A rule's `effect` is a device taint effect (`None`, `NoSchedule`, `NoExecute`) or `ignore`.
 An XID taint stays until its cause is gone: the GPU was reset (the recovery action NVML
@@ -27,7 +28,11 @@ context on the GPU is affected), 119 and 120 (the GPU's GSP firmware timed out o
 application's own errors 13, 31, 43, 45, 68 and 109, and 63, 92, 94 (a memory row remapped, a high
 rate of corrected errors, an ECC error contained to the application that hit it); they go after 5
 minutes. Any other XID means NoSchedule until a reset: no new work, running pods are left alone.
-A link down is NoSchedule too: links come back, and a blip must not evict.
+A link down is NoSchedule too: links come back, and a blip must not evict. So is a device whose
+host changes a claim's unprepare could not undo (`undoFailed`: a lost GPU's MIG instance, a function
+left on vfio-pci): its state is not what a new claim expects, and the claim that made the change is
+gone already, so nothing is left to evict; the taint goes once the changes are undone (a reset, a
+reboot) or an operator clears it.
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ class TaintPolicy:
     default_xid: Rule = Rule("NoSchedule")
     gpu_lost: Rule = Rule("NoExecute")
     link_down: LinkRule = LinkRule()
+    undo_failed: Rule = Rule("NoSchedule")
 
     def for_xid(self, xid: int) -> Rule:
         return self.xid.get(xid, self.default_xid)
@@ -139,8 +145,8 @@ def parse_policy(doc: Any, *, source: str = "policy") -> TaintPolicy:
     if doc is None:
         return policy
     if not isinstance(doc, Mapping):
-        raise PolicyError(f"{source}: must be a mapping with xid, defaultXid, gpuLost and linkDown")
-    unknown = set(doc) - {"xid", "defaultXid", "gpuLost", "linkDown"}
+        raise PolicyError(f"{source}: must be a mapping with xid, defaultXid, gpuLost, linkDown and undoFailed")
+    unknown = set(doc) - {"xid", "defaultXid", "gpuLost", "linkDown", "undoFailed"}
     if unknown:
         raise PolicyError(f"{source}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     xids = dict(policy.xid)
@@ -161,6 +167,9 @@ def parse_policy(doc: Any, *, source: str = "policy") -> TaintPolicy:
                                                    base=policy.default_xid))
     if "gpuLost" in doc:
         policy = replace(policy, gpu_lost=_rule(f"{source}.gpuLost", doc["gpuLost"], base=policy.gpu_lost))
+    if "undoFailed" in doc:
+        policy = replace(policy, undo_failed=_rule(f"{source}.undoFailed", doc["undoFailed"],
+                                                   base=policy.undo_failed))
     if "linkDown" in doc:
         raw = doc["linkDown"]
         if not isinstance(raw, Mapping) or set(raw) - {"effect", "upHold"}:

@@ -34,9 +34,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from agent.claims.leftovers import Leftover, Leftovers, leftovers_dir
 from agent.config import Settings
 from agent.facts import NicFacts
-from agent.health.conditions import GPU_LOST, DeviceConditions, Readiness
+from agent.health.conditions import GPU_LOST, UNDO_FAILED, Cause, DeviceConditions, Readiness
 from agent.health.policy import TaintPolicy, load_policy
 from agent.health.requests import RequestWatcher, health_dir, requests_dir
 from agent.host.vfio.host import VfioHost
@@ -83,6 +84,12 @@ class DeviceHealthService:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.gpu_events: GpuEventWatcher | None = None
+        # Host changes gone claims left (`agent.claims.leftovers`): their devices carry an undo-failed
+        # cause; the engine keeps them, `note_leftovers` says they changed, an operator's clear drops them.
+        self.leftovers = Leftovers(leftovers_dir(settings.state_dir))
+        self._leftovers: list[Leftover] = []
+        self._leftovers_due = True
+        self.conditions.on_cleared = self._cleared
 
     async def start(self) -> None:
         # The kernel's boot ID (the simulated machine's with --nvml sim): XID causes of another boot
@@ -90,6 +97,7 @@ class DeviceHealthService:
         boot_id = await asyncio.to_thread(VfioHost.of(self.settings).boot_id)
         await asyncio.to_thread(self.conditions.load, boot_id)
         await asyncio.to_thread(self.conditions.save)  # `dra-agent taints` tells "none" from "no agent"
+        await self._load_leftovers()  # kept by unprepares of an earlier run: their taints come back
         try:
             await self.requests.start()
         except OSError as exc:  # out of inotify watches: listing works, clearing waits for a restart
@@ -154,6 +162,45 @@ class DeviceHealthService:
             if _native_of(self._last_seen[name], natives) not in keep:
                 del self._last_seen[name]
         self._bus_native = self._natives()
+        self._fold_leftovers()  # (their hardware's native devices as this snapshot names them)
+
+    def note_leftovers(self) -> None:
+        """The leftovers changed (the engine kept or undid one): read again by the loop."""
+        self._leftovers_due = True
+        self._wake.set()
+
+    async def _load_leftovers(self) -> None:
+        self._leftovers_due = False
+        self._leftovers = await asyncio.to_thread(self.leftovers.all)
+        self._fold_leftovers()
+
+    def _fold_leftovers(self) -> None:
+        """Each leftover's cause on the native devices of its hardware (a form's taint is its native
+        device's: a GPU's MIG instance left behind taints the GPU, and so every form of it)."""
+        causes: dict[str, str] = {}
+        for lo in self._leftovers:
+            for name in self._leftover_devices(lo):
+                detail = f"claim {lo.claim} ({lo.uid}) left host changes on {', '.join(lo.devices)}: {lo.reason}"
+                causes[name] = f"{causes[name]}; {detail}" if name in causes else detail
+        self.conditions.undo_failed(causes)
+
+    def _leftover_devices(self, lo: Leftover) -> set[str]:
+        names = {native for bus in lo.functions if (native := self._bus_native.get(bus)) is not None}
+        for device in lo.devices if not names else ():
+            dev = self.inventory.get(device) or self._last_seen.get(device)
+            names.add(_native_of(dev, self._bus_native) if dev is not None else device)
+        return names
+
+    def _cleared(self, device: str, causes: list[Cause]) -> None:
+        """An operator cleared the device: the leftovers its undo-failed cause stood for go with it (the
+        operator has undone them, or takes the device as it is)."""
+        if not any(c.kind == UNDO_FAILED for c in causes):
+            return
+        for lo in self._leftovers:
+            if device in self._leftover_devices(lo) and self.leftovers.remove(lo.uid):
+                log.warning("%s: an operator cleared it: claim %s (%s)'s host changes on %s are no longer "
+                            "tracked (%s)", device, lo.claim, lo.uid, ", ".join(lo.devices), lo.reason)
+        self._leftovers = [lo for lo in self._leftovers if device not in self._leftover_devices(lo)]
 
     def gpu_event(self, event: GpuEvent) -> None:
         if isinstance(event, XidError):
@@ -253,6 +300,11 @@ class DeviceHealthService:
                     await self._wake.wait()
             self._wake.clear()
             self.conditions.tick()
+            if self._leftovers_due:
+                try:
+                    await self._load_leftovers()
+                except Exception:
+                    log.exception("reading the leftover host changes failed")
             if not self._dirty and not self._rescan:
                 continue
             devices, self._dirty = self.with_forms(self._dirty), set()

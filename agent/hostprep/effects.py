@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from agent import failpoints
 from agent.claims.allocation import Allocation
 from agent.claims.book import ClaimBook
 from agent.claims.files import ClaimFiles
+from agent.claims.leftovers import Leftover, Leftovers
 from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import ClaimRecord, DeviceBinding, DevicePartition, PreparedDevice, RecordState
 from agent.errors import ClaimFailure
@@ -36,12 +38,17 @@ log = logging.getLogger(__name__)
 PlanRecord = Callable[[Allocation, list[DeviceBinding]], ClaimRecord]
 
 
+class UndoPending(ClaimFailure):
+    """A device still holds host changes an earlier claim's unprepare could not undo."""
+
+
 class HostEffects:
     """Bindings and partitions of claims. Blocking: call from the claim's worker thread, with its locks."""
 
     def __init__(self, book: ClaimBook, passthrough: Passthrough, inventory: Inventory,
-                 partitioners: Iterable[Partitioner]) -> None:
+                 partitioners: Iterable[Partitioner], leftovers: Leftovers) -> None:
         self.book = book
+        self.leftovers = leftovers  # host changes an unprepare could not undo (`agent.claims.leftovers`)
         self.passthrough = passthrough
         self.partitions = Partitions(partitioners)
         self.kinds: tuple[HostEffect, ...] = (passthrough, self.partitions)  # in order of application
@@ -90,8 +97,33 @@ class HostEffects:
         written)."""
         if any(a.device.kind.function or a.device.kind.gpu_form is not None for a in allocated):
             self.book.sync()
+        self._check_leftovers({self.lock_key(a.device) for a in allocated})
         self.passthrough.check_forms(uid, allocated)
         check_gpu_forms(uid, allocated, self.forms, self.book)
+
+    def _check_leftovers(self, held: set[str]) -> None:
+        """UndoPending when an earlier claim left host changes on these devices that cannot be undone yet
+        (tried again here, under the devices' locks: after a reset there is mostly nothing left)."""
+        for lo in self.leftovers.holding(held):
+            if set(lo.locks) <= held and self.retry(lo):
+                continue
+            raise UndoPending(f"device(s) {', '.join(lo.devices)}: claim {lo.claim} ({lo.uid}) left host changes "
+                              f"that could not be undone: {lo.reason}; retry once the hardware is back (a reset, a "
+                              f"reboot), or clear it after fixing it by hand: dra-agent taints clear <device>")
+
+    def retry(self, lo: Leftover) -> bool:
+        """Undo a leftover's host changes again (call holding its devices' locks); True when they are
+        undone (the leftover removed)."""
+        try:
+            self._undo(lo.record, None)
+        except (ClaimFailure, OSError) as exc:
+            log.info("claim %s (%s): its host changes on %s still cannot be undone: %s", lo.claim, lo.uid,
+                     ", ".join(lo.devices), exc)
+            return False
+        self.leftovers.remove(lo.uid)
+        log.warning("claim %s (%s): its host changes on %s are undone now; the devices' undo-failed taint goes",
+                    lo.claim, lo.uid, ", ".join(lo.devices))
+        return True
 
     # -- prepare ------------------------------------------------------------------------------------
 
@@ -150,27 +182,64 @@ class HostEffects:
 
     def unprepare_with_effects(self, record: ClaimRecord, files: ClaimFiles) -> None:
         """The restore intent first (no files: from here on they are orphans the next start removes), then
-        the files, then every effect undone, each step recorded first; the record last."""
+        the files, then every effect undone, each step recorded first; the record last. Effects that cannot
+        be undone (the hardware is gone or refuses) are kept as a leftover, and the unprepare ends all the
+        same: the kubelet would retry it forever, its pods Terminating."""
         restoring = dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[])
         for kind in self.kinds:
             restoring = kind.undo_intent(restoring)
         self.book.write(restoring)
         failpoints.hit("unprepare-after-restore-intent")
         files.remove_files(record)
-        self._undo(restoring, self.book.write)
+        self._undo_or_leave(restoring, self.book.write)
         self.book.delete(record.uid)
         failpoints.hit("unprepare-after-record")
 
     def settle(self, record: ClaimRecord, files: ClaimFiles) -> None:
         """Finish an operation that stopped halfway: `binding` rolled back, `restoring` finished; the
-        claim's files and record go. Raises (record kept) when that cannot be done now."""
+        claim's files and record go, what cannot be undone kept as a leftover. Raises (record kept) only
+        when the claim's files cannot be removed."""
         files.remove_claim_files(record.uid)
         write = None if record.state is RecordState.BINDING else self.book.write
         undone = " and ".join(kind.name for kind in self.kinds if kind.held(record)) or "nothing"
-        self._undo(record, write)
+        self._undo_or_leave(record, write)
         self.book.delete(record.uid)
         log.info("claim %s/%s: an interrupted %s settled: its host side effects are undone (%s)", record.namespace,
                  record.name, "prepare" if write is None else "unprepare", undone)
+
+    def _undo_or_leave(self, record: ClaimRecord, write: WriteRecord | None) -> None:
+        """Undo the record's effects (`_undo`); when that fails, keep what remains as a leftover (durable,
+        before the caller removes the record), log it naming the devices, and return."""
+        latest = record
+
+        def tracked(r: ClaimRecord) -> None:
+            nonlocal latest
+            assert write is not None
+            write(r)
+            latest = r
+        try:
+            self._undo(record, tracked if write is not None else None)
+        except (ClaimFailure, OSError) as exc:
+            self._leave(latest, str(exc))
+            return
+        self.leftovers.remove(record.uid)  # kept by an earlier attempt that a crash cut short
+
+    def _leave(self, record: ClaimRecord, reason: str) -> None:
+        devices = tuple(dict.fromkeys([*(b.device for b in record.bindings), *(p.device for p in record.partitions)]))
+        functions = {f.bdf for b in record.bindings for f in b.plan.functions}
+        functions |= {bus for p in record.partitions if (bus := self._parent_bus(p)) is not None}
+        # The locks of the changed hardware only: the claim's other devices (a NIC next to a MIG device)
+        # are as they were, and a prepare of them must not wait for a lost GPU.
+        changed = dataclasses.replace(record, devices=[d for d in record.devices if d.device in devices])
+        self.leftovers.keep(Leftover(record.uid, record.namespace, record.name, devices, tuple(sorted(functions)),
+                                     tuple(self.record_lock_keys(changed)), reason, time.time(),
+                                     self.passthrough.host.boot_id(), record))
+        failpoints.hit("unprepare-after-leftover")
+        log.error("claim %s/%s (%s): its host changes on %s could not be undone: %s; the claim's files and record go "
+                  "all the same, the device stays tainted (undo-failed) and is not prepared again until they are "
+                  "undone (tried again at start, by garbage collection and by a prepare of the device) or an "
+                  "operator clears it (dra-agent taints clear)", record.namespace, record.name, record.uid,
+                  ", ".join(devices) or "its devices", reason, extra={"devices": list(devices)})
 
     def reassert(self, record: ClaimRecord) -> ClaimRecord:
         """A prepared record's effects made true again for this boot (`HostEffect.reassert`), in the order

@@ -12,6 +12,7 @@ import pynvml
 
 from agent.app.doctor.base import Checks, existing_parent
 from agent.app.doctor.results import Result, failed, passed
+from agent.claims.leftovers import Leftovers, leftovers_dir
 from agent.claims.store import ClaimStore
 from agent.host.pci import nvidia_display_functions
 
@@ -113,7 +114,20 @@ class NodeChecks(Checks):
         if corrupt:
             out.append(failed("records set aside", f"{len(corrupt)} in {directory}: {', '.join(corrupt[:5])}",
                               "look at them (a disk or filesystem problem?), then delete them", blocking=False))
-        return out
+        return out + self.leftovers()
+
+    def leftovers(self) -> list[Result]:
+        """Host changes unprepared claims left because they could not be undone (`agent.claims.leftovers`)."""
+        name = "host changes left undone"
+        found = Leftovers(leftovers_dir(self.s.state_dir)).all()
+        if not found:
+            return [passed(name, "none: every unprepared claim's host changes are undone")]
+        return [failed(name, lo.describe(), f"the devices are tainted undo-failed and not prepared again until this "
+                       f"is undone: the agent retries at start and every garbage collection sweep (a GPU reset or "
+                       f"a reboot mostly undoes it); once fixed by hand, clear the taint of the device on "
+                       f"{', '.join(lo.functions) or 'its hardware'} that `dra-agent taints` lists (its GPU or "
+                       f"function): dra-agent taints clear <device>",
+                       blocking=False) for lo in found]
 
     def free_space(self) -> list[Result]:
         s = self.s
