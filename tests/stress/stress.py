@@ -17,6 +17,14 @@ on a GPU without instances; each mediated device a prepared record's, and each r
 there), then the next round runs in it, and so on. A few rounds kill the real `dra-agent run`
 daemon, driven over its sockets by a kubelet stand-in.
 
+Forced unprepares. In some rounds the MIG GPU (gpu-4) falls off the bus once the agent has
+recovered (simulated NVML: every call about it fails): its MIG claims' unprepares cannot destroy
+their instances, and must succeed all the same, keeping what is left in the left-undone ledger
+(`<state>/leftovers`, `agent.claims.leftovers`); prepares of its devices are refused meanwhile
+(those errors are expected). Kills land in that path too (`unprepare-after-leftover`). The GPU is
+back in the next process (a reset): its recovery undoes what was left, so after every restart the
+ledger is empty, each entry was readable, and no claim with an entry has a record.
+
 Fuzzing (hypothesis). Claim objects, opaque configuration, names and UIDs go
 through the engine; lists of claims through the real gRPC socket. No input may
 give an internal error, leave a file of a claim that was refused or unprepared,
@@ -55,6 +63,7 @@ import agentkit  # noqa: E402
 from agent import failpoints  # noqa: E402
 from agent.app.assembly import PublishedForm  # noqa: E402
 from agent.claims import filenames, metadata  # noqa: E402
+from agent.claims.leftovers import Leftover, LeftoverError, leftovers_dir  # noqa: E402
 from agent.claims.records import ClaimRecord, FileRole, PartitionKind  # noqa: E402
 from agent.claims.sources import DirectoryClaimSource  # noqa: E402
 from agent.claims.store import ClaimStore  # noqa: E402
@@ -88,6 +97,8 @@ PARTITION_CLAIMS = {1: "gpu-4-mig-1g10gb-0", 2: "gpu-5-vgpu-nvidia-1022-0", 6: "
                     7: "gpu-4-mig-3g40gb-4", 8: "gpu-5-vgpu-nvidia-1022-1"}
 NIC_VARIANTS: tuple[tuple[str, ...], ...] = ((), ("10.0.0.5/24",), ("10.0.0.6/24", "fd00::6/64"))
 REBOOTS = 0.15  # the share of crash rounds that begin with a reboot of the simulated machine
+LOST_GPUS = 0.2  # the share of crash rounds in which the MIG GPU falls off the bus (forced unprepares)
+LOST_GPU = 4  # its NVML index (gpu-4)
 
 
 def claim_uid(i: int) -> str:
@@ -107,7 +118,7 @@ def check_disk(settings: Settings, expect: dict[str, str]) -> list[str]:
     store = ClaimStore(settings.claims_state_dir)
     records, unreadable = store.load_all()
     problems += [f"unreadable record {name}: {why}" for name, why in unreadable]
-    for root in (settings.claims_state_dir, settings.cdi_dir, settings.metadata_dir):
+    for root in (settings.claims_state_dir, settings.cdi_dir, settings.metadata_dir, leftovers_dir(settings.state_dir)):
         for parent, _dirs, files in os.walk(root):
             for name in files:
                 if is_temp_name(name) or name.endswith(".corrupt"):
@@ -135,11 +146,32 @@ def check_disk(settings: Settings, expect: dict[str, str]) -> list[str]:
                          if os.path.join(parent, f) not in owned]
     problems += check_bindings(settings, records)
     problems += check_partitions(settings, records)
+    problems += check_leftovers(settings, records)
     for uid, state in sorted(expect.items()):
         if state == "prepared" and uid not in records:
             problems.append(f"claim {uid}: its prepare returned success, but it is not prepared")
         if state == "absent" and uid in records:
             problems.append(f"claim {uid}: its unprepare returned success, but it is prepared")
+    return problems
+
+
+def check_leftovers(settings: Settings, records: dict[str, ClaimRecord]) -> list[str]:
+    """The left-undone ledger after a restart whose hardware is all there: each entry readable, no entry
+    of a claim that has a record, and none left at all (recovery undid them: the lost GPU answers again)."""
+    problems = []
+    directory = leftovers_dir(settings.state_dir)
+    for name in sorted(os.listdir(directory)) if directory.exists() else []:
+        if is_temp_name(name):
+            continue  # reported with the other roots' temp files
+        try:
+            lo = Leftover.from_wire((directory / name).read_bytes())
+        except (OSError, LeftoverError) as exc:
+            problems.append(f"unreadable left-undone entry {name}: {exc}")
+            continue
+        if lo.uid in records:
+            problems.append(f"claim {lo.uid}: it has a record and a left-undone entry ({lo.reason})")
+        problems.append(f"claim {lo.uid}: its host changes on {', '.join(lo.devices)} are still left undone after "
+                        f"a restart with the hardware back ({lo.reason})")
     return problems
 
 
@@ -272,6 +304,9 @@ class CrashReport:
     steps_reached: dict[str, int] = field(default_factory=dict)  # where the forked agents were killed
     # Prepares of the MIG and vGPU claims that returned success (the partitions were made, or found made).
     partition_prepares: dict[str, int] = field(default_factory=dict)
+    lost_gpu_rounds: int = 0  # rounds in which the MIG GPU fell off the bus
+    left_undone: int = 0  # the ledger's entries at the end of the rounds that ran to their end (summed)
+    refused_lost: int = 0  # operations on the lost GPU's claims that failed, as they may
 
 
 def _claims(rng: random.Random, count: int) -> list[dict[str, Any]]:
@@ -348,7 +383,8 @@ def power_cycle(settings: Settings) -> None:
         tmpfs.mkdir(parents=True)
 
 
-def _child(settings: Settings, uids: list[str], seed: int, kill_at: int, out_fd: int, in_fd: int) -> None:
+def _child(settings: Settings, uids: list[str], seed: int, kill_at: int, lose_gpu: bool, out_fd: int,
+           in_fd: int) -> None:
     rng = random.Random(seed)
     out = os.fdopen(out_fd, "w", buffering=1)
 
@@ -380,6 +416,10 @@ def _child(settings: Settings, uids: list[str], seed: int, kill_at: int, out_fd:
         report = await asyncio.to_thread(recover, agent.engine)
         say("R", str(len(report.records)))
         os.read(in_fd, 1)  # the parent has checked the disk after this restart
+        if lose_gpu:  # the MIG GPU falls off the bus: its claims' unprepares are forced
+            assert agent.gpus.nvml is not None
+            agent.gpus.nvml.lose(LOST_GPU)
+            say("L")
         await agent.engine.refresh_claims(sorted(agent.engine.records))  # as the daemon does at start
         for _ in range(rng.randint(2, 6)):
             batch: list[Any] = []
@@ -388,6 +428,8 @@ def _child(settings: Settings, uids: list[str], seed: int, kill_at: int, out_fd:
             if rng.random() < 0.3:
                 batch.append(refresh(agent))
             await asyncio.gather(*batch)
+        say("F", str(len(os.listdir(leftovers_dir(settings.state_dir)))) if leftovers_dir(settings.state_dir).exists()
+            else "0")
         say("E")
 
     asyncio.run(main())
@@ -424,6 +466,7 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
     while report.kills < kills and time.monotonic() < deadline:
         report.rounds += 1
         kill_at = rng.randint(1, 36)
+        lose_gpu = rng.random() < LOST_GPUS
         if rng.random() < REBOOTS:
             power_cycle(settings)
             report.reboots += 1
@@ -434,7 +477,7 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
             try:
                 os.close(out_r)
                 os.close(in_w)
-                _child(settings, uids, rng.randrange(2**32), kill_at, out_w, in_r)
+                _child(settings, uids, rng.randrange(2**32), kill_at, lose_gpu, out_w, in_r)
                 os._exit(0)
             except BaseException:
                 import traceback
@@ -444,6 +487,7 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
         os.close(out_w)
         os.close(in_r)
         in_flight: dict[str, int] = {}
+        lost = False
         try:
             for line in _read_lines(out_r, pid):
                 kind, *rest = line.split(" ", 3)
@@ -453,6 +497,11 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
                         report.inconsistencies += len(problems)
                         report.problems += [f"round {report.rounds}: {p}" for p in problems[:5]]
                     os.write(in_w, b"g")
+                elif kind == "L":
+                    lost = True
+                    report.lost_gpu_rounds += 1
+                elif kind == "F":
+                    report.left_undone += int(rest[0])
                 elif kind == "K":
                     report.steps_reached[rest[0]] = report.steps_reached.get(rest[0], 0) + 1
                 elif kind == "S":
@@ -460,7 +509,13 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
                 elif kind == "D":
                     op, uid, outcome = rest[0], rest[1], rest[2].split(" ", 1)[0]
                     in_flight[uid] -= 1
-                    if outcome == "err":
+                    if (outcome == "err" and op == "prepare" and lost
+                            and (partition_of(uid) or "").startswith(f"gpu-{LOST_GPU}-")):
+                        # A prepare of the lost GPU's device (or of one it left changes on) may fail; an
+                        # unprepare never may.
+                        report.refused_lost += 1
+                        expect[uid] = "unknown"
+                    elif outcome == "err":
                         report.problems.append(f"round {report.rounds}: {op} {uid} failed: {rest[2]}")
                         report.inconsistencies += 1
                         expect[uid] = "unknown"
@@ -839,6 +894,9 @@ def run(kills: int, daemon_kills: int, engine_inputs: int, grpc_inputs: int, see
         "reboots": crash.reboots,
         "kills_by_step": dict(sorted(crash.steps_reached.items())),
         "partition_prepares": dict(sorted(crash.partition_prepares.items())),
+        "lost_gpu_rounds": crash.lost_gpu_rounds,
+        "left_undone": crash.left_undone,
+        "refused_lost": crash.refused_lost,
         "inconsistencies": crash.inconsistencies,
         "fuzz_inputs": fz.inputs,
         "fuzz_failures": fz.failures,
