@@ -71,6 +71,7 @@ class SimEvents:
         self._actions: list[int] = [pynvml.NVML_GPU_RECOVERY_ACTION_NONE] * gpu_count
         self._closed = False  # the library was shut down: waiters give up
         self._kept: tuple[Path, Callable[[], str]] | None = None  # (file, boot ID) once `keep_actions`
+        self._waiting = 0  # threads blocked in wait() now
 
     def keep_actions(self, path: Path, boot_id: Callable[[], str]) -> None:
         """Keep the recovery actions in `path` from now on; those saved there in this boot are loaded."""
@@ -94,7 +95,6 @@ class SimEvents:
         with self._cond:
             actions = list(self._actions)
         atomic_write(path, orjson.dumps({"bootId": boot_id(), "actions": actions}), mode=0o644)
-        self._waiting = 0  # threads blocked in wait() now
 
     # Event sets.
     def create(self) -> Any:
