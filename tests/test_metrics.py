@@ -13,7 +13,7 @@ import pytest
 from agentkit import DRIVER, claim, result, roots, write_claim
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import metrics as metrics_mod
+from agent.app import httpserver
 from agent.app.daemon import Agent
 from agent.config import DEFAULT_METRICS_ADDRESS, OPTIONS, ConfigError, build_settings, settings_from
 from agent.inventory.netwatch import NetEvent
@@ -189,7 +189,7 @@ async def test_http_details(started, http):
 async def test_a_taken_port_does_not_stop_the_agent(started, http, monkeypatch):
     """During a rolling update the old agent holds the port until it exits: the new one starts anyway
     and takes the port when it is free."""
-    monkeypatch.setattr(metrics_mod, "REBIND_INTERVAL", 0.05)
+    monkeypatch.setattr(httpserver, "REBIND_INTERVAL", 0.05)
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
     blocker.listen()

@@ -34,9 +34,9 @@ _LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doct
 # -- commands ---------------------------------------------------------------------------------------
 
 def cmd_run(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent.app import daemon
+    from agent.app import process
 
-    return asyncio.run(daemon.run(settings))
+    return asyncio.run(process.run(settings))
 
 
 def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:

@@ -276,6 +276,16 @@ class DeviceConditions:
                              rfc3339(state.link_down.since)))
         return out
 
+    def taint_counts(self) -> dict[tuple[str, str], int]:
+        """(cause kind, effect) -> how many taints are published now, counted as `taints` makes them
+        (a device's XIDs are one taint)."""
+        counts: dict[tuple[str, str], int] = {}
+        for name in self._devices:
+            for t in self.taints(name):
+                key = (t.key.rsplit("/", 1)[-1], t.effect)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def health(self, device: str) -> tuple[bool, str] | None:
         """(healthy, message) when the device has causes, else None. Informational causes
         (effect None) leave it healthy, with a message saying what happened."""
