@@ -14,6 +14,7 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
+from agent import __version__
 from agent import config as config_mod
 from agent.app.daemon import Agent, open_registration
 from agent.config import Settings
@@ -49,10 +50,10 @@ def _import_modules() -> None:
 async def run(settings: Settings) -> int:
     from agent.health.policy import PolicyError, load_policy
 
+    log.info("dra-agent %s starting: driver %s, node %s, nvml %s", __version__, settings.driver_name,
+             settings.node_name, settings.nvml)
     for flag, value in config_mod.describe(settings):
         log.debug("setting %s = %s", flag, value)
-    log.info("dra-agent starting: driver %s, node %s, nvml %s", settings.driver_name, settings.node_name,
-             settings.nvml)
     try:
         load_policy(settings.taint_policy)  # a configuration error stops the agent before any socket opens
     except PolicyError as exc:

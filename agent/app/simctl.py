@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from agent.config import Settings
 from agent.fsutil import atomic_write, makedirs
@@ -120,12 +120,13 @@ def cmd_sim(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def add_sim_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+def add_sim_parser(subparsers: argparse._SubParsersAction[Any],
                    add_arguments: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
     """`dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE`; each takes the run settings."""
-    sp = subparsers.add_parser("sim", help="drive the simulated NVML: raise an XID, lose or reset a GPU",
-                               description="Tell the simulated machine (--nvml sim) to raise an XID on a GPU, "
-                                           "lose it, or reset it. DEVICE is the published name (gpu-3).")
+    sp: argparse.ArgumentParser = subparsers.add_parser(
+        "sim", help="drive the simulated NVML: raise an XID, lose or reset a GPU",
+        description="Tell the simulated machine (--nvml sim) to raise an XID on a GPU, lose it, or reset it. "
+                    "DEVICE is the published name (gpu-3).")
     actions = sp.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, help in (("xid", "raise XID on DEVICE (13, 31, 43, 45, 68, 109 are application errors)"),
                          ("lose", "DEVICE falls off the bus: every NVML call about it fails (GPU_IS_LOST)"),

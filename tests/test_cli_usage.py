@@ -1,0 +1,180 @@
+"""The CLI as a person and a shell script meet it: it never prints a traceback, each error says what
+to do, `--help` shows the command's own options first, and the exit status tells a usage error (2)
+from a failure (1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent import __version__
+from agent.config import OPTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+@pytest.fixture
+def run_env(short_tmp: Path) -> dict[str, str]:
+    return {
+        "DRA_KUBELET_DIR": str(short_tmp / "kubelet"), "DRA_CDI_DIR": str(short_tmp / "cdi"),
+        "DRA_STATIC_CDI_DIR": str(short_tmp / "cdi-static"), "DRA_STATE_DIR": str(short_tmp / "state"),
+        "DRA_OFFLINE": str(short_tmp / "offline"), "DRA_NVML": "sim", "NODE_NAME": "node-cli",
+        "DRA_LOG_FORMAT": "json", "DRA_NIC_EXCLUDE": "*",
+    }
+
+
+# -- a reader that goes away -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [("claims", "-o", "json"), ("claims",), ("slices",), ("slices", "-o", "json"),
+                                  ("devices", "-o", "json"), ("devices", "-o", "yaml"), ("devices",),
+                                  ("taints", "-o", "json"), ("vfio", "status", "-o", "json"), ("--version",),
+                                  ("help", "settings")])
+def test_a_closed_pipe_ends_the_command_quietly(run_env: dict[str, str], args: tuple[str, ...]) -> None:
+    """`dra-agent claims -o json | head -1`: the reader has gone when the output comes (here before
+    the command starts, so the write always finds it gone)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "agent", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120, env={**os.environ, **run_env}, cwd=ROOT)
+    finally:
+        os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr and "Exception" not in proc.stderr, \
+        proc.stderr
+    assert proc.returncode == 141  # as a Unix tool killed by SIGPIPE reports it to its shell
+
+
+# -- errors that say what to do ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [("kubelet", "info"), ("kubelet", "health", "--once"),
+                                  ("kubelet", "prepare", "default/gpu-one", "--uid",
+                                   "6a1e0c00-0000-4000-8000-000000000001")])
+def test_no_agent_to_call_says_what_to_check(run_env: dict[str, str], args: tuple[str, ...]) -> None:
+    proc = cli(*args, env=run_env)
+    assert proc.returncode == 2 and "UNAVAILABLE" in proc.stderr
+    assert "is the agent running" in proc.stderr and "--kubelet-dir" in proc.stderr, proc.stderr
+    assert run_env["DRA_KUBELET_DIR"] in proc.stderr and "dra-agent doctor" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cdi_validate_refuses_what_is_not_cdi(run_env: dict[str, str], tmp_path: Path) -> None:
+    missing = cli("cdi", "validate", str(tmp_path / "nonexistent"), env=run_env)
+    assert missing.returncode == 1 and "OK" not in missing.stdout
+    assert f"{tmp_path / 'nonexistent'}: no such file or directory" in missing.stdout + missing.stderr
+    readme = cli("cdi", "validate", str(ROOT / "README.md"), env=run_env)
+    assert readme.returncode == 1 and "OK" not in readme.stdout
+    assert "not a CDI spec directory or spec file" in readme.stdout + readme.stderr
+
+    spec = tmp_path / "vendor.json"
+    spec.write_text(json.dumps({"cdiVersion": "0.6.0", "kind": "example.com/gpu",
+                                "devices": [{"name": "a", "containerEdits": {"env": ["A=1"]}}]}))
+    one = cli("cdi", "validate", str(spec), env=run_env)
+    assert one.returncode == 0 and f"{spec}: ok" in one.stdout and one.stdout.rstrip().endswith("OK")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli("cdi", "validate", str(empty), env=run_env).returncode == 0  # a CDI directory with no specs yet
+    # The default directories may be missing: a runtime skips them too.
+    assert cli("cdi", "validate", env=run_env).returncode == 0
+
+
+def test_version(run_env: dict[str, str], short_tmp: Path) -> None:
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout == f"dra-agent {__version__}\n"
+    doctor = cli("doctor", "-o", "json", "--host-root", str(short_tmp), env={**run_env, "DRA_METRICS_ADDRESS": ""})
+    first = json.loads(doctor.stdout)[0]
+    assert first["check"] == "dra-agent" and first["ok"] and first["detail"].startswith(f"version {__version__}")
+    # The agent's first log line says which version runs.
+    run = cli("run", "--taint-policy", str(short_tmp / "no-such-policy.yaml"), env=run_env)
+    assert run.returncode == 1
+    assert json.loads(run.stderr.splitlines()[0])["msg"].startswith(f"dra-agent {__version__} starting")
+
+
+def test_vfio_status_names_the_iommu_interface_column(run_env: dict[str, str]) -> None:
+    proc = cli("vfio", "status", env=run_env)
+    assert proc.returncode == 0, proc.stderr
+    header = re.split(r"\s{2,}", proc.stdout.splitlines()[0])
+    assert header == ["CLAIM", "STATE", "DEVICE", "FUNCTION", "ROLE", "IOMMU GROUP", "IOMMU INTERFACE",
+                      "HOST DRIVER", "DRIVER NOW"]
+
+
+def test_a_claim_without_namespace_is_a_usage_error(run_env: dict[str, str]) -> None:
+    proc = cli("kubelet", "prepare", "gpu-one", env=run_env)
+    assert proc.returncode == 2 and "NAMESPACE/NAME" in proc.stderr and "Traceback" not in proc.stderr
+    assert "default/gpu-one" in proc.stderr  # what the person probably meant
+
+
+def test_a_claim_that_is_not_found_gets_the_closest_name(run_env: dict[str, str], short_tmp: Path) -> None:
+    seeded = subprocess.run([sys.executable, str(ROOT / "examples" / "seed.py"), str(short_tmp)], capture_output=True,
+                            text=True, env={**os.environ, **run_env}, cwd=ROOT, timeout=60)
+    assert seeded.returncode == 0, seeded.stderr
+    proc = cli("kubelet", "prepare", "default/gpu-onee", env=run_env)
+    assert proc.returncode == 2 and "not found" in proc.stderr
+    assert "did you mean default/gpu-one?" in proc.stderr, proc.stderr
+    far = cli("kubelet", "unprepare", "default/zzzzzzzz", env=run_env)
+    assert far.returncode == 2 and "not found" in far.stderr and "did you mean" not in far.stderr
+
+
+# -- help --------------------------------------------------------------------------------------------
+
+COMMANDS = [("run",), ("devices",), ("slices",), ("claims",), ("kubelet", "info"), ("kubelet", "prepare"),
+            ("kubelet", "unprepare"), ("kubelet", "health"), ("cdi", "validate"), ("doctor",), ("taints",),
+            ("taints", "clear"), ("sim", "xid"), ("sim", "lose"), ("sim", "recover"), ("vfio", "status")]
+OWN = {("devices",): "--output", ("slices",): "--output", ("claims",): "--files",
+       ("kubelet", "prepare"): "--uid", ("kubelet", "unprepare"): "--uid", ("kubelet", "health"): "--once",
+       ("cdi", "validate"): "PATH", ("doctor",): "--host-root", ("taints",): "--output", ("taints", "clear"): "DEVICE",
+       ("sim", "xid"): "XID", ("sim", "lose"): "--wait", ("sim", "recover"): "--wait", ("vfio", "status"): "--output"}
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_help_shows_the_commands_own_options_first(command: tuple[str, ...]) -> None:
+    proc = cli(*command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    if command == ("run",):  # the settings are run's own options: all of them, in one section at the end
+        assert all(opt.flag in text and f"${opt.env}" in text for opt in OPTIONS)
+        return
+    assert len(text.splitlines()) <= 40, text
+    assert "dra-agent help settings" in text
+    own = OWN.get(command)
+    if own is not None:
+        assert own in text and text.index(own) < text.index("dra-agent help settings")
+    # Not every shared setting: those that matter to the command, the rest in `dra-agent help settings`.
+    assert sum(opt.flag in text for opt in OPTIONS) <= 10
+
+
+def test_help_settings_lists_every_setting_once() -> None:
+    proc = cli("help", "settings")
+    assert proc.returncode == 0, proc.stderr
+    for opt in OPTIONS:
+        assert opt.flag in proc.stdout and f"${opt.env}" in proc.stdout, opt.flag
+    assert "--help" in cli("--help").stdout and "help settings" in cli("--help").stdout
+
+
+@pytest.mark.parametrize(("args", "where"), [
+    (("claims", "--bogus"), "dra-agent claims"),
+    (("claims", "-o", "xml"), "dra-agent claims"),
+    (("kubelet", "prepare"), "dra-agent kubelet prepare"),
+    (("kubelet", "info", "--node-name"), "dra-agent kubelet info"),
+    (("nothing",), "dra-agent"),
+    ((), "dra-agent"),
+    (("sim", "xid", "gpu-0"), "dra-agent sim xid"),
+    (("help", "nothing"), "dra-agent help"),
+])
+def test_a_usage_error_is_one_line_and_a_pointer(args: tuple[str, ...], where: str) -> None:
+    proc = cli(*args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2, proc.stderr
+    assert lines[0].startswith(f"{where}: error: ")
+    assert lines[1] == f"See '{where} --help'."
