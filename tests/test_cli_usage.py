@@ -178,3 +178,37 @@ def test_a_usage_error_is_one_line_and_a_pointer(args: tuple[str, ...], where: s
     assert len(lines) == 2, proc.stderr
     assert lines[0].startswith(f"{where}: error: ")
     assert lines[1] == f"See '{where} --help'."
+
+
+# -- what a read-only command leaves ------------------------------------------------------------------
+
+def modes(root: Path) -> dict[str, int]:
+    """Permission bits of `root` and everything below it, by relative path."""
+    out = {".": root.stat().st_mode & 0o7777}
+    for path in root.rglob("*"):
+        out[str(path.relative_to(root))] = path.lstat().st_mode & 0o7777
+    return out
+
+
+def test_read_only_commands_make_nothing_looser_than_run(run_env: dict[str, str], short_tmp: Path) -> None:
+    """`devices --nvml sim` writes the simulated machine (sysfs, device nodes) under the state directory, as
+    `run` does: what it creates is never more open than what `run` creates, starting with the state
+    directory itself (0700)."""
+    import agentkit
+
+    ran = {**run_env, "DRA_STATE_DIR": str(short_tmp / "ran")}
+    reg = Path(run_env["DRA_KUBELET_DIR"]) / "plugins_registry" / "dra.example.com-reg.sock"
+    with agentkit.agent_process(["run"], ran, reg, ROOT):
+        pass
+    by_run = modes(short_tmp / "ran")
+    assert by_run["."] == 0o700
+
+    for i, command in enumerate((("devices",), ("slices",), ("sim", "xid", "gpu-0", "13", "--wait", "0"),
+                                 ("taints", "clear", "gpu-0"))):
+        state = short_tmp / f"looked-{i}"
+        proc = cli(*command, env={**run_env, "DRA_STATE_DIR": str(state)})
+        assert proc.returncode == 0, proc.stderr
+        looser = {path: f"{mode:04o} (run: {by_run[path]:04o})" for path, mode in modes(state).items()
+                  if path in by_run and mode & ~by_run[path]}
+        assert not looser, (command, looser)
+        assert modes(state)["."] == 0o700, command

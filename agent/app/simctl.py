@@ -76,6 +76,7 @@ def submit(settings: Settings, command: SimCommand) -> Path:
         raise SimctlError(f"dra-agent sim drives the simulated NVML, but --nvml is {settings.nvml} (DRA_NVML)")
     directory = control_dir(settings)
     try:
+        makedirs(settings.sim_root, 0o700)  # as the machine itself makes it, if no agent has yet
         makedirs(directory)
         path = directory / f"{time.time_ns():020d}-{os.getpid()}-{next(_sequence):04d}.json"
         atomic_write(path, command.encode())
