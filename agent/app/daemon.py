@@ -65,7 +65,7 @@ class Running:
 class Agent:
     def __init__(self, settings: Settings, servers: Servers | None = None) -> None:
         """`servers`: with the registration server listening already (`open_registration`)."""
-        from agent.app.httpserver import MetricsServer
+        from agent.app.httpserver import MetricsServer, identity_headers
         from agent.claims.store import ClaimStore
         from agent.health.service import DeviceHealthService
         from agent.inventory import Inventory
@@ -82,8 +82,8 @@ class Agent:
         self.metrics.state = self.metrics_state
         self.inventory.on_scan = self.metrics.scanned
         endpoint = settings.metrics_endpoint
-        self.http = None if endpoint is None else MetricsServer(self.metrics, *endpoint, healthz=self.healthz,
-                                                                 readyz=self.readyz)
+        self.http = None if endpoint is None else MetricsServer(
+            self.metrics, *endpoint, healthz=self.healthz, readyz=self.readyz, identity=identity_headers(settings))
         self._running: Running | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._devices: dict[str, Device] = {}

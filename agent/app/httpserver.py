@@ -2,7 +2,9 @@
 
 The server runs on the agent's event loop (`asyncio.start_server`), so a probe that gets an
 answer has also shown that the loop is not stuck. It speaks just enough HTTP/1.1 for Prometheus
-and the kubelet's probes: GET and HEAD, one request per connection.
+and the kubelet's probes: GET and HEAD, one request per connection. Every answer names the agent that
+gives it (`identity_headers`: version, driver, node, pod UID), so that a client can tell it from
+another program on the port (`dra-agent doctor` does).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import contextlib
 import errno
 import gzip
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from agent import __version__
+from agent.config import Settings
 from agent.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,20 @@ def probe_body(checks: Sequence[Check], what: str) -> tuple[int, bytes]:
     return (200 if ok else 503), ("\n".join(lines) + "\n").encode()
 
 
+# The headers that name the agent in each answer.
+VERSION_HEADER = "Dra-Agent-Version"
+DRIVER_HEADER = "Dra-Agent-Driver"
+NODE_HEADER = "Dra-Agent-Node"
+POD_UID_HEADER = "Dra-Agent-Pod-Uid"
+
+
+def identity_headers(settings: Settings) -> dict[str, str]:
+    out = {VERSION_HEADER: __version__, DRIVER_HEADER: settings.driver_name, NODE_HEADER: settings.node_name}
+    if settings.rolling_update_pod_uid:
+        out[POD_UID_HEADER] = settings.rolling_update_pod_uid
+    return out
+
+
 # -- the HTTP server ------------------------------------------------------------------------------
 
 ProbeFn = Callable[[], Awaitable[Sequence[Check]]]
@@ -54,8 +72,11 @@ class MetricsServer:
     seconds and logs once. Any other error binding (a bad address) fails `start`.
     """
 
-    def __init__(self, metrics: Metrics, host: str | None, port: int, *, healthz: ProbeFn, readyz: ProbeFn) -> None:
+    def __init__(self, metrics: Metrics, host: str | None, port: int, *, healthz: ProbeFn, readyz: ProbeFn,
+                 identity: Mapping[str, str] | None = None) -> None:
+        """`identity`: headers that name the agent, sent with every answer (`identity_headers`)."""
         self.metrics = metrics
+        self.identity = dict(identity or {})
         self.host, self.port = host, port
         self.healthz, self.readyz = healthz, readyz
         self._server: asyncio.Server | None = None
@@ -122,7 +143,7 @@ class MetricsServer:
                 status, headers, body, head_only = await self._answer(head)
                 reason = _REASONS.get(status, "OK")
                 out = [f"HTTP/1.1 {status} {reason}", f"Content-Length: {len(body)}", "Connection: close",
-                       *(f"{k}: {v}" for k, v in headers.items())]
+                       *(f"{k}: {v}" for k, v in {**self.identity, **headers}.items())]
                 writer.write(("\r\n".join(out) + "\r\n\r\n").encode() + (b"" if head_only else body))
                 with contextlib.suppress(ConnectionError):
                     await writer.drain()
