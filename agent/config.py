@@ -131,6 +131,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics_address", "--metrics-address", "DRA_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS,
            "HOST:PORT for /metrics, /healthz and /readyz (HTTP; no HOST: every interface; "
            "empty: off)", metavar="HOST:PORT", empty=True),
+    Option("stop_with_parent", "--stop-with-parent", "DRA_STOP_WITH_PARENT", False,
+           "run: stop, as on SIGTERM, when the process that started the agent exits (`make run` sets it) "
+           "(true/false)", kind=bool, metavar="BOOL"),
     Option("log_format", "--log-format", "DRA_LOG_FORMAT", "auto",
            "auto (text on a terminal, else JSON), json or text", metavar="FORMAT"),
     Option("log_level", "--log-level", "DRA_LOG_LEVEL", "info", "debug, info, warning or error",
@@ -192,6 +195,7 @@ class Settings:
     gpu_probe_interval: float = 1.0
     taint_policy: Path | None = None
     metrics_address: str = DEFAULT_METRICS_ADDRESS
+    stop_with_parent: bool = False
     log_format: str = "auto"
     log_level: str = "info"
 

@@ -212,3 +212,92 @@ def test_read_only_commands_make_nothing_looser_than_run(run_env: dict[str, str]
                   if path in by_run and mode & ~by_run[path]}
         assert not looser, (command, looser)
         assert modes(state)["."] == 0o700, command
+
+
+# -- make run ----------------------------------------------------------------------------------------
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *descendants(int(child))]
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(("sig", "group"), [("SIGTERM", False), ("SIGKILL", False), ("SIGINT", True),
+                                            ("SIGHUP", True)])
+def test_make_run_stops_with_make_and_is_ready(short_tmp: Path, sig: str, group: bool) -> None:
+    """`make run` stopped by a signal to make's process alone (as `kill`, `timeout` or an IDE send it; make
+    passes SIGTERM on to its child, and dies of SIGKILL at once) or to its process group (as a terminal sends
+    Ctrl-C and a hangup): the agent stops with it, as on SIGTERM, removing its sockets. Offline, as `make
+    run` is without a cluster, the agent is ready once its slices are written, though no kubelet registers
+    the plugin. (SIGINT or SIGHUP to make's process alone makes make wait for its child, which never hears
+    of it: nothing to test there.)"""
+    import signal
+    import time
+
+    import httpx2
+
+    run = short_tmp / "run"
+    port = free_port()
+    env = {**os.environ, "DRA_NVML": "sim", "DRA_NIC_EXCLUDE": "*", "DRA_METRICS_ADDRESS": f"127.0.0.1:{port}"}
+    env.pop("KUBECONFIG", None)
+    make = subprocess.Popen(["make", "--no-print-directory", "run", f"RUN={run}"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    registration = run / "kubelet" / "plugins_registry" / "dra.example.com-reg.sock"
+    deadline = time.monotonic() + 120
+    agent = 0
+    try:
+        while not registration.exists():
+            assert make.poll() is None, make.communicate()
+            assert time.monotonic() < deadline, "make run did not start the agent"
+            time.sleep(0.05)
+        (agent,) = [p for p in descendants(make.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "dra-agent"]
+        while True:  # ready: slices written, offline (no kubelet registers the plugin here)
+            try:
+                ready = httpx2.get(f"http://127.0.0.1:{port}/readyz", trust_env=False, timeout=10)
+            except httpx2.ConnectError:  # the probes' port opens after the registration socket
+                ready = None
+            if ready is not None and ready.status_code == 200:
+                break
+            assert time.monotonic() < deadline, ready.text if ready is not None else "no probes"
+            time.sleep(0.1)
+        assert "[+]kubelet-registration ok: offline" in ready.text and "[+]slices ok" in ready.text
+        as_run = {"DRA_KUBELET_DIR": str(run / "kubelet"), "DRA_STATE_DIR": str(run / "state"),
+                  "DRA_CDI_DIR": str(run / "cdi"), "DRA_OFFLINE": str(run / "offline")}
+        doctor = subprocess.run([sys.executable, "-m", "agent", "doctor", "-o", "json"], cwd=ROOT, timeout=120,
+                                capture_output=True, text=True, env={**env, **as_run})
+        (probes,) = [r for r in json.loads(doctor.stdout) if r["check"] == "probes (/healthz, /readyz)"]
+        assert probes["ok"], probes
+
+        if group:
+            os.killpg(make.pid, getattr(signal, sig))
+        else:
+            make.send_signal(getattr(signal, sig))
+        make.communicate(timeout=60)
+        while alive(agent):
+            assert time.monotonic() < deadline, f"the agent outlived make ({sig})"
+            time.sleep(0.05)
+        assert not registration.exists()  # it stopped as on SIGTERM: its sockets are gone
+    finally:
+        if make.poll() is None:
+            os.killpg(make.pid, signal.SIGTERM)
+            make.communicate(timeout=60)
+        if agent and alive(agent):  # left behind by a failure above
+            os.kill(agent, signal.SIGTERM)

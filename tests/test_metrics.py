@@ -87,19 +87,25 @@ async def test_metrics_after_prepare_and_probes(started, http):
     assert health.status_code == 200, health.text
     assert "[+]registration-server ok" in health.text and "[+]dra-server ok" in health.text
 
-    # No kubelet has registered the plugin yet: not ready, and it says why.
-    ready = await http.get(f"{url}/readyz")
-    assert ready.status_code == 503
-    assert "[-]kubelet-registration failed: the kubelet has not registered the plugin yet" in ready.text
-
-    await kc.notify_registration(agent.settings.registration_socket, True)
-
     async def is_ready() -> httpx2.Response | None:
         r = await http.get(f"{url}/readyz")
         return r if r.status_code == 200 else None
 
+    # Offline, no kubelet has registered the plugin yet: ready once the slices are written, and it says
+    # so (in a cluster readiness waits for the kubelet: test_agent_cluster.py).
     ready = await eventually(is_ready, "/readyz answers 200")
-    assert "[+]kubelet-registration ok" in ready.text and "[+]slices ok: " in ready.text
+    assert "[+]kubelet-registration ok: offline: no kubelet has registered the plugin" in ready.text
+    assert "[+]slices ok: " in ready.text
+
+    await kc.notify_registration(agent.settings.registration_socket, True)
+    ready = await eventually(is_ready, "/readyz answers 200")
+    assert "[+]kubelet-registration ok: the kubelet registered the plugin" in ready.text
+    assert "[+]slices ok: " in ready.text
+    await kc.notify_registration(agent.settings.registration_socket, False, "no such driver here")
+    rejected = await http.get(f"{url}/readyz")  # a kubelet that says no is heard offline too
+    assert rejected.status_code == 503
+    assert "[-]kubelet-registration failed: the kubelet rejected the plugin: no such driver here" in rejected.text
+    await kc.notify_registration(agent.settings.registration_socket, True)
 
     async with kc.DRAClient(agent.settings.dra_socket) as client:
         prepared = await client.prepare([ClaimRef("default", "one", UID1)])

@@ -360,7 +360,7 @@ class Agent:
             return None
         r = loop.last_result
         last = None if r is None else PublishedView(r.devices, r.slices, r.generation, len(r.dropped))
-        return PublishView(last, loop.up_to_date, loop.failures, loop.last_error)
+        return PublishView(last, loop.up_to_date, loop.failures, loop.last_error, offline=self.conn.offline is not None)
 
     def devices_view(self) -> DevicesView:
         from agent.app.probes import DevicesView

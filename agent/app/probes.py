@@ -2,6 +2,11 @@
 the event loop and both gRPC servers answer, ready when the kubelet registered the plugin and the
 node's slices are published.
 
+Offline (`--offline`, or gone offline by `--offline-fallback`) the agent is ready once its slices are
+written: there is no cluster whose rollout or endpoints wait on its readiness, and offline is how it
+runs where no kubelet watches the registration directory (`make run`, a workstation). The kubelet's
+registration is still reported, and a kubelet that rejected the plugin still makes it not ready.
+
 The probes read the running agent through `Observed`: three frozen views, each taken when asked,
 so nothing here reaches into the agent's parts or knows how they work out what they report.
 """
@@ -52,6 +57,7 @@ class PublishView:
     up_to_date: bool
     failures: int  # attempts failed in a row
     last_error: str
+    offline: bool = False  # the slices go to a directory (no API server)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,9 @@ async def readyz(agent: Observed) -> list[Check]:
     elif sockets.registered is False:
         registration = Check("kubelet-registration", False,
                              f"the kubelet rejected the plugin: {sockets.rejection or '(no reason given)'}")
+    elif (publish := agent.publish_view()) is not None and publish.offline:
+        registration = Check("kubelet-registration", True, "offline: no kubelet has registered the plugin, and "
+                             f"readiness does not wait for one (a kubelet finds it in {sockets.registry_dir})")
     else:
         registration = Check("kubelet-registration", False, "the kubelet has not registered the plugin "
                              f"yet (it watches {sockets.registry_dir})")

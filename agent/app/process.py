@@ -3,14 +3,17 @@ the exit status.
 
 The registration socket opens first, while `agent.app.daemon` and the servers are all that is
 imported; the rest of the agent's modules are imported in a worker thread meanwhile, so the
-kubelet's GetInfo is answered from the first moment. SIGTERM and SIGINT stop the agent.
+kubelet's GetInfo is answered from the first moment. SIGTERM, SIGINT and SIGHUP stop the agent; with
+`--stop-with-parent` so does the exit of the process that started it (the kernel sends SIGTERM).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import importlib
 import logging
+import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +22,10 @@ from agent import config as config_mod
 from agent.app.daemon import Agent, open_registration
 from agent.config import Settings
 
-log = logging.getLogger(__name__)
+# The lines the agent logs as a process keep the logger name they had in the daemon module.
+log = logging.getLogger("agent.app.daemon")
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 _MODULES = (
     "agent.engine.prepare",
@@ -64,8 +70,14 @@ async def run(settings: Settings) -> int:
     # Worker threads mostly wait on the disk: enough of them that 16+ claims in flight are not
     # queued behind the default pool's handful (cores + 4).
     loop.set_default_executor(ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra-io"))
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal of `make run` went away
         loop.add_signal_handler(sig, stop.set)
+    if settings.stop_with_parent:
+        try:
+            stop_with_parent()
+        except OSError as exc:
+            log.error("cannot start: --stop-with-parent: %s", exc)
+            return 1
     agent: Agent | None = None
     try:
         servers = await open_registration(settings)
@@ -97,3 +109,17 @@ async def run(settings: Settings) -> int:
     log.info("stopping")
     await agent.stop()
     return 0
+
+
+def stop_with_parent() -> None:
+    """SIGTERM for this process when its parent exits (prctl PR_SET_PDEATHSIG: one system call, through
+    ctypes), so that `make run` stopped by any signal stops the agent, which make does not forward but
+    for SIGTERM. A parent that exited before this call is seen by the parent process ID changing
+    across it; one that exited before the agent's interpreter started is not."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
