@@ -77,3 +77,11 @@ async def claim_names(settings: Settings, namespace: str) -> list[str]:
         directory = offline / "resourceclaims" / namespace
         names |= {p.stem for p in await asyncio.to_thread(lambda: list(directory.glob("*.yaml")))}
     return sorted(names)
+
+
+async def device_names(settings: Settings) -> set[str]:
+    """The devices discovery finds with these settings (those it names but cannot read too), without
+    asking a cluster: whether a device an operator names is this node's."""
+    inventory = await _inventory_once(settings, NodeInfo(name=settings.node_name))
+    snapshot = inventory.snapshot()
+    return set(snapshot.devices) | {f.device for f in snapshot.failed_devices}

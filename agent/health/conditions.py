@@ -116,22 +116,30 @@ class DeviceConditions:
         self.directory = directory
         self.clock = clock
         self._devices: dict[str, _Device] = {}
+        # Device -> until when an operator cleared its XIDs (unix seconds): an XID raised before then and
+        # reported only after (a command the simulated machine had queued) is not taken.
+        self._cleared: dict[str, float] = {}
         self.version = 0  # moves on every change
         self.on_change: Callable[[set[str]], None] | None = None  # told the devices whose causes changed
 
     # -- events -----------------------------------------------------------------------------------
 
-    def xid(self, device: str, xid: int, action: str = UNKNOWN_ACTION) -> bool:
+    def xid(self, device: str, xid: int, action: str = UNKNOWN_ACTION, *, at: float | None = None) -> bool:
+        """An XID on `device`; `at`: when it was raised (unix seconds; default now)."""
         rule = self.policy.for_xid(xid)
         what = f"XID {xid} ({xid_meaning(xid)})"
         if not rule.taints:
             log.info("%s on %s: not tainted (policy: ignore)", what, device)
             return False
         now = self.clock()
+        raised = now if at is None else min(at, now)
+        if raised <= self._cleared.get(device, float("-inf")):
+            log.info("%s on %s: raised before an operator cleared its XID taints: not tainted", what, device)
+            return False
         detail = what if action in (NONE, UNKNOWN_ACTION) else f"{what}, recovery action {action}"
         state = self._devices.setdefault(device, _Device())
         old = state.xids.get(xid)
-        state.xids[xid] = Cause(device, XID, rule.effect, str(xid), detail, old.since if old else now,
+        state.xids[xid] = Cause(device, XID, rule.effect, str(xid), detail, old.since if old else raised,
                                 now + rule.clear_after if rule.clear_after else None)
         log.warning("%s on %s: taint %s/xid=%d:%s", what, device, self.driver, xid, rule.effect,
                     extra={"device": device, "xid": xid})
@@ -190,14 +198,21 @@ class DeviceConditions:
         # At once when the hold time is 0; else `tick` lets it go when the time has come.
         return self._release_link(device, state, now) and self._changed({device})
 
-    def clear(self, device: str) -> list[Cause]:
+    def clear(self, device: str, before: float | None = None) -> list[Cause]:
         """An operator clears the device's XID causes (`dra-agent taints clear`); the causes cleared.
-        Lost-GPU and link causes are observations: they go when the hardware says so."""
+        `before`: when the operator asked (unix seconds): an XID raised later stays, and one raised
+        earlier but reported later is not taken. Lost-GPU and link causes are observations: they go
+        when the hardware says so."""
+        if before is not None:
+            self._cleared[device] = max(before, self._cleared.get(device, float("-inf")))
         state = self._devices.get(device)
         if state is None or not state.xids:
             return []
-        gone = list(state.xids.values())
-        state.xids.clear()
+        gone = [c for c in state.xids.values() if before is None or c.since <= before]
+        if not gone:
+            return []
+        for cause in gone:
+            del state.xids[int(cause.value)]
         log.info("%s: XID taints cleared by an operator: %s", device, "; ".join(c.detail for c in gone),
                  extra={"device": device})
         self._changed({device})
