@@ -121,13 +121,16 @@ def _not_here(settings: Settings, device: str) -> str | None:
 
 
 def add_parser(sub: Any, add_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
-    tp = sub.add_parser("taints", help="list the device taints the agent holds, or clear XID taints by hand")
+    tp = sub.add_parser("taints", help="list the device taints the agent holds, or clear XID taints by hand",
+                        description="list the device taints the agent holds (from its saved device conditions), or "
+                                    "clear XID taints by hand (taints clear DEVICE)")
     tsub = tp.add_subparsers(dest="action", metavar="ACTION")
     tp.set_defaults(fn=cmd_taints, action="list")
     tp.add_argument("-o", "--output", choices=("table", "json"), default="table")
     add_arguments(tp)
-    cp = tsub.add_parser("clear", help="clear a device's XID taints (lost-GPU and link taints go when the "
-                         "hardware recovers)")
+    clear = ("clear a device's XID taints raised until now (lost-GPU and link taints go when the hardware "
+             "recovers); a device this node does not have is refused")
+    cp = tsub.add_parser("clear", help=clear, description=clear)
     cp.add_argument("device", metavar="DEVICE", help="the device as published, e.g. gpu-3")
     cp.set_defaults(fn=cmd_taints)
     add_arguments(cp)
