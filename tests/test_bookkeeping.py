@@ -18,6 +18,7 @@ from agent.app.daemon import Agent
 from agent.claims import metadata
 from agent.claims.store import ClaimStore
 from agent.config import build_settings
+from agent.engine.prepare import PrepareEngine
 from agent.engine.recovery import recover
 from agent.kubelet import client as kc
 from agent.names import ClaimRef
@@ -259,6 +260,49 @@ async def test_a_refresh_killed_between_record_and_file_is_finished_by_the_resta
     report = recover(restarted(node))
     assert report.repaired == [str(host)]
     assert metadata.parse_stream(host.read_bytes())[0]["metadata"]["generation"] == 2
+
+
+async def test_a_refresh_after_a_restart_with_another_kubelet_dir_rewrites_the_files_where_the_record_says(
+        node, tmp_path):
+    node.nic_source.devices = [nic(ips=())]
+    await node.inventory.scan(["nic"])
+    write_claim(node.claims_dir, claim("net", OLD, [result(NIC, "nic")]))
+    assert (await node.engine.prepare([ref("net", OLD)]))[OLD].error == ""
+    # The running container mounts the metadata file its CDI spec names: below the old kubelet dir.
+    host = metadata.host_file(node.settings.metadata_dir, OLD, "nic")
+    spec = next(f for f in node.engine.whole_record(OLD).files if "_metadata_" in f.path)  # type: ignore[union-attr]
+    assert str(host).encode() in spec.content
+
+    # The agent restarts with another --kubelet-dir, and the NIC gets its address.
+    moved = roots(tmp_path, kubelet_dir=tmp_path / "kubelet-moved")
+    assert moved.metadata_dir != node.settings.metadata_dir and moved.claims_state_dir == node.settings.claims_state_dir
+    engine = PrepareEngine(moved, node.inventory, node.engine.claims, ClaimStore(moved.claims_state_dir))
+    recover(engine)
+    node.nic_source.devices = [nic(ips=("10.9.9.9/24",))]
+    await node.inventory.scan(["nic"])
+    assert await engine.refresh_claims([OLD]) == 1
+
+    # The file the record names is rewritten where it is, at the generation the record says.
+    for obj in metadata.parse_stream(host.read_bytes()):
+        assert obj["metadata"]["generation"] == 2
+        assert obj["requests"][0]["devices"][0]["networkData"]["ips"] == ["10.9.9.9/24"]
+    record = engine.whole_record(OLD)
+    assert record is not None and record.generation == 2
+    assert all(Path(f.path).read_bytes() == f.content for f in record.files)
+    assert not moved.metadata_dir.exists()  # nothing written below the new kubelet dir
+    # Nothing changed since: a second refresh writes nothing and keeps the generation.
+    assert await engine.refresh_claims([OLD]) == 0
+    assert engine.whole_record(OLD).generation == 2  # type: ignore[union-attr]
+
+    # The old metadata directory removed: nothing to write to, the record stays, nothing is re-created.
+    import shutil
+
+    shutil.rmtree(node.settings.metadata_dir)
+    node.nic_source.devices = [nic(ips=("10.9.9.10/24",))]
+    await node.inventory.scan(["nic"])
+    assert await engine.refresh_claims([OLD]) == 0
+    assert engine.whole_record(OLD).generation == 2  # type: ignore[union-attr]
+    assert not node.settings.metadata_dir.exists()
 
 
 # -- 7. no link followed ----------------------------------------------------------------------------------

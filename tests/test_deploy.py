@@ -461,9 +461,11 @@ def test_cluster_role_grants_exactly_the_calls_the_code_makes(which: str) -> Non
     assert grants - needed == set(), "granted, but no code calls it (and not in UPCOMING)"
     assert grants >= UPCOMING
 
-    # `dra-agent doctor` asks the API server (SelfSubjectAccessReview) for the same permissions.
+    # `dra-agent doctor` asks the API server (SelfSubjectAccessReview) for the same permissions, and for
+    # the per-driver one the API server checks for a status.devices write.
     from agent.app.doctor import PERMISSIONS
-    assert {(p.group, p.resource, p.verb) for p in PERMISSIONS} == set(calls) - IMPLICIT
+    assert {(p.group, p.resource, p.verb) for p in PERMISSIONS} == \
+        (set(calls) - IMPLICIT) | {(g, r, v) for g, r, v, _ in UPCOMING}
 
     binding = one(objs, "ClusterRoleBinding")
     sa = one(objs, "ServiceAccount")["metadata"]
@@ -783,9 +785,23 @@ def test_admission_policy_limits_the_agent_to_its_own_nodes_slices(tmp_path: Pat
     allowed, message = decide("CREATE", shared, None)
     assert not allowed and message.endswith("not one without spec.nodeName")
     assert not decide("UPDATE", theirs, theirs)[0]
-    allowed, message = decide("UPDATE", mine, theirs)  # taking over another node's slice
-    assert not allowed and message == f"the dra-agent on node {NODE} may not take over a ResourceSlice of node node-b"
-    assert not decide("UPDATE", theirs, mine)[0]  # giving one away
+    # (An UPDATE cannot move a slice to another node, driver or pool: the API server refuses a change of
+    # those fields before admission, tests/cluster/test_cluster_admission.py.)
+    other_pool = slice_on(NODE)
+    other_pool["spec"]["pool"]["name"] = "node-b"
+    allowed, message = decide("CREATE", other_pool, None)
+    assert not allowed and message == f"the dra-agent on node {NODE} may write only pools named after its node, " \
+                                      "not pool node-b"
+    sub_pool = slice_on(NODE)
+    sub_pool["spec"]["pool"]["name"] = f"{NODE}/gpus"
+    assert decide("CREATE", sub_pool, None) == (True, "")
+    sub_pool["spec"]["pool"]["name"] = f"{NODE}x"
+    assert not decide("CREATE", sub_pool, None)[0]
+    other_driver = slice_on(NODE)
+    other_driver["spec"]["driver"] = "gpu.other.example.com"
+    allowed, message = decide("CREATE", other_driver, None)
+    assert not allowed and message == f"the dra-agent may write only ResourceSlices of driver {DRIVER}, not of " \
+                                      "driver gpu.other.example.com"
     assert not decide("DELETE", None, theirs)[0]
     assert decide("DELETE", None, mine)[0]
 

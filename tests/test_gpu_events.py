@@ -22,13 +22,16 @@ from conftest import need_command
 from agent.inventory.gpu_events import (
     DoubleBitEcc,
     GpuAnswering,
+    GpuBaseline,
     GpuEvent,
     GpuEventWatcher,
     GpuLost,
     RecoveryAction,
     XidError,
 )
+from agent.sim.hardware import materialize
 from agent.sim.nvml import SimulatedNvml
+from agent.sim.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENT_FUNCTIONS = ("nvmlEventSetCreate", "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",
@@ -90,9 +93,10 @@ class Events:
 def watch() -> Iterator[Callable[..., tuple[GpuEventWatcher, Events]]]:
     started: list[GpuEventWatcher] = []
 
-    def start(nvml: SimulatedNvml, probe_interval: float = 0.1, registered: int = 1) -> tuple[GpuEventWatcher, Events]:
+    def start(nvml: SimulatedNvml, probe_interval: float = 0.1, registered: int = 1,
+              baseline: bool = False) -> tuple[GpuEventWatcher, Events]:
         events = Events()
-        watcher = GpuEventWatcher(nvml, events, probe_interval=probe_interval)
+        watcher = GpuEventWatcher(nvml, events, probe_interval=probe_interval, baseline=baseline)
         watcher.start()
         started.append(watcher)
         # GPUs are registered by the first probe: from then on an XID is delivered.
@@ -211,7 +215,45 @@ def test_recovery_action_field(sim: SimulatedNvml) -> None:
         sim.raise_xid(2, 0)
 
 
+def recovery_action(sim: SimulatedNvml, index: int) -> int:
+    [value] = sim.nvmlDeviceGetFieldValues(sim.nvmlDeviceGetHandleByIndex(index), [ACTION])
+    return int(value.value.uiVal)
+
+
+def test_a_gpus_recovery_action_outlives_the_agent_but_not_a_reboot(tmp_path: Path) -> None:
+    """As the driver keeps it: a later process on the same simulated machine sees what the GPU needs."""
+
+    def process() -> SimulatedNvml:
+        nvml = SimulatedNvml.from_profile("dgx-h100")
+        nvml.materialize(tmp_path)
+        nvml.nvmlInit()
+        return nvml
+
+    process().raise_xid(3, 48)
+    later = process()
+    assert recovery_action(later, 3) == pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    assert recovery_action(later, 2) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    later.recover(3)  # reset by whoever: the next process sees it reset
+    assert recovery_action(process(), 3) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    process().raise_xid(3, 48)
+    materialize(load_profile("dgx-h100"), tmp_path, boot=True)  # a reboot resets every GPU
+    assert recovery_action(process(), 3) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+
+
 # -- the watcher ------------------------------------------------------------------------------------
+
+def test_a_watcher_asked_for_it_reports_each_gpus_first_answer(tmp_path: Path, watch) -> None:  # type: ignore[no-untyped-def]
+    nvml = sim_with_minors(tmp_path, [4, 7, 2])
+    nvml.raise_xid(1, 79)  # before any watcher: gpu-7 needs a reset already
+    _, events = watch(nvml, registered=3, baseline=True)
+    seen = [events.next(lambda e: True) for _ in range(4)]
+    uuids = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(3)]
+    assert {(e.device, e.uuid, e.recovery_action) for e in seen if isinstance(e, GpuBaseline)} == {
+        ("gpu-4", uuids[0], RecoveryAction.NONE), ("gpu-7", uuids[1], RecoveryAction.GPU_RESET),
+        ("gpu-2", uuids[2], RecoveryAction.NONE)}
+    assert [type(e) for e in seen if e.device == "gpu-7"] == [GpuBaseline, GpuAnswering]  # the baseline first
+    assert events.none_within(0.3) == []  # once per GPU, not at every probe
+
 
 def test_xid_is_named_as_published_with_its_recovery_action(tmp_path: Path, watch) -> None:  # type: ignore[no-untyped-def]
     nvml = sim_with_minors(tmp_path, [4, 7, 2])

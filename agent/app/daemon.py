@@ -241,10 +241,12 @@ class Agent:
             set_node_allocatable(self.inventory, node)
             if await self.inventory.scan(["cpu", "memory", "gpu"]):
                 await self._changed()
-        running.publish = PublishLoop(conn.publisher(self.settings, node),
-                                      verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
-        running.publish.update(self.health.published(self.inventory.snapshot()))
-        await running.publish.run()
+        publish = PublishLoop(conn.publisher(self.settings, node),
+                              verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
+        publish.on_published = lambda devices: self.tracker.pool_published([d.name for d in devices])
+        running.publish = publish
+        publish.update(self.health.published(self.inventory.snapshot()))
+        await publish.run()
 
     async def _rescans(self) -> None:
         while True:

@@ -37,6 +37,16 @@ def _owned_spec_pattern(vendor: str) -> re.Pattern[str]:
                       rf"|{v}_{METADATA_CLASS}_(?P<b>{_UID})_[a-z0-9-]+\.json)")
 
 
+_METADATA_SPEC = re.compile(rf".+_{METADATA_CLASS}_{_UID}_(?P<request>[a-z0-9-]+)\.json")
+
+
+def metadata_spec_request(name: str) -> str | None:
+    """The base request in the name of a metadata spec (`metadata_spec_name`, whatever its vendor); None
+    for any other name."""
+    m = _METADATA_SPEC.fullmatch(name)
+    return m.group("request") if m else None
+
+
 def claim_uid_of_spec(name: str, vendor: str) -> str | None:
     """The claim UID in the file name of one of the agent's per-claim specs, or of a temp file of
     one (an interrupted write); None for any other file. Ownership is never a guess."""

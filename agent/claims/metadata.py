@@ -20,11 +20,13 @@ from typing import Any
 
 import orjson
 
+from agent import apirules
 from agent.model import Device, attribute_wire
 
 API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
 CONTAINER_ROOT = "/var/run/kubernetes.io/dra-device-attributes"
 POD_CLAIM_NAME = "resource.kubernetes.io/pod-claim-name"
+FILE_NAME = "metadata.json"  # of every host file: `<metadata dir>/<uid>/<base request>/metadata.json`
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +49,7 @@ def host_dir(metadata_root: Path, uid: str) -> Path:
 
 
 def host_file(metadata_root: Path, uid: str, base_request: str) -> Path:
-    return host_dir(metadata_root, uid) / base_request / "metadata.json"
+    return host_dir(metadata_root, uid) / base_request / FILE_NAME
 
 
 def container_file(driver: str, claim_name: str, base_request: str, pod_claim_name: str = "") -> str:
@@ -60,18 +62,20 @@ def container_file(driver: str, claim_name: str, base_request: str, pod_claim_na
 
 def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
     """A NIC's interface, IPs and MAC; a passthrough NIC function only its MAC (`mac` when the claim
-    set one), which is what a VM's SR-IOV network matches (it has no interface on the host)."""
+    set one), which is what a VM's SR-IOV network matches (it has no interface on the host).
+
+    Cut to what the API type allows (at most 16 IPs, each valid and once; a bounded interface name and
+    address), as the claim's status is, so a reader that validates the file accepts it. The status
+    writer logs what it cuts from the same device facts."""
     facts = device.node
     if device.kind == "vfio" and device.attributes.get("nativeType") == "nic":
-        return {"hardwareAddress": mac or facts.mac} if mac or facts.mac else None
-    if device.kind != "nic" or not facts.interface:
+        out: dict[str, Any] = {"hardwareAddress": mac or facts.mac} if mac or facts.mac else {}
+    elif device.kind != "nic" or not facts.interface:
         return None
-    out: dict[str, Any] = {"interfaceName": facts.interface}
-    if facts.ips:
-        out["ips"] = list(facts.ips)
-    if facts.mac:
-        out["hardwareAddress"] = facts.mac
-    return out
+    else:
+        out = {"interfaceName": facts.interface, "ips": list(facts.ips), "hardwareAddress": facts.mac}
+    out = {k: v for k, v in apirules.clip_network_data(out)[0].items() if v}
+    return out or None
 
 
 def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: str, generation: int,

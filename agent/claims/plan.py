@@ -22,7 +22,14 @@ from typing import Any
 from agent import quantity
 from agent.claims import cdispecs, metadata
 from agent.claims.allocation import Allocation
-from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, PreparedDevice, partition_attributes
+from agent.claims.records import (
+    ClaimRecord,
+    DeviceBinding,
+    FileRecord,
+    FileRole,
+    PreparedDevice,
+    partition_attributes,
+)
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
 from agent.inventory.gpushare import MIB, SHARE_KIND
@@ -42,7 +49,8 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
     env = {name: {**shares.get(name, {}), **alloc.config_env.get(name, {})}
            for name in set(shares) | set(alloc.config_env)}
     spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, env)
-    files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec)))
+    files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec),
+                            role=FileRole.CLAIM_SPEC))
     devices: list[PreparedDevice] = []
     first_of_request: set[str] = set()
     for a in alloc.devices:
@@ -61,11 +69,11 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
         content = metadata.render(driver=s.driver_name, namespace=ref.namespace, name=ref.name,
                                   uid=ref.uid, pod_claim_name=alloc.pod_claim_name,
                                   generation=generation, devices=allocs)
-        files.append(FileRecord(str(host), content))
+        files.append(FileRecord(str(host), content, role=FileRole.METADATA_FILE, request=base))
         container = metadata.container_file(s.driver_name, ref.name, base, alloc.pod_claim_name)
         mspec = cdispecs.metadata_spec(vendor, ref.uid, base, str(host), container)
         files.append(FileRecord(str(s.cdi_dir / cdispecs.metadata_spec_name(vendor, ref.uid, base)),
-                                encode_spec(mspec)))
+                                encode_spec(mspec), role=FileRole.METADATA_SPEC, request=base))
     dirs = [str(metadata.host_dir(s.metadata_dir, ref.uid))] if alloc.devices else []
     return ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
                        pod_claim_name=alloc.pod_claim_name, devices=devices, files=files, dirs=dirs,
@@ -90,13 +98,12 @@ def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, 
             for n in limits}
 
 
-def _recorded_consumption(s: Settings, record: ClaimRecord) -> dict[tuple[str, str, str], dict[str, str]]:
+def _recorded_consumption(record: ClaimRecord) -> dict[tuple[str, str, str], dict[str, str]]:
     """(request, device, share ID) -> consumedCapacity, as the claim's metadata files in the record say:
     the record keeps no other copy of what each share got, and a refresh must not lose it."""
     out: dict[tuple[str, str, str], dict[str, str]] = {}
-    paths = {str(metadata.host_file(s.metadata_dir, record.uid, base_request(d.request))) for d in record.devices}
     for f in record.files:
-        if f.path not in paths:
+        if f.role is not FileRole.METADATA_FILE:
             continue
         objs = metadata.parse_stream(f.content)
         for req in (objs[0].get("requests") or []) if objs else []:
@@ -111,11 +118,13 @@ def refreshed(s: Settings, lookup: Callable[[str], Device | None],
               record: ClaimRecord) -> tuple[ClaimRecord, set[str]] | None:
     """The record with its metadata files rendered from the devices as they are now (generation + 1),
     and the paths of those files; None when nothing changed, or a device is gone (health reports
-    it; the file keeps the last known truth)."""
+    it; the file keeps the last known truth). The files are the ones the record holds in the role of
+    metadata file, at the paths it names: the claim's metadata CDI specs mount them from there, whatever
+    the metadata directory is today (`agent.claims.records.FileRole`)."""
     allocated = []
     macs = {b.device: b.mac for b in record.bindings}
     made = {p.device: partition_attributes(p) for p in record.partitions}  # MIG or mdev UUIDs
-    consumed = _recorded_consumption(s, record)
+    consumed = _recorded_consumption(record)
     for d in record.devices:
         device = lookup(d.device)
         if device is None:
@@ -126,8 +135,9 @@ def refreshed(s: Settings, lookup: Callable[[str], Device | None],
                                                   consumed.get((d.request, d.device, d.share_id), {})))
     common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,
                               "uid": record.uid, "pod_claim_name": record.pod_claim_name}
-    contents = {str(metadata.host_file(s.metadata_dir, record.uid, base)): allocs
-                for base, allocs in metadata.group_by_base_request(allocated).items()}
+    recorded = {f.request: f.path for f in record.files if f.role is FileRole.METADATA_FILE}
+    contents = {recorded[base]: allocs for base, allocs in metadata.group_by_base_request(allocated).items()
+                if base in recorded}
     current = {f.path: f.content for f in record.files}
     if all(current.get(path) == metadata.render(generation=record.generation, devices=allocs, **common)
            for path, allocs in contents.items()):

@@ -3,8 +3,9 @@
 `DeviceHealthService` owns the device conditions (`agent.health.conditions`) and everything that
 feeds them while the agent runs:
 - each inventory snapshot: the link state of every NIC (`observe`);
-- the GPU event watcher's events (XIDs, lost and answering GPUs), handed over from its
-  thread (`gpu_event`);
+- the GPU event watcher's events (XIDs, lost and answering GPUs, each GPU's first answer, which
+  XID taints restored from the last run are checked against), handed over from its thread
+  (`gpu_event`);
 - operators' clear requests (`agent.health.requests.RequestWatcher`);
 - time: informational XID taints expiring, link taints held until the link stays up.
 
@@ -37,10 +38,12 @@ from agent.config import Settings
 from agent.health.conditions import GPU_LOST, DeviceConditions, Readiness
 from agent.health.policy import TaintPolicy, load_policy
 from agent.health.requests import RequestWatcher, health_dir, requests_dir
+from agent.host.vfio.host import VfioHost
 from agent.inventory import Inventory, Snapshot
 from agent.inventory.gpu_events import (
     DoubleBitEcc,
     GpuAnswering,
+    GpuBaseline,
     GpuEvent,
     GpuEventWatcher,
     GpuLost,
@@ -86,7 +89,10 @@ class DeviceHealthService:
         self.gpu_events: GpuEventWatcher | None = None
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.conditions.load)
+        # The kernel's boot ID (the simulated machine's with --nvml sim): XID causes of another boot
+        # are not restored.
+        boot_id = await asyncio.to_thread(VfioHost.of(self.settings).boot_id)
+        await asyncio.to_thread(self.conditions.load, boot_id)
         await asyncio.to_thread(self.conditions.save)  # `dra-agent taints` tells "none" from "no agent"
         try:
             await self.requests.start()
@@ -106,7 +112,8 @@ class DeviceHealthService:
                 loop.call_soon_threadsafe(self.gpu_event, event)
 
         self.gpu_events = GpuEventWatcher(source.nvml, hand_over, probe_interval=self.settings.gpu_probe_interval,
-                                          control_dir=control_dir(self.settings), name_hint=source.device_name)
+                                          control_dir=control_dir(self.settings), name_hint=source.device_name,
+                                          baseline=True)
         self.gpu_events.start()
 
     async def stop_gpus(self) -> None:
@@ -165,6 +172,8 @@ class DeviceHealthService:
             self._rescan.add("gpu")
             self.conditions.gpu_answering(event.device, event.recovery_action.value)
             self._wake.set()
+        elif isinstance(event, GpuBaseline):
+            self.conditions.baseline(event.device, event.uuid, event.recovery_action.value)
 
     # -- outputs ----------------------------------------------------------------------------------
 

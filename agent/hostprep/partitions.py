@@ -1,5 +1,6 @@
 """GPU partitions created on the host at prepare (MIG instances, vGPU mediated devices): the
-interface each kind's module implements, and the checks every kind shares.
+interface each kind's module implements, the `HostEffect` of a record's partitions (`Partitions`),
+and the checks every kind shares.
 
 A partition is a side effect outside the agent's files, like a passthrough binding, and follows the
 same discipline (`agent.hostprep.vfio`): the record (`agent.claims.records.DevicePartition`, format version 3)
@@ -10,13 +11,16 @@ a prepare that stopped anywhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
+from agent.claims.allocation import Allocation
 from agent.claims.book import ClaimBook
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import DevicePartition, PartitionKind
+from agent.claims.records import ClaimRecord, DevicePartition, PartitionKind
 from agent.errors import ClaimFailure
+from agent.hostprep.hosteffect import WriteRecord
 from agent.inventory import Inventory
 from agent.model import PCI_BUS_ID, Device
 
@@ -53,6 +57,89 @@ class Partitioner(Protocol):
         """The allocated device with the partition's facts (MIG: its UUID as the GPU UUID and the
         /dev/nvidia-caps nodes; mdev: its UUID), so claimplan writes the CDI spec and metadata from it."""
         ...
+
+
+class PartitionUnknown(ClaimFailure):
+    """A record names a partition kind this agent has no partitioner for (written by a newer agent)."""
+
+
+class PartitionGone(ClaimFailure):
+    """A prepared claim's partition is not on the host (a reboot): the claim cannot stay prepared."""
+
+
+class Partitions:
+    """The `HostEffect` of a record's `partitions`: each one made and destroyed by the partitioner of its
+    kind. The partitioners are kept by the device kind they prepare (`mig`, `vgpu`): adding a kind is one
+    entry in the mapping the engine builds."""
+
+    name = "GPU partitions"
+
+    def __init__(self, partitioners: Mapping[str, Partitioner]) -> None:
+        self.by_device_kind = dict(partitioners)  # device kind -> its partitioner
+        self.by_kind: dict[PartitionKind, Partitioner] = {p.kind: p for p in partitioners.values()}
+
+    def held(self, record: ClaimRecord) -> bool:
+        return bool(record.partitions)
+
+    def planned(self, alloc: Allocation, intent: ClaimRecord) -> ClaimRecord:
+        """A partition per partition device of the claim, checked, nothing created."""
+        out: list[DevicePartition] = []
+        seen: set[str] = set()
+        for a in alloc.devices:
+            partitioner = self.by_device_kind.get(a.device.kind)
+            if partitioner is not None and a.device.name not in seen:
+                seen.add(a.device.name)
+                out.append(partitioner.plan(alloc.ref.uid, a))
+        return dataclasses.replace(intent, partitions=out)
+
+    def apply(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+        for i, part in enumerate(record.partitions):
+            def write_part(p: DevicePartition, i: int = i, base: ClaimRecord = record) -> None:
+                write(_with_partition(base, i, p))
+            done = self._partitioner(part).create(part, write_part)
+            record = _with_partition(record, i, done)
+        return record
+
+    def devices(self, allocated: Iterable[AllocatedDevice], record: ClaimRecord) -> list[AllocatedDevice]:
+        by_name = {p.device: p for p in record.partitions}
+        return [self._partitioner(by_name[a.device.name]).device(by_name[a.device.name], a)
+                if a.device.name in by_name else a for a in allocated]
+
+    def undo_intent(self, record: ClaimRecord) -> ClaimRecord:
+        """As they are: each partitioner's `destroy` starts from what the host shows."""
+        return record
+
+    def undo(self, record: ClaimRecord, write: WriteRecord | None) -> ClaimRecord:
+        """Every partition destroyed, last made first; with `write`, each one's progress recorded."""
+        for i in reversed(range(len(record.partitions))):
+            part = record.partitions[i]
+            write_part = None
+            if write is not None:
+                def write_part(p: DevicePartition, i: int = i) -> None:
+                    nonlocal record
+                    record = _with_partition(record, i, p)
+                    write(record)
+            self._partitioner(part).destroy(part, write_part)
+        return record
+
+    def reassert(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+        """PartitionGone when a partition is not on the host any more (after a reboot: all): one made again
+        would have another UUID than the claim's files name."""
+        if missing := [p.device for p in record.partitions if not self._partitioner(p).exists(p)]:
+            raise PartitionGone(f"partition(s) {', '.join(missing)} are not on the host any more")
+        return record
+
+    def _partitioner(self, part: DevicePartition) -> Partitioner:
+        found = self.by_kind.get(part.kind)
+        if found is None:
+            raise PartitionUnknown(f"device {part.device}: this agent cannot handle {part.kind} partitions")
+        return found
+
+
+def _with_partition(record: ClaimRecord, i: int, part: DevicePartition) -> ClaimRecord:
+    parts = list(record.partitions)
+    parts[i] = part
+    return dataclasses.replace(record, partitions=parts)
 
 
 # -- the checks every kind shares ----------------------------------------------------------------------

@@ -14,6 +14,9 @@ outside the agent's files, so the claim's record says what is about to happen be
 - recovery: `binding` is rolled back (the kubelet retries the prepare), `restoring` is finished,
   `prepared` is re-applied (after a reboot the kernel forgot it; otherwise a no-op).
 
+`Passthrough` is the `HostEffect` of the record's bindings (`agent.hostprep.hosteffect`); the sequences
+above are run, the same for every kind of effect, by `agent.hostprep.effects.HostEffects`.
+
 Steps are idempotent and judged against what sysfs shows now (`agent.host.vfio.bind`), so replaying a
 step a crash interrupted, or rolling back from any prefix of a plan, converges: each function ends
 bound to exactly the driver the record says. Every write and wait is bounded (a GPU in use is a
@@ -24,14 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from agent import counters, failpoints
 from agent.claims.allocation import Allocation, VfioSettings
 from agent.claims.book import ClaimBook
-from agent.claims.files import ClaimFiles
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import ClaimRecord, DeviceBinding, RecordState
+from agent.claims.records import ClaimRecord, DeviceBinding
 from agent.errors import ClaimFailure
 from agent.host.pci import nvidia_display_functions
 from agent.host.vfio.bind import DEFAULT_TIMEOUT, BindStep, apply_step, plan_bind
@@ -42,6 +44,7 @@ from agent.host.vfio.nodes import IommuBackend, host_has_iommufd, vfio_device_no
 from agent.host.vfio.pci import VFIO_PCI, current_driver, iommu_group
 from agent.host.vfio.persistence import check_persistence_off
 from agent.host.vfio.sriov import set_vf_mac_vlan
+from agent.hostprep.hosteffect import WriteRecord
 from agent.hostprep.mig import nvml_of
 from agent.inventory import Inventory
 from agent.inventory.gpuminors import driver_minors
@@ -81,11 +84,11 @@ def lock_key(device: Device) -> str:
     return f"pci/{bus}" if bus else f"device/{device.name}"
 
 
-WriteRecord = Callable[[ClaimRecord], None]
-
-
 class Passthrough:
-    """The engine's passthrough side. Blocking: call from the claim's worker thread, with its locks."""
+    """The engine's passthrough side, and the `HostEffect` of a record's `bindings`. Blocking: call from the
+    claim's worker thread, with its locks."""
+
+    name = "PCI functions bound to vfio-pci"
 
     def __init__(self, host: VfioHost, inventory: Inventory, book: ClaimBook, *,
                  timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -148,6 +151,12 @@ class Passthrough:
 
     # -- prepare -----------------------------------------------------------------------------------
 
+    def held(self, record: ClaimRecord) -> bool:
+        return bool(record.bindings)
+
+    def planned(self, alloc: Allocation, intent: ClaimRecord) -> ClaimRecord:
+        return dataclasses.replace(intent, bindings=self.plan(alloc))
+
     def plan(self, alloc: Allocation) -> list[DeviceBinding]:
         """A binding per passthrough device, from what sysfs shows now; raises (nothing written) when a
         device cannot be passed through now."""
@@ -207,7 +216,7 @@ class Passthrough:
                 return minor
         return driver_minors(self.host.proc).get(bdf)
 
-    def bind(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+    def apply(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
         """Apply the `binding` record's plans, writing "step k is next" before each step; returns the
         record as last written."""
         for i, b in enumerate(record.bindings):
@@ -216,10 +225,15 @@ class Passthrough:
             record = self._run(record, i, b.plan.steps, write, "bind")
         return record
 
-    def restore(self, record: ClaimRecord, write: WriteRecord | None) -> ClaimRecord:
-        """Put every function of the record's bindings back on its original driver. With `write` (a
-        `restoring` record), from each binding's recorded step, recording each step first; without
-        (rolling back a `binding` record, which recovery rolls back again from any state), all steps."""
+    def undo_intent(self, record: ClaimRecord) -> ClaimRecord:
+        """Every binding at step 0 of its restore plan."""
+        return dataclasses.replace(record, bindings=[dataclasses.replace(b, step=0) for b in record.bindings])
+
+    def undo(self, record: ClaimRecord, write: WriteRecord | None) -> ClaimRecord:
+        """Put every function of the record's bindings back on its original driver (override cleared, an
+        operator's override put back). With `write` (a `restoring` record), from each binding's recorded
+        step, recording each step first; without (rolling back a `binding` record, which recovery rolls
+        back again from any state), all steps."""
         for i, b in enumerate(record.bindings):
             steps = b.plan.restore().steps
             if write is None:
@@ -228,37 +242,6 @@ class Passthrough:
             else:
                 record = self._run(record, i, steps, write, "restore")
         return record
-
-    # -- a claim's passthrough operations (with the claim's and its devices' locks) -------------------
-
-    def settle(self, record: ClaimRecord, files: ClaimFiles) -> None:
-        """Finish a passthrough prepare or unprepare that stopped halfway: `binding` is rolled back,
-        `restoring` finished; the claim's files and record go. Raises (record kept) when a function
-        cannot be put back now."""
-        files.remove_claim_files(record.uid)
-        if record.state is RecordState.BINDING:
-            self.restore(record, None)
-        else:
-            self.restore(record, self.book.write)
-        self.book.store.delete(record.uid)
-        self.book.forget(record.uid)
-        log.info("claim %s/%s: %s settled: its PCI functions are back on their drivers", record.namespace,
-                 record.name, "an interrupted prepare" if record.state is RecordState.BINDING else
-                 "an interrupted unprepare")
-
-    def unprepare_bound(self, record: ClaimRecord, files: ClaimFiles) -> None:
-        """Unprepare a claim with bindings: the restore intent first (no files: from here on they are
-        orphans the next start removes), then the files, then each function back on its driver, each
-        step recorded first; the record last."""
-        restoring = dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[],
-                                        bindings=[dataclasses.replace(b, step=0) for b in record.bindings])
-        self.book.write(restoring)
-        failpoints.hit("unprepare-after-restore-intent")
-        files.remove_files(record)
-        self.restore(restoring, self.book.write)
-        self.book.store.delete(record.uid)
-        self.book.forget(record.uid)
-        failpoints.hit("unprepare-after-record")
 
     def _run(self, record: ClaimRecord, i: int, steps: Sequence[BindStep], write: WriteRecord,
              what: str) -> ClaimRecord:
@@ -280,10 +263,9 @@ class Passthrough:
         IOMMU and the function's cdev)."""
         return vfio_device_nodes(self.host.sysfs, self.host.dev, [binding.plan.target], IommuBackend(binding.iommu))
 
-    def bound_devices(self, allocated: Iterable[AllocatedDevice],
-                      bindings: Sequence[DeviceBinding]) -> list[AllocatedDevice]:
+    def devices(self, allocated: Iterable[AllocatedDevice], record: ClaimRecord) -> list[AllocatedDevice]:
         """The allocation with each passthrough device's VFIO nodes and configured MAC filled in."""
-        by_name = {b.device: b for b in bindings}
+        by_name = {b.device: b for b in record.bindings}
         out = []
         for a in allocated:
             b = by_name.get(a.device.name)
@@ -295,7 +277,7 @@ class Passthrough:
 
     # -- recovery ----------------------------------------------------------------------------------
 
-    def reapply(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+    def reassert(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
         """A prepared record's bindings made true again (after a reboot the kernel forgot them; a no-op
         when they hold); the record with the current boot ID. Raises when that fails."""
         boot = self.host.boot_id()

@@ -20,7 +20,10 @@ published, `gpu-<minor>`. One GPU's failure, or a callback that raises, is logge
 never the end of the thread.
 
 Baseline: a GPU first seen answering with recovery action NONE (or unknown) says nothing; one first
-seen needing an action is reported answering with it; one first seen lost is reported lost.
+seen needing an action is reported answering with it; one first seen lost is reported lost. A
+watcher made with `baseline=True` also reports each GPU's first answer (`GpuBaseline`: its UUID
+and recovery action, before any other event about it), which taints restored from an earlier
+run are checked against.
 On the simulated machine, a reset (`dra-agent sim recover`) is also reported as answering even
 when NVML shows no change (after an application XID, whose recovery action stays NONE).
 """
@@ -43,6 +46,7 @@ import pynvml
 from agent.inventory.gpu_event_types import (
     DoubleBitEcc,
     GpuAnswering,
+    GpuBaseline,
     GpuEvent,
     GpuLost,
     RecoveryAction,
@@ -53,7 +57,7 @@ from agent.sim.profiles import error_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DoubleBitEcc", "GpuAnswering", "GpuEvent", "GpuEventWatcher", "GpuLost", "RecoveryAction",
+__all__ = ["DoubleBitEcc", "GpuAnswering", "GpuBaseline", "GpuEvent", "GpuEventWatcher", "GpuLost", "RecoveryAction",
            "WatcherStats", "XidError"]
 
 PROBE_INTERVAL = 1.0  # seconds between probes
@@ -74,6 +78,7 @@ class _Gpu:
     registered: bool = False  # registered for events, or known not to report any
     fields: bool = True  # nvmlDeviceGetFieldValues worth asking
     resets: int = 0
+    baselined: bool = False  # its first answer reported (GpuBaseline)
 
 
 @dataclass
@@ -86,11 +91,14 @@ class WatcherStats:
 class GpuEventWatcher:
     def __init__(self, nvml: Any, on_event: Callable[[GpuEvent], None], *,
                  probe_interval: float = PROBE_INTERVAL, wait_ms: int = WAIT_MS,
-                 control_dir: Path | None = None, name_hint: Callable[[int], str | None] | None = None) -> None:
+                 control_dir: Path | None = None, name_hint: Callable[[int], str | None] | None = None,
+                 baseline: bool = False) -> None:
         """`nvml`: the pynvml module or a SimulatedNvml, initialized. `control_dir`: on the simulated
         machine, where `dra-agent sim` writes its commands (watched while this watcher runs).
-        `name_hint`: the published name of the GPU at an NVML index that never said its minor."""
+        `name_hint`: the published name of the GPU at an NVML index that never said its minor.
+        `baseline`: report each GPU's first answer (`GpuBaseline`)."""
         self.nvml = nvml
+        self.baseline = baseline
         self.on_event = on_event
         self.probe_interval = probe_interval
         self.wait_ms = max(1, min(int(wait_ms), WAIT_MS))
@@ -284,6 +292,9 @@ class GpuEventWatcher:
         changed = gpu.action is not None and action != gpu.action
         needs = first and action not in (RecoveryAction.NONE, RecoveryAction.UNKNOWN)
         gpu.action = action
+        if self.baseline and not gpu.baselined and gpu.name is not None:
+            gpu.baselined = True
+            self._emit(GpuBaseline(gpu.name, gpu.uuid or "", action, datetime.now(UTC)))
         self._register(gpu)
         if (back or was_reset or changed or needs) and gpu.name is not None:
             if back:

@@ -8,18 +8,30 @@ really sleeps for its timeout, as it would in the driver.
 
 Only the state lives here; `SimulatedNvml` checks initialization, lost GPUs and injected faults
 before it delegates, so every call fails the way the rest of the simulated library does.
+
+The recovery actions are the driver's, not the process's: once the machine is materialized
+(`keep_actions`) they are kept in `<machine>/gpu-recovery.json` with the simulated boot ID, so a
+GPU that needs a reset still does after an agent restart, and no longer after a simulated reboot.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pynvml
+
+from agent.fsutil import atomic_write
+
+log = logging.getLogger(__name__)
 
 # XIDs NVIDIA documents as caused by the application (the contract's list): the GPU needs nothing.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
@@ -57,6 +69,30 @@ class SimEvents:
         self._supported: list[int] = [SUPPORTED_EVENTS] * gpu_count
         self._actions: list[int] = [pynvml.NVML_GPU_RECOVERY_ACTION_NONE] * gpu_count
         self._closed = False  # the library was shut down: waiters give up
+        self._kept: tuple[Path, Callable[[], str]] | None = None  # (file, boot ID) once `keep_actions`
+
+    def keep_actions(self, path: Path, boot_id: Callable[[], str]) -> None:
+        """Keep the recovery actions in `path` from now on; those saved there in this boot are loaded."""
+        try:
+            saved = orjson.loads(path.read_bytes())
+            actions = [int(a) for a in saved["actions"]]
+            if saved["bootId"] == boot_id() and len(actions) == len(self._actions):
+                with self._cond:
+                    self._actions = actions
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("simulated recovery actions in %s are not readable (%s): every GPU needs none", path, exc)
+        self._kept = (path, boot_id)
+        self._save()
+
+    def _save(self) -> None:
+        if self._kept is None:
+            return
+        path, boot_id = self._kept
+        with self._cond:
+            actions = list(self._actions)
+        atomic_write(path, orjson.dumps({"bootId": boot_id(), "actions": actions}), mode=0o644)
 
     # Event sets.
     def create(self) -> Any:
@@ -135,6 +171,8 @@ class SimEvents:
                     entry.queue.append(event)
                     delivered += 1
             self._cond.notify_all()
+        if action is not None:
+            self._save()
         return delivered
 
     def action(self, index: int) -> int:
@@ -144,6 +182,7 @@ class SimEvents:
     def set_action(self, index: int, action: int) -> None:
         with self._cond:
             self._actions[index] = action
+        self._save()
 
     def _set_number(self, event_set: Any) -> int:
         # Caller holds the condition's lock.

@@ -68,6 +68,7 @@ from agent.host.pci import normalize_bus_id
 from agent.sim.control import ControlWatcher, SimCommand, device_index
 from agent.sim.events import APPLICATION_XIDS, SimEvent, SimEvents, event_data, field_values
 from agent.sim.hardware import materialize
+from agent.sim.kernel.tree import SimTree
 from agent.sim.mig import SimMig
 from agent.sim.migprofiles import MIG_FUNCTIONS, MIG_TABLES
 from agent.sim.profiles import (
@@ -240,9 +241,11 @@ class SimulatedNvml:
 
     def materialize(self, root: Path) -> None:
         """Write this machine's sysfs and device nodes under `root` (see `nvml_hardware.materialize`); the
-        MIG state is kept there from now on, as hardware keeps it across an agent restart."""
+        MIG state and the recovery actions are kept there from now on, as hardware keeps them across an
+        agent restart."""
         materialize(self.profile, root)
         self._mig.attach(root, [g.minor for g in self.profile.gpus])
+        self._events.keep_actions(root / "gpu-recovery.json", SimTree(root).read_boot_id)
 
     # System queries.
     def nvmlSystemGetDriverVersion(self) -> str:
