@@ -117,14 +117,9 @@ class GpuEventWatcher:
         self._thread: threading.Thread | None = None
         self._probing = threading.Condition()
         self._probes_begun = 0
+        self._watching = False  # the simulated machine's control directory (`_watch_control`)
 
     def start(self) -> None:
-        if self._sim is not None and self.control_dir is not None:
-            try:
-                self._sim.watch_control(self.control_dir)
-            except OSError as exc:  # out of inotify instances, an unwritable state dir: events still flow
-                log.warning("dra-agent sim commands are not applied: cannot watch %s: %s", self.control_dir, exc)
-                self.control_dir = None
         self._thread = threading.Thread(target=self._run, name="gpu-events", daemon=True)
         self._thread.start()
 
@@ -133,7 +128,7 @@ class GpuEventWatcher:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout)
-        if self._sim is not None and self.control_dir is not None:
+        if self._sim is not None and self._watching:
             self._sim.stop_watching()
 
     def probed(self, timeout: float = 30.0) -> None:
@@ -145,6 +140,20 @@ class GpuEventWatcher:
             target = self._probes_begun + 2
             if not self._probing.wait_for(lambda: self.stats.probes >= target, timeout):
                 raise TimeoutError(f"no two GPU probes finished within {timeout:g}s")
+
+    def _watch_control(self) -> None:
+        """On the simulated machine, apply `dra-agent sim` commands from now on: after the first probe,
+        which registered the GPUs for events, so that the XIDs of commands written while no agent ran
+        are delivered, not raised to nobody."""
+        if self._sim is None or self.control_dir is None or self._watching:
+            return
+        try:
+            self._sim.watch_control(self.control_dir)
+        except OSError as exc:  # out of inotify instances, an unwritable state dir: events still flow
+            log.warning("dra-agent sim commands are not applied: cannot watch %s: %s", self.control_dir, exc)
+            self.control_dir = None
+            return
+        self._watching = True
 
     # -- the thread -----------------------------------------------------------------------------
 
@@ -161,6 +170,7 @@ class GpuEventWatcher:
                         self.stats.probes += 1
                         self._probing.notify_all()
                     next_probe = now + self.probe_interval
+                    self._watch_control()
                 left = max(0.0, min(self.wait_ms / 1000, next_probe - time.monotonic()))
                 if self._event_set is None or not self._guarded("wait", functools.partial(self._wait, left)):
                     self._stopping.wait(left)
@@ -247,6 +257,8 @@ class GpuEventWatcher:
         else:
             gpu.action = action  # reported with this event: the probe need not report it again
         at = datetime.now(UTC)
+        if (raised := getattr(data, "raised_at", None)) is not None:  # the simulated NVML's, for a queued command
+            at = datetime.fromtimestamp(raised, UTC)
         if int(data.eventType) & pynvml.nvmlEventTypeXidCriticalError:
             self._emit(XidError(gpu.name, int(data.eventData), action, at))
         elif int(data.eventType) & pynvml.nvmlEventTypeDoubleBitEccError:

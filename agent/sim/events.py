@@ -50,6 +50,7 @@ class SimEvent:
     index: int  # NVML index of the GPU
     event_type: int  # one nvmlEventType* bit
     data: int  # the XID for nvmlEventTypeXidCriticalError, else 0
+    raised_at: float | None = None  # unix seconds, when the command that raised it was written (else now)
 
 
 @dataclass
@@ -215,6 +216,10 @@ def event_data(handle: Any, event: SimEvent) -> Any:
     # Not a MIG instance's event: NVML says 0xFFFFFFFF for "no instance".
     data.gpuInstanceId = 0xFFFFFFFF
     data.computeInstanceId = 0xFFFFFFFF
+    if event.raised_at is not None:
+        # Not NVML's: an XID a command written while no agent ran raised when the machine applied it is as
+        # old as the command (agent.inventory.gpu_events reads it where it is there).
+        data.raised_at = event.raised_at
     return data
 
 
