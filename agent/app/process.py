@@ -36,7 +36,6 @@ _MODULES = (
     "agent.health.statussinks",
     "agent.engine.selfheal",
     "agent.engine.gc",
-    "agent.publish.apiserver",
     "agent.metrics",
     "agent.app.httpserver",
     "agent.inventory.gpus",
@@ -47,8 +46,12 @@ _MODULES = (
 )
 
 
-def _import_modules() -> None:
-    for name in _MODULES:
+# With a cluster to talk to: the API client and what uses it (offline, none of it is ever loaded).
+_CLUSTER_MODULES = ("agent.publish.apiserver", "lightkube.resources.resource_v1", "lightkube.resources.core_v1")
+
+
+def _import_modules(settings: Settings) -> None:
+    for name in (*_MODULES, *(_CLUSTER_MODULES if settings.offline is None else ())):
         importlib.import_module(name)
 
 
@@ -90,7 +93,7 @@ async def run(settings: Settings) -> int:
         return 1
     # The rest of the agent's modules are imported in a worker thread: the event loop keeps
     # answering GetInfo meanwhile (an import holds the interpreter only in short slices).
-    await asyncio.to_thread(_import_modules)
+    await asyncio.to_thread(_import_modules, settings)
     from agent.app.connection import StartupError
     from agent.inventory import DiscoveryError
 

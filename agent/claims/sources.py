@@ -19,15 +19,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import lightkube
 import yaml
-from lightkube.resources.resource_v1 import ResourceClaim
 
 from agent import kube
 from agent.errors import ClaimFailure
 from agent.kube import Backoff
+
+if TYPE_CHECKING:  # the API client is imported by the API source's first read (`agent.kube`)
+    import lightkube
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class ApiClaimSource:
         self._slots = asyncio.Semaphore(concurrency)
 
     async def get(self, namespace: str, name: str) -> dict[str, Any]:
+        from lightkube.resources.resource_v1 import ResourceClaim
+
         what = f"ResourceClaim {namespace}/{name}"
         failures = 0
         last = "no answer"

@@ -31,19 +31,18 @@ import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import lightkube
 import orjson
 import yaml
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.resource_v1 import ResourceClaimStatus
-from lightkube.types import PatchType
 
 from agent import kube
 from agent.claims.sources import ClaimNotFound, ClaimSourceError, DirectoryClaimSource
 from agent.fsutil import Root
 from agent.names import ClaimRef
+
+if TYPE_CHECKING:  # the API client is imported by the API sink's first write (`agent.kube`)
+    import lightkube
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceClaim"
@@ -86,6 +85,9 @@ class ApiStatusSink:
         self.field_manager = field_manager
 
     async def write(self, claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> None:
+        from lightkube.resources.resource_v1 import ResourceClaimStatus
+        from lightkube.types import PatchType
+
         try:
             await self.client.patch(ResourceClaimStatus, claim.name, apply_body(claim, entries),
                                     namespace=claim.namespace, patch_type=PatchType.APPLY,
@@ -105,6 +107,8 @@ class ApiStatusSink:
 
 def _uid_refused(exc: BaseException) -> bool:
     """A 422 whose cause is `metadata.uid`: the API server's answer to an apply naming another UID."""
+    from lightkube.core.exceptions import ApiError
+
     if not isinstance(exc, ApiError) or kube.status_code(exc) != 422 or exc.status is None:
         return False
     causes = (exc.status.details.causes if exc.status.details else None) or []
