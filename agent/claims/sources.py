@@ -100,8 +100,10 @@ class DirectoryClaimSource:
     """
 
     # A prepared claim is answered from its record and never read again: the cache serves a prepare
-    # after an unprepare, and retries (a large one held thousands of parsed claims for nothing).
-    CACHE_SIZE = 64
+    # after an unprepare, retries, and the claim status written after each (a large one held
+    # thousands of parsed claims for nothing). A node full of pods (the kubelet's default limit is
+    # 110) prepared at once fits: a smaller cache read in a cycle would parse every claim each time.
+    CACHE_SIZE = 128
 
     def __init__(self, directory: Path) -> None:
         self.root = Path(directory) / "resourceclaims"

@@ -37,7 +37,7 @@ import orjson
 import yaml
 
 from agent import kube
-from agent.claims.sources import ClaimNotFound, ClaimSourceError, DirectoryClaimSource
+from agent.claims.sources import ClaimNotFound, ClaimSource, ClaimSourceError, DirectoryClaimSource
 from agent.fsutil import Root
 from agent.names import ClaimRef
 
@@ -116,9 +116,10 @@ def _uid_refused(exc: BaseException) -> bool:
 
 
 class DirectoryStatusSink:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, claims: DirectoryClaimSource | None = None) -> None:
+        """`claims`: the engine's source of the same directory, whose parsed claims serve both."""
         self.root = Root(Path(directory) / STATUS_DIR)
-        self.claims = DirectoryClaimSource(directory)
+        self.claims = claims or DirectoryClaimSource(directory)
 
     def path(self, claim: ClaimRef) -> Path:
         """`<namespace>/<name>.yaml`; a name too long for one file name is shortened with a digest
@@ -177,9 +178,11 @@ class DirectoryStatusSink:
         return str(meta.get("uid")) if isinstance(meta, Mapping) else None
 
 
-def sink_for(client: lightkube.AsyncClient | None, offline: Path | None, driver: str) -> StatusSink:
-    """The sink of a connection (`agent.app.connection.Connection`: its `client` and `offline`)."""
+def sink_for(client: lightkube.AsyncClient | None, offline: Path | None, driver: str,
+             claims: ClaimSource | None = None) -> StatusSink:
+    """The sink of a connection (`agent.app.connection.Connection`: its `client` and `offline`);
+    `claims`: the engine's claim source, whose parsed claims an offline sink reads too."""
     if offline is not None:
-        return DirectoryStatusSink(offline)
+        return DirectoryStatusSink(offline, claims if isinstance(claims, DirectoryClaimSource) else None)
     assert client is not None
     return ApiStatusSink(client, driver)
