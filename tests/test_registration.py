@@ -28,8 +28,6 @@ from agent.kubelet import hpack
 from agent.kubelet.registration import RegistrationServer
 from agent.pb import registration_pb2
 
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
-
 VERSIONS = ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"]
 
 
