@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 RUN    ?= .run
 PB     := agent/pb/__init__.py
 
-.PHONY: all setup test test-cluster cluster-components lint run bench stress hw-check nvml-standin gocheck clean
+.PHONY: all setup test test-cluster test-kubelet cluster-components kubelet-components lint run bench stress hw-check nvml-standin gocheck clean
 
 all: setup
 
@@ -27,8 +27,9 @@ lint: setup
 	$(BIN)/mypy agent cdi
 	MYPYPATH=bench $(BIN)/mypy --explicit-package-bases bench/*.py
 
+# The real kubelet's test (marker `kubelet`) is left to `make test-kubelet`: its build adds minutes.
 test: lint nvml-standin gocheck cluster-components
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not kubelet" $(PYTEST_ARGS)
 
 # The Go checker (tests/gocheck): the official CDI and device-metadata libraries read what the agent
 # writes (tests/test_official_readers.py). Built once into ~/.cache/dra-agent/gocheck-<hash>/, reused
@@ -45,7 +46,17 @@ cluster-components: setup
 	$(BIN)/python tests/cluster/build.py >/dev/null
 
 test-cluster: cluster-components
-	$(BIN)/python -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "cluster and not kubelet" tests/cluster $(PYTEST_ARGS)
+
+# A real node for the cluster tests (README "A real kubelet"): the kubelet of the same release, and
+# containerd, ctr and containerd-shim-runc-v2, built from tests/cluster/kubelet and
+# tests/cluster/containerd into ~/.cache/dra-agent/k8s-<version>/node/. `make test-kubelet` runs the
+# pod-through-the-kubelet test on the control plane (as root: containerd, runc, mounts).
+kubelet-components: setup
+	$(BIN)/python tests/cluster/build.py --node >/dev/null
+
+test-kubelet: cluster-components kubelet-components
+	$(BIN)/python -m pytest -q -m kubelet tests/cluster $(PYTEST_ARGS)
 
 # The stand-in libnvidia-ml.so.1 (tests/nvml_standin/): the real pynvml path without a GPU. Built
 # twice: the current driver's library, and an older driver's that lacks some functions.

@@ -24,6 +24,7 @@ import pytest
 
 from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster
 from .controlplane import ControlPlaneError, start_plane, tail
+from .nodekit import Node
 from .pki import Pki
 
 DEPLOY = REPO / "deploy"
@@ -50,6 +51,18 @@ def components() -> Path:
     build = _build_module()
     try:
         return Path(build.ensure(build_missing=False).bin)
+    except build.BuildError as exc:
+        if _strict():
+            pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def node_components() -> Path:
+    """The bin directory of the built kubelet and containerd (`make kubelet-components`)."""
+    build = _build_module()
+    try:
+        return Path(build.ensure(build_missing=False, node_set=True).bin)
     except build.BuildError as exc:
         if _strict():
             pytest.fail(str(exc), pytrace=False)
@@ -127,6 +140,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     cluster = getattr(item, "funcargs", {}).get("cluster")
     if isinstance(cluster, Cluster):
         report.sections.append(("control plane logs", cluster.plane.logs()))
+    node = getattr(item, "real_node", None)
+    if isinstance(node, Node):
+        report.sections.append((f"node {node.name}", node.logs()))
     runs = getattr(item, "agent_runs", None)
     if isinstance(runs, AgentRuns):
         for proc in runs.started:
