@@ -27,9 +27,8 @@ lint: setup
 	$(BIN)/mypy agent cdi
 	MYPYPATH=bench $(BIN)/mypy --explicit-package-bases bench/*.py
 
-# The real kubelet's test (marker `kubelet`) is left to `make test-kubelet`: its build adds minutes.
-test: lint nvml-standin gocheck cluster-components
-	$(BIN)/python -m pytest -q -m "not kubelet" $(PYTEST_ARGS)
+test: lint nvml-standin gocheck cluster-components kubelet-components
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The Go checker (tests/gocheck): the official CDI and device-metadata libraries read what the agent
 # writes (tests/test_official_readers.py). Built once into ~/.cache/dra-agent/gocheck-<hash>/, reused
@@ -45,8 +44,8 @@ gocheck:
 cluster-components: setup
 	$(BIN)/python tests/cluster/build.py >/dev/null
 
-test-cluster: cluster-components
-	$(BIN)/python -m pytest -q -m "cluster and not kubelet" tests/cluster $(PYTEST_ARGS)
+test-cluster: cluster-components kubelet-components
+	$(BIN)/python -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS)
 
 # A real node for the cluster tests (README "A real kubelet"): the kubelet of the same release, and
 # containerd, ctr and containerd-shim-runc-v2, built from tests/cluster/kubelet and
