@@ -8,8 +8,12 @@ For each prepared claim it keeps this driver's entries current, one per prepared
   the integrator says otherwise (False with its reason, e.g. `LinkDown`); a device gone
   from the inventory is `Ready` False, `DeviceMissing`. `lastTransitionTime` moves only
   when the status does (the first one is the time of the prepare);
-- GPUs: `data` {uuid, productName};
-- NICs: `networkData` {interfaceName, ips (CIDR), hardwareAddress}.
+- GPUs: `data` {uuid, productName}; a partition made for the claim adds its own identity as its
+  metadata file gives it: a MIG device's `uuid` is its own (MIG-...), not its GPU's, a mediated
+  device's `mdevUUID` is added;
+- NICs: `networkData` {interfaceName, ips (CIDR), hardwareAddress}, and a passthrough VF its
+  hardwareAddress (the MAC its claim set, else its own): what its metadata file says
+  (`agent.claims.metadata.device_network_data`).
 
 Entries are built from the prepared claim's record, whose devices prepare took from
 this very claim's `status.allocation.devices.results` (this driver, this node's pool).
@@ -43,12 +47,13 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agent import apirules
-from agent.claims.book import ClaimBook, ClaimSummary
+from agent.claims.book import ClaimBook, ClaimSummary, DeviceSummary
+from agent.claims.metadata import device_network_data
 from agent.claims.records import ClaimRecord
 from agent.health.conditions import Readiness
 from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed
@@ -60,36 +65,9 @@ from agent.names import ClaimRef
 log = logging.getLogger(__name__)
 
 
-class DeviceView(Protocol):
-    """A prepared device, as a status entry names it (`PreparedDevice` or the book's `DeviceSummary`)."""
-
-    @property
-    def pool(self) -> str: ...
-
-    @property
-    def device(self) -> str: ...
-
-    @property
-    def share_id(self) -> str: ...
-
-
-class ClaimView(Protocol):
-    """What a claim's status is built from: a whole record (from an operation) or the book's summary."""
-
-    @property
-    def uid(self) -> str: ...
-
-    @property
-    def namespace(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def devices(self) -> Sequence[DeviceView]: ...
-
-    @property
-    def prepared_at(self) -> float: ...
+# What a claim's status is built from: a whole record (from an operation) or the book's summary of one
+# (what the writer keeps: `_summary`).
+ClaimView = ClaimRecord | ClaimSummary
 
 READY = "Ready"
 DEFAULT_CONCURRENCY = 4
@@ -116,7 +94,7 @@ class _Pending:
     target: ClaimRef
     # What to write: the claim's entries, built from this record when the write is started (so the
     # prepare that queued it never waits for them); None removes this driver's entries.
-    record: ClaimView | None
+    record: ClaimSummary | None
     failures: int = 0
     due: float = 0.0  # monotonic time before which it is not sent
 
@@ -133,6 +111,12 @@ def _rfc3339(seconds: float) -> str:
 
 def _target(record: ClaimView) -> ClaimRef:
     return ClaimRef(record.namespace, record.name, record.uid)
+
+
+def _summary(record: ClaimView) -> ClaimSummary:
+    # A whole record holds its files' contents: a queue of thousands (a resync, a burst of prepares)
+    # keeps only the book's summary of each.
+    return ClaimSummary.of(record) if isinstance(record, ClaimRecord) else record
 
 
 @dataclass
@@ -251,8 +235,9 @@ class ClaimStatusWriter:
 
     # -- entries ------------------------------------------------------------------------------------
 
-    def entries(self, record: ClaimView) -> list[dict[str, Any]]:
+    def entries(self, claim: ClaimView) -> list[dict[str, Any]]:
         """This driver's entries for the claim, as the API accepts them."""
+        record = _summary(claim)
         allocated = {(self.driver, d.pool, d.device, d.share_id) for d in record.devices}
         out = []
         for d in record.devices:
@@ -264,7 +249,7 @@ class ClaimStatusWriter:
                 out.append(entry)
         return out
 
-    def _entry(self, record: ClaimView, d: DeviceView) -> dict[str, Any]:
+    def _entry(self, record: ClaimSummary, d: DeviceSummary) -> dict[str, Any]:
         entry: dict[str, Any] = {"driver": self.driver, "pool": d.pool, "device": d.device}
         if d.share_id:
             entry["shareID"] = d.share_id
@@ -283,17 +268,14 @@ class ClaimStatusWriter:
                 data = {"uuid": device.node.gpu_uuid}
                 if isinstance(product := device.attributes.get("productName"), str) and product:
                     data["productName"] = product
+                # The inventory's device is the published one: a partition made for the claim has its own.
+                data.update(d.made)
                 entry["data"] = data
-            if device.kind == "nic":
-                net: dict[str, Any] = {"ips": list(device.node.ips)}
-                if device.node.interface:
-                    net["interfaceName"] = device.node.interface
-                if device.node.mac:
-                    net["hardwareAddress"] = device.node.mac
+            if (net := device_network_data(device, d.mac)) is not None:
                 entry["networkData"] = net
         return entry
 
-    def _condition(self, record: ClaimView, d: DeviceView, ready: Readiness) -> dict[str, Any]:
+    def _condition(self, record: ClaimSummary, d: DeviceSummary, ready: Readiness) -> dict[str, Any]:
         status = "True" if ready.ready else "False"
         key = (record.uid, d.device, d.share_id)
         last = self._transitions.get(key)
@@ -313,11 +295,9 @@ class ClaimStatusWriter:
     # -- the queue ----------------------------------------------------------------------------------
 
     def _enqueue(self, record: ClaimView) -> None:
-        # A whole record holds its files' contents: a queue of thousands (a resync, a burst of
-        # prepares) keeps only the book's summary of each.
-        self._submit(_target(record), ClaimSummary.of(record) if isinstance(record, ClaimRecord) else record)
+        self._submit(_target(record), _summary(record))
 
-    def _submit(self, target: ClaimRef, record: ClaimView | None) -> None:
+    def _submit(self, target: ClaimRef, record: ClaimSummary | None) -> None:
         if self._closed or (record is not None and target.uid in self._gone):
             return
         old = self._pending.get(target.uid)

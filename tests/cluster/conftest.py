@@ -25,6 +25,7 @@ import pytest
 from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster
 from .controlplane import ControlPlaneError, start_plane, tail
 from .pki import Pki
+from .workloads import NodeAgent, node_agent
 
 DEPLOY = REPO / "deploy"
 OVERLAYS = sorted(p for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
@@ -108,6 +109,30 @@ def agent_kubeconfig(cluster: Cluster) -> Path:
     return cluster.agent_kubeconfig(NODE)
 
 
+# The node of `scheduled` (dgx-h100: 8 GPUs) and its agent's flags: MIG placements, shared GPUs, and
+# garbage collection after a second (tests delete claims the kubelet would have unprepared). No GPU
+# host-memory overhead: kube-scheduler 1.37.2 cannot bind a pod asking for `example.com/gpu` when the
+# device it gets has nodeAllocatableResources (README "Unchanged pods"), and such a pod is among the tests.
+SCHEDULED_NODE = "dra-scheduled"
+SCHEDULED_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gc-grace-period=1", "--gpu-host-memory-overhead=0")
+
+
+@pytest.fixture(scope="session")
+def scheduled_agent(cluster: Cluster, cluster_root: Path) -> Iterator[NodeAgent]:
+    with node_agent(cluster, SCHEDULED_NODE, cluster_root / "scheduled", *SCHEDULED_FLAGS,
+                    declared=[NODE_ALLOCATABLE]) as running:
+        yield running
+
+
+@pytest.fixture
+def scheduled(scheduled_agent: NodeAgent) -> NodeAgent:
+    """One agent for the tests of what the real scheduler allocates, started once for them all, on a
+    Node that declares DRANodeAllocatableResources (running again if a test stopped it and failed)."""
+    if scheduled_agent.proc is None:
+        scheduled_agent.start()
+    return scheduled_agent
+
+
 @pytest.fixture
 def agent_runs(cluster_root: Path, request: pytest.FixtureRequest) -> Iterator[AgentRuns]:
     base = Path(tempfile.mkdtemp(prefix="agent-", dir=cluster_root))
@@ -127,7 +152,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     cluster = getattr(item, "funcargs", {}).get("cluster")
     if isinstance(cluster, Cluster):
         report.sections.append(("control plane logs", cluster.plane.logs()))
-    runs = getattr(item, "agent_runs", None)
-    if isinstance(runs, AgentRuns):
-        for proc in runs.started:
-            report.sections.append((f"agent log {proc.log}", tail(proc.log, 80)))
+    runs = [getattr(item, "agent_runs", None)]
+    runs += [a.runs for a in getattr(item, "funcargs", {}).values() if isinstance(a, NodeAgent)]
+    for found in {id(r): r for r in runs}.values():  # a shared agent may be in more than one fixture
+        if isinstance(found, AgentRuns):
+            for proc in found.started:
+                report.sections.append((f"agent log {proc.log}", tail(proc.log, 80)))
