@@ -25,7 +25,7 @@ import pytest
 from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster
 from .controlplane import ControlPlaneError, start_plane, tail
 from .pki import Pki
-from .workloads import NodeAgent, node_agent
+from .workloads import Namespace, NodeAgent, node_agent
 
 DEPLOY = REPO / "deploy"
 OVERLAYS = sorted(p for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
@@ -134,6 +134,14 @@ def scheduled(scheduled_agent: NodeAgent) -> NodeAgent:
 
 
 @pytest.fixture
+def ns(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Namespace]:
+    """A namespace of the test's own, emptied at its end (so that every device is free again)."""
+    space = Namespace(cluster, request.node.name.replace("_", "-")[:50].rstrip("-").lower()).create()
+    yield space
+    space.clean()
+
+
+@pytest.fixture
 def agent_runs(cluster_root: Path, request: pytest.FixtureRequest) -> Iterator[AgentRuns]:
     base = Path(tempfile.mkdtemp(prefix="agent-", dir=cluster_root))
     runs = AgentRuns(base)
@@ -154,7 +162,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("control plane logs", cluster.plane.logs()))
     runs = [getattr(item, "agent_runs", None)]
     runs += [a.runs for a in getattr(item, "funcargs", {}).values() if isinstance(a, NodeAgent)]
-    for found in {id(r): r for r in runs}.values():  # a shared agent may be in more than one fixture
-        if isinstance(found, AgentRuns):
-            for proc in found.started:
-                report.sections.append((f"agent log {proc.log}", tail(proc.log, 80)))
+    # A shared agent may be in more than one fixture, and a restarted one appends to the same log.
+    logs = {p.log for r in runs if isinstance(r, AgentRuns) for p in r.started}
+    for log in sorted(logs):
+        report.sections.append((f"agent log {log}", tail(log, 80)))

@@ -12,54 +12,31 @@ and is gone after unprepare."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from agent.claims.allocation import config_api_version
 
-from .clusterkit import DRIVER, Cluster, devices_of, eventually, slices_of
+from .clusterkit import DRIVER, eventually
 from .workloads import (
+    BUS,
     Namespace,
     NodeAgent,
+    allocated,
     attr,
     claim_spec,
     our_status,
+    prepared,
+    published,
     request,
     results_of,
+    string,
 )
 
 pytestmark = pytest.mark.cluster
 
-BUS = "device.attributes['resource.kubernetes.io'].pciBusID"
 VF_MAC = "02:aa:bb:cc:dd:07"  # what a VM's SR-IOV network asks its VF to have
-
-
-@pytest.fixture
-def ns(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Namespace]:
-    space = Namespace(cluster, request.node.name.replace("_", "-")[:50].rstrip("-").lower()).create()
-    yield space
-    space.clean()
-
-
-def published(agent: NodeAgent) -> dict[str, dict[str, Any]]:
-    return devices_of(slices_of(agent.cluster.admin, agent.node))
-
-
-def string(device: dict[str, Any], name: str) -> str:
-    return str(device["attributes"][name]["string"])
-
-
-def allocated(claim: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """(request, pool, device, shareID) of each result of our driver: what the kubelet must be told."""
-    return sorted((r["request"].split("/")[0], r["pool"], r["device"], r.get("shareID", "")) for r in results_of(claim))
-
-
-def prepared(answer: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    assert answer.get("error", "") == "", answer
-    return sorted((",".join(d.get("request_names") or []), d["pool_name"], d["device_name"], d.get("share_id", ""))
-                  for d in answer["devices"])
 
 
 def metadata_device(agent: NodeAgent, uid: str) -> dict[str, Any]:

@@ -21,9 +21,20 @@ from typing import Any
 from agent.kubelet import client as kc
 from agent.names import ClaimRef
 
-from .clusterkit import DRIVER, VENV_BIN, AgentProcess, AgentRuns, ApiFailure, Cluster, eventually
+from .clusterkit import (
+    DRIVER,
+    VENV_BIN,
+    AgentProcess,
+    AgentRuns,
+    ApiFailure,
+    Cluster,
+    devices_of,
+    eventually,
+    slices_of,
+)
 
 RESOURCE = "/apis/resource.k8s.io/v1"
+BUS = "device.attributes['resource.kubernetes.io'].pciBusID"  # a CEL reference to a device's PCI address
 KUBELET_TIMEOUT = 60.0
 
 
@@ -73,6 +84,27 @@ def ref_of(claim: Mapping[str, Any]) -> ClaimRef:
 def our_status(claim: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The claim's `status.devices` entries of our driver."""
     return [e for e in (claim.get("status") or {}).get("devices") or [] if e["driver"] == DRIVER]
+
+
+def allocated(claim: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(request, pool, device, shareID) of each result of our driver: what the kubelet must be told."""
+    return sorted((r["request"].split("/")[0], r["pool"], r["device"], r.get("shareID", "")) for r in results_of(claim))
+
+
+def prepared(answer: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
+    """The same of a NodePrepareResources answer, which must hold no error."""
+    assert answer.get("error", "") == "", answer
+    return sorted((",".join(d.get("request_names") or []), d["pool_name"], d["device_name"], d.get("share_id", ""))
+                  for d in answer["devices"])
+
+
+def published(agent: NodeAgent) -> dict[str, dict[str, Any]]:
+    """The devices in the agent's slices, by name."""
+    return devices_of(slices_of(agent.cluster.admin, agent.node))
+
+
+def string(device: Mapping[str, Any], name: str) -> str:
+    return str(device["attributes"][name]["string"])
 
 
 def condition(obj: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
