@@ -23,7 +23,7 @@ from agent.app.output import dump, table
 from agent.config import Settings
 from agent.health.conditions import Cause, read_saved
 from agent.health.requests import CLEAR_WAIT, health_dir, read_result, submit_clear
-from agent.health.taintrules import RuleTaint, read_rule_taints
+from agent.health.taintrules import EVERY_DEVICE, RuleTaint, read_rule_taints
 from agent.names import InvalidName
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,14 @@ def _rows(settings: Settings, causes: list[Cause], rules: list[RuleTaint], now: 
     for r in rules:
         since = _seconds(r.time_added)
         rows.append({"device": r.device, "key": r.key, "value": r.value, "effect": r.effect,
-                     "cause": f"DeviceTaintRule {r.rule} (an administrator's: the agent does not clear it)",
+                     "cause": _by_rule(r),
                      "since": since, "age": "" if since is None else _age(now - since),
                      "source": "DeviceTaintRule", "rule": r.rule})
     return rows
+
+
+def _by_rule(r: RuleTaint) -> str:
+    return f"DeviceTaintRule {r.rule} (an administrator's: the agent does not clear it)"
 
 
 def _seconds(rfc3339: str) -> float | None:
@@ -124,7 +128,10 @@ def _clear(settings: Settings, device: str) -> int:
         said = f"cleared the XID taints of {device}: {'; '.join(cleared)}"
     else:
         said = f"{device} had no XID taint: nothing cleared"
-    print(said + (f"; still tainted by: {'; '.join(c.detail for c in left)}" if left else ""))
+    still = [c.detail for c in left]
+    rules, _ = asyncio.run(_rule_taints(settings))
+    still += [_by_rule(r) for r in rules if r.device in (device, EVERY_DEVICE)]
+    print(said + (f"; still tainted by: {'; '.join(still)}" if still else ""))
     return 0
 
 

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster
+from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster, eventually
 from .controlplane import ControlPlaneError, start_plane, tail
 from .pki import Pki
 from .workloads import Namespace, NodeAgent, node_agent
@@ -125,12 +125,17 @@ def scheduled_agent(cluster: Cluster, cluster_root: Path) -> Iterator[NodeAgent]
 
 
 @pytest.fixture
-def scheduled(scheduled_agent: NodeAgent) -> NodeAgent:
+def scheduled(scheduled_agent: NodeAgent) -> Iterator[NodeAgent]:
     """One agent for the tests of what the real scheduler allocates, started once for them all, on a
-    Node that declares DRANodeAllocatableResources (running again if a test stopped it and failed)."""
+    Node that declares DRANodeAllocatableResources (running again if a test stopped it and failed).
+    After a test, until it holds no prepared claim: those a test left are garbage-collected once the
+    test's namespace is gone (`ns`, torn down first), so the next test finds every device free."""
     if scheduled_agent.proc is None:
         scheduled_agent.start()
-    return scheduled_agent
+    yield scheduled_agent
+    if scheduled_agent.proc is None:
+        scheduled_agent.start()
+    eventually(lambda: not scheduled_agent.prepared(), "the agent unprepares what the test left")
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ from .workloads import (
 pytestmark = pytest.mark.cluster
 
 VF_MAC = "02:aa:bb:cc:dd:07"  # what a VM's SR-IOV network asks its VF to have
+GAVE_UP = 'dra_agent_claim_status_writes_total{result="gave_up"}'
 
 
 def metadata_device(agent: NodeAgent, uid: str) -> dict[str, Any]:
@@ -48,8 +49,10 @@ def metadata_device(agent: NodeAgent, uid: str) -> dict[str, Any]:
     return dict(dev)
 
 
-def statuses(ns: Namespace, claims: dict[str, dict[str, Any]], agent: NodeAgent) -> dict[str, list[dict[str, Any]]]:
-    """Each claim's status.devices entries of our driver, once every allocated device has one."""
+def statuses(ns: Namespace, claims: dict[str, dict[str, Any]], agent: NodeAgent,
+             gave_up: float) -> dict[str, list[dict[str, Any]]]:
+    """Each claim's status.devices entries of our driver, once every allocated device has one; no
+    write given up since the agent's count was `gave_up`."""
     missing: dict[str, Any] = {}
 
     def probe() -> dict[str, list[dict[str, Any]]] | None:
@@ -68,13 +71,15 @@ def statuses(ns: Namespace, claims: dict[str, dict[str, Any]], agent: NodeAgent)
     except AssertionError as exc:
         raise AssertionError(f"{exc}: not as allocated: {missing}") from None
     assert agent.proc is not None
-    assert agent.proc.metric('dra_agent_claim_status_writes_total{result="gave_up"}') == 0
+    assert agent.proc.metric(GAVE_UP) == gave_up
     return found
 
 
 def test_allocations_of_every_kind_are_prepared_as_allocated(scheduled: NodeAgent, ns: Namespace) -> None:
     node = scheduled.node
     devices = published(scheduled)
+    assert scheduled.proc is not None
+    gave_up = scheduled.proc.metric(GAVE_UP)
     bus = {n: string(d, "resource.kubernetes.io/pciBusID") for n, d in devices.items() if n in ("gpu-1", "gpu-2")}
 
     # First what is pinned to a GPU, so that no claim for "any GPU" takes one of those first.
@@ -136,7 +141,7 @@ def test_allocations_of_every_kind_are_prepared_as_allocated(scheduled: NodeAgen
         assert prepared(answers[c["metadata"]["uid"]]) == allocated(c), key
 
     # The status the agent wrote with its own token: accepted by the API server, and what it said.
-    found = statuses(ns, claims, scheduled)
+    found = statuses(ns, claims, scheduled, gave_up)
     for key, entries in found.items():
         for e in entries:
             (ready,) = e["conditions"]
