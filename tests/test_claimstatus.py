@@ -278,7 +278,7 @@ async def test_a_restart_keeps_the_time_ready_last_changed_and_sends_what_is_sto
     # Each writer after the first is a restarted agent; each one's clock runs later than the last one's,
     # so that a time it dates cannot be mistaken for a stored one.
     links = Links()
-    first = online(readiness=links, ready=ReadyTransitions(clock=lambda: time.time() + 1800))
+    first = online(readiness=links, transitions=ReadyTransitions(clock=lambda: time.time() + 1800))
     kube_api.add(claim("c", UID, [result(NIC, "net"), result("gpu-0", "gpu")]))
     await prepare(node)
     await settled(first)
@@ -290,7 +290,7 @@ async def test_a_restart_keeps_the_time_ready_last_changed_and_sends_what_is_sto
     await first.stop()
 
     # Restarted while the link is still down: not ready since the same moment; nothing to send.
-    again = online(readiness=links, ready=ReadyTransitions(clock=lambda: time.time() + 3600))
+    again = online(readiness=links, transitions=ReadyTransitions(clock=lambda: time.time() + 3600))
     again.resync(node.engine.records.values())
     await settled(again)
     assert ready(devices_of(kube_api)[DRIVER, NIC]) == down
@@ -303,7 +303,7 @@ async def test_a_restart_keeps_the_time_ready_last_changed_and_sends_what_is_sto
     await again.stop()
 
     # Restarted once it is up again: ready since it came up, not since the prepare.
-    third = online(readiness=links, ready=ReadyTransitions(clock=lambda: time.time() + 7200))
+    third = online(readiness=links, transitions=ReadyTransitions(clock=lambda: time.time() + 7200))
     third.resync(node.engine.records.values())
     await settled(third)
     assert ready(devices_of(kube_api)[DRIVER, NIC])["lastTransitionTime"] == up["lastTransitionTime"]

@@ -121,7 +121,7 @@ class ClaimStatusWriter:
     backoff: Backoff = field(default_factory=lambda: Backoff(initial=0.5, maximum=30.0))
     concurrency: int = DEFAULT_CONCURRENCY
     clock: Callable[[], float] = time.monotonic
-    ready: ReadyTransitions = field(default_factory=ReadyTransitions)
+    transitions: ReadyTransitions = field(default_factory=ReadyTransitions)
 
     def __post_init__(self) -> None:
         # Claims whose latest record was told since the start (prepared, refreshed, or re-written for a
@@ -151,7 +151,7 @@ class ClaimStatusWriter:
     def claim_unprepared(self, record: ClaimView) -> None:
         self._told.discard(record.uid)
         self._gone.discard(record.uid)
-        self.ready.forget(_summary(record))
+        self.transitions.forget(_summary(record))
         self._submit(_target(record), None)
 
     # -- the integrator's calls ---------------------------------------------------------------------
@@ -249,7 +249,7 @@ class ClaimStatusWriter:
             except Exception as exc:  # a readiness source's bug must not cost the whole status
                 log.exception("readiness of %s could not be read", d.device)
                 ready = Readiness(False, "ReadinessUnknown", f"readiness could not be read: {exc!r}")
-        entry["conditions"] = [self.ready.condition(record, d, ready)]
+        entry["conditions"] = [self.transitions.condition(record, d, ready)]
         if device is not None:
             if device.node.gpu_uuid:
                 data = {"uuid": device.node.gpu_uuid}
@@ -305,7 +305,7 @@ class ClaimStatusWriter:
                 # The entries are built here, at once, like an unprepare's clean-up of the claim's
                 # transitions: both run on the event loop, so neither sees the other half done. Those of a
                 # claim whose stored conditions are to be read first are built by its write, after the read.
-                unread = item.record is not None and self.ready.unread(item.record)
+                unread = item.record is not None and self.transitions.unread(item.record)
                 try:
                     entries = None if unread else [] if item.record is None else self.entries(item.record)
                 except Exception as exc:
@@ -367,7 +367,7 @@ class ClaimStatusWriter:
             stored = []
         if self.book.record_of(record.uid) is None:
             return None
-        self.ready.learn(record, stored)
+        self.transitions.learn(record, stored)
         entries = self.entries(record)
         return None if same_entries(entries, stored) else entries
 

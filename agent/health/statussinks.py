@@ -116,9 +116,13 @@ class ApiStatusSink:
                                 f"UID {claim.uid}: {why}") from exc
             if kube.status_code(exc) is None and not kube.is_retryable(exc):
                 raise  # not an API answer nor a connection failure: a bug, not a status to report
+            if kube.status_code(exc) == 422 and "status.allocation" in why:
+                # Seen on 1.37.2 (README "The real control plane"): nothing of ours changes the allocation.
+                why += (" (the API server compares the claim's opaque parameters with its own encoding of them, "
+                        "byte for byte: sent other than as compact JSON with sorted keys, as kubectl sends them, "
+                        "they refuse every status apply)")
             raise StatusWriteFailed(f"applying the status of {claim}: {why}",
                                     retryable=kube.is_retryable(exc)) from exc
-
 
     async def read(self, claim: ClaimRef) -> list[dict[str, Any]]:
         try:

@@ -58,11 +58,12 @@ class Rest:
 
     def request(self, method: str, path: str, body: Any = None, *, params: Mapping[str, str] | None = None,
                 content_type: str = "application/json") -> Any:
-        # Compact, as kubectl and client-go send it: the API server 1.37.2 compares a claim's opaque
-        # configuration byte for byte when its status is patched, against its own compact encoding
-        # (README "The real control plane"), so a claim sent with spaces could never get a status.
+        # Compact with sorted keys, as kubectl sends what it reads from YAML: the API server 1.37.2
+        # compares a claim's opaque configuration byte for byte when its status is patched, against
+        # its own re-encoding (README "The real control plane"); a claim sent with spaces, or with
+        # keys in another order, could not get the agent's status.
         data = None if body is None else (
-            body if isinstance(body, str | bytes) else json.dumps(body, separators=(",", ":")))
+            body if isinstance(body, str | bytes) else json.dumps(body, separators=(",", ":"), sort_keys=True))
         r = self.client.request(method, path, content=data, params=params,
                                 headers={"Content-Type": content_type} if data is not None else {})
         try:

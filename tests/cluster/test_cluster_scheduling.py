@@ -190,3 +190,27 @@ def test_all_eight_gpus_in_one_claim(scheduled: NodeAgent, ns: Namespace) -> Non
     ns.pod("one-more", scheduled.node, templates={"gpu": "one-more"})
     assert "cannot allocate all claims" in ns.unschedulable("one-more")["message"]
     assert scheduled.unprepare(claim)[claim["metadata"]["uid"]].get("error", "") == ""
+
+
+def test_a_claim_whose_parameters_the_server_encodes_otherwise_gets_no_status(scheduled: NodeAgent,
+                                                                              ns: Namespace) -> None:
+    # The API server 1.37.2 compares the opaque parameters the scheduler copied into the allocation byte for
+    # byte after decoding a status apply, against its own encoding of them (keys sorted): parameters sent with
+    # their keys in another order make every status apply of the claim fail (README "The real control plane").
+    # The claim is prepared all the same; its status is given up, and the log says why.
+    params = {"kind": "DeviceConfig", "apiVersion": config_api_version(DRIVER), "env": {"MODE": "fast"}}
+    spec = claim_spec(request("cpu", "cpu", capacity={"cpus": "1"}),
+                      config=[{"opaque": {"driver": DRIVER, "parameters": params}}])
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "unsorted"}, "spec": spec}
+    ns.cluster.admin.post(ns.path("resourceclaims"), json.dumps(body, separators=(",", ":")))  # in this key order
+    ns.pod("unsorted", scheduled.node, claims={"cpu": "unsorted"})
+    ns.scheduled("unsorted")
+    (claim,) = ns.claims_of("unsorted").values()
+    assert scheduled.proc is not None
+    gave_up = scheduled.proc.metric(GAVE_UP)
+    assert prepared(scheduled.prepare(claim)[claim["metadata"]["uid"]]) == allocated(claim)
+    eventually(lambda: scheduled.proc is not None and scheduled.proc.metric(GAVE_UP) == gave_up + 1,
+               "the agent gives the status up")
+    assert any("status.allocation" in m and "compact JSON with sorted keys" in m for m in scheduled.proc.messages())
+    assert our_status(ns.get("resourceclaims", "unsorted")) == []
+    assert scheduled.unprepare(claim)[claim["metadata"]["uid"]].get("error", "") == ""
