@@ -72,13 +72,13 @@ def container_file(driver: str, claim_name: str, base_request: str, pod_claim_na
     return f"{parent}/{base_request}/{driver}-metadata.json"
 
 
-def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
+def device_network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
     """A NIC's interface, IPs and MAC; a passthrough NIC function only its MAC (`mac` when the claim
-    set one), which is what a VM's SR-IOV network matches (it has no interface on the host).
+    set one), which is what a VM's SR-IOV network matches (it has no interface on the host). What the
+    metadata file says and the claim's status reports; None for a device with no network data.
 
-    Cut to what the API type allows (at most 16 IPs, each valid and once; a bounded interface name and
-    address), as the claim's status is, so a reader that validates the file accepts it. The status
-    writer logs what it cuts from the same device facts."""
+    Not cut to the API's limits: `network_data` cuts it for the file, the status writer logs what
+    `apirules.clip_device_status` cuts from it."""
     facts = device.node
     if isinstance(facts, PassthroughFacts):
         if facts.native is not Kind.NIC:
@@ -88,7 +88,15 @@ def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
         return None
     else:
         out = {"interfaceName": facts.interface, "ips": list(facts.ips), "hardwareAddress": facts.mac}
-    out = {k: v for k, v in apirules.clip_network_data(out)[0].items() if v}
+    return {k: v for k, v in out.items() if v} or None
+
+
+def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
+    """`device_network_data` cut to what the API type allows (at most 16 IPs, each valid and once; a
+    bounded interface name and address), as the claim's status is, so a reader that validates the
+    file accepts it."""
+    raw = device_network_data(device, mac)
+    out = {k: v for k, v in apirules.clip_network_data(raw)[0].items() if v} if raw is not None else {}
     return out or None
 
 

@@ -27,7 +27,8 @@ class Permission:
 
 
 # Every API call the agent makes: agent/kube.py (the Node), agent/claims/sources.py (claims), agent/publish/apiserver.py
-# (slices), agent/health/statussinks.py (claim status). A permission the agent does not use is not asked for.
+# (slices), agent/health/statussinks.py (claim status), agent/health/taintrules.py (`dra-agent taints`). A
+# permission the agent does not use is not asked for.
 PERMISSIONS: tuple[Permission, ...] = (
     Permission("get", "", "nodes", "read this Node: its UID (slice owner) and declared features", named="node"),
     Permission("get", "resource.k8s.io", "resourceclaims", "read a claim the kubelet asks to prepare",
@@ -44,6 +45,8 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("associated-node:patch", "resource.k8s.io", "resourceclaims/driver",
                "write status.devices entries of this driver for claims on this node", namespaced=True,
                named="driver"),
+    Permission("list", "resource.k8s.io", "devicetaintrules",
+               "list the DeviceTaintRules an administrator made for this node's devices (dra-agent taints)"),
 )
 
 
