@@ -25,7 +25,7 @@ from agent.app.assembly import (
     PublishedForm,
     build_sources,
     prepare_roots,
-    set_node_allocatable,
+    set_node_features,
     start_sim_kernel,
 )
 from agent.config import Settings
@@ -59,7 +59,7 @@ class Agent:
         from agent.metrics import Metrics
 
         self.settings = settings
-        self.inventory = Inventory(build_sources(settings), refine=PublishedForm())
+        self.inventory = Inventory(build_sources(settings), refine=PublishedForm(settings))
         self.store = ClaimStore(settings.claims_state_dir)
         self.tracker = HealthTracker(pool=settings.node_name)
         self.conn: Connection | None = None
@@ -112,7 +112,7 @@ class Agent:
         await asyncio.to_thread(prepare_roots, s)  # again: checked before the engine writes below them
         await asyncio.to_thread(self.inventory.open)
         self.kernel = await asyncio.to_thread(start_sim_kernel, s)
-        set_node_allocatable(self.inventory, self.conn.node)
+        set_node_features(self.inventory, self.conn.node, s)
         self.engine = PrepareEngine(s, self.inventory, self.conn.claim_source(s), self.store, metrics=self.metrics)
         # Records are only listed here; each is checked in the background or by the first operation
         # on its claim, whichever comes first (agent.engine.recovery).
@@ -196,8 +196,8 @@ class Agent:
         node = self.conn.node
         if node is None:
             node = await wait_for_node(self.conn, self.settings.node_name)
-            set_node_allocatable(self.inventory, node)
-            await self.rescan(["cpu", "memory", "gpu"])
+            set_node_features(self.inventory, node, self.settings)
+            await self.rescan()  # every source: node-allocatable fields, the form of numaNode
         self.publish = PublishLoop(self.conn.publisher(self.settings, node),
                                    verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
         self.publish.on_published = lambda devices: self.tracker.pool_published([d.name for d in devices])
