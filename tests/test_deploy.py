@@ -139,7 +139,8 @@ def driver_places(objs: list[dict[str, Any]]) -> dict[str, list[str]]:
         "plugin dir hostPath": [volume.removeprefix("/var/lib/kubelet/plugins/")],
         "ClusterRole resourceNames": [n for r in role["rules"] if "resourceclaims/driver" in r["resources"]
                                       for n in r.get("resourceNames", [])],
-        "DeviceClass names": [c["metadata"]["name"].partition(".")[2] for c in all_of(objs, "DeviceClass")],
+        "DeviceClass names": [c["metadata"]["name"].partition(".")[2] for c in all_of(objs, "DeviceClass")
+                              if c["metadata"]["name"] not in FIXED_NAMES],
     }
 
 
@@ -566,12 +567,12 @@ def devices_of(slices: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]
 
 
 @functools.cache
-def _node_devices(node_allocatable: bool) -> tuple[tuple[str, dict[str, Any]], ...]:
+def _node_devices(node_allocatable: bool, kubevirt_cpu: bool) -> tuple[tuple[str, dict[str, Any]], ...]:
     """Simulated GPUs (`--nvml sim`), and this host's CPUs and memory per NUMA node."""
     root = Path(tempfile.mkdtemp(prefix="dra-deploy-"))
     try:
         settings = build_settings({"driver_name": DRIVER, "node_name": NODE, "nvml": "sim", "nic_exclude": "*",
-                                   "gpu_sharing": True, "compatibility_groups": True,
+                                   "gpu_sharing": True, "compatibility_groups": True, "kubevirt_cpu": kubevirt_cpu,
                                    "state_dir": str(root / "state"),
                                    "offline": str(_offline_dir(root, node_allocatable))})
         return tuple(devices_of(asyncio.run(render_slices(settings))))
@@ -579,8 +580,8 @@ def _node_devices(node_allocatable: bool) -> tuple[tuple[str, dict[str, Any]], .
         shutil.rmtree(root, ignore_errors=True)
 
 
-def node_devices(node_allocatable: bool) -> list[tuple[str, dict[str, Any]]]:
-    return copy.deepcopy(list(_node_devices(node_allocatable)))
+def node_devices(node_allocatable: bool, kubevirt_cpu: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    return copy.deepcopy(list(_node_devices(node_allocatable, kubevirt_cpu)))
 
 
 @pytest.fixture(scope="module")
@@ -631,7 +632,11 @@ MEANT: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool]]] = {
     "mig": ("mig", _kind("mig")),
     "gpu-shared": ("shared", _kind("shared")),
     "vgpu": ("vgpu", _kind("vgpu")),
+    # KubeVirt's CPUsWithDRA names this class itself: CPU devices counted in its capacity's name.
+    "dra.cpu": ("cpu", lambda d: _kind("cpu")(d) and "dra.cpu/cpu" in (d.get("capacity") or {})),
 }
+# Classes whose whole name another project fixes (no ".<driver>" appended).
+FIXED_NAMES = {"dra.cpu"}
 # The node-allocatable overlay's cpu and memory: only devices carrying node-allocatable mappings.
 MEANT_NODE_ALLOCATABLE = {
     "cpu": ("cpu", lambda d: _kind("cpu")(d) and d.get("allowMultipleAllocations") is True),
@@ -659,8 +664,10 @@ def check_classes(which: str, devices: list[tuple[str, dict[str, Any]]], kinds: 
     """Each class selects exactly the devices it is meant to, errs on none, and selects at least one
     when it is meant for one of `kinds` (the kinds these devices cover)."""
     for device_class in all_of(rendered(which), "DeviceClass"):
-        name, _, driver = device_class["metadata"]["name"].partition(".")
-        assert driver == DRIVER
+        name = device_class["metadata"]["name"]
+        if name not in FIXED_NAMES:
+            name, _, driver = name.partition(".")
+            assert driver == DRIVER
         kind, rule = meant(which, name)
         expected = {d["name"] for drv, d in devices if drv == DRIVER and rule(d)}
         got = {d["name"] for drv, d in devices if selects(device_class, drv, d)}
@@ -673,7 +680,8 @@ def check_classes(which: str, devices: list[tuple[str, dict[str, Any]]], kinds: 
 
 @pytest.mark.parametrize("which", EVERY)
 def test_device_classes_select_the_gpus_cpus_and_memory_the_agent_publishes(which: str) -> None:
-    devices = node_devices(node_allocatable=which == "overlays/node-allocatable")
+    devices = node_devices(node_allocatable=which == "overlays/node-allocatable",
+                           kubevirt_cpu=effective_settings(rendered(which)).kubevirt_cpu)
     assert {_attr(d, "type") for _, d in devices} == {"gpu", "vfio", "mig", "vgpu", "shared", "cpu", "memory"}
     check_classes(which, devices, {"gpu", "vfio-gpu", "mig", "vgpu", "shared", "cpu", "memory"})
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,20 @@ def parse_cpulist(text: str) -> list[int]:
             raise ValueError(f"not a CPU list: {text!r}")
         out.update(range(lo, hi + 1))
     return sorted(out)
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> `0-2,5`, the form `parse_cpulist` reads."""
+    ids = sorted(set(cpus))
+    out: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _cpu_dir(sysfs_root: Path) -> Path:
