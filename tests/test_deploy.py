@@ -710,6 +710,8 @@ def test_the_gpu_class_serves_unchanged_pods_asking_for_example_com_gpu() -> Non
 # -- the ValidatingAdmissionPolicy ------------------------------------------------------------------
 
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+SLICE_POLICY = "dra-agent-resourceslices"
+POOL_POLICY = "dra-agent-resourcepoolstatusrequests"
 
 
 def admission(policy: Mapping[str, Any], *, operation: str, username: str, extra: Mapping[str, list[str]] | None,
@@ -758,9 +760,12 @@ def slice_on(node: str | None) -> dict[str, Any]:
 @pytest.mark.parametrize("which", EVERY)
 def test_admission_policy_applies_to_the_agents_service_account_and_slice_writes(which: str) -> None:
     objs = rendered(which)
-    policy = one(objs, "ValidatingAdmissionPolicy")
-    binding = one(objs, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert {p["metadata"]["name"] for p in all_of(objs, "ValidatingAdmissionPolicy")} == {SLICE_POLICY, POOL_POLICY}
+    for name in (SLICE_POLICY, POOL_POLICY):
+        binding = one(objs, "ValidatingAdmissionPolicyBinding", name)
+        assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
+        assert one(objs, "ValidatingAdmissionPolicy", name)["spec"]["failurePolicy"] == "Fail"
+    policy = one(objs, "ValidatingAdmissionPolicy", SLICE_POLICY)
     assert policy["spec"]["failurePolicy"] == "Fail"
     [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
     assert (rule["apiGroups"], rule["resources"]) == (["resource.k8s.io"], ["resourceslices"])
@@ -774,7 +779,7 @@ def test_admission_policy_applies_to_the_agents_service_account_and_slice_writes
 
 def test_admission_policy_limits_the_agent_to_its_own_nodes_slices(tmp_path: Path) -> None:
     objs = rendered("base")
-    policy = one(objs, "ValidatingAdmissionPolicy")
+    policy = one(objs, "ValidatingAdmissionPolicy", SLICE_POLICY)
     sa = one(objs, "ServiceAccount")["metadata"]
     agent = f"system:serviceaccount:{sa['namespace']}:{sa['name']}"
     on = {NODE_NAME_EXTRA: [NODE]}
@@ -826,3 +831,39 @@ def test_admission_policy_limits_the_agent_to_its_own_nodes_slices(tmp_path: Pat
     for user in ("system:serviceaccount:kube-system:generic-garbage-collector", "kubernetes-admin",
                  f"system:serviceaccount:{sa['namespace']}:other"):
         assert decide("DELETE", None, theirs, user=user, extra=None) == (True, "not matched")
+
+
+def pool_request(pool: str | None, driver: str = DRIVER) -> dict[str, Any]:
+    spec: dict[str, Any] = {"driver": driver}
+    if pool is not None:
+        spec["poolName"] = pool
+    return {"apiVersion": "resource.k8s.io/v1alpha3", "kind": "ResourcePoolStatusRequest",
+            "metadata": {"name": "dra-agent-x"}, "spec": spec}
+
+
+def test_admission_policy_limits_the_agents_pool_status_requests_to_its_own_pool() -> None:
+    objs = rendered("base")
+    policy = one(objs, "ValidatingAdmissionPolicy", POOL_POLICY)
+    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert (rule["apiGroups"], rule["apiVersions"], rule["resources"], set(rule["operations"])) == (
+        ["resource.k8s.io"], ["v1alpha3"], ["resourcepoolstatusrequests"], {"CREATE", "DELETE"})
+    sa = one(objs, "ServiceAccount")["metadata"]
+    agent = f"system:serviceaccount:{sa['namespace']}:{sa['name']}"
+    on = {NODE_NAME_EXTRA: [NODE]}
+
+    def decide(operation: str, obj: Any, *, user: str = agent, extra: Any = on) -> tuple[bool, str]:
+        new, old = (None, obj) if operation == "DELETE" else (obj, None)
+        return admission(policy, operation=operation, username=user, extra=extra, obj=new, old=old)
+
+    mine = pool_request(NODE)
+    assert decide("CREATE", mine) == (True, "") and decide("DELETE", mine) == (True, "")
+    allowed, message = decide("CREATE", pool_request("node-b"))
+    assert not allowed and message == (f"the dra-agent on node {NODE} may ask only for the status of its own pool of "
+                                       f"driver {DRIVER}, not of pool node-b of driver {DRIVER}")
+    assert not decide("CREATE", pool_request(None))[0]  # every pool of the driver
+    assert not decide("CREATE", pool_request(NODE, "gpu.other.example.com"))[0]
+    assert not decide("DELETE", pool_request("node-b"))[0]
+    for extra in (None, {}, {NODE_NAME_EXTRA: []}):
+        allowed, message = decide("CREATE", mine, extra=extra)
+        assert not allowed and "bound to a node" in message
+    assert decide("CREATE", pool_request(None), user="kubernetes-admin", extra=None) == (True, "not matched")

@@ -8,6 +8,7 @@
     dra-agent cdi validate [DIR...]
     dra-agent doctor [-o text|json]    check this node the way a person would when a pod is stuck
     dra-agent taints [-o table|json]   the device taints the agent holds; `taints clear DEVICE`
+    dra-agent pool status [-o text|json]   this node's pool as the cluster sees it, beside the node's view
     dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE   drive the simulated GPUs
 
 Every command accepts the same settings as `run` (flags or environment variables).
@@ -28,7 +29,7 @@ from agent.app.output import dump, table
 # Each command imports what it needs when it runs: `dra-agent kubelet info` and `dra-agent claims`
 # are commands a person waits for, and the agent's full set of modules takes most of a second
 # to import on a small node.
-_LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor", "vfio"}
+_LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor", "vfio", "pool"}
 
 
 # -- commands ---------------------------------------------------------------------------------------
@@ -104,6 +105,14 @@ def cmd_vfio(args: argparse.Namespace, settings: config.Settings) -> int:
     for name, why in problems:
         print(f"unreadable record {name}: {why}", file=sys.stderr)
     return 1 if problems or not all(b.consistent for b in bound) else 0
+
+
+def cmd_pool(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent.app import poolstatus
+
+    text, status = poolstatus.run(settings, args.output, args.timeout)
+    print(text)
+    return status
 
 
 def cmd_slices(args: argparse.Namespace, settings: config.Settings) -> int:
@@ -255,6 +264,17 @@ def parser(only: str | None = None) -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_vfio)
     config.add_arguments(sp)
     sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
+
+    pp = sub.add_parser("pool", help="this node's pool")
+    psub = pp.add_subparsers(dest="action", required=True, metavar="ACTION")
+    sp = psub.add_parser("status", help="this node's pool as the cluster sees it (a ResourcePoolStatusRequest) beside "
+                         "the node's own view (prepared claims, taints, free devices); exit 1 without a cluster view",
+                         description="this node's pool as the cluster sees it, beside the node's own view")
+    sp.set_defaults(fn=cmd_pool)
+    config.add_arguments(sp)
+    sp.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="how long to wait for the cluster's answer (default: 30)")
 
     kp = sub.add_parser("kubelet", help="call the running agent like the kubelet does")
     ksub = kp.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -94,9 +94,12 @@ def _type_checked(cluster: Cluster, name: str) -> dict[str, Any]:
 
 
 def test_admission_policy_type_checks_without_warnings(cluster: Cluster) -> None:
-    (policy,) = [o for o in cluster.applied["base"] if o["kind"] == "ValidatingAdmissionPolicy"]
-    status = _type_checked(cluster, policy["metadata"]["name"])
-    assert (status.get("typeChecking") or {}).get("expressionWarnings") in (None, [])
+    policies = [o for o in cluster.applied["base"] if o["kind"] == "ValidatingAdmissionPolicy"]
+    assert len(policies) == 2  # ResourceSlices, ResourcePoolStatusRequests
+    for each in policies:
+        status = _type_checked(cluster, each["metadata"]["name"])
+        assert (status.get("typeChecking") or {}).get("expressionWarnings") in (None, []), each["metadata"]["name"]
+    policy = next(p for p in policies if p["metadata"]["name"] == "dra-agent-resourceslices")
     # A copy with a misspelt field gets a warning from the same checker.
     probe = copy.deepcopy(policy)
     probe["metadata"] = {"name": "probe-type-checking"}
