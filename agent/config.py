@@ -124,7 +124,7 @@ OPTIONS: tuple[Option, ...] = (
            "DRADeviceCompatibilityGroups gate on (true/false)", kind=bool, metavar="BOOL"),
     Option("kubevirt_cpu", "--kubevirt-cpu", "DRA_KUBEVIRT_CPU", False,
            "publish CPU devices as KubeVirt's CPUsWithDRA asks for them: capacity dra.cpu/cpu (instead of "
-           "cpus), attribute dra.cpu/socket-id, shared by claims whatever the Node declares (true/false)",
+           "cpus), attribute dra.cpu/socketID, shared by claims whatever the Node declares (true/false)",
            kind=bool, metavar="BOOL"),
     Option("numa_node_list", "--numa-node-list", "DRA_NUMA_NODE_LIST", "auto",
            "publish resource.kubernetes.io/numaNode as a list (the node, then its socket's nearest nodes; "

@@ -1,7 +1,7 @@
 """CPUs per NUMA node, as consumable capacity: one `cpu-numa<N>` device per node with online CPUs.
 
 With `--kubevirt-cpu` the device also speaks the names KubeVirt's `CPUsWithDRA` asks for: its CPUs are
-counted under `dra.cpu/cpu` (instead of `cpus`), it carries `dra.cpu/socket-id` (the package of its CPUs,
+counted under `dra.cpu/cpu` (instead of `cpus`), it carries `dra.cpu/socketID` (the package of its CPUs,
 from `topology/physical_package_id`), and it is shared by claims whatever the Node declares: each VM's
 claim asks for `dra.cpu/cpu: N` per guest socket, and the scheduler hands out N of the node's CPUs.
 Only one capacity counts the CPUs: the scheduler keeps each capacity of a device on its own books (a
@@ -30,9 +30,11 @@ from agent.model import NUMA_NODE, Capacity, Device
 
 CPU_CAPACITY = "cpus"
 # What KubeVirt's CPUsWithDRA asks for: a capacity request per guest socket, and a distinct socket per
-# request when the guest has more than one.
+# request when the guest has more than one. The socket attribute is named as an attribute can be: the
+# API server refuses a name whose part after the domain is not a C identifier (`dra.cpu/socket-id`),
+# as an attribute and in a claim's distinctAttribute alike (tests/cluster/test_cluster_kubevirt_cpu.py).
 KUBEVIRT_CPU_CAPACITY = "dra.cpu/cpu"
-KUBEVIRT_SOCKET = "dra.cpu/socket-id"
+KUBEVIRT_SOCKET = "dra.cpu/socketID"
 
 
 # Whole CPUs, any number of them: the scheduler hands out slices of one device to many claims.
