@@ -68,6 +68,8 @@ def cost(device: dict[str, Any]) -> str:
 def test_mig_and_vgpu_devices_get_slices_naming_their_partition_type(tmp_path: Path) -> None:
     devices = gpu_devices(tmp_path, one_gpu_profile(tmp_path), partition_type_attribute=True)
     layout = slices.SliceLayout(partition_type_attribute=ATTR)
+    chunks = slices.chunk_devices(devices, compatibility_groups=True, layout=layout)
+    assert chunks.errors == [] and chunks.dropped == []
     objs = valid(slices.build_slices(devices, driver=DRIVER, node=NODE, compatibility_groups=True, layout=layout))
     marked = [o for o in objs if o["spec"].get("partitionTypeAttribute")]
     assert marked and all(o["spec"]["partitionTypeAttribute"] == ATTR for o in marked)
