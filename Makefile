@@ -64,9 +64,10 @@ $(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1: $(STANDIN_DIR)
 # Simulated GPUs unless the NVML library loads; the host's NICs; offline under $(RUN)/
 # unless a cluster is reachable and knows this node; everything else under $(RUN)/.
 # Metrics and probes on a free local port (logged); DRA_METRICS_ADDRESS picks one, empty turns them off.
+# The agent is make's own child (exec), and stops when make does, whatever signal stopped make.
 run: setup
 	$(BIN)/python examples/seed.py $(RUN)
-	$(BIN)/dra-agent run \
+	exec $(BIN)/dra-agent run --stop-with-parent true \
 	  --nvml "$${DRA_NVML:-$$($(BIN)/python -m agent.inventory.gpus --probe)}" \
 	  --offline-fallback $(RUN)/offline \
 	  --kubelet-dir $(RUN)/kubelet --cdi-dir $(RUN)/cdi --static-cdi-dir $(RUN)/cdi-static \

@@ -97,6 +97,9 @@ class DeviceConditions:
         self.clock = clock
         self.boot_id = ""  # this kernel boot's ID, given to `load` ("": unknown)
         self._devices: dict[str, _Device] = {}
+        # Device -> until when an operator cleared its XIDs (unix seconds): an XID raised before then and
+        # reported only after (a command the simulated machine had queued) is not taken.
+        self._cleared: dict[str, float] = {}
         self._uuids: dict[str, str] = {}  # GPU name -> UUID, from each GPU's first answer
         self._restored: set[str] = set()  # devices with restored XID causes their GPU has not confirmed
         self.version = 0  # moves on every change
@@ -104,17 +107,22 @@ class DeviceConditions:
 
     # -- events -----------------------------------------------------------------------------------
 
-    def xid(self, device: str, xid: int, action: str = UNKNOWN_ACTION) -> bool:
+    def xid(self, device: str, xid: int, action: str = UNKNOWN_ACTION, *, at: float | None = None) -> bool:
+        """An XID on `device`; `at`: when it was raised (unix seconds; default now)."""
         rule = self.policy.for_xid(xid)
         what = f"XID {xid} ({xid_meaning(xid)})"
         if not rule.taints:
             log.info("%s on %s: not tainted (policy: ignore)", what, device)
             return False
         now = self.clock()
+        raised = now if at is None else min(at, now)
+        if raised <= self._cleared.get(device, float("-inf")):
+            log.info("%s on %s: raised before an operator cleared its XID taints: not tainted", what, device)
+            return False
         detail = what if action in (NONE, UNKNOWN_ACTION) else f"{what}, recovery action {action}"
         state = self._devices.setdefault(device, _Device())
         old = state.xids.get(xid)
-        state.xids[xid] = Cause(device, XID, rule.effect, str(xid), detail, old.since if old else now,
+        state.xids[xid] = Cause(device, XID, rule.effect, str(xid), detail, old.since if old else raised,
                                 now + rule.clear_after if rule.clear_after else None,
                                 self.boot_id, self._uuids.get(device, ""))
         log.warning("%s on %s: taint %s/xid=%d:%s", what, device, self.driver, xid, rule.effect,
@@ -196,14 +204,21 @@ class DeviceConditions:
         # At once when the hold time is 0; else `tick` lets it go when the time has come.
         return self._release_link(device, state, now) and self._changed({device})
 
-    def clear(self, device: str) -> list[Cause]:
+    def clear(self, device: str, before: float | None = None) -> list[Cause]:
         """An operator clears the device's XID causes (`dra-agent taints clear`); the causes cleared.
-        Lost-GPU and link causes are observations: they go when the hardware says so."""
+        `before`: when the operator asked (unix seconds): an XID raised later stays, and one raised
+        earlier but reported later is not taken. Lost-GPU and link causes are observations: they go
+        when the hardware says so."""
+        if before is not None:
+            self._cleared[device] = max(before, self._cleared.get(device, float("-inf")))
         state = self._devices.get(device)
         if state is None or not state.xids:
             return []
-        gone = list(state.xids.values())
-        state.xids.clear()
+        gone = [c for c in state.xids.values() if before is None or c.since <= before]
+        if not gone:
+            return []
+        for cause in gone:
+            del state.xids[int(cause.value)]
         log.info("%s: XID taints cleared by an operator: %s", device, "; ".join(c.detail for c in gone),
                  extra={"device": device})
         self._changed({device})
@@ -281,6 +296,16 @@ class DeviceConditions:
             out.append(Taint(f"{self.driver}/link-down", state.link_down.effect, "",
                              rfc3339(state.link_down.since)))
         return out
+
+    def taint_counts(self) -> dict[tuple[str, str], int]:
+        """(cause kind, effect) -> how many taints are published now, counted as `taints` makes them
+        (a device's XIDs are one taint)."""
+        counts: dict[tuple[str, str], int] = {}
+        for name in self._devices:
+            for t in self.taints(name):
+                key = (t.key.rsplit("/", 1)[-1], t.effect)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def health(self, device: str) -> tuple[bool, str] | None:
         """(healthy, message) when the device has causes, else None. Informational causes

@@ -157,9 +157,10 @@ class DeviceHealthService:
 
     def gpu_event(self, event: GpuEvent) -> None:
         if isinstance(event, XidError):
-            self.conditions.xid(event.device, event.xid, event.recovery_action.value)
+            self.conditions.xid(event.device, event.xid, event.recovery_action.value, at=event.at.timestamp())
         elif isinstance(event, DoubleBitEcc):
-            self.conditions.xid(event.device, DOUBLE_BIT_ECC_XID, event.recovery_action.value)
+            self.conditions.xid(event.device, DOUBLE_BIT_ECC_XID, event.recovery_action.value,
+                                at=event.at.timestamp())
         elif isinstance(event, GpuLost):
             self._rescan.add("gpu")
             self.conditions.gpu_lost(event.device, event.reason)

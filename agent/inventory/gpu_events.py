@@ -30,7 +30,6 @@ when NVML shows no change (after an application XID, whose recovery action stays
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import threading
@@ -52,8 +51,8 @@ from agent.inventory.gpu_event_types import (
     RecoveryAction,
     XidError,
 )
+from agent.inventory.nvmlvalues import describe_error, field_int, handle_address
 from agent.sim.nvml import SimulatedNvml
-from agent.sim.profiles import error_name
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +116,9 @@ class GpuEventWatcher:
         self._thread: threading.Thread | None = None
         self._probing = threading.Condition()
         self._probes_begun = 0
+        self._watching = False  # the simulated machine's control directory (`_watch_control`)
 
     def start(self) -> None:
-        if self._sim is not None and self.control_dir is not None:
-            try:
-                self._sim.watch_control(self.control_dir)
-            except OSError as exc:  # out of inotify instances, an unwritable state dir: events still flow
-                log.warning("dra-agent sim commands are not applied: cannot watch %s: %s", self.control_dir, exc)
-                self.control_dir = None
         self._thread = threading.Thread(target=self._run, name="gpu-events", daemon=True)
         self._thread.start()
 
@@ -133,7 +127,7 @@ class GpuEventWatcher:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout)
-        if self._sim is not None and self.control_dir is not None:
+        if self._sim is not None and self._watching:
             self._sim.stop_watching()
 
     def probed(self, timeout: float = 30.0) -> None:
@@ -145,6 +139,20 @@ class GpuEventWatcher:
             target = self._probes_begun + 2
             if not self._probing.wait_for(lambda: self.stats.probes >= target, timeout):
                 raise TimeoutError(f"no two GPU probes finished within {timeout:g}s")
+
+    def _watch_control(self) -> None:
+        """On the simulated machine, apply `dra-agent sim` commands from now on: after the first probe,
+        which registered the GPUs for events, so that the XIDs of commands written while no agent ran
+        are delivered, not raised to nobody."""
+        if self._sim is None or self.control_dir is None or self._watching:
+            return
+        try:
+            self._sim.watch_control(self.control_dir)
+        except OSError as exc:  # out of inotify instances, an unwritable state dir: events still flow
+            log.warning("dra-agent sim commands are not applied: cannot watch %s: %s", self.control_dir, exc)
+            self.control_dir = None
+            return
+        self._watching = True
 
     # -- the thread -----------------------------------------------------------------------------
 
@@ -161,6 +169,7 @@ class GpuEventWatcher:
                         self.stats.probes += 1
                         self._probing.notify_all()
                     next_probe = now + self.probe_interval
+                    self._watch_control()
                 left = max(0.0, min(self.wait_ms / 1000, next_probe - time.monotonic()))
                 if self._event_set is None or not self._guarded("wait", functools.partial(self._wait, left)):
                     self._stopping.wait(left)
@@ -172,7 +181,7 @@ class GpuEventWatcher:
             step()
             return True
         except Exception as exc:  # the thread outlives whatever one step raises
-            self._error(f"<{what}>", f"GPU events: {what} failed: {_describe(exc)}", exc)
+            self._error(f"<{what}>", f"GPU events: {what} failed: {describe_error(exc)}", exc)
             return False
 
     def _wait(self, seconds: float) -> None:
@@ -182,7 +191,7 @@ class GpuEventWatcher:
             if exc.value == pynvml.NVML_ERROR_TIMEOUT:
                 return
             if exc.value in _ABSENT:
-                self._no_events(f"nvmlEventSetWait_v2: {_describe(exc)}")
+                self._no_events(f"nvmlEventSetWait_v2: {describe_error(exc)}")
                 return
             raise
         self._handle_event(data)
@@ -196,7 +205,7 @@ class GpuEventWatcher:
             self._event_set = self.nvml.nvmlEventSetCreate()
         except pynvml.NVMLError as exc:
             if exc.value in _ABSENT:
-                self._no_events(f"nvmlEventSetCreate: {_describe(exc)}")
+                self._no_events(f"nvmlEventSetCreate: {describe_error(exc)}")
                 return
             raise
 
@@ -212,7 +221,7 @@ class GpuEventWatcher:
             try:
                 self.nvml.nvmlEventSetFree(event_set)
             except Exception as exc:  # the library may be shut down already
-                log.debug("nvmlEventSetFree: %s", _describe(exc))
+                log.debug("nvmlEventSetFree: %s", describe_error(exc))
 
     def _register(self, gpu: _Gpu) -> None:
         if gpu.registered or self._event_set is None or gpu.name is None:
@@ -225,7 +234,7 @@ class GpuEventWatcher:
         except pynvml.NVMLError as exc:
             if exc.value not in _ABSENT:
                 raise
-            log.info("%s: NVML events not supported (%s); probed only", gpu.name, _describe(exc))
+            log.info("%s: NVML events not supported (%s); probed only", gpu.name, describe_error(exc))
         else:
             if wanted:
                 self.stats.registered.append(gpu.name)
@@ -242,18 +251,20 @@ class GpuEventWatcher:
         try:
             action = self._action(gpu)
         except pynvml.NVMLError as exc:  # the event matters more than the action: sent without it
-            self._error(f"<gpu {gpu.index}>", f"{gpu.name}: recovery action after an event: {_describe(exc)}")
+            self._error(f"<gpu {gpu.index}>", f"{gpu.name}: recovery action after an event: {describe_error(exc)}")
             action = RecoveryAction.UNKNOWN
         else:
             gpu.action = action  # reported with this event: the probe need not report it again
         at = datetime.now(UTC)
+        if (raised := getattr(data, "raised_at", None)) is not None:  # the simulated NVML's, for a queued command
+            at = datetime.fromtimestamp(raised, UTC)
         if int(data.eventType) & pynvml.nvmlEventTypeXidCriticalError:
             self._emit(XidError(gpu.name, int(data.eventData), action, at))
         elif int(data.eventType) & pynvml.nvmlEventTypeDoubleBitEccError:
             self._emit(DoubleBitEcc(gpu.name, action, at))
 
     def _gpu_of_handle(self, handle: Any) -> _Gpu | None:
-        index = self._by_handle.get(_address(handle))
+        index = self._by_handle.get(handle_address(handle))
         if index is None:
             # A handle this watcher did not see: NVML handles are stable, but its UUID tells for sure.
             try:
@@ -272,7 +283,7 @@ class GpuEventWatcher:
             try:
                 self._probe_gpu(gpu)
             except Exception as exc:  # one GPU's failure costs that GPU's probe only
-                self._error(f"<gpu {index}>", f"{self._label(gpu)}: probe failed: {_describe(exc)}", exc)
+                self._error(f"<gpu {index}>", f"{self._label(gpu)}: probe failed: {describe_error(exc)}", exc)
         for index in sorted(set(self._gpus) - set(range(count))):
             self._lost(self._gpus[index], f"NVML no longer lists it (index {index} of {count} GPUs)")
 
@@ -283,10 +294,10 @@ class GpuEventWatcher:
             action = self._action(gpu)
         except pynvml.NVMLError as exc:
             if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
-                self._lost(gpu, _describe(exc))
+                self._lost(gpu, describe_error(exc))
                 return
             if exc.value in _GONE:
-                self._lost(gpu, f"NVML no longer finds it: {_describe(exc)}")
+                self._lost(gpu, f"NVML no longer finds it: {describe_error(exc)}")
                 return
             raise
         self._logged.pop(f"<gpu {gpu.index}>", None)
@@ -310,7 +321,7 @@ class GpuEventWatcher:
     def _learn(self, gpu: _Gpu, handle: Any) -> None:
         """Remember the handle, and the minor and UUID once, so events and failures are named."""
         gpu.handle = handle
-        self._by_handle[_address(handle)] = gpu.index
+        self._by_handle[handle_address(handle)] = gpu.index
         if gpu.name is None:
             gpu.name = f"gpu-{int(self.nvml.nvmlDeviceGetMinorNumber(handle))}"
         if gpu.uuid is None:
@@ -327,17 +338,17 @@ class GpuEventWatcher:
                 raise
             gpu.fields = False
             log.info("%s: the GPU recovery action cannot be read (%s); reported as unknown",
-                     self._label(gpu), _describe(exc))
+                     self._label(gpu), describe_error(exc))
             return RecoveryAction.UNKNOWN
         value = values[0]
         if value.nvmlReturn == pynvml.NVML_ERROR_GPU_IS_LOST:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
         if value.nvmlReturn != pynvml.NVML_SUCCESS:
             return RecoveryAction.UNKNOWN
-        action = RecoveryAction.from_nvml(_field_int(value))
+        action = RecoveryAction.from_nvml(field_int(value))
         if action is RecoveryAction.UNKNOWN:
-            self._note(f"<action {_field_int(value)}>", f"{self._label(gpu)}: GPU recovery action code "
-                       f"{_field_int(value)} has no name in this agent; reported as unknown")
+            self._note(f"<action {field_int(value)}>", f"{self._label(gpu)}: GPU recovery action code "
+                       f"{field_int(value)} has no name in this agent; reported as unknown")
         return action
 
     def _lost(self, gpu: _Gpu, reason: str) -> None:
@@ -361,7 +372,7 @@ class GpuEventWatcher:
             self.on_event(event)
             self.stats.events += 1
         except Exception as exc:  # the consumer's failure is not the watcher's end
-            self._error("<on_event>", f"GPU events: on_event failed for {event}: {_describe(exc)}", exc)
+            self._error("<on_event>", f"GPU events: on_event failed for {event}: {describe_error(exc)}", exc)
 
     def _label(self, gpu: _Gpu) -> str:
         return gpu.name or f"GPU at NVML index {gpu.index}"
@@ -377,29 +388,3 @@ class GpuEventWatcher:
             self._logged[key] = message
             unexpected = exc is not None and not isinstance(exc, pynvml.NVMLError)
             log.warning("%s", message, exc_info=exc if unexpected else None)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, pynvml.NVMLError):
-        return f"{exc} ({error_name(exc.value)})"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _address(handle: Any) -> int:
-    return ctypes.cast(handle, ctypes.c_void_p).value or 0
-
-
-def _field_int(value: Any) -> int:
-    """The integer in a c_nvmlFieldValue_t, read as its valueType says."""
-    kind = value.valueType
-    if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
-        return int(value.value.ulVal)
-    if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
-        return int(value.value.ullVal)
-    if kind == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
-        return int(value.value.sllVal)
-    if kind == pynvml.NVML_VALUE_TYPE_SIGNED_INT:
-        return int(value.value.siVal)
-    if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
-        return int(value.value.usVal)
-    return int(value.value.uiVal)

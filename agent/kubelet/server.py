@@ -279,6 +279,10 @@ class Servers:
     def dra_started(self) -> bool:
         return any(path == self.settings.dra_socket for _, path, _ in self._listening)
 
+    @property
+    def registration_started(self) -> bool:
+        return any(path == self.settings.registration_socket for _, path, _ in self._listening)
+
     @staticmethod
     def _server() -> grpc.aio.Server:
         return grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)])

@@ -44,7 +44,7 @@ class _Nvml(Protocol):
 
     def lose(self, index: int) -> None: ...
 
-    def raise_xid(self, index: int, xid: int) -> int: ...
+    def raise_xid(self, index: int, xid: int, *, raised_at: float | None = None) -> int: ...
 
     def recover(self, index: int) -> None: ...
 
@@ -65,7 +65,7 @@ class SimHealth:
             self._lost[self._checked_index(index)] = True
         self._events.forget(index)
 
-    def raise_xid(self: _Nvml, index: int, xid: int) -> int:
+    def raise_xid(self: _Nvml, index: int, xid: int, *, raised_at: float | None = None) -> int:
         """An XID on GPU `index`: queued to every event set registered for it and for XID critical
         errors, and the GPU's recovery action set (NONE for an application XID, else GPU_RESET).
         Returns how many event sets received it."""
@@ -73,7 +73,7 @@ class SimHealth:
             raise ValueError(f"XID must be an integer 1..999, not {xid!r}")
         action = (pynvml.NVML_GPU_RECOVERY_ACTION_NONE if xid in APPLICATION_XIDS
                   else pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
-        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeXidCriticalError, xid)
+        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeXidCriticalError, xid, raised_at)
         return self._events.queue(event, action)
 
     def raise_double_bit_ecc(self: _Nvml, index: int) -> int:
@@ -109,7 +109,7 @@ class SimHealth:
         index = device_index(self.profile, command.device)
         if command.command == "xid":
             assert command.xid is not None  # SimCommand checks it
-            self.raise_xid(index, command.xid)
+            self.raise_xid(index, command.xid, raised_at=command.written)
         elif command.command == "lose":
             self.lose(index)
         else:
