@@ -151,9 +151,7 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
             current.append(wire)
         if current:
             out.slices.append(_chunk(current, partition_attr, skip))
-    # A partition type attribute in the driver's domain is found bare on the devices: check with that driver.
-    driver = layout.partition_type_attribute.partition("/")[0] or _CHECK_DRIVER
-    out.errors = pool_rule_errors(out.slices, driver=driver)
+    out.errors = pool_rule_errors(out.slices)
     for message in out.dropped:
         if reported is None or message not in reported:
             log.warning("not published: %s", message)
@@ -223,13 +221,16 @@ _CHECK_DRIVER = "pool-check.example.com"
 _CHECK_NODE = "pool-check"
 
 
-def pool_rule_errors(chunks: Sequence[Chunk], driver: str = _CHECK_DRIVER) -> list[str]:
+def pool_rule_errors(chunks: Sequence[Chunk]) -> list[str]:
     """The API rules over the whole split as it would be published (`apirules.pool_errors`): each slice
     holds counter sets or devices, never both; at most 8 counter sets per slice and 64 devices once
     they consume counters; at most 2 consumptions per device; counter set names unique in the pool;
     every counter a device consumes published by a set of the pool. The split is built to keep them;
     this checks it rather than trusting the construction."""
     count = len(chunks)
+    # A partition type attribute in the driver's domain is found bare on the devices: that driver, then.
+    driver = next((c.partition_type_attribute.partition("/")[0] for c in chunks
+                   if isinstance(c, DeviceChunk) and c.partition_type_attribute), _CHECK_DRIVER)
     return apirules.pool_errors([render_slice(c, driver=driver, node=_CHECK_NODE, owner=None, generation=1,
                                               count=count) for c in chunks])
 
