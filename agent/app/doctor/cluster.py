@@ -21,6 +21,7 @@ class Permission:
     why: str
     namespaced: bool = False
     named: str = ""  # the object the permission is for: "node" (this Node), "driver" (the driver's name)
+    blocking: bool = True  # False: only a command a person runs needs it, not the agent
 
     def __str__(self) -> str:
         return f"{self.verb} {self.resource}{'.' + self.group if self.group else ''}"
@@ -47,6 +48,13 @@ PERMISSIONS: tuple[Permission, ...] = (
                named="driver"),
     Permission("list", "resource.k8s.io", "devicetaintrules",
                "list the DeviceTaintRules an administrator made for this node's devices (dra-agent taints)"),
+    # `dra-agent pool status` (agent/app/poolstatus.py): the agent itself never asks.
+    Permission("create", "resource.k8s.io", "resourcepoolstatusrequests",
+               "ask for this node's pool status (dra-agent pool status)", blocking=False),
+    Permission("get", "resource.k8s.io", "resourcepoolstatusrequests",
+               "read the pool status asked for (dra-agent pool status)", blocking=False),
+    Permission("delete", "resource.k8s.io", "resourcepoolstatusrequests",
+               "remove the pool status request once read (dra-agent pool status)", blocking=False),
 )
 
 
@@ -134,7 +142,8 @@ class ClusterChecks(Checks):
         if denied:
             return [failed("RBAC", "denied: " + "; ".join(f"{p} ({p.why})" for p in denied),
                            "grant them to the agent's service account (deploy/base has the ClusterRole): "
-                           "kubectl auth can-i --as=system:serviceaccount:<namespace>:<account> ...")]
+                           "kubectl auth can-i --as=system:serviceaccount:<namespace>:<account> ...",
+                           blocking=any(p.blocking for p in denied))]
         return [passed("RBAC", f"all {len(PERMISSIONS)} permissions the agent uses are granted: "
                        + ", ".join(map(str, PERMISSIONS)))]
 
