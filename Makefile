@@ -34,7 +34,7 @@ test: lint nvml-standin
 STANDIN_DIR    := tests/nvml_standin
 STANDIN        := $(STANDIN_DIR)/build
 STANDIN_CC     ?= gcc
-STANDIN_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden
+STANDIN_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden -Wl,-soname,libnvidia-ml.so.1
 
 nvml-standin: $(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1
 

@@ -60,6 +60,10 @@ OPTIONS: tuple[Option, ...] = (
            "this node's name (default: the host name)"),
     Option("nvml", "--nvml", "DRA_NVML", "auto",
            "GPU discovery: auto (real NVML if it loads), real, or sim[:PROFILE]", metavar="MODE"),
+    Option("driver_root", "--driver-root", "DRA_DRIVER_ROOT", "/",
+           "where the NVIDIA driver is installed, as the agent sees it: / on the host, or a mount of the host's "
+           "/ (host install) or of /run/nvidia/driver (containerized driver); libnvidia-ml.so.1 is loaded from "
+           "below it", metavar="DIR"),
     Option("kubelet_dir", "--kubelet-dir", "DRA_KUBELET_DIR", "/var/lib/kubelet",
            "kubelet root: sockets under plugins/ and plugins_registry/", metavar="DIR"),
     Option("cdi_dir", "--cdi-dir", "DRA_CDI_DIR", "/var/run/cdi",
@@ -165,6 +169,7 @@ class Settings:
     driver_name: str = "dra.example.com"
     node_name: str = field(default_factory=socket.gethostname)
     nvml: NvmlMode = NvmlMode("auto")
+    driver_root: Path = Path("/")
     kubelet_dir: Path = Path("/var/lib/kubelet")
     cdi_dir: Path = Path("/var/run/cdi")
     static_cdi_dir: Path = Path("/etc/cdi")
@@ -341,8 +346,9 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
             value = NvmlMode.parse(value)
         elif key in ("nic_include", "nic_exclude", "nic_passthrough") and isinstance(value, str):
             value = _globs(value)
-        elif key in ("kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root", "dev_root",
-                     "kubeconfig", "offline", "offline_fallback", "taint_policy") and not isinstance(value, Path):
+        elif key in ("driver_root", "kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root",
+                     "dev_root", "kubeconfig", "offline", "offline_fallback", "taint_policy") \
+                and not isinstance(value, Path):
             value = Path(os.path.abspath(os.path.expanduser(str(value))))
         kw[key] = value
     return Settings(**kw)

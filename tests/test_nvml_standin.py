@@ -1,8 +1,9 @@
-"""The real NVML code path without a GPU: the unpatched `pynvml` loads the stand-in libnvidia-ml.so.1
-(tests/nvml_standin/, built by `make nvml-standin`) through LD_LIBRARY_PATH, exactly as it loads the
-driver's library, so library loading, handles, structure layouts, versioned functions, byte strings
-and NVML return codes are all exercised. The library is chosen when a process starts, so everything
-here runs the agent in a subprocess.
+"""The real NVML code path without a GPU: the agent finds the stand-in libnvidia-ml.so.1
+(tests/nvml_standin/, built by `make nvml-standin`) below a driver root laid out as Debian installs the
+driver (`--driver-root`, tests/driverroots.py) and hands it to the unpatched `pynvml`, exactly as it does
+the driver's library, so library loading, handles, structure layouts, versioned functions, byte strings
+and NVML return codes are all exercised. A process loads one library, so everything here runs the agent
+in a subprocess.
 
 The machine is tests/nvml_standin/machine.txt: three GPUs (Hopper, MIG capable; Ada, without a NUMA
 node in NVML; a GPU newer than the agent, MIG on, minor 3 at index 2). The `legacy` build lacks
@@ -30,7 +31,9 @@ import pytest
 import yaml
 from agentkit import DRIVER, NODE, claim, make_node, result, write_claim
 from conftest import need_command
+from driverroots import make_driver_root
 
+from agent.host.driverroot import library_dirs
 from agent.inventory.gpus import probe
 from agent.sim.hardware import materialize
 from agent.sim.profiles import parse_profile
@@ -111,9 +114,11 @@ def host_tree(top: Path) -> None:
 @pytest.fixture
 def env(standin: Path, short_tmp: Path) -> dict[str, str]:
     host_tree(short_tmp / "host")
+    make_driver_root(short_tmp / "driver", standin, "debian")
     return {
-        "LD_LIBRARY_PATH": str(standin), "NVML_STANDIN_CONTROL": str(short_tmp / "control"),
-        "DRA_NVML": "real", "NODE_NAME": NODE, "DRA_DRIVER_NAME": DRIVER,
+        "DRA_DRIVER_ROOT": str(short_tmp / "driver"), "NVML_STANDIN_MACHINE": str(standin / "machine.txt"),
+        "NVML_STANDIN_CONTROL": str(short_tmp / "control"), "DRA_NVML": "real", "NODE_NAME": NODE,
+        "DRA_DRIVER_NAME": DRIVER,
         "DRA_SYSFS_ROOT": str(short_tmp / "host" / "sys"), "DRA_DEV_ROOT": str(short_tmp / "host" / "dev"),
         "DRA_STATE_DIR": str(short_tmp / "state"), "DRA_OFFLINE": str(short_tmp / "offline"),
         "DRA_KUBELET_DIR": str(short_tmp / "kubelet"), "DRA_CDI_DIR": str(short_tmp / "cdi"),
@@ -183,7 +188,7 @@ def test_pynvml_reads_the_standin_like_the_driver_library(env: dict[str, str]) -
         print(json.dumps(out))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env}, cwd=ROOT)
+                          env={**os.environ, **env, "LD_LIBRARY_PATH": str(STANDIN)}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {
         "before init": "NVMLError_Uninitialized",
@@ -224,10 +229,12 @@ def test_slices_from_the_real_path_are_valid(env: dict[str, str]) -> None:
     assert sum(len(d["spec"].get("sharedCounters", [])) for d in docs) == len(EXPECTED)
 
 
-def test_an_older_driver_library_lacks_functions_and_discovery_falls_back(env: dict[str, str]) -> None:
+def test_an_older_driver_library_lacks_functions_and_discovery_falls_back(env: dict[str, str],
+                                                                         short_tmp: Path) -> None:
     # nvmlDeviceGetNumaNodeId is not in the library: pynvml answers FUNCTION_NOT_FOUND, and the GPU
     # is published without the attribute, like a GPU whose NVML says NOT_SUPPORTED.
-    found, problems = gpus({**env, "LD_LIBRARY_PATH": str(LEGACY)})
+    make_driver_root(short_tmp / "legacy-driver", LEGACY, "rhel")
+    found, problems = gpus({**env, "DRA_DRIVER_ROOT": str(short_tmp / "legacy-driver")})
     expected = json.loads(json.dumps(EXPECTED))
     del expected["gpu-3"]["attributes"]["resource.kubernetes.io/numaNode"]
     assert found == expected
@@ -272,22 +279,24 @@ def test_a_gpu_lost_from_the_start_is_named_by_its_device(env: dict[str, str]) -
 
 
 def test_without_the_library(env: dict[str, str], short_tmp: Path) -> None:
-    if probe() == "real":
-        pytest.skip("the driver's NVML loads on this machine; this checks one where it does not")
-    empty = short_tmp / "no-nvml"
-    empty.mkdir()
-    missing = {**env, "LD_LIBRARY_PATH": str(empty)}
+    # A driver root with no driver in it (a wrong --driver-root, or a mount that is missing).
+    empty = short_tmp / "no-driver"
+    (empty / "etc").mkdir(parents=True)
+    missing = {**env, "DRA_DRIVER_ROOT": str(empty)}
+    tried = ", ".join(["/etc/ld.so.cache (No such file or directory)",
+                       *(f"/{d}/libnvidia-ml.so.1" for d in library_dirs())])
     for command in ("devices", "slices"):
         proc = cli(missing, command)
         assert proc.returncode == 1, proc.stdout
         assert proc.stderr.splitlines() == [
-            "dra-agent: --nvml real: NVML did not initialize: NVML Shared Library Not Found "
-            "(NVML_ERROR_LIBRARY_NOT_FOUND); is the NVIDIA driver installed, with libnvidia-ml.so.1 on the "
-            "library path?"], proc.stderr
-    # auto on a node with NVIDIA hardware (the host tree has /dev/nvidiactl): an error too.
+            f"dra-agent: --nvml real: no libnvidia-ml.so.1 under the driver root {empty} (tried {tried}); set "
+            "--driver-root to where the NVIDIA driver is installed (mounted)"], proc.stderr
+    # auto on a node with NVIDIA hardware (the host tree has /dev/nvidiactl and NVIDIA display functions):
+    # an error too, naming the hardware, the root and the paths tried.
     proc = cli({**missing, "DRA_NVML": "auto"}, "devices")
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert "NVIDIA hardware is present" in proc.stderr and "Traceback" not in proc.stderr
+    assert "NVIDIA hardware is present" in proc.stderr and f"under the driver root {empty} (tried {tried})" \
+        in proc.stderr and "Traceback" not in proc.stderr
     # auto on a node without: no GPUs, and a warning that says why; never simulated ones.
     bare = short_tmp / "bare"
     (bare / "sys").mkdir(parents=True)
@@ -296,9 +305,18 @@ def test_without_the_library(env: dict[str, str], short_tmp: Path) -> None:
                "devices", "-o", "json")
     assert proc.returncode == 0, proc.stderr
     assert [d for d in json.loads(proc.stdout) if d["kind"] == "gpu"] == []
-    assert "WARNING agent.inventory.gpus: no NVIDIA GPUs on this node (NVML: NVML Shared Library Not Found" \
-        in proc.stderr
+    assert f"WARNING agent.inventory.nvmlopen: no NVIDIA GPUs on this node (no libnvidia-ml.so.1 under the " \
+        f"driver root {empty}" in proc.stderr
     assert not (Path(env["DRA_STATE_DIR"]) / "nvml-sim").exists()
+
+
+def test_the_agent_s_own_root_is_searched_as_its_linker_would(env: dict[str, str]) -> None:
+    # --driver-root / (the default: the agent on the host itself, or a container given the library by
+    # the NVIDIA runtime): LD_LIBRARY_PATH, then the machine's ld.so.cache and directories.
+    if probe() == "real":
+        pytest.skip("the driver's NVML loads on this machine; this checks one where it does not")
+    found, problems = gpus({**env, "DRA_DRIVER_ROOT": "/", "LD_LIBRARY_PATH": str(STANDIN)})
+    assert found == EXPECTED and problems == []
 
 
 # The agent as a process on the real path: prepare, and a GPU lost while it runs.

@@ -4,11 +4,9 @@ and, for MIG-capable GPUs unless dynamic MIG is off, one device per MIG placemen
 set (`agent.inventory.mig`); then the shared form of each GPU and the host-memory overhead of every GPU
 device (`agent.inventory.gpushare`).
 
-The source holds either the real `pynvml` module or a `SimulatedNvml` and calls
-the same functions on both. In auto mode a node that shows NVIDIA hardware but
-whose NVML does not initialize is an error, never a quiet switch to the
-simulation: publishing made-up GPUs on a real GPU node would be worse than
-publishing none. A node without NVIDIA hardware publishes no GPUs, with a warning.
+The source holds either the real `pynvml` module (its library loaded from the driver root) or a
+`SimulatedNvml` and calls the same functions on both; `agent.inventory.nvmlopen` opens either, and
+says why when a node with NVIDIA hardware has no usable NVML.
 
 One GPU's failure costs that GPU only, whatever it raises. A GPU that fails is
 reported under its device name (`gpu-<minor>`): the minor it said in an earlier
@@ -25,7 +23,6 @@ published as `unknown-<code>` (logged once), never dropped. NVML's own
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -37,18 +34,18 @@ import pynvml
 from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
-from agent.host.pci import normalize_bus_id, nvidia_display_functions, pci_function
-from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult
+from agent.host.pci import normalize_bus_id, pci_function
+from agent.inventory import DeviceFailure, ScanError, ScanResult
 from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
 from agent.inventory.gpuminors import driver_minors as driver_minors
 from agent.inventory.gpuminors import name_the_rest
 from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
+from agent.inventory.nvmlopen import describe_error, open_nvml
+from agent.inventory.nvmlopen import probe as probe  # python -m agent.inventory.gpus --probe
 from agent.inventory.passthrough import GpuVariants
 from agent.inventory.vgpu import VgpuDevices
 from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, NodeFacts, Version
-from agent.sim.nvml import SimulatedNvml
-from agent.sim.profiles import ProfileError, error_name
 from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)
@@ -91,11 +88,6 @@ _NO_ARCHITECTURE = pynvml.NVML_DEVICE_ARCH_UNKNOWN
 _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
 
-def describe_error(exc: pynvml.NVMLError) -> str:
-    """`GPU is lost (NVML_ERROR_GPU_IS_LOST)`: the library's words and the code's name."""
-    return f"{exc} ({error_name(exc.value)})"
-
-
 class _GpuFailed(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -136,69 +128,9 @@ class GpuSource:
         return self.sysfs_root.parent / "proc"
 
     def open(self) -> None:
-        mode = self.settings.nvml
-        if mode.kind == "sim":
-            self._open_sim(mode.profile)
-        elif mode.kind == "real":
-            try:
-                pynvml.nvmlInit()
-            except pynvml.NVMLError as exc:
-                hint = ("; is the NVIDIA driver installed, with libnvidia-ml.so.1 on the library path?"
-                        if exc.value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND else "")
-                raise DiscoveryError(f"--nvml real: NVML did not initialize: {describe_error(exc)}{hint}") \
-                    from exc
-            self.nvml = pynvml
-        else:
-            self._open_auto()
+        opened = open_nvml(self.settings)
+        self.nvml, self.sysfs_root, self.dev_root = opened.nvml, opened.sysfs_root, opened.dev_root
         self._initialized = self.nvml is not None
-
-    def _open_sim(self, profile: str) -> None:
-        try:
-            sim = SimulatedNvml.from_profile(profile)
-        except ProfileError as exc:
-            raise DiscoveryError(f"--nvml sim:{profile}: {exc}") from exc
-        root = self.settings.sim_root
-        try:
-            sim.materialize(root)
-        except OSError as exc:
-            raise DiscoveryError(f"--nvml sim:{profile}: cannot write the simulated hardware under "
-                                 f"{root}: {exc}") from exc
-        try:
-            sim.nvmlInit()
-        except pynvml.NVMLError as exc:
-            raise DiscoveryError(f"--nvml sim:{profile}: NVML did not initialize: "
-                                 f"{describe_error(exc)}") from exc
-        self.nvml = sim
-        self.sysfs_root = root / "sys"
-        self.dev_root = root / "dev"
-        log.info("simulated NVML: profile %s, %d GPUs, hardware under %s", sim.profile.name,
-                 len(sim.profile.gpus), root)
-
-    def _open_auto(self) -> None:
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
-            found = self._nvidia_hardware()
-            if found:
-                raise DiscoveryError(
-                    f"NVIDIA hardware is present ({', '.join(found)}) but NVML did not initialize: "
-                    f"{describe_error(exc)}; make the driver's libnvidia-ml.so.1 loadable, or pass "
-                    "--nvml sim to publish simulated GPUs instead") from exc
-            log.warning("no NVIDIA GPUs on this node (NVML: %s; no NVIDIA hardware in %s or %s); publishing "
-                        "none (--nvml sim publishes simulated GPUs)", describe_error(exc),
-                        self.settings.sysfs_root, self.settings.dev_root)
-            return
-        self.nvml = pynvml
-
-    def _nvidia_hardware(self) -> list[str]:
-        found = []
-        ctl = self.settings.dev_root / "nvidiactl"
-        if ctl.exists():
-            found.append(str(ctl))
-        functions = nvidia_display_functions(self.settings.sysfs_root)
-        if functions:
-            found.append(f"NVIDIA display functions {', '.join(functions)} in {self.settings.sysfs_root}")
-        return found
 
     def device_name(self, index: int) -> str | None:
         """The published name of the GPU at NVML index `index`, once a scan learned its minor."""
@@ -372,24 +304,15 @@ class GpuSource:
         )
 
 
-def probe() -> str:
-    """`real` when the NVML library loads and initializes here, else `sim`."""
-    try:
-        pynvml.nvmlInit()
-    except (pynvml.NVMLError, OSError):
-        return "sim"
-    with contextlib.suppress(pynvml.NVMLError):
-        pynvml.nvmlShutdown()
-    return "real"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agent.inventory.gpus",
                                      description="NVIDIA GPU discovery helpers")
     parser.add_argument("--probe", action="store_true", required=True,
                         help="print `real` if the NVML library loads and initializes, else `sim`")
-    parser.parse_args(argv)
-    print(probe())
+    parser.add_argument("--driver-root", type=Path, default=Path("/"),
+                        help="where the NVIDIA driver is installed (default /)")
+    args = parser.parse_args(argv)
+    print(probe(args.driver_root))
     return 0
 
 
