@@ -20,7 +20,9 @@ and no GPU instance is left (an H100 allows
 that without a reset, so the full GPU is free again). The container gets the MIG UUID
 (`DRA_<DEVICE>_UUID`, the metadata's `uuid` attribute), the parent's device nodes and the GI and CI
 access capabilities' nodes, `/dev/nvidia-caps/nvidia-cap<minor>`, the minors read where the driver
-publishes them (`/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>/[ci<id>/]access`).
+publishes them (`/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>/[ci<id>/]access`); the driver
+makes no such nodes itself, so the agent creates the ones missing, as nvidia-modprobe does
+(`agent.host.nvcaps`).
 The NVML queries (instances, compute instances, capability minors) are in `agent.hostprep.migquery`.
 """
 
@@ -40,12 +42,10 @@ from agent import failpoints
 from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import DevicePartition, PartitionKind, partition_attributes
 from agent.errors import ClaimFailure
-from agent.host.nvcaps import caps_dir
+from agent.host.nvcaps import CapError, caps_dir, ensure_node
 from agent.hostprep.migmode import MigModeMarks
 from agent.hostprep.migquery import (
     CI_PROFILES,
-    CapUnreadable,
-    cap_minor,
     ci_handles,
     ci_ids,
     gi_at,
@@ -83,6 +83,7 @@ class NvmlAccess:
     nvml: Any  # the pynvml module or a SimulatedNvml
     dev_root: Path
     proc_root: Path
+    simulated: bool = False  # the simulated machine: where mknod is refused, an empty file stands in for a node
 
 
 def nvml_of(inventory: Inventory) -> Callable[[], NvmlAccess | None]:
@@ -90,7 +91,8 @@ def nvml_of(inventory: Inventory) -> Callable[[], NvmlAccess | None]:
     def access() -> NvmlAccess | None:
         for source in inventory.sources:
             if isinstance(source, GpuSource) and source.nvml is not None:
-                return NvmlAccess(source.nvml, source.dev_root, source.proc_root)
+                return NvmlAccess(source.nvml, source.dev_root, source.proc_root,
+                                  source.settings.nvml.kind == "sim")
         return None
     return access
 
@@ -277,14 +279,10 @@ class MigPartitioner:
         nodes += [DeviceNode(f"/dev/{name}", str(access.dev_root / name)) for name in SHARED_NODES]
         for cap in (where / "access", where / f"ci{part.compute_instance}" / "access"):
             try:
-                minor_of_cap = cap_minor(cap)
-            except CapUnreadable as exc:
+                host = ensure_node(access.dev_root, access.proc_root, cap, placeholder=access.simulated)
+            except CapError as exc:
                 raise MigFailure(f"device {part.device}: {exc}") from exc
-            path = f"nvidia-caps/nvidia-cap{minor_of_cap}"
-            host = access.dev_root / path
-            if not host.exists():
-                raise MigFailure(f"device {part.device}: {host} is missing (nvidia-modprobe -f {cap} makes it)")
-            nodes.append(DeviceNode(f"/dev/{path}", str(host)))
+            nodes.append(DeviceNode(f"/dev/nvidia-caps/{host.name}", str(host)))
         dev = allocated.device
         node = dataclasses.replace(dev.node, device_nodes=tuple(nodes), gpu_uuid=part.uuid)
         return dataclasses.replace(allocated, device=dataclasses.replace(
