@@ -34,10 +34,10 @@ from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import ClaimRecord, DeviceBinding, RecordState
 from agent.errors import ClaimFailure
 from agent.host.pci import nvidia_display_functions
-from agent.host.vfio.bind import DEFAULT_TIMEOUT, BindStep, apply_step, plan_bind
-from agent.host.vfio.errors import UsageUnknown, VfioError
+from agent.host.vfio.bind import DEFAULT_TIMEOUT, BindStep, StepKind, apply_step, plan_bind
+from agent.host.vfio.errors import StepFailed, UsageUnknown, VfioError
 from agent.host.vfio.host import VfioHost
-from agent.host.vfio.inuse import check_no_vfs, check_not_open
+from agent.host.vfio.inuse import check_no_vfs, check_not_open, open_holders
 from agent.host.vfio.nodes import IommuBackend, host_has_iommufd, vfio_device_nodes
 from agent.host.vfio.pci import VFIO_PCI, current_driver, iommu_group
 from agent.host.vfio.persistence import check_persistence_off
@@ -272,8 +272,23 @@ class Passthrough:
 
     def _step(self, step: BindStep, what: str) -> None:
         failpoints.hit(f"{what}-before-step")
-        apply_step(self.host.sysfs, step, timeout=self.timeout)
+        try:
+            apply_step(self.host.sysfs, step, timeout=self.timeout)
+        except StepFailed as exc:
+            if step.kind is not StepKind.UNBIND or step.driver != NVIDIA_DRIVER:
+                raise
+            raise type(exc)(f"{exc}; {self._who_holds(step.bdf)}") from exc
         failpoints.hit(f"{what}-after-step")
+
+    def _who_holds(self, bdf: str) -> str:
+        """Who has GPU `bdf` open, for an unbind that does not finish (the driver waits for them)."""
+        minor = self._gpu_minor(bdf)
+        holders = [] if minor is None else open_holders(
+            self.host.proc, {f"/dev/nvidia{minor}", str(self.host.dev / f"nvidia{minor}")})
+        if holders:
+            return "the GPU is open in " + "; ".join(str(h) for h in holders[:5])
+        return (f"no process in {self.host.proc} has the GPU open, so one this agent cannot see does (is its /proc "
+                "the host's? README: Deployment)")
 
     def nodes(self, binding: DeviceBinding) -> tuple[DeviceNode, ...]:
         """The VFIO device nodes of a bound device (legacy: the container and its group; iommufd: the
