@@ -75,7 +75,7 @@ def test_a_write_the_kernel_does_not_return_from_fails_in_time_and_holds_nothing
         os.close(fd)
     tree.unbind(GPU)
     assert bounded(lambda: apply_step(tree.sys, step, timeout=5)) is None  # settled: nothing left to do
-    assert current_driver(tree.sys, GPU) is None and writes.outstanding(GPU) is None
+    assert current_driver(tree.sys, GPU) is None and writes.outstanding(tree.sys, GPU) is None
 
 
 def test_an_unbind_that_returned_but_has_not_shown_is_outstanding_until_it_shows(tmp_path: Path) -> None:
@@ -90,4 +90,4 @@ def test_an_unbind_that_returned_but_has_not_shown_is_outstanding_until_it_shows
         apply_step(tree.sys, BindStep(StepKind.CLEAR_OVERRIDE, GPU), timeout=0.2)
     tree.unbind(GPU)
     apply_step(tree.sys, BindStep(StepKind.CLEAR_OVERRIDE, GPU), timeout=5)
-    assert writes.outstanding(GPU) is None
+    assert writes.outstanding(tree.sys, GPU) is None

@@ -106,7 +106,8 @@ class DeviceHealthService:
                 loop.call_soon_threadsafe(self.gpu_event, event)
 
         self.gpu_events = GpuEventWatcher(source.nvml, hand_over, probe_interval=self.settings.gpu_probe_interval,
-                                          control_dir=control_dir(self.settings), name_hint=source.device_name)
+                                          control_dir=control_dir(self.settings), name_hint=source.device_name,
+                                          gate=source.gate)
         self.gpu_events.start()
 
     async def stop_gpus(self) -> None:

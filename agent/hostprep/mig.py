@@ -28,10 +28,11 @@ The NVML queries (instances, compute instances, capability minors) are in `agent
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from agent.hostprep.partitions import WritePartition
 from agent.inventory import Inventory
 from agent.inventory import mig as migs
 from agent.inventory.gpus import SHARED_NODES, GpuSource
+from agent.inventory.nvmlgate import NvmlGate
 from agent.model import DeviceNode
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class NvmlAccess:
     dev_root: Path
     proc_root: Path
     simulated: bool = False  # the simulated machine: where mknod is refused, an empty file stands in for a node
+    gate: NvmlGate | None = None  # the GPU source's: NVML is used through it (agent.inventory.nvmlgate)
 
 
 def nvml_of(inventory: Inventory) -> Callable[[], NvmlAccess | None]:
@@ -92,7 +95,7 @@ def nvml_of(inventory: Inventory) -> Callable[[], NvmlAccess | None]:
         for source in inventory.sources:
             if isinstance(source, GpuSource) and source.nvml is not None:
                 return NvmlAccess(source.nvml, source.dev_root, source.proc_root,
-                                  source.settings.nvml.kind == "sim")
+                                  source.settings.nvml.kind == "sim", source.gate)
         return None
     return access
 
@@ -111,6 +114,10 @@ class MigPartitioner:
     # -- prepare ---------------------------------------------------------------------------------
 
     def plan(self, uid: str, allocated: AllocatedDevice) -> DevicePartition:
+        with self._using():
+            return self._plan(uid, allocated)
+
+    def _plan(self, uid: str, allocated: AllocatedDevice) -> DevicePartition:
         dev = allocated.device
         where = migs.placement_of(dev)
         if where is None:
@@ -135,6 +142,10 @@ class MigPartitioner:
                                boot_id=self._boot_id())
 
     def create(self, part: DevicePartition, write: WritePartition) -> DevicePartition:
+        with self._using():
+            return self._create(part, write)
+
+    def _create(self, part: DevicePartition, write: WritePartition) -> DevicePartition:
         nv, handle = self._parent(part.parent, part.device)
         profile = self._profile(nv, handle, part.profile, part.device)
         for step in range(part.step, DONE):
@@ -235,6 +246,10 @@ class MigPartitioner:
     # -- unprepare and recovery --------------------------------------------------------------------
 
     def destroy(self, part: DevicePartition, write: WritePartition | None) -> None:
+        with self._using():
+            self._destroy(part, write)
+
+    def _destroy(self, part: DevicePartition, write: WritePartition | None) -> None:
         found = self._parent_or_none(part)
         if found is None:
             return  # the GPU left NVML (a reset, a rebind to vfio-pci): its instances went with it
@@ -263,6 +278,10 @@ class MigPartitioner:
                 self._marks.clear(part.parent)
 
     def exists(self, part: DevicePartition) -> bool:
+        with self._using():
+            return self._exists(part)
+
+    def _exists(self, part: DevicePartition) -> bool:
         found = self._parent_or_none(part)
         if found is None:
             return False
@@ -271,6 +290,10 @@ class MigPartitioner:
         return gi is not None and part.compute_instance in ci_ids(nv, gi)
 
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
+        with self._using():
+            return self._device(part, allocated)
+
+    def _device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
         access = self._nvml(part.device)
         nv, handle = self._parent(part.parent, part.device)
         minor = int(nv.nvmlDeviceGetMinorNumber(handle))
@@ -289,6 +312,16 @@ class MigPartitioner:
             dev, attributes={**dev.attributes, **partition_attributes(part)}, node=node))
 
     # -- NVML ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """NVML for one operation, through the GPU source's gate (never while a GPU changes drivers)."""
+        access = self._access()
+        if access is None or access.gate is None:
+            yield
+            return
+        with access.gate.use():
+            yield
 
     def _nvml(self, device: str) -> NvmlAccess:
         access = self._access()

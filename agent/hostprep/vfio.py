@@ -22,9 +22,10 @@ retryable DeviceBusy before anything moves; a step the kernel does not complete 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from agent import counters, failpoints
 from agent.claims.allocation import Allocation, VfioSettings
@@ -184,15 +185,44 @@ class Passthrough:
             return
         check_no_vfs(self.host.sysfs, bdf)
         access = nvml_of(self.inventory)()
-        check_persistence_off(access.nvml if access is not None else None, bdf)
+        if access is None or access.gate is None:
+            check_persistence_off(access.nvml if access is not None else None, bdf)
+        else:
+            # Not while another claim's GPU changes drivers (NVML is let go of then): unknown, not waited
+            # for; persistence mode on would keep the unbind waiting in the driver, which is bounded.
+            with access.gate.use_if_up() as up:
+                check_persistence_off(access.nvml if up is not None else None, bdf)
         if driver != NVIDIA_DRIVER:
             return  # unbound, or another driver: no /dev/nvidia<N> to hold
+        # The agent's own NVML holds every GPU it has a handle of open: let go of before the unbind
+        # (`_letting_go`), where the GPU is checked again, this process included.
+        check_not_open(self.host.proc, self.host.dev, bdf, self._known_minor(bdf), but_self=True)
+
+    def _known_minor(self, bdf: str) -> int:
         minor = self._gpu_minor(bdf)
         if minor is None:
             raise UsageUnknown(f"GPU {bdf} is bound to {NVIDIA_DRIVER} but its device minor is not known (not "
                                f"in NVML's GPUs, no {self.host.proc / 'driver' / 'nvidia' / 'gpus' / bdf}): "
                                "whether a process holds it open cannot be checked, so it is not unbound")
-        check_not_open(self.host.proc, self.host.dev, bdf, minor)
+        return minor
+
+    @contextlib.contextmanager
+    def _letting_go(self, bindings: Sequence[DeviceBinding], *, check: bool) -> Iterator[None]:
+        """Around moving the functions of `bindings` between drivers: where a GPU is among them, the agent's
+        own NVML lets go of every GPU (`agent.inventory.nvmlgate`: its handles and event set hold them open,
+        and the NVIDIA driver's unbind waits for every holder) and takes them up again afterwards, when NVML
+        lists a GPU back on nvidia and no longer one on vfio-pci. `check`: a GPU still on nvidia is checked
+        once more for holders, now without the agent's own, which must be gone."""
+        gpus = [b.plan.target for b in bindings if self._is_gpu(b.device, b.plan.target)]
+        access = nvml_of(self.inventory)() if gpus else None
+        if access is None or access.gate is None:
+            yield
+            return
+        with access.gate.released(f"GPU {', '.join(gpus)} changes drivers"):
+            for bdf in gpus if check else ():
+                if current_driver(self.host.sysfs, bdf) == NVIDIA_DRIVER:
+                    check_not_open(self.host.proc, self.host.dev, bdf, self._known_minor(bdf))
+            yield
 
     def _is_gpu(self, device: str, bdf: str) -> bool:
         dev = self.inventory.get(device)
@@ -210,23 +240,25 @@ class Passthrough:
     def bind(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
         """Apply the `binding` record's plans, writing "step k is next" before each step; returns the
         record as last written."""
-        for i, b in enumerate(record.bindings):
-            if b.mac or b.vlan:
-                set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
-            record = self._run(record, i, b.plan.steps, write, "bind")
+        with self._letting_go(record.bindings, check=True):
+            for i, b in enumerate(record.bindings):
+                if b.mac or b.vlan:
+                    set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
+                record = self._run(record, i, b.plan.steps, write, "bind")
         return record
 
     def restore(self, record: ClaimRecord, write: WriteRecord | None) -> ClaimRecord:
         """Put every function of the record's bindings back on its original driver. With `write` (a
         `restoring` record), from each binding's recorded step, recording each step first; without
         (rolling back a `binding` record, which recovery rolls back again from any state), all steps."""
-        for i, b in enumerate(record.bindings):
-            steps = b.plan.restore().steps
-            if write is None:
-                for step in steps:
-                    self._step(step, "restore")
-            else:
-                record = self._run(record, i, steps, write, "restore")
+        with self._letting_go(record.bindings, check=False):
+            for i, b in enumerate(record.bindings):
+                steps = b.plan.restore().steps
+                if write is None:
+                    for step in steps:
+                        self._step(step, "restore")
+                else:
+                    record = self._run(record, i, steps, write, "restore")
         return record
 
     # -- a claim's passthrough operations (with the claim's and its devices' locks) -------------------
@@ -332,8 +364,9 @@ class Passthrough:
                     self._check_gpu_free(b.plan.target)
                 if b.mac or b.vlan:
                     set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
-                for step in b.plan.steps:
-                    apply_step(self.host.sysfs, step, timeout=self.timeout)
+                with self._letting_go([b], check=True):
+                    for step in b.plan.steps:
+                        apply_step(self.host.sysfs, step, timeout=self.timeout)
             self.nodes(b)  # the nodes its CDI spec names exist again
         if any(b.boot_id != boot for b in record.bindings):
             record = dataclasses.replace(record, bindings=[dataclasses.replace(b, boot_id=boot)

@@ -48,6 +48,7 @@ from agent.inventory.gpu_event_types import (
     RecoveryAction,
     XidError,
 )
+from agent.inventory.nvmlgate import NvmlGate
 from agent.sim.nvml import SimulatedNvml
 from agent.sim.profiles import error_name
 
@@ -86,11 +87,16 @@ class WatcherStats:
 class GpuEventWatcher:
     def __init__(self, nvml: Any, on_event: Callable[[GpuEvent], None], *,
                  probe_interval: float = PROBE_INTERVAL, wait_ms: int = WAIT_MS,
-                 control_dir: Path | None = None, name_hint: Callable[[int], str | None] | None = None) -> None:
+                 control_dir: Path | None = None, name_hint: Callable[[int], str | None] | None = None,
+                 gate: NvmlGate | None = None) -> None:
         """`nvml`: the pynvml module or a SimulatedNvml, initialized. `control_dir`: on the simulated
         machine, where `dra-agent sim` writes its commands (watched while this watcher runs).
-        `name_hint`: the published name of the GPU at an NVML index that never said its minor."""
+        `name_hint`: the published name of the GPU at an NVML index that never said its minor.
+        `gate`: the GPU source's (every probe and wait uses NVML through it; when it is released, the
+        event set is freed and every handle forgotten, and the GPUs are learnt afresh afterwards)."""
         self.nvml = nvml
+        self.gate = gate if gate is not None else NvmlGate(nvml)
+        self._generation = self.gate.generation
         self.on_event = on_event
         self.probe_interval = probe_interval
         self.wait_ms = max(1, min(int(wait_ms), WAIT_MS))
@@ -114,11 +120,13 @@ class GpuEventWatcher:
             except OSError as exc:  # out of inotify instances, an unwritable state dir: events still flow
                 log.warning("dra-agent sim commands are not applied: cannot watch %s: %s", self.control_dir, exc)
                 self.control_dir = None
+        self.gate.on_release(self._release)
         self._thread = threading.Thread(target=self._run, name="gpu-events", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stopping.set()
+        self.gate.forget(self._release)
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout)
@@ -131,15 +139,30 @@ class GpuEventWatcher:
         next_probe = 0.0
         try:
             while not self._stopping.is_set():
-                now = time.monotonic()
-                if now >= next_probe:
-                    self._guarded("probe", self._probe)
-                    next_probe = now + self.probe_interval
-                left = max(0.0, min(self.wait_ms / 1000, next_probe - time.monotonic()))
-                if self._event_set is None or not self._guarded("wait", functools.partial(self._wait, left)):
+                with self.gate.use() as generation:
+                    if generation != self._generation:
+                        self._generation = generation  # NVML initialized again: learnt afresh
+                        next_probe = 0.0
+                    now = time.monotonic()
+                    if now >= next_probe:
+                        self._guarded("probe", self._probe)
+                        next_probe = now + self.probe_interval
+                    left = max(0.0, min(self.wait_ms / 1000, next_probe - time.monotonic()))
+                    waited = self._event_set is not None and self._guarded("wait", functools.partial(self._wait, left))
+                if not waited:
                     self._stopping.wait(left)
         finally:
-            self._free_event_set()
+            with self.gate.use():
+                self._free_event_set()
+
+    def _release(self) -> None:
+        """NVML is about to be shut down (`NvmlGate.released`; this thread waits at the gate): the event set
+        goes, and with the next initialization every GPU is learnt again (its NVML index may have changed;
+        one that left the NVIDIA driver is simply not listed, never lost)."""
+        self._free_event_set()
+        self._gpus.clear()
+        self._by_handle.clear()
+        self._by_uuid.clear()
 
     def _guarded(self, what: str, step: Callable[[], object]) -> bool:
         try:
@@ -265,7 +288,8 @@ class GpuEventWatcher:
             raise
         self._logged.pop(f"<gpu {gpu.index}>", None)
         resets = self._sim.reset_count(gpu.index) if self._sim is not None else 0
-        was_reset, gpu.resets = resets != gpu.resets, resets
+        # (A GPU first seen, also after NVML was initialized again, has its count as the baseline.)
+        was_reset, gpu.resets = resets != gpu.resets and gpu.answering is not None, resets
         first = gpu.answering is None
         back = gpu.answering is False
         gpu.answering = True

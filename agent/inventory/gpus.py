@@ -36,11 +36,13 @@ from agent.apirules import normalize_version
 from agent.config import Settings
 from agent.host.pci import normalize_bus_id, pci_function
 from agent.inventory import DeviceFailure, ScanError, ScanResult
+from agent.inventory.gpumemory import GpuMemory
 from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
 from agent.inventory.gpuminors import driver_minors as driver_minors
 from agent.inventory.gpuminors import name_the_rest
 from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
+from agent.inventory.nvmlgate import NvmlGate
 from agent.inventory.nvmlopen import describe_error, open_nvml
 from agent.inventory.nvmlopen import probe as probe  # python -m agent.inventory.gpus --probe
 from agent.inventory.passthrough import GpuVariants
@@ -121,6 +123,11 @@ class GpuSource:
         self._tracebacks: dict[int, str] = {}  # NVML index -> unexpected exception whose traceback was logged
         # Each GPU's counter set, and its passthrough variant (agent.inventory.passthrough).
         self._variants = GpuVariants()
+        # Who uses NVML, and letting go of it while a GPU changes drivers (agent.inventory.nvmlgate).
+        self.gate: NvmlGate | None = None
+        self._generation = 0  # the gate's, as of the NVML indexes in _minors and _tracebacks
+        # The GPUs NVML described this boot, for those passed through to a VM (agent.inventory.gpumemory).
+        self._memory = GpuMemory(settings.state_dir, self._boot_id)
 
     @property
     def proc_root(self) -> Path:
@@ -131,6 +138,15 @@ class GpuSource:
         opened = open_nvml(self.settings)
         self.nvml, self.sysfs_root, self.dev_root = opened.nvml, opened.sysfs_root, opened.dev_root
         self._initialized = self.nvml is not None
+        if self.nvml is not None:
+            self.gate = NvmlGate(self.nvml)
+            self._memory.load()
+
+    def _boot_id(self) -> str:
+        try:
+            return (self.proc_root / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
+        except OSError:
+            return ""
 
     def device_name(self, index: int) -> str | None:
         """The published name of the GPU at NVML index `index`, once a scan learned its minor."""
@@ -148,6 +164,35 @@ class GpuSource:
     def scan(self) -> ScanResult:
         if self.nvml is None:
             return ScanResult()
+        if self.gate is None:
+            self.gate = NvmlGate(self.nvml)
+        with self.gate.use() as generation:
+            if generation != self._generation:
+                # NVML was initialized again (a GPU changed drivers): its indexes mean other GPUs now.
+                self._generation = generation
+                self._minors.clear()
+                self._tracebacks.clear()
+            result = self._scan_nvml()
+        natives = list(result.devices)
+        self._memory.learn(natives, self._mig.layouts)
+        listed = {bus for d in natives if isinstance(bus := d.attributes.get(PCI_BUS_ID), str)}
+        for away in self._memory.away(self.sysfs_root, listed):
+            # Passed through to a VM: published as NVML last described it, with its counter set.
+            result.devices.append(away.device)
+            bus = away.device.attributes[PCI_BUS_ID]
+            if away.layout is not None and isinstance(bus, str):
+                self._mig.layouts.setdefault(bus, away.layout)
+        result.devices = self._variants.apply(self.sysfs_root, result.devices)
+        if self.dynamic_mig:
+            result.devices = self._mig.apply(result.devices)
+        # After MIG, which extends the counter set the vGPU devices consume from.
+        result.devices = self._vgpu.apply(self.sysfs_root, result.devices)
+        # Last: a shared form takes its GPU's counter set as it is by now.
+        result.devices = self._extras.apply(result.devices, node_allocatable=self.node_allocatable)
+        return result
+
+    def _scan_nvml(self) -> ScanResult:
+        """The GPUs NVML lists now, as native devices, and the ones that fail."""
         common = self._driver_attributes()
         try:
             count = self.nvml.nvmlDeviceGetCount()
@@ -177,13 +222,6 @@ class GpuSource:
             known = {self._minors[i] for i in range(count) if i not in unnamed and i in self._minors}
             name_the_rest(self.proc_root, count, known, unnamed, self._minors, result)
         self._log_failures(result)
-        result.devices = self._variants.apply(self.sysfs_root, result.devices)
-        if self.dynamic_mig:
-            result.devices = self._mig.apply(result.devices)
-        # After MIG, which extends the counter set the vGPU devices consume from.
-        result.devices = self._vgpu.apply(self.sysfs_root, result.devices)
-        # Last: a shared form takes its GPU's counter set as it is by now.
-        result.devices = self._extras.apply(result.devices, node_allocatable=self.node_allocatable)
         return result
 
     def _log_failures(self, result: ScanResult) -> None:

@@ -35,7 +35,7 @@ GPU fields (only `name`, `busId` and `memoryTotal` are required):
     errors              {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST", ...}: that call fails on this GPU
 
 Error codes are numbers or names, with or without the `NVML_ERROR_` prefix.
-In-process tests inject the same faults with `inject_error` and `lose`.
+In-process tests inject the same faults with `inject_error` and `lose` (`agent.sim.nvmlfaults`).
 
 MIG (`nvml_sim_mig`): the pynvml MIG calls with real placement rules, for GPUs whose `migMode` is
 set and whose `migProfiles` names a profile table (`h100-80gb`, in `nvml_mig_profiles`).
@@ -47,6 +47,10 @@ Events and health (`nvml_sim_events`): the pynvml event API (`nvmlEventSetCreate
 (GPU_RESET, or NONE for the application XIDs 13, 31, 43, 45, 68, 109); `lose` makes the GPU fail
 every call; `recover` is a GPU reset (answers again, recovery action NONE). The same three come
 from outside the process as command files (`watch_control`, `nvml_sim_control`).
+
+What an initialized session lists and holds open (`nvml_view`): GPUs bound to nvidia when it was
+initialized, numbered in order; a handle holds its GPU's node open until the last shutdown, an event
+registration until its set is freed (`agent.sim.nvmlview`).
 
 Persistence mode: `nvmlDeviceGetPersistenceMode` / `nvmlDeviceSetPersistenceMode`, off on every GPU
 at start (passthrough refuses a GPU with it on); `inject_error` makes the get fail like a library
@@ -65,36 +69,23 @@ from typing import Any
 import pynvml
 
 from agent.host.pci import normalize_bus_id
-from agent.sim.control import ControlWatcher, SimCommand, device_index
-from agent.sim.events import APPLICATION_XIDS, SimEvent, SimEvents, event_data, field_values
+from agent.sim.control import ControlWatcher
+from agent.sim.events import SimEvents, event_data, field_values
 from agent.sim.hardware import materialize
 from agent.sim.mig import SimMig
 from agent.sim.migprofiles import MIG_FUNCTIONS, MIG_TABLES
-from agent.sim.profiles import (
-    DEVICE_FUNCTIONS,
-    SYSTEM_FUNCTIONS,
-    ProfileError,
-    SimGpu,
-    SimProfile,
-    error_code,
-    load_profile,
-)
+from agent.sim.nvmlfaults import SimFaults
+from agent.sim.nvmlview import NvmlView
+from agent.sim.profiles import ProfileError, SimGpu, SimProfile, load_profile
 
 __all__ = ["ProfileError", "SimulatedNvml", "load_profile", "materialize"]
 
 
 _HANDLE_BASE = 0x5151_0000
 _FORWARDED = re.compile(r"^(NVML|c_nvml|nvmlPciInfo_t$|nvmlExceptionClass$|nvmlEventType)")
-# The event and field-value calls, which faults may name too (`inject_error`).
-EVENT_DEVICE_FUNCTIONS = frozenset({"nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",
-                                    "nvmlDeviceGetFieldValues"})
-EVENT_SYSTEM_FUNCTIONS = frozenset({"nvmlEventSetCreate", "nvmlEventSetWait_v2", "nvmlEventSetWait",
-                                    "nvmlEventSetFree"})
-# Persistence mode (off on every GPU at start, as after a boot without nvidia-persistenced).
-PERSISTENCE_FUNCTIONS = frozenset({"nvmlDeviceGetPersistenceMode", "nvmlDeviceSetPersistenceMode"})
 
 
-class SimulatedNvml:
+class SimulatedNvml(SimFaults):
     """Answers pynvml calls for one profile; faults can be injected while it runs."""
 
     def __init__(self, profile: SimProfile) -> None:
@@ -107,6 +98,9 @@ class SimulatedNvml:
         self._resets: list[int] = [0] * len(profile.gpus)
         self._persistence: list[int] = [pynvml.NVML_FEATURE_DISABLED] * len(profile.gpus)
         self._events = SimEvents(len(profile.gpus))
+        # Which GPUs an initialized session lists, and the files its handles hold open (agent.sim.nvmlview).
+        self._view = NvmlView(profile.gpus)
+        self._fault_functions = MIG_FUNCTIONS
         self._control: ControlWatcher | None = None
         # MIG (nvml_sim_mig): profiles, placements, GPU and compute instances, MIG devices.
         self._mig = SimMig([MIG_TABLES.get(g.mig_profiles, ()) for g in profile.gpus],
@@ -126,100 +120,13 @@ class SimulatedNvml:
             return getattr(self._mig, name)
         raise AttributeError(f"the simulated NVML does not implement {name}")
 
-    # Fault injection.
-    def inject_error(self, index: int | None, function: str, code: int | str) -> None:
-        """Make `function` fail with `code` on GPU `index` (None: a system call, or every GPU)."""
-        allowed = DEVICE_FUNCTIONS | EVENT_DEVICE_FUNCTIONS | MIG_FUNCTIONS | PERSISTENCE_FUNCTIONS
-        if index is None:
-            allowed |= SYSTEM_FUNCTIONS | EVENT_SYSTEM_FUNCTIONS
-        if function not in allowed:
-            raise ValueError(f"{function!r} is not a function the simulated NVML answers")
-        value = error_code(code, function)
-        with self._lock:
-            if index is None:
-                self._system_errors[function] = value
-            else:
-                self._gpu_errors[self._checked_index(index)][function] = value
-
-    def lose(self, index: int) -> None:
-        """The GPU falls off the bus: every call about it fails with GPU_IS_LOST, and its event
-        registrations are gone (the GPU that comes back after a reset is registered afresh)."""
-        with self._lock:
-            self._lost[self._checked_index(index)] = True
-        self._events.forget(index)
-
-    def raise_xid(self, index: int, xid: int) -> int:
-        """An XID on GPU `index`: queued to every event set registered for it and for XID critical
-        errors, and the GPU's recovery action set (NONE for an application XID, else GPU_RESET).
-        Returns how many event sets received it."""
-        if isinstance(xid, bool) or not isinstance(xid, int) or not 0 < xid < 1000:
-            raise ValueError(f"XID must be an integer 1..999, not {xid!r}")
-        action = (pynvml.NVML_GPU_RECOVERY_ACTION_NONE if xid in APPLICATION_XIDS
-                  else pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
-        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeXidCriticalError, xid)
-        return self._events.queue(event, action)
-
-    def raise_double_bit_ecc(self, index: int) -> int:
-        """An uncorrectable (double-bit) ECC error on GPU `index`; the GPU then needs a reset."""
-        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeDoubleBitEccError, 0)
-        return self._events.queue(event, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
-
-    def recover(self, index: int) -> None:
-        """A GPU reset: the GPU answers again and needs nothing (recovery action NONE)."""
-        with self._lock:
-            self._lost[self._checked_index(index)] = False
-            self._resets[index] += 1
-        self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
-
-    def reset_count(self, index: int) -> int:
-        """How many resets (`recover`) GPU `index` has had: not an NVML call, but the one way a
-        reset that changed nothing NVML shows (after an application XID) can be seen."""
-        with self._lock:
-            return self._resets[self._checked_index(index)]
-
-    def set_supported_events(self, index: int, mask: int) -> None:
-        """What nvmlDeviceGetSupportedEventTypes answers for GPU `index` (0: no events at all)."""
-        self._events.set_supported(self._checked_index(index), mask)
-
-    def apply(self, command: SimCommand) -> None:
-        """Apply one control command (see `nvml_sim_control`)."""
-        index = device_index(self.profile, command.device)
-        if command.command == "xid":
-            assert command.xid is not None  # SimCommand checks it
-            self.raise_xid(index, command.xid)
-        elif command.command == "lose":
-            self.lose(index)
-        else:
-            self.recover(index)
-
-    # The control channel.
-    def watch_control(self, directory: Path) -> None:
-        """Apply the command files written to `directory` now and whenever new ones appear."""
-        if self._control is not None:
-            raise RuntimeError(f"the simulated NVML already watches {self._control.directory}")
-        control = ControlWatcher(directory, self.apply)
-        control.start()
-        self._control = control
-
-    def stop_watching(self) -> None:
-        control, self._control = self._control, None
-        if control is not None:
-            control.stop()
-
-    def clear_errors(self) -> None:
-        with self._lock:
-            self._system_errors.clear()
-            for errors in self._gpu_errors:
-                errors.clear()
-            self._lost = [False] * len(self._lost)
-        for index in range(len(self.profile.gpus)):
-            self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
-
     # Library lifetime.
     def nvmlInitWithFlags(self, flags: int) -> None:
         with self._lock:
             self._raise_system("nvmlInitWithFlags", initialized=False)
             self._raise_system("nvmlInit", initialized=False)
+            if self._refcount <= 0:
+                self._view.enumerate()
             self._refcount += 1
         self._events.open()
 
@@ -232,6 +139,7 @@ class SimulatedNvml:
             self._refcount -= 1
             last = self._refcount <= 0
         if last:
+            self._view.close_all()
             self._events.shutdown()
 
     @property
@@ -243,6 +151,7 @@ class SimulatedNvml:
         MIG state is kept there from now on, as hardware keeps it across an agent restart."""
         materialize(self.profile, root)
         self._mig.attach(root, [g.minor for g in self.profile.gpus])
+        self._view.attach(root)
 
     # System queries.
     def nvmlSystemGetDriverVersion(self) -> str:
@@ -264,16 +173,18 @@ class SimulatedNvml:
 
     def nvmlDeviceGetCount(self) -> int:
         self._system("nvmlDeviceGetCount")
-        return len(self.profile.gpus)
+        return len(self._view.listed)
 
     # Handles.
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         with self._lock:
             self._raise_system("nvmlDeviceGetHandleByIndex")
-            if not isinstance(index, int) or not 0 <= index < len(self.profile.gpus):
+            slot = self._view.slot(index) if isinstance(index, int) else None
+            if slot is None:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-            self._raise_device("nvmlDeviceGetHandleByIndex", index)
-        return _handle(index)
+            self._raise_device("nvmlDeviceGetHandleByIndex", slot)
+        self._view.hold(slot)
+        return _handle(slot)
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
         text = uuid.decode() if isinstance(uuid, bytes) else uuid
@@ -288,7 +199,9 @@ class SimulatedNvml:
         return self._handle_where("nvmlDeviceGetHandleByPciBusId", lambda g: g.bus_id == wanted)
 
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
-        return self._device("nvmlDeviceGetIndex", handle)[0]
+        index = self._view.index(self._device("nvmlDeviceGetIndex", handle)[0])
+        assert index is not None  # _device checked that the session lists it
+        return index
 
     # Per-GPU queries.
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
@@ -370,6 +283,7 @@ class SimulatedNvml:
     def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
         index = self._device("nvmlDeviceRegisterEvents", handle)[0]
         self._events.register(index, int(eventTypes), eventSet)
+        self._view.register(_address(eventSet), index)
 
     def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
         self._system("nvmlEventSetWait_v2")
@@ -383,17 +297,13 @@ class SimulatedNvml:
     def nvmlEventSetFree(self, eventSet: Any) -> None:
         self._system("nvmlEventSetFree")
         self._events.free(eventSet)
+        self._view.free_set(_address(eventSet))
 
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[int] | list[tuple[int, int]]) -> Any:
         index = self._device("nvmlDeviceGetFieldValues", handle)[0]
         return field_values(fieldIds, self._events.action(index))
 
     # Internals.
-    def _checked_index(self, index: int) -> int:
-        if not 0 <= index < len(self.profile.gpus):
-            raise IndexError(f"profile {self.profile.name} has no GPU {index}")
-        return index
-
     def _raise_system(self, function: str, initialized: bool = True) -> None:
         if initialized and self._refcount <= 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
@@ -414,6 +324,8 @@ class SimulatedNvml:
         with self._lock:
             self._raise_system(function)
             index = _index_of(handle, len(self.profile.gpus))
+            if self._view.index(index) is None:  # a handle of a GPU this session does not list
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             self._raise_device(function, index)
         return index, self.profile.gpus[index]
 
@@ -431,16 +343,23 @@ class SimulatedNvml:
     def _handle_where(self, function: str, match: Callable[[SimGpu], bool]) -> Any:
         with self._lock:
             self._raise_system(function)
-            for index, gpu in enumerate(self.profile.gpus):
-                if match(gpu):
+            for index in self._view.listed:
+                if match(self.profile.gpus[index]):
                     self._raise_device(function, index)
-                    return _handle(index)
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+                    break
+            else:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        self._view.hold(index)
+        return _handle(index)
 
 
 def _handle(index: int) -> Any:
     # A real c_nvmlDevice_t, never dereferenced: its address encodes the index.
     return ctypes.cast(ctypes.c_void_p(_HANDLE_BASE + index), pynvml.c_nvmlDevice_t)
+
+
+def _address(handle: Any) -> int:
+    return ctypes.cast(handle, ctypes.c_void_p).value or 0
 
 
 def _index_of(handle: Any, count: int) -> int:

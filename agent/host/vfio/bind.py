@@ -173,7 +173,7 @@ def apply_step(sysfs: Path, step: BindStep, *, timeout: float = DEFAULT_TIMEOUT)
     if not function_dir(sysfs, step.bdf).exists():
         raise StepFailed(f"{step}: PCI function {step.bdf} is not in {sysfs / 'bus' / 'pci' / 'devices'}")
     deadline = time.monotonic() + timeout
-    writes.wait_outstanding(step.bdf, deadline)
+    writes.wait_outstanding(sysfs, step.bdf, deadline)
     if step.kind in (StepKind.SET_OVERRIDE, StepKind.CLEAR_OVERRIDE):
         path = function_dir(sysfs, step.bdf) / "driver_override"
         # Done when the file shows it as Linux does: "<driver>\n", or "(null)\n" for none (older
@@ -183,7 +183,7 @@ def apply_step(sysfs: Path, step: BindStep, *, timeout: float = DEFAULT_TIMEOUT)
         shown = {f"{step.driver}\n"} if step.kind is StepKind.SET_OVERRIDE else {"(null)\n", ""}
         with _writing(step, deadline):
             if _read(path) not in shown:
-                _write(step, path, f"{step.driver if step.kind is StepKind.SET_OVERRIDE else ''}\n", deadline,
+                _write(sysfs, step, path, f"{step.driver if step.kind is StepKind.SET_OVERRIDE else ''}\n", deadline,
                        lambda: _read(path) in shown)
                 _wait_until(step, timeout, deadline, lambda: _read(path) in shown,
                             lambda: f"driver_override reads {_read(path)!r}")
@@ -195,12 +195,12 @@ def apply_step(sysfs: Path, step: BindStep, *, timeout: float = DEFAULT_TIMEOUT)
         with _writing(step, deadline):
             if left():
                 return  # not (or no longer) on that driver: nothing to leave
-            w = _write(step, drivers / step.driver / "unbind", step.bdf, deadline, left)
+            w = _write(sysfs, step, drivers / step.driver / "unbind", step.bdf, deadline, left)
             _wait_consumed(w.path, deadline)
         try:
             _wait(sysfs, step, timeout, deadline, lambda now: now != step.driver)
         except StepFailed:
-            writes.mark_outstanding(step.bdf, w)  # the kernel may still carry it out
+            writes.mark_outstanding(sysfs, step.bdf, w)  # the kernel may still carry it out
             raise
         return
     with _writing(step, deadline):
@@ -211,7 +211,7 @@ def apply_step(sysfs: Path, step: BindStep, *, timeout: float = DEFAULT_TIMEOUT)
             raise StepFailed(f"{step}: the function is bound to {bound}, not unbound; unbind it from {bound} first")
         if not (drivers / step.driver).is_dir():
             raise StepFailed(f"{step}: driver {step.driver} is not loaded (no {drivers / step.driver})")
-        _write(step, drivers / step.driver / "bind", step.bdf, deadline,
+        _write(sysfs, step, drivers / step.driver / "bind", step.bdf, deadline,
                lambda: current_driver(sysfs, step.bdf) == step.driver)
         _wait(sysfs, step, timeout, deadline, lambda now: now == step.driver)
 
@@ -228,10 +228,11 @@ def _writing(step: BindStep, deadline: float) -> Iterator[None]:
         _WRITES.release()
 
 
-def _write(step: BindStep, path: Path, text: str, deadline: float, shown: Callable[[], bool]) -> writes.Write:
+def _write(sysfs: Path, step: BindStep, path: Path, text: str, deadline: float,
+           shown: Callable[[], bool]) -> writes.Write:
     w = writes.write(str(step), path, text, shown, deadline)
     if not w.done.is_set():
-        writes.mark_outstanding(step.bdf, w)
+        writes.mark_outstanding(sysfs, step.bdf, w)
         raise StepFailed(f"{step}: the write to {path} has not returned after {time.monotonic() - w.since:.1f}s: the "
                          "driver is still at it (the NVIDIA driver's unbind waits until every process has closed the "
                          f"GPU); it is left to finish, and nothing more is done to {step.bdf} until it has")

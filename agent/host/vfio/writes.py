@@ -49,7 +49,8 @@ class Write:
 
 
 _TABLE = threading.Lock()
-_OUTSTANDING: dict[str, Write] = {}  # function -> a write about it not known to have taken effect
+# (sysfs root, function) -> a write about it not known to have taken effect
+_OUTSTANDING: dict[tuple[str, str], Write] = {}
 
 
 def write(what: str, path: Path, text: str, shown: Callable[[], bool], deadline: float) -> Write:
@@ -77,20 +78,20 @@ def write(what: str, path: Path, text: str, shown: Callable[[], bool], deadline:
     return w
 
 
-def mark_outstanding(bdf: str, w: Write) -> None:
+def mark_outstanding(sysfs: Path, bdf: str, w: Write) -> None:
     with _TABLE:
-        _OUTSTANDING[bdf] = w
+        _OUTSTANDING[str(sysfs), bdf] = w
 
 
-def outstanding(bdf: str) -> Write | None:
+def outstanding(sysfs: Path, bdf: str) -> Write | None:
     with _TABLE:
-        return _OUTSTANDING.get(bdf)
+        return _OUTSTANDING.get((str(sysfs), bdf))
 
 
-def wait_outstanding(bdf: str, deadline: float) -> None:
+def wait_outstanding(sysfs: Path, bdf: str, deadline: float) -> None:
     """Before a step about `bdf`: wait (until `deadline`) for an outstanding write about it to settle;
     WritePending when it has not."""
-    w = outstanding(bdf)
+    w = outstanding(sysfs, bdf)
     if w is None:
         return
     while not w.settled():
@@ -101,7 +102,7 @@ def wait_outstanding(bdf: str, deadline: float) -> None:
                                f"has closed the GPU); nothing more is done to {bdf} until it has")
         time.sleep(POLL)
     with _TABLE:
-        if _OUTSTANDING.get(bdf) is w:
-            del _OUTSTANDING[bdf]
+        if _OUTSTANDING.get((str(sysfs), bdf)) is w:
+            del _OUTSTANDING[str(sysfs), bdf]
     log.info("%s: the earlier %s has settled (%s)", bdf, w.what,
              f"refused: {w.error.strerror}" if w.error is not None else "in effect")
