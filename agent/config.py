@@ -11,7 +11,7 @@ import functools
 import hashlib
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,6 +135,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics_address", "--metrics-address", "DRA_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS,
            "HOST:PORT for /metrics, /healthz and /readyz (HTTP; no HOST: every interface; "
            "empty: off)", metavar="HOST:PORT", empty=True),
+    Option("stop_with_parent", "--stop-with-parent", "DRA_STOP_WITH_PARENT", False,
+           "run: stop, as on SIGTERM, when the process that started the agent exits (`make run` sets it) "
+           "(true/false)", kind=bool, metavar="BOOL"),
     Option("log_format", "--log-format", "DRA_LOG_FORMAT", "auto",
            "auto (text on a terminal, else JSON), json or text", metavar="FORMAT"),
     Option("log_level", "--log-level", "DRA_LOG_LEVEL", "info", "debug, info, warning or error",
@@ -197,6 +200,7 @@ class Settings:
     gpu_probe_interval: float = 1.0
     taint_policy: Path | None = None
     metrics_address: str = DEFAULT_METRICS_ADDRESS
+    stop_with_parent: bool = False
     log_format: str = "auto"
     log_level: str = "info"
 
@@ -299,12 +303,24 @@ def _fit_socket(directory: Path, name: str, uid: str, prefix: str, suffix: str =
     return path
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+SETTINGS_HELP = "dra-agent help settings"  # where every setting is listed
+
+
+def add_arguments(parser: argparse.ArgumentParser, shown: Collection[str] | None = None) -> None:
+    """Every setting as a flag of `parser`; `--help` lists those named in `shown` (all when None) and
+    says where the others are listed."""
     group = parser.add_argument_group("settings (each also an environment variable)")
     for opt in OPTIONS:
+        visible = shown is None or opt.dest in shown
         group.add_argument(opt.flag, dest=opt.dest, default=None, metavar=opt.metavar,
-                           help=f"{opt.help} [${opt.env}]" + (
-                               f" (default: {opt.default})" if opt.default not in (None, "") else ""))
+                           help=option_help(opt) if visible else argparse.SUPPRESS)
+    if shown is not None:
+        parser.epilog = (f"It takes every other setting of the agent too, as a flag or an environment variable: "
+                         f"{SETTINGS_HELP} lists them.")
+
+
+def option_help(opt: Option) -> str:
+    return f"{opt.help} [${opt.env}]" + (f" (default: {opt.default})" if opt.default not in (None, "") else "")
 
 
 def parse_bool(text: str) -> bool:

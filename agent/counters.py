@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent import apirules, quantity
+from agent.facts import GpuFacts, VgpuType
+from agent.kinds import Kind
 from agent.model import CounterConsumption, CounterSet, Device
 
 GPU_COUNTER = "gpu"
@@ -58,8 +60,6 @@ ENGINE_COUNTERS = ("multiprocessors", "copy-engines", "decoders", "encoders", "j
 PORTS_COUNTER = "ports"
 VFIO_SUFFIX = "-vfio"
 COUNTERS_SUFFIX = "-counters"
-# Device kind -> its compatibility groups on the counter sets it consumes (see the module docstring).
-COMPATIBILITY_GROUPS: Mapping[str, tuple[str, ...]] = {"mig": ("mig",), "vgpu": ("vgpu",)}
 
 
 def fit_label(name: str, limit: int = 63) -> str:
@@ -86,11 +86,16 @@ def counter_set_name(prefix: str, bus_id: str) -> str:
     return fit_label(pci_label(prefix, bus_id) + COUNTERS_SUFFIX)
 
 
+def gpu_counter_set_name(bus_id: str) -> str:
+    """The counter set of the GPU at `bus_id`, which all of its forms consume."""
+    return counter_set_name(Kind.GPU, bus_id)
+
+
 def gpu_counter_set(bus_id: str, memory: int | None) -> CounterSet:
     counters = {GPU_COUNTER: "1"}
     if memory is not None and memory > 0:
         counters[MEMORY_COUNTER] = quantity.binary(memory)
-    return CounterSet(counter_set_name("gpu", bus_id), counters)
+    return CounterSet(gpu_counter_set_name(bus_id), counters)
 
 
 def memory_slice(index: int) -> str:
@@ -104,7 +109,7 @@ def with_counters(counter_set: CounterSet, extra: Mapping[str, str]) -> CounterS
 
 
 def nic_counter_set(bus_id: str, ports: int) -> CounterSet:
-    return CounterSet(counter_set_name("nic", bus_id), {PORTS_COUNTER: str(max(ports, 1))})
+    return CounterSet(counter_set_name(Kind.NIC, bus_id), {PORTS_COUNTER: str(max(ports, 1))})
 
 
 def one_port(counter_set: CounterSet) -> CounterConsumption:
@@ -112,12 +117,18 @@ def one_port(counter_set: CounterSet) -> CounterConsumption:
     return CounterConsumption(counter_set, {PORTS_COUNTER: "1"})
 
 
+def vgpu_type_group(type_id: str) -> str:
+    """The compatibility group of the devices of one vGPU type: `vgpu-nvidia-1021`."""
+    return fit_label(f"vgpu-{type_id.lower()}")
+
+
 def with_compatibility_groups(dev: Device) -> Device:
-    """`dev` with the compatibility groups of its kind on every counter set it consumes (unchanged when
-    its kind has none)."""
-    groups = COMPATIBILITY_GROUPS.get(dev.kind, ())
-    if dev.kind == "vgpu" and isinstance(mdev_type := dev.attributes.get("mdevType"), str):
-        groups = (fit_label(f"vgpu-{mdev_type.lower()}"),)  # one type per GPU at a time, as the driver allows
+    """`dev` with the compatibility group of its kind (`Kind.compatibility_group`) on every counter set it
+    consumes (unchanged when its kind has none)."""
+    group = dev.kind.compatibility_group
+    groups = (group,) if group else ()
+    if isinstance(dev.node, GpuFacts) and isinstance(target := dev.node.target, VgpuType):
+        groups = (vgpu_type_group(target.id),)  # one type per GPU at a time, as the driver allows
     if not groups or not dev.consumes_counters:
         return dev
     uses = tuple(dataclasses.replace(c, compatibility_groups=groups) for c in dev.consumes_counters)

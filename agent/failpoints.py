@@ -2,10 +2,13 @@
 
 `DRA_AGENT_FAILPOINTS="after-metadata-file=kill,after-record=raise"` makes the process
 die (SIGKILL, as in a power cut or an OOM kill) or raise at those steps, and
-`after-claim-spec=sleep:0.5` makes it pause there (a slow disk, a kubelet deadline
-passing mid-prepare). `*@7=kill` kills the process at the 7th step reached, whichever
-it is: the crash suite (`make stress`) draws that number at random. The crash tests
-thus exercise the same code that runs in production. Unset, `hit()` is one lookup.
+`after-claim-spec=sleep:0.5` makes it pause there (a slow disk). `after-claim-spec=pause` holds
+the thread that reaches the step until the test lets it go (`release`, or the next `configure`),
+and says so (`wait_paused`): an in-process test knows the operation is exactly there (a kubelet
+deadline passing mid-prepare) instead of guessing with a sleep. `*@7=kill` kills the process at
+the 7th step reached, whichever it is: the crash suite (`make stress`) draws that number at
+random. The crash tests thus exercise the same code that runs in production. Unset, `hit()` is
+one lookup.
 
 The steps: prepare `after-claim-spec`, `after-metadata-file`, `after-metadata-spec`,
 `after-record`; unprepare `unprepare-after-record`, `unprepare-after-file`; metadata
@@ -33,14 +36,35 @@ before_kill: Callable[[str], None] | None = None
 _NTH: dict[int, str] = {}  # `*@N`: the action at the N-th step reached, counted from configure()
 _counter = itertools.count(1)
 _count_lock = threading.Lock()
+# A pause nobody releases (a test that failed before it could) lets its thread go after this long,
+# failing the step, so a broken test never hangs the suite.
+PAUSE_LIMIT = 120.0
 
 
 class FailpointError(RuntimeError):
     pass
 
 
+class _Pause:
+    """The threads held at one step: how many arrived, and whether the step is open again."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.arrived = 0
+        self.open = False
+
+
+_PAUSES: dict[str, _Pause] = {}
+_pauses_lock = threading.Lock()
+
+
+def _pause_of(name: str) -> _Pause:
+    with _pauses_lock:
+        return _PAUSES.setdefault(name, _Pause())
+
+
 def _check_action(item: str, action: str) -> None:
-    if action in ("kill", "raise"):
+    if action in ("kill", "raise", "pause"):
         return
     if action.startswith("sleep:"):
         try:
@@ -48,11 +72,18 @@ def _check_action(item: str, action: str) -> None:
                 return
         except ValueError:
             pass
-    raise ValueError(f"failpoint {item!r}: action must be kill, raise or sleep:SECONDS")
+    raise ValueError(f"failpoint {item!r}: action must be kill, raise, pause or sleep:SECONDS")
 
 
 def configure(spec: str) -> None:
     global _counter
+    with _pauses_lock:
+        held = list(_PAUSES.values())
+        _PAUSES.clear()
+    for pause in held:  # a new configuration never strands a thread held by the old one
+        with pause.cond:
+            pause.open = True
+            pause.cond.notify_all()
     _ACTIONS.clear()
     _NTH.clear()
     _counter = itertools.count(1)
@@ -85,7 +116,36 @@ def hit(name: str) -> None:
     if action.startswith("sleep:"):
         time.sleep(float(action[len("sleep:"):]))
         return
+    if action == "pause":
+        _hold(name)
+        return
     raise FailpointError(f"failpoint {name}")
+
+
+def _hold(name: str) -> None:
+    pause = _pause_of(name)
+    with pause.cond:
+        pause.arrived += 1
+        pause.cond.notify_all()
+        if not pause.cond.wait_for(lambda: pause.open, PAUSE_LIMIT):
+            raise FailpointError(f"failpoint {name}: paused {PAUSE_LIMIT:g}s and never released")
+
+
+def wait_paused(name: str, count: int = 1, timeout: float = 60.0) -> None:
+    """Block until `count` threads in all have reached the paused step `name` (TimeoutError if they
+    have not within `timeout` seconds). Blocking: from a coroutine, run it with asyncio.to_thread."""
+    pause = _pause_of(name)
+    with pause.cond:
+        if not pause.cond.wait_for(lambda: pause.arrived >= count, timeout):
+            raise TimeoutError(f"failpoint {name}: {pause.arrived} of {count} threads arrived in {timeout:g}s")
+
+
+def release(name: str) -> None:
+    """Let the threads held at `name` go on; later arrivals pass straight through."""
+    pause = _pause_of(name)
+    with pause.cond:
+        pause.open = True
+        pause.cond.notify_all()
 
 
 configure(os.environ.get("DRA_AGENT_FAILPOINTS", ""))

@@ -12,7 +12,10 @@ thread that arms them, hence the lock.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import struct
+import termios
 import threading
 from dataclasses import dataclass
 
@@ -84,6 +87,11 @@ class Inotify:
 
     def __contains__(self, path: str) -> bool:
         return path in self._wds
+
+    def queued(self) -> int:
+        """Bytes of events the kernel holds for this descriptor, not read yet (FIONREAD)."""
+        raw = fcntl.ioctl(self.fd, termios.FIONREAD, b"\0\0\0\0")
+        return int(struct.unpack("i", raw)[0])
 
     def read(self) -> list[Event]:
         """Every event queued now (non-blocking)."""

@@ -2,8 +2,9 @@
 
 A `Device` carries two kinds of facts: what is published in the ResourceSlice
 (`attributes`, `capacity`, `taints`, ...) and what only this node needs to
-prepare it (`node`: device nodes, interface name, addresses). Inventory
-modules build them; nothing else creates devices.
+prepare it (`node`, typed per kind in `agent.facts`: the GPU and its form, the
+interface and addresses, ...; `device_nodes`). Inventory modules build them,
+the published attributes from the facts; nothing else creates devices.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from agent.facts import DeviceFacts, GpuFacts, GpuIdentity, PassthroughFacts
+from agent.kinds import Kind
 
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
@@ -126,39 +130,45 @@ class CounterConsumption:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class NodeFacts:
-    """What prepare needs about a device that the slice does not carry."""
-
-    device_nodes: tuple[DeviceNode, ...] = ()
-    gpu_uuid: str = ""
-    gpu_index: int = -1
-    interface: str = ""
-    mac: str = ""
-    ips: tuple[str, ...] = ()  # CIDR, IPv4 first
-    cpus: tuple[int, ...] = ()
-    # A passthrough (VFIO) device: its PCI function, IOMMU group, the driver it had when discovery
-    # read it (empty: none), and the host driver it goes back to at unprepare (its driver when
-    # discovery last saw it off vfio-pci; empty when never seen so: prepare's record then decides).
-    pci_bus_id: str = ""
-    iommu_group: int = -1
-    driver: str = ""
-    host_driver: str = ""
-
-
 @dataclass(slots=True)
 class Device:
     name: str
-    # gpu | nic | cpu | memory | vfio (a GPU or NIC function for passthrough to a VM) | mig (a MIG placement)
-    # | gpushare (a GPU shared by claims, agent.inventory.gpushare) | vgpu (a mediated device)
-    kind: str
+    kind: Kind
     attributes: dict[str, AttrValue] = field(default_factory=dict)
     capacity: dict[str, Capacity] = field(default_factory=dict)
     taints: list[Taint] = field(default_factory=list)
     allow_multiple_allocations: bool = False
     node_allocatable: dict[str, Any] | None = None
-    node: NodeFacts = field(default_factory=NodeFacts)
+    # What only this node knows (`agent.facts`): the GPU and the form of it, the NIC's interface, ...
+    node: DeviceFacts | None = None
+    # The device nodes a container gets: a GPU's from discovery, a partition's or a passthrough
+    # function's once prepare has made or bound it.
+    device_nodes: tuple[DeviceNode, ...] = ()
     consumes_counters: tuple[CounterConsumption, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.node is not None and self.node.kind is not self.kind:
+            raise ValueError(f"device {self.name}: a {self.kind} device with the facts of a {self.node.kind} device")
+
+    @property
+    def gpu(self) -> GpuIdentity | None:
+        """The GPU a form of a GPU (whole, shared, MIG, vGPU) is made of; None for any other device."""
+        return self.node.gpu if isinstance(self.node, GpuFacts) else None
+
+    @property
+    def pci_bus_id(self) -> str:
+        """The PCI function the device is, or is made of ("" for none: CPU, memory, a virtual NIC)."""
+        return self.node.pci_bus_id if self.node is not None else ""
+
+    @property
+    def gpu_function(self) -> str | None:
+        """The PCI function of the GPU the device hands out, whole or in part (a GPU's passthrough
+        variant included); None for a device of no GPU."""
+        if isinstance(self.node, GpuFacts):
+            return self.node.pci_bus_id
+        if isinstance(self.node, PassthroughFacts) and self.node.native is Kind.GPU:
+            return self.node.pci_bus_id
+        return None
 
     def wire(self) -> dict[str, Any]:
         """The device as it appears in `ResourceSlice.spec.devices[]`."""
@@ -182,7 +192,7 @@ class Device:
         wire = self.wire()
         return {
             "name": self.name,
-            "kind": self.kind,
+            "kind": str(self.kind),
             "attributes": wire.get("attributes", {}),
             "capacity": wire.get("capacity", {}),
         }

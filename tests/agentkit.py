@@ -24,10 +24,12 @@ from agent.claims.sources import DirectoryClaimSource
 from agent.claims.store import ClaimStore
 from agent.config import NvmlMode, Settings, build_settings
 from agent.engine.prepare import PrepareEngine
+from agent.facts import CpuFacts, NicFacts
 from agent.inventory import Inventory, ScanResult
 from agent.inventory.gpus import GpuSource
+from agent.kinds import Kind
 from agent.kubelet import client as kc
-from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Device, NodeFacts
+from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Device
 from agent.publish.slices import build_slices
 
 DRIVER = "dra.example.com"
@@ -65,20 +67,21 @@ class StaticSource:
 
 def nic(name: str = "nic-0000-3b-00-0", ifname: str = "ens1f0", mac: str = "02:00:00:00:00:01",
         ips: Sequence[str] = ("10.0.0.5/24",)) -> Device:
+    bus = "0000:3b:00.0"
     attrs: dict[str, Any] = {"type": "nic", "ifName": ifname, "macAddress": mac, "mtu": 9000, "linkUp": True,
-                             PCI_BUS_ID: "0000:3b:00.0", PCIE_ROOT: "pci0000:3a", NUMA_NODE: 0}
+                             PCI_BUS_ID: bus, PCIE_ROOT: "pci0000:3a", NUMA_NODE: 0}
     if ips:
         attrs["ipv4"] = ips[0]
-    return Device(name=name, kind="nic", attributes=attrs,
-                  node=NodeFacts(interface=ifname, mac=mac, ips=tuple(ips)))
+    return Device(name=name, kind=Kind.NIC, attributes=attrs,
+                  node=NicFacts(interface=ifname, mac=mac, ips=tuple(ips), link_up=True, pci_bus_id=bus))
 
 
 def cpu(node: int = 0, cpus: Iterable[int] = range(0, 8)) -> Device:
     from agent.model import Capacity
 
     ids = tuple(cpus)
-    return Device(name=f"cpu-numa{node}", kind="cpu", attributes={"type": "cpu", NUMA_NODE: node},
-                  capacity={"cpus": Capacity(str(len(ids)))}, node=NodeFacts(cpus=ids))
+    return Device(name=f"cpu-numa{node}", kind=Kind.CPU, attributes={"type": "cpu", NUMA_NODE: node},
+                  capacity={"cpus": Capacity(str(len(ids)))}, node=CpuFacts(cpus=ids))
 
 
 @dataclass

@@ -247,7 +247,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 if method == "POST":
                     if kind.namespaced and request.namespace is None:
                         raise ApiAnswer(405, "MethodNotAllowed", "create needs a namespace")
-                    return 201, await self._create(kind, request.namespace, request.data)
+                    return 201, await self._create(kind, request.namespace, request.data,
+                                                   dry_run=request.params.get("dryRun") == "All")
             else:
                 key = (kind.resource, request.namespace, request.name)
                 if method == "GET":
@@ -311,7 +312,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     async def _publish(self, kind: Kind, event: str, obj: Mapping[str, Any]) -> None:
         await self._buses[kind.resource].put({"type": event, "object": copy.deepcopy(dict(obj))})
 
-    async def _create(self, kind: Kind, namespace: str | None, body: Any) -> dict[str, Any]:
+    async def _create(self, kind: Kind, namespace: str | None, body: Any, *, dry_run: bool = False) -> dict[str, Any]:
+        """Store `body` (with `dry_run`: only answer what would be stored, as `?dryRun=All` does)."""
         obj = self._check_body(kind, body)
         meta = obj["metadata"]
         if kind.namespaced:
@@ -339,6 +341,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         if kind.resource == RESOURCE_SLICES:
             drop_disabled_slice_fields(obj, None, self.gates)
         self._validate(kind, obj)
+        if dry_run:
+            return copy.deepcopy(obj)
         meta["resourceVersion"] = self._next_version()
         if key in self.objects:
             self.objects[key].create(obj)

@@ -131,8 +131,8 @@ from agent.config import build_settings
 from agent.inventory.nics import NicSource
 result = NicSource(build_settings(json.loads(sys.argv[1]))).scan()
 print(json.dumps({
-    "devices": [dict(d.summary(), node={"interface": d.node.interface, "mac": d.node.mac,
-                                        "ips": list(d.node.ips)}, wire=d.wire())
+    "devices": [dict(d.summary(), node={"interface": getattr(d.node, "interface", ""), "mac": d.node.mac,
+                                        "ips": list(getattr(d.node, "ips", ()))}, wire=d.wire())
                 for d in result.devices],
     "failed_devices": {f.device: f.reason for f in result.failed_devices},
     "problems": {p.what: p.reason for p in result.problems},

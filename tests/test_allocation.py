@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 
 from agent.claims.allocation import Allocation, ClaimError, decode_config, parse_claim
 from agent.claims.metadata import POD_CLAIM_NAME
+from agent.kinds import Kind
 from agent.model import Device
 from agent.names import ClaimRef
 
 UID = "5b0e3f0a-0000-4000-8000-000000000001"
 REF = ClaimRef("team-a", "train-0-gpu", UID)
-DEVICES = {name: Device(name=name, kind="gpu") for name in ("gpu-0", "gpu-1")}
+DEVICES = {name: Device(name=name, kind=Kind.GPU) for name in ("gpu-0", "gpu-1")}
 RESULTS = "status.allocation.devices.results"
 CONFIG = "status.allocation.devices.config"
 PARAMS = f"{CONFIG}[0].opaque.parameters"

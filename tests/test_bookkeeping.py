@@ -7,9 +7,9 @@ import asyncio
 import os
 from pathlib import Path
 
-import grpc
 import pytest
 from agentkit import DRIVER, claim, make_node, nic, restarted, result, roots, write_claim, written_files
+from handshakes import Workers, claim_lock_waiters, paused, until
 
 from agent import failpoints
 from agent.app.assembly import prepare_roots
@@ -18,6 +18,7 @@ from agent.app.daemon import Agent
 from agent.claims import metadata
 from agent.claims.store import ClaimStore
 from agent.config import build_settings
+from agent.engine.prepare import PrepareEngine
 from agent.engine.recovery import recover
 from agent.kubelet import client as kc
 from agent.names import ClaimRef
@@ -34,7 +35,14 @@ def no_failpoints():
 
 
 @pytest.fixture
-async def node(tmp_path):
+async def workers():
+    owned = Workers()
+    yield owned
+    owned.close()
+
+
+@pytest.fixture
+async def node(tmp_path, workers):
     return await make_node(tmp_path)
 
 
@@ -110,14 +118,18 @@ async def test_the_longest_valid_names_fit_on_disk(node):
 
 # -- 2. a kubelet deadline never leaks a claim --------------------------------------------------------
 
-async def test_a_prepare_cancelled_at_its_deadline_is_undone_by_the_unprepare_that_follows(node):
+async def test_a_prepare_cancelled_at_its_deadline_is_undone_by_the_unprepare_that_follows(node, workers):
     write_claim(node.claims_dir, claim("c", OLD, [result("gpu-0", "req")]))
-    failpoints.configure("after-claim-spec=sleep:0.4")
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(node.engine.prepare([ref("c", OLD)]), 0.05)
-    failpoints.configure("")
-    assert await node.engine.unprepare([ref("c", OLD)]) == {OLD: ""}
-    await asyncio.sleep(0.6)  # anything still running would have finished by now
+    failpoints.configure("after-claim-spec=pause")
+    prepare = asyncio.create_task(node.engine.prepare([ref("c", OLD)]))
+    await paused("after-claim-spec")  # the claim's CDI spec is written, nothing else
+    assert not nothing_of(node.settings, OLD)
+    with pytest.raises(TimeoutError):  # the kubelet's deadline passes now
+        await asyncio.wait_for(prepare, 0.01)
+    unprepare = asyncio.create_task(node.engine.unprepare([ref("c", OLD)]))
+    failpoints.release("after-claim-spec")  # the cut-off prepare goes on in its thread
+    assert await unprepare == {OLD: ""}
+    await workers.drained()  # whatever was still running has ended
     assert nothing_of(node.settings, OLD) and OLD not in node.engine.records
     assert recover(restarted(node)).records == {}
     assert nothing_of(node.settings, OLD)
@@ -126,30 +138,37 @@ async def test_a_prepare_cancelled_at_its_deadline_is_undone_by_the_unprepare_th
 async def test_a_prepare_after_a_cancelled_unprepare_is_fully_prepared(node):
     write_claim(node.claims_dir, claim("c", OLD, [result("gpu-0", "a"), result("gpu-1", "b")]))
     assert (await node.engine.prepare([ref("c", OLD)]))[OLD].error == ""
-    failpoints.configure("unprepare-after-file=sleep:0.2")
+    failpoints.configure("unprepare-after-file=pause")
+    unprepare = asyncio.create_task(node.engine.unprepare([ref("c", OLD)]))
+    await paused("unprepare-after-file")  # the record is gone, the first file too, not the rest
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(node.engine.unprepare([ref("c", OLD)]), 0.05)
-    failpoints.configure("")
-    out = await node.engine.prepare([ref("c", OLD)])
+        await asyncio.wait_for(unprepare, 0.01)
+    prepare = asyncio.create_task(node.engine.prepare([ref("c", OLD)]))
+    failpoints.release("unprepare-after-file")
+    out = await prepare
     assert out[OLD].error == "" and claim_files_exist(node.engine, OLD)
 
 
-async def test_a_kubelet_call_past_its_deadline_over_the_socket_leaks_nothing(short_tmp):
+async def test_a_kubelet_call_past_its_deadline_over_the_socket_leaks_nothing(short_tmp, workers):
     settings = roots(short_tmp, rescan_interval=3600.0)
     agent = Agent(settings)
     await agent.start()
     try:
         assert settings.offline is not None
         write_claim(settings.offline / "resourceclaims", claim("c", OLD, [result("gpu-0", "req")]))
-        failpoints.configure("after-metadata-file=sleep:0.5")
+        failpoints.configure("after-metadata-file=pause")
         async with kc.DRAClient(settings.dra_socket) as client:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.prepare([ref("c", OLD)], timeout=0.1)
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            failpoints.configure("")
-            done = await client.unprepare([ref("c", OLD)])
+            call = asyncio.create_task(client.prepare([ref("c", OLD)], timeout=30))
+            await paused("after-metadata-file")  # the agent is in the middle of the prepare
+            assert not nothing_of(settings, OLD)
+            call.cancel()  # the kubelet gives up: the call ends, the prepare goes on in the agent
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            unprepare = asyncio.create_task(client.unprepare([ref("c", OLD)]))
+            failpoints.release("after-metadata-file")
+            done = await unprepare
             assert done.claims[OLD].error == ""
-        await asyncio.sleep(0.7)
+        await workers.drained()
         assert nothing_of(settings, OLD)
     finally:
         await agent.stop()
@@ -159,11 +178,18 @@ async def test_a_kubelet_call_past_its_deadline_over_the_socket_leaks_nothing(sh
 
 async def test_a_starting_agent_never_removes_the_files_of_a_prepare_in_flight_in_the_other(node):
     write_claim(node.claims_dir, claim("c", OLD, [result("gpu-0", "a"), result("gpu-1", "b")]))
-    failpoints.configure("after-metadata-file=sleep:0.3")
+    failpoints.configure("after-metadata-file=pause")
     in_flight = asyncio.create_task(node.engine.prepare([ref("c", OLD)]))
-    await asyncio.sleep(0.1)  # the first agent has written some of the claim's files, not its record
-    report = await asyncio.to_thread(recover, restarted(node))  # the second agent starts
+    await paused("after-metadata-file")  # some of the claim's files are written, not its record
+    half = written_files(node.settings)
+    assert any(OLD in path for path in half) and node.engine.store.read(OLD) is None
+    second = asyncio.create_task(asyncio.to_thread(recover, restarted(node)))  # the second agent starts
+    # It finds files no record owns, and waits for the claim's lock before it judges them.
+    await until(lambda: claim_lock_waiters(node.settings.state_dir, OLD) == 1, "the second agent waits for the claim")
+    assert written_files(node.settings) == half
+    failpoints.release("after-metadata-file")
     assert (await in_flight)[OLD].error == ""
+    report = await second
     assert report.removed == []
     assert claim_files_exist(node.engine, OLD)
 
@@ -259,6 +285,49 @@ async def test_a_refresh_killed_between_record_and_file_is_finished_by_the_resta
     report = recover(restarted(node))
     assert report.repaired == [str(host)]
     assert metadata.parse_stream(host.read_bytes())[0]["metadata"]["generation"] == 2
+
+
+async def test_a_refresh_after_a_restart_with_another_kubelet_dir_rewrites_the_files_where_the_record_says(
+        node, tmp_path):
+    node.nic_source.devices = [nic(ips=())]
+    await node.inventory.scan(["nic"])
+    write_claim(node.claims_dir, claim("net", OLD, [result(NIC, "nic")]))
+    assert (await node.engine.prepare([ref("net", OLD)]))[OLD].error == ""
+    # The running container mounts the metadata file its CDI spec names: below the old kubelet dir.
+    host = metadata.host_file(node.settings.metadata_dir, OLD, "nic")
+    spec = next(f for f in node.engine.whole_record(OLD).files if "_metadata_" in f.path)  # type: ignore[union-attr]
+    assert str(host).encode() in spec.content
+
+    # The agent restarts with another --kubelet-dir, and the NIC gets its address.
+    moved = roots(tmp_path, kubelet_dir=tmp_path / "kubelet-moved")
+    assert moved.metadata_dir != node.settings.metadata_dir and moved.claims_state_dir == node.settings.claims_state_dir
+    engine = PrepareEngine(moved, node.inventory, node.engine.claims, ClaimStore(moved.claims_state_dir))
+    recover(engine)
+    node.nic_source.devices = [nic(ips=("10.9.9.9/24",))]
+    await node.inventory.scan(["nic"])
+    assert await engine.refresh_claims([OLD]) == 1
+
+    # The file the record names is rewritten where it is, at the generation the record says.
+    for obj in metadata.parse_stream(host.read_bytes()):
+        assert obj["metadata"]["generation"] == 2
+        assert obj["requests"][0]["devices"][0]["networkData"]["ips"] == ["10.9.9.9/24"]
+    record = engine.whole_record(OLD)
+    assert record is not None and record.generation == 2
+    assert all(Path(f.path).read_bytes() == f.content for f in record.files)
+    assert not moved.metadata_dir.exists()  # nothing written below the new kubelet dir
+    # Nothing changed since: a second refresh writes nothing and keeps the generation.
+    assert await engine.refresh_claims([OLD]) == 0
+    assert engine.whole_record(OLD).generation == 2  # type: ignore[union-attr]
+
+    # The old metadata directory removed: nothing to write to, the record stays, nothing is re-created.
+    import shutil
+
+    shutil.rmtree(node.settings.metadata_dir)
+    node.nic_source.devices = [nic(ips=("10.9.9.10/24",))]
+    await node.inventory.scan(["nic"])
+    assert await engine.refresh_claims([OLD]) == 0
+    assert engine.whole_record(OLD).generation == 2  # type: ignore[union-attr]
+    assert not node.settings.metadata_dir.exists()
 
 
 # -- 7. no link followed ----------------------------------------------------------------------------------

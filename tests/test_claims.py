@@ -11,6 +11,7 @@ from typing import Any
 import httpx2
 import pytest
 import yaml
+from handshakes import until
 from kubeapi import RESOURCE_CLAIMS, KubeApi
 
 from agent.claims.sources import ApiClaimSource, ClaimNotFound, ClaimSourceError, DirectoryClaimSource
@@ -110,20 +111,31 @@ async def test_forbidden_is_not_retried(kube_api: KubeApi) -> None:
     assert statuses(kube_api) == [403]
 
 
+class CallCounting:
+    """The API client, counting the requests the claim source hands it."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.calls = 0
+
+    async def get(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return await self.client.get(*args, **kwargs)
+
+
 @pytest.mark.parametrize("limit", [2, 5])
 async def test_concurrency_is_bounded(kube_api: KubeApi, limit: int) -> None:
     for i in range(8):
         kube_api.add(claim(name=f"c{i}"))
     gate = kube_api.hold("GET", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/*")
-    source = ApiClaimSource(kube_api.client(), concurrency=limit, deadline=20, backoff=FAST)
+    client = CallCounting(kube_api.client())
+    source = ApiClaimSource(client, concurrency=limit, deadline=20, backoff=FAST)  # type: ignore[arg-type]
     gets = [asyncio.create_task(source.get("team-a", f"c{i}")) for i in range(8)]
-    for _ in range(1000):
-        if kube_api.emulator.in_flight >= limit:
-            break
-        await asyncio.sleep(0.01)
-    for _ in range(20):  # give any request over the limit every chance to arrive
-        await asyncio.sleep(0.01)
-    assert kube_api.emulator.in_flight == limit
+    await until(lambda: kube_api.emulator.in_flight >= limit, "the first requests at the API server")
+    # Every get has run as far as it can by now (each was started before the first request went out,
+    # and a get not held back would have called the client at once): the rest wait for a slot.
+    assert client.calls == limit and kube_api.emulator.in_flight == limit
+    assert not any(get.done() for get in gets)
     gate.set()
     got = await asyncio.gather(*gets)
     assert [c["metadata"]["name"] for c in got] == [f"c{i}" for i in range(8)]

@@ -14,6 +14,7 @@ import httpx2
 import pytest
 import yaml
 from agentkit import DRIVER, NODE, Node, claim, make_node, nic, result, write_claim
+from handshakes import metric, until
 from kubeapi import RESOURCE_CLAIMS, KubeApi
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.resource_v1 import ResourceClaimStatus
@@ -101,8 +102,12 @@ async def settled(w: ClaimStatusWriter) -> None:
     await asyncio.wait_for(w.idle(), WAIT)
 
 
-def writes(w: ClaimStatusWriter, result: str) -> float:
-    return w.metrics.claim_status_writes.labels(result)._value.get()
+def writes(w: ClaimStatusWriter, result: str) -> float | None:
+    return metric(w.metrics.registry, "dra_agent_claim_status_writes_total", {"result": result})
+
+
+def queue(w: ClaimStatusWriter) -> float | None:
+    return metric(w.metrics.registry, "dra_agent_claim_status_queue")
 
 
 def ready(entry: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +143,7 @@ async def test_prepare_writes_ready_entries_with_gpu_data_and_network_data(node,
     assert ready(gpu)["status"] == "True" and ready(gpu)["reason"] == "Prepared"
     device = node.inventory.get("gpu-0")
     assert device is not None
-    assert gpu["data"] == {"uuid": device.node.gpu_uuid, "productName": device.attributes["productName"]}
+    assert gpu["data"] == {"uuid": device.node.gpu.uuid, "productName": device.attributes["productName"]}
     assert "networkData" not in gpu
     assert net["networkData"] == {"interfaceName": "ens1f0", "ips": ["10.0.0.5/24"],
                                   "hardwareAddress": "02:00:00:00:00:01"}
@@ -177,14 +182,16 @@ async def test_a_failed_write_is_retried_and_prepare_does_not_wait_for_it(node, 
 
     # The API server holds the write: unprepare answers all the same, and the removal lands later.
     gate = kube_api.hold("PATCH", STATUS)
+    kube_api.mark()
     await unprepare(node)
-    await asyncio.sleep(0.1)
+    await until(lambda: [r for r in kube_api.since_mark() if r.method == "PATCH" and r.status is None],
+                "the removal's write held at the API server")
     assert writer.queued == 1 and (DRIVER, "gpu-0") in devices_of(kube_api)
-    assert writer.metrics.claim_status_queue._value.get() == 1
+    assert queue(writer) == 1
     gate.set()
     await settled(writer)
     assert devices_of(kube_api) == {}
-    assert writer.metrics.claim_status_queue._value.get() == 0
+    assert queue(writer) == 0
 
 
 async def test_a_claim_recreated_with_another_uid_is_never_written(node, kube_api, online):

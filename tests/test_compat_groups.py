@@ -17,6 +17,7 @@ from kubeapi_rules import COMPATIBILITY_GROUPS_GATE
 from agent import apirules, counters
 from agent.config import NvmlMode, Settings
 from agent.inventory.gpus import GpuSource
+from agent.kinds import Kind
 from agent.model import CounterConsumption, Device
 from agent.publish.slices import build_slices
 
@@ -71,8 +72,8 @@ def test_groups_by_kind_only_with_the_setting(tmp_path: Path, profile: str) -> N
 
 def test_vgpu_devices_are_in_their_own_group() -> None:
     cs = counters.gpu_counter_set("0000:18:00.0", 80 << 30)
-    vgpu = Device(name="gpu-0-vgpu-a", kind="vgpu", consumes_counters=(CounterConsumption(cs, {"memory": "8Gi"}),))
-    full = Device(name="gpu-0", kind="gpu", consumes_counters=(CounterConsumption.all_of(cs),))
+    vgpu = Device(name="gpu-0-vgpu-a", kind=Kind.VGPU, consumes_counters=(CounterConsumption(cs, {"memory": "8Gi"}),))
+    full = Device(name="gpu-0", kind=Kind.GPU, consumes_counters=(CounterConsumption.all_of(cs),))
     assert counters.with_compatibility_groups(vgpu).consumes_counters[0].compatibility_groups == ("vgpu",)
     assert counters.with_compatibility_groups(full) is full
     objs = build_slices([vgpu, full], driver=DRIVER, node=NODE, compatibility_groups=True)
@@ -102,7 +103,7 @@ def test_the_rules_check_the_groups(groups: Any, expect: str | None) -> None:
 def test_a_device_with_bad_groups_is_not_published() -> None:
     cs = counters.gpu_counter_set("0000:18:00.0", None)
     bad = CounterConsumption(cs, {"gpu": "1"}, compatibility_groups=("a", "b", "c"))
-    objs = build_slices([Device(name="gpu-0", kind="gpu", consumes_counters=(bad,))], driver=DRIVER, node=NODE)
+    objs = build_slices([Device(name="gpu-0", kind=Kind.GPU, consumes_counters=(bad,))], driver=DRIVER, node=NODE)
     assert published(objs) == {}
 
 
@@ -122,7 +123,8 @@ async def _put(api: KubeApi, obj: dict[str, Any]) -> dict[str, Any]:
 
 def _grouped_slices() -> list[dict[str, Any]]:
     cs = counters.gpu_counter_set("0000:18:00.0", 80 << 30)
-    mig = Device(name="gpu-0-mig-1g10gb-0", kind="mig", consumes_counters=(CounterConsumption(cs, {"memory": "10Gi"}),))
+    mig = Device(name="gpu-0-mig-1g10gb-0", kind=Kind.MIG,
+                 consumes_counters=(CounterConsumption(cs, {"memory": "10Gi"}),))
     objs = build_slices([mig], driver=DRIVER, node=NODE, compatibility_groups=True)
     for i, obj in enumerate(objs):
         obj["metadata"]["name"] = f"slice-{i}"

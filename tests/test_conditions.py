@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from agent.health.requests import (
     submit_clear,
 )
 from agent.inventory import DeviceFailure, Snapshot
+from agent.kinds import Kind
 from agent.kubelet.health import HEALTHY, UNHEALTHY, HealthTracker
 from agent.model import Device
 
@@ -55,12 +57,47 @@ def wire(c: DeviceConditions, device: str) -> list[dict[str, str]]:
 
 def test_default_policy_follows_the_contract() -> None:
     p = TaintPolicy()
-    for xid in (13, 31, 43, 45, 68, 109):
+    for xid in (13, 31, 43, 45, 68, 109, 63, 92, 94):  # the GPU keeps working: informational
         assert p.for_xid(xid).effect == "None" and p.for_xid(xid).clear_after == 300
     assert p.for_xid(48).effect == "NoSchedule" and p.for_xid(48).clear_after is None
-    assert p.for_xid(79).effect == "NoExecute"
+    for xid in (79, 95, 119, 120):  # the GPU runs nothing until a reset
+        assert p.for_xid(xid).effect == "NoExecute" and p.for_xid(xid).clear_after is None
     assert p.gpu_lost.effect == "NoExecute"
     assert p.link_down.effect == "NoSchedule" and p.link_down.up_hold == 10
+
+
+def readme_policy_table() -> list[tuple[str, str]]:
+    """(cause, default effect) of each row of README's taint table."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Device health and taints"):]
+    lines = section[section.index("| cause |"):].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.append((cells[0], cells[2].strip("`")))
+    return rows
+
+
+def test_readme_states_the_default_policy() -> None:
+    p = TaintPolicy()
+    documented: set[int] = set()
+    for cause, effect in readme_policy_table():
+        numbers = [int(n) for n in re.findall(r"\d+", cause.partition("(")[0])]
+        if cause.startswith("XID"):
+            assert numbers and all(p.for_xid(x).effect == effect for x in numbers), cause
+            documented.update(numbers)
+        elif cause.startswith("any other XID"):
+            examples = [int(n) for n in re.findall(r"\d+", cause)]
+            assert effect == p.default_xid.effect and not set(examples) & set(p.xid), cause
+        elif "GPU lost" in cause:
+            assert effect == p.gpu_lost.effect
+        elif "link down" in cause:
+            assert effect == p.link_down.effect
+        else:
+            raise AssertionError(f"README's taint table has a row this test does not know: {cause}")
+    assert documented == set(p.xid)  # every XID with a rule of its own is in the table
 
 
 def test_a_policy_file_is_laid_over_the_defaults(tmp_path: Path) -> None:
@@ -210,6 +247,93 @@ def test_xid_causes_survive_a_restart_and_observations_do_not(clock: Clock, tmp_
     assert again.taints("nic-b") == []
 
 
+BOOT_A, BOOT_B = "6c1f0b8e-0000-4000-8000-00000000000a", "6c1f0b8e-0000-4000-8000-00000000000b"
+UUID_5, UUID_OTHER = "GPU-5d1e0000-0000-0000-0000-000000000005", "GPU-5d1e0000-0000-0000-0000-0000000000ff"
+
+
+def tainted_gpu5(clock: Clock, tmp_path: Path) -> list[dict[str, str]]:
+    """gpu-5 (UUID_5) gets XID 48 in boot A; what it was tainted with."""
+    c = conditions(clock, tmp_path)
+    c.load(BOOT_A)
+    c.baseline("gpu-5", UUID_5, "none")  # its first answer: healthy
+    assert c.xid("gpu-5", 48, "gpu-reset")
+    [saved] = read_saved(tmp_path)[0]
+    assert (saved.boot_id, saved.gpu_uuid) == (BOOT_A, UUID_5)
+    return wire(c, "gpu-5")
+
+
+def restarted(clock: Clock, tmp_path: Path, boot: str) -> DeviceConditions:
+    clock.now += 600
+    c = conditions(clock, tmp_path)
+    c.load(boot)
+    return c
+
+
+def test_an_xid_taint_is_kept_while_the_same_gpu_in_the_same_boot_still_needs_its_reset(
+        clock: Clock, tmp_path: Path) -> None:
+    before = tainted_gpu5(clock, tmp_path)
+    c = restarted(clock, tmp_path, BOOT_A)
+    assert wire(c, "gpu-5") == before  # restored, same time added
+    assert not c.baseline("gpu-5", UUID_5, "gpu-reset")
+    assert wire(c, "gpu-5") == before
+    again = restarted(clock, tmp_path, BOOT_A)  # and the next restart too
+    again.baseline("gpu-5", UUID_5, "gpu-reset")
+    assert wire(again, "gpu-5") == before
+
+
+def test_a_reboot_clears_xid_taints(clock: Clock, tmp_path: Path) -> None:
+    tainted_gpu5(clock, tmp_path)
+    c = restarted(clock, tmp_path, BOOT_B)
+    assert c.taints("gpu-5") == [] and c.causes() == []
+
+
+def test_a_gpu_reset_while_no_agent_ran_clears_xid_taints(clock: Clock, tmp_path: Path) -> None:
+    tainted_gpu5(clock, tmp_path)
+    c = restarted(clock, tmp_path, BOOT_A)
+    assert c.taints("gpu-5")  # until the GPU says what it needs
+    told: list[set[str]] = []
+    c.on_change = told.append
+    assert c.baseline("gpu-5", UUID_5, NONE)
+    assert c.taints("gpu-5") == [] and told == [{"gpu-5"}]
+    assert read_saved(tmp_path)[0] == []
+
+
+def test_another_gpu_at_the_name_clears_xid_taints(clock: Clock, tmp_path: Path) -> None:
+    tainted_gpu5(clock, tmp_path)
+    c = restarted(clock, tmp_path, BOOT_A)
+    assert c.baseline("gpu-5", UUID_OTHER, "gpu-reset")  # a swapped board, needing a reset of its own
+    assert c.taints("gpu-5") == []
+    assert c.xid("gpu-5", 79)  # what it says from now on is its own
+    assert read_saved(tmp_path)[0][0].gpu_uuid == UUID_OTHER
+
+
+def test_xid_taints_of_this_run_are_not_checked_against_a_first_answer(clock: Clock, tmp_path: Path) -> None:
+    c = conditions(clock, tmp_path)
+    c.load(BOOT_A)
+    c.xid("gpu-2", 48, "gpu-reset")  # no earlier run: nothing restored
+    assert not c.baseline("gpu-2", UUID_OTHER, NONE)
+    assert c.taints("gpu-2")
+
+
+def test_a_causes_file_without_boot_or_gpu_is_read_and_confirmed(clock: Clock, tmp_path: Path) -> None:
+    """As an agent before boot IDs and UUIDs were recorded wrote it."""
+    (tmp_path / CAUSES_FILE).write_bytes(orjson.dumps({"version": 1, "driver": DRIVER, "savedAt": clock.now,
+                                                       "causes": [{
+        "device": "gpu-1", "kind": "xid", "effect": "NoSchedule", "value": "48", "since": clock.now - 60,
+        "detail": "XID 48 (double-bit ECC error), recovery action gpu-reset", "expires": None}]}))
+    [old] = read_saved(tmp_path)[0]
+    assert (old.boot_id, old.gpu_uuid) == ("", "")
+    c = restarted(clock, tmp_path, BOOT_B)  # an unknown boot does not say it rebooted
+    assert [t.value for t in c.taints("gpu-1")] == ["48"]
+    c.baseline("gpu-1", UUID_5, "gpu-reset")  # confirmed: from now on it is known
+    [confirmed] = read_saved(tmp_path)[0]
+    assert (confirmed.boot_id, confirmed.gpu_uuid, confirmed.since) == (BOOT_B, UUID_5, old.since)
+    assert restarted(clock, tmp_path, BOOT_A).taints("gpu-1") == []  # and a reboot now clears it
+    c = restarted(clock, tmp_path, BOOT_B)
+    c.baseline("gpu-1", UUID_5, NONE)
+    assert c.taints("gpu-1") == []
+
+
 def test_an_unreadable_saved_file_is_skipped(clock: Clock, tmp_path: Path) -> None:
     (tmp_path / CAUSES_FILE).write_bytes(b"{not json")
     c = conditions(clock, tmp_path)
@@ -231,7 +355,7 @@ def test_the_health_stream_names_the_cause(clock: Clock) -> None:
     async def run() -> None:
         c = conditions(clock)
         tracker = HealthTracker(pool="node-a")
-        gpu, other = Device("gpu-0", "gpu"), Device("gpu-1", "gpu")
+        gpu, other = Device("gpu-0", Kind.GPU), Device("gpu-1", Kind.GPU)
         await tracker.update(_snapshot(gpu, other), c)
         assert {h.device: h.status for h in tracker.current()} == {"gpu-0": HEALTHY, "gpu-1": HEALTHY}
         c.xid("gpu-0", 48, "gpu-reset")
@@ -253,6 +377,7 @@ def test_the_health_stream_names_the_cause(clock: Clock) -> None:
 
 def test_clear_requests_are_applied_in_order_and_bad_ones_set_aside(clock: Clock, tmp_path: Path) -> None:
     settings = roots(tmp_path)
+    clock.now = time.time()  # the wall clock the requests' names are written with, as the agent's conditions have
     c = conditions(clock, health_dir(settings))
     c.xid("gpu-6", 48)
     c.xid("gpu-7", 63)
@@ -266,6 +391,24 @@ def test_clear_requests_are_applied_in_order_and_bad_ones_set_aside(clock: Clock
     assert read_result(nine) == []
     left = sorted(p.name for p in requests_dir(settings).iterdir())
     assert left == ["00000000000000000001-zz.json.bad"]
+
+
+def test_a_clear_takes_the_xids_raised_before_it_was_asked_for(clock: Clock) -> None:
+    """An operator's clear, asked for at T: the XIDs raised until T go, also one reported only after the
+    clear was applied (the simulated machine applies a command written while no agent ran when one
+    starts); an XID raised after T stays."""
+    c = conditions(clock)
+    asked = clock.now
+    c.xid("gpu-1", 48, at=asked - 10)
+    clock.now += 1
+    c.xid("gpu-1", 79)  # raised after the operator asked: stays
+    assert [x.detail for x in c.clear("gpu-1", before=asked)] == ["XID 48 (double-bit ECC error)"]
+    assert [t.value for t in c.taints("gpu-1")] == ["79"]
+    assert not c.xid("gpu-1", 31, at=asked - 5)  # raised before the clear, reported after it: not taken
+    assert [t.value for t in c.taints("gpu-1")] == ["79"]
+    assert c.xid("gpu-1", 63, at=asked + 0.5)
+    assert {t.value for t in c.taints("gpu-1")} <= {"79", "63"} and len(c.causes("gpu-1")) == 2
+    assert c.clear("gpu-1") and c.taints("gpu-1") == []  # by hand with no time: every XID goes
 
 
 def test_results_no_cli_read_are_removed_after_a_while(clock: Clock, tmp_path: Path) -> None:

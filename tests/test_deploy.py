@@ -34,6 +34,7 @@ import pytest
 import yaml
 from celpy import celtypes
 from conftest import need_command, need_root
+from lightkube.core.resource import Resource, api_info
 from netns import FakeSysfs, network_namespace
 
 from agent import config
@@ -317,6 +318,10 @@ def test_privilege_is_dropped_where_no_gpu_is_opened() -> None:
 
 # -- RBAC: the ClusterRole against the code's API calls ----------------------------------------------
 
+def is_resource(cls: object) -> bool:
+    return isinstance(cls, type) and issubclass(cls, Resource)
+
+
 # lightkube client method -> the RBAC verbs of its requests.
 CLIENT_VERBS = {"get": {"get"}, "list": {"list"}, "watch": {"watch"}, "wait": {"list", "watch"},
                 "create": {"create"}, "replace": {"update"}, "patch": {"patch"}, "apply": {"patch"},
@@ -408,14 +413,13 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
                         named.add(getattr(classes[sub.value.id], sub.attr))  # ResourceClaim.Status
                     elif isinstance(sub, ast.Name) and sub.id in classes:
                         named.add(classes[sub.id])
-            named = {c for c in named if not any(c is not o and getattr(o, "_api_info", None) is not None
-                                                 and o._api_info.parent is not None and
-                                                 o._api_info.resource == c._api_info.resource for o in named)}
+            named = {c for c in named if not any(c is not o and is_resource(o) and api_info(o).parent is not None
+                                                 and api_info(o).resource == api_info(c).resource for o in named)}
             if len(named) != 1:
                 problems.append(f"{where}: client.{node.attr} on {sorted(c.__name__ for c in named) or 'no'} "
                                 "resource class: name exactly one in the call")
                 continue
-            info = next(iter(named))._api_info
+            info = api_info(next(iter(named)))
             resource = info.plural + (f"/{info.action}" if info.action else "")
             for verb in CLIENT_VERBS[node.attr]:
                 calls.setdefault((info.resource.group, resource, verb), []).append(where)
@@ -485,9 +489,11 @@ def test_cluster_role_grants_exactly_the_calls_the_code_makes(which: str) -> Non
     assert grants - needed == set(), "granted, but no code calls it (and not in UPCOMING)"
     assert grants >= UPCOMING
 
-    # `dra-agent doctor` asks the API server (SelfSubjectAccessReview) for the same permissions.
+    # `dra-agent doctor` asks the API server (SelfSubjectAccessReview) for the same permissions, and for
+    # the per-driver one the API server checks for a status.devices write.
     from agent.app.doctor import PERMISSIONS
-    assert {(p.group, p.resource, p.verb) for p in PERMISSIONS} == set(calls) - IMPLICIT
+    assert {(p.group, p.resource, p.verb) for p in PERMISSIONS} == \
+        (set(calls) - IMPLICIT) | {(g, r, v) for g, r, v, _ in UPCOMING}
 
     binding = one(objs, "ClusterRoleBinding")
     sa = one(objs, "ServiceAccount")["metadata"]
@@ -807,9 +813,23 @@ def test_admission_policy_limits_the_agent_to_its_own_nodes_slices(tmp_path: Pat
     allowed, message = decide("CREATE", shared, None)
     assert not allowed and message.endswith("not one without spec.nodeName")
     assert not decide("UPDATE", theirs, theirs)[0]
-    allowed, message = decide("UPDATE", mine, theirs)  # taking over another node's slice
-    assert not allowed and message == f"the dra-agent on node {NODE} may not take over a ResourceSlice of node node-b"
-    assert not decide("UPDATE", theirs, mine)[0]  # giving one away
+    # (An UPDATE cannot move a slice to another node, driver or pool: the API server refuses a change of
+    # those fields before admission, tests/cluster/test_cluster_admission.py.)
+    other_pool = slice_on(NODE)
+    other_pool["spec"]["pool"]["name"] = "node-b"
+    allowed, message = decide("CREATE", other_pool, None)
+    assert not allowed and message == f"the dra-agent on node {NODE} may write only pools named after its node, " \
+                                      "not pool node-b"
+    sub_pool = slice_on(NODE)
+    sub_pool["spec"]["pool"]["name"] = f"{NODE}/gpus"
+    assert decide("CREATE", sub_pool, None) == (True, "")
+    sub_pool["spec"]["pool"]["name"] = f"{NODE}x"
+    assert not decide("CREATE", sub_pool, None)[0]
+    other_driver = slice_on(NODE)
+    other_driver["spec"]["driver"] = "gpu.other.example.com"
+    allowed, message = decide("CREATE", other_driver, None)
+    assert not allowed and message == f"the dra-agent may write only ResourceSlices of driver {DRIVER}, not of " \
+                                      "driver gpu.other.example.com"
     assert not decide("DELETE", None, theirs)[0]
     assert decide("DELETE", None, mine)[0]
 

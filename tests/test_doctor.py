@@ -294,3 +294,38 @@ def test_the_toolkit_spec_gpu_claims_need(short_tmp: Path) -> None:
     assert doctor.Doctor(roots(short_tmp, nvml="sim")).toolkit()[0].ok
     bare = roots(short_tmp, nvml="real", sysfs_root=short_tmp / "nosys", dev_root=short_tmp / "nodev")
     assert doctor.Doctor(bare).toolkit()[0].ok
+
+
+async def test_the_probe_check_knows_another_process_on_the_port(short_tmp, agents):
+    """What answers on --metrics-address must be the agent doctor was given the settings of: another
+    program that answers 200 there (an exporter, another driver's agent) is not taken for it."""
+    import asyncio
+
+    async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        body = b"[+]event-loop ok\n[+]kubelet-registration ok: registered\nhealthz check passed\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        settings = roots(short_tmp, metrics_address=f"127.0.0.1:{port}")
+        (probes,) = [r for r in await doctor.Doctor(settings).probes()]
+        assert not probes.ok and probes.blocking
+        assert "does not name itself a dra-agent" in probes.detail and "another program" in probes.fix
+    finally:
+        server.close()
+        await server.wait_closed()
+
+    # An agent of another node (doctor given the wrong --node-name) is not this node's either.
+    agent = Agent(roots(short_tmp, metrics_address="127.0.0.1:0", rescan_interval=3600.0))
+    agents.append(agent)
+    await agent.start()
+    assert agent.http is not None
+    port = agent.http.addresses[0][1]
+    (probes,) = await doctor.Doctor(roots(short_tmp, metrics_address=f"127.0.0.1:{port}",
+                                          node_name="node-b")).probes()
+    assert not probes.ok and probes.blocking
+    assert f"the agent of driver {DRIVER} on node {NODE}, not node-b" in probes.detail, probes.detail

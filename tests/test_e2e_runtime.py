@@ -47,12 +47,12 @@ async def test_podman_applies_every_cdi_id_env_device_nodes_and_metadata_mounts(
     config = runtime.oci_config_for(_ids(devices))
     env = config["process"]["env"]
     gpu0, gpu5 = node.inventory.get("gpu-0"), node.inventory.get("gpu-5")
-    assert f"DRA_GPU_0_UUID={gpu0.node.gpu_uuid}" in env and f"DRA_GPU_5_UUID={gpu5.node.gpu_uuid}" in env
+    assert f"DRA_GPU_0_UUID={gpu0.node.gpu.uuid}" in env and f"DRA_GPU_5_UUID={gpu5.node.gpu.uuid}" in env
     assert "DRA_NIC_0000_3B_00_0_INTERFACE=ens1f0" in env
     nodes = {d["path"]: d for d in config["linux"]["devices"]}
     for path in ("/dev/nvidia0", "/dev/nvidia5", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"):
         assert path in nodes, sorted(nodes)
-    host0 = os.stat(gpu0.node.device_nodes[0].host_path)
+    host0 = os.stat(gpu0.device_nodes[0].host_path)
     assert stat.S_ISCHR(host0.st_mode)
     assert (nodes["/dev/nvidia0"]["major"], nodes["/dev/nvidia0"]["minor"]) == (
         os.major(host0.st_rdev), os.minor(host0.st_rdev))

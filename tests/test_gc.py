@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from agentkit import claim, make_node, result, write_claim, written_files
+from handshakes import metric, until
 from kubeapi import RESOURCE_CLAIMS, KubeApi
 from test_agent_cluster import NODE_UID, cluster_settings, eventually, start, write_kubeconfig  # noqa: F401  (fixture)
 
@@ -53,6 +54,11 @@ async def prepared(node, name: str, uid: str, device: str = NIC) -> Path:
     return path
 
 
+def collectors() -> int:
+    """Garbage collectors running in this process (the agent's background task named `gc`)."""
+    return sum(1 for t in asyncio.all_tasks() if t.get_name() == "gc" and not t.done())
+
+
 def collector(node, clock: Clock, **kw: Any) -> ClaimCollector:
     return ClaimCollector(node.engine, GRACE, clock=clock, **kw)
 
@@ -74,7 +80,8 @@ async def test_a_removed_claim_file_is_collected_after_the_grace_period_not_befo
     clock.now += 0.5
     assert await gc.sweep() == [OLD]
     assert OLD not in node.engine.records and nothing_of(node.settings, OLD)
-    assert metrics.claims_garbage_collected._value.get() == 1
+    assert metric(metrics.registry, "dra_agent_claims_garbage_collected_total") == 1
+    assert metric(metrics.registry, "dra_agent_gc_sweeps_total") == 4
     assert await gc.sweep() == [] and gc.gone_since == {}
 
 
@@ -243,10 +250,15 @@ async def test_a_claim_deleted_from_the_api_server_is_unprepared_by_the_running_
     await eventually(lambda: any("garbage-collected" in r.getMessage() and OLD in r.getMessage()
                                  for r in caplog.records), "the collection logged")
     assert nothing_of(s, OLD)
-    assert agent.metrics.claims_garbage_collected._value.get() == 1
-    # The claim that still exists stays prepared.
-    await asyncio.sleep(3 * gc_interval(grace))
+    assert metric(agent.metrics.registry, "dra_agent_claims_garbage_collected_total") == 1
+    # The claim that still exists stays prepared: two whole sweeps later (the one under way may have
+    # looked before now) it is, whereas those sweeps saw the deleted claim gone and collected it.
+    sweeps = metric(agent.metrics.registry, "dra_agent_gc_sweeps_total")
+    assert sweeps is not None
+    await until(lambda: metric(agent.metrics.registry, "dra_agent_gc_sweeps_total") >= sweeps + 2,
+                "two more sweeps")
     assert KEEP in agent.engine.records and not nothing_of(s, KEEP)
+    assert metric(agent.metrics.registry, "dra_agent_claims_garbage_collected_total") == 1
 
 
 async def test_an_agent_fallen_back_offline_collects_no_claim_prepared_online(
@@ -261,6 +273,7 @@ async def test_an_agent_fallen_back_offline_collects_no_claim_prepared_online(
     kube_api.add(claim("trainer", OLD, [result("gpu-0", "gpu")], namespace="team-a"))
     online = await start(agents, cluster_settings(gc_grace_period=grace, offline_fallback=fallback))
     assert online.conn is not None and online.conn.offline is None
+    assert collectors() == 1  # online, claims are collected (the observation below sees a collector)
     async with kc.DRAClient(online.settings.dra_socket) as client:
         response = await client.prepare([ClaimRef("team-a", "trainer", OLD)])
     assert all(c.error == "" for c in response.claims.values())
@@ -272,8 +285,10 @@ async def test_an_agent_fallen_back_offline_collects_no_claim_prepared_online(
                                                    kubeconfig=dead))
     assert offline.conn is not None and offline.conn.offline == fallback
     await eventually(lambda: offline.recovered.is_set(), "the start-up check done")
-    await asyncio.sleep(10 * gc_interval(grace))  # many sweeps' time: an on collector would have collected it
+    # The start decided: no collector runs in this agent, so none will ever collect the claim.
+    assert collectors() == 0
+    assert any("garbage collection is off" in r.getMessage() for r in caplog.records)
     assert offline.engine is not None and OLD in offline.engine.records
     assert not nothing_of(offline.settings, OLD)
-    assert offline.metrics.claims_garbage_collected._value.get() == 0
-    assert any("garbage collection is off" in r.getMessage() for r in caplog.records)
+    assert metric(offline.metrics.registry, "dra_agent_claims_garbage_collected_total") == 0
+    assert metric(offline.metrics.registry, "dra_agent_gc_sweeps_total") == 0

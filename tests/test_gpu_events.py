@@ -22,13 +22,16 @@ from conftest import need_command
 from agent.inventory.gpu_events import (
     DoubleBitEcc,
     GpuAnswering,
+    GpuBaseline,
     GpuEvent,
     GpuEventWatcher,
     GpuLost,
     RecoveryAction,
     XidError,
 )
+from agent.sim.hardware import materialize
 from agent.sim.nvml import SimulatedNvml
+from agent.sim.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENT_FUNCTIONS = ("nvmlEventSetCreate", "nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",
@@ -78,8 +81,10 @@ class Events:
             if match(event):
                 return event
 
-    def none_within(self, seconds: float) -> list[GpuEvent]:
-        time.sleep(seconds)
+    def none_after(self, watcher: GpuEventWatcher) -> list[GpuEvent]:
+        """What the watcher reported from now until two whole probes later (`GpuEventWatcher.probed`):
+        anything it would report about a change made before the call has been reported by then."""
+        watcher.probed()
         found = []
         while not self.queue.empty():
             found.append(self.queue.get_nowait())
@@ -90,15 +95,18 @@ class Events:
 def watch() -> Iterator[Callable[..., tuple[GpuEventWatcher, Events]]]:
     started: list[GpuEventWatcher] = []
 
-    def start(nvml: SimulatedNvml, probe_interval: float = 0.1, registered: int = 1) -> tuple[GpuEventWatcher, Events]:
+    def start(nvml: SimulatedNvml, probe_interval: float = 0.1, registered: int = 1,
+              baseline: bool = False) -> tuple[GpuEventWatcher, Events]:
         events = Events()
-        watcher = GpuEventWatcher(nvml, events, probe_interval=probe_interval)
+        watcher = GpuEventWatcher(nvml, events, probe_interval=probe_interval, baseline=baseline)
         watcher.start()
         started.append(watcher)
         # GPUs are registered by the first probe: from then on an XID is delivered.
-        deadline = time.monotonic() + 5
-        while len(watcher.stats.registered) < registered and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30
+        while watcher.stats.probes < 1:
+            assert time.monotonic() < deadline, "no probe within 30 s"
             time.sleep(0.01)
+        assert len(watcher.stats.registered) >= registered
         return watcher, events
 
     yield start
@@ -150,7 +158,7 @@ def test_a_waiting_thread_wakes_when_an_event_is_raised(sim: SimulatedNvml) -> N
     got: list[object] = []
     waiter = threading.Thread(target=lambda: got.append(sim.nvmlEventSetWait_v2(event_set, 20_000)))
     waiter.start()
-    time.sleep(0.1)
+    sim.wait_for_waiters(1)  # it waits now, for nothing yet
     sim.raise_double_bit_ecc(0)
     waiter.join(10)
     assert not waiter.is_alive(), "the waiter slept through the event"
@@ -167,7 +175,7 @@ def test_a_waiting_thread_wakes_when_an_event_is_raised(sim: SimulatedNvml) -> N
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.1)
+    sim.wait_for_waiters(1)
     sim.nvmlShutdown()
     waiter.join(10)
     sim.nvmlInit()  # for the fixture's shutdown
@@ -211,7 +219,45 @@ def test_recovery_action_field(sim: SimulatedNvml) -> None:
         sim.raise_xid(2, 0)
 
 
+def recovery_action(sim: SimulatedNvml, index: int) -> int:
+    [value] = sim.nvmlDeviceGetFieldValues(sim.nvmlDeviceGetHandleByIndex(index), [ACTION])
+    return int(value.value.uiVal)
+
+
+def test_a_gpus_recovery_action_outlives_the_agent_but_not_a_reboot(tmp_path: Path) -> None:
+    """As the driver keeps it: a later process on the same simulated machine sees what the GPU needs."""
+
+    def process() -> SimulatedNvml:
+        nvml = SimulatedNvml.from_profile("dgx-h100")
+        nvml.materialize(tmp_path)
+        nvml.nvmlInit()
+        return nvml
+
+    process().raise_xid(3, 48)
+    later = process()
+    assert recovery_action(later, 3) == pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    assert recovery_action(later, 2) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    later.recover(3)  # reset by whoever: the next process sees it reset
+    assert recovery_action(process(), 3) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    process().raise_xid(3, 48)
+    materialize(load_profile("dgx-h100"), tmp_path, boot=True)  # a reboot resets every GPU
+    assert recovery_action(process(), 3) == pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+
+
 # -- the watcher ------------------------------------------------------------------------------------
+
+def test_a_watcher_asked_for_it_reports_each_gpus_first_answer(tmp_path: Path, watch) -> None:  # type: ignore[no-untyped-def]
+    nvml = sim_with_minors(tmp_path, [4, 7, 2])
+    nvml.raise_xid(1, 79)  # before any watcher: gpu-7 needs a reset already
+    watcher, events = watch(nvml, registered=3, baseline=True)
+    seen = [events.next(lambda e: True) for _ in range(4)]
+    uuids = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(3)]
+    assert {(e.device, e.uuid, e.recovery_action) for e in seen if isinstance(e, GpuBaseline)} == {
+        ("gpu-4", uuids[0], RecoveryAction.NONE), ("gpu-7", uuids[1], RecoveryAction.GPU_RESET),
+        ("gpu-2", uuids[2], RecoveryAction.NONE)}
+    assert [type(e) for e in seen if e.device == "gpu-7"] == [GpuBaseline, GpuAnswering]  # the baseline first
+    assert events.none_after(watcher) == []  # once per GPU, not at every probe
+
 
 def test_xid_is_named_as_published_with_its_recovery_action(tmp_path: Path, watch) -> None:  # type: ignore[no-untyped-def]
     nvml = sim_with_minors(tmp_path, [4, 7, 2])
@@ -231,15 +277,15 @@ def test_xid_is_named_as_published_with_its_recovery_action(tmp_path: Path, watc
     event = events.next(lambda e: isinstance(e, DoubleBitEcc))
     assert event == DoubleBitEcc("gpu-4", RecoveryAction.GPU_RESET, event.at)
     # The actions were reported with the events: the probe does not report them again.
-    assert events.none_within(0.4) == []
+    assert events.none_after(watcher) == []
 
 
 def test_lost_and_recovered(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
-    _, events = watch(sim)
+    watcher, events = watch(sim)
     sim.lose(6)
     lost = events.next(lambda e: True)
     assert isinstance(lost, GpuLost) and lost.device == "gpu-6" and "GPU_IS_LOST" in lost.reason
-    assert events.none_within(0.3) == []  # said once, not at every probe
+    assert events.none_after(watcher) == []  # said once, not at every probe
     sim.recover(6)
     back = events.next(lambda e: True)
     assert back == GpuAnswering("gpu-6", RecoveryAction.NONE, back.at)
@@ -274,11 +320,15 @@ def test_recovery_action_change_is_reported(sim: SimulatedNvml, watch) -> None: 
     assert event == GpuAnswering("gpu-0", RecoveryAction.GPU_RESET, event.at)
 
 
+def watcher_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "gpu-events"]
+
+
 def test_stop_is_prompt(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
     watcher, _ = watch(sim, probe_interval=30)
-    started = time.monotonic()
-    watcher.stop()
-    assert time.monotonic() - started < 1.0
+    assert len(watcher_threads()) == 1
+    watcher.stop(timeout=5)  # the thread waits for events at most 500 ms at a time, not the probe's 30 s
+    assert watcher_threads() == []
 
 
 def test_gpu_without_events_is_probed_only(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
@@ -295,8 +345,8 @@ def test_library_without_events_or_fields_degrades_to_probing(sim: SimulatedNvml
     sim.inject_error(None, "nvmlEventSetCreate", "FUNCTION_NOT_FOUND")
     sim.inject_error(None, "nvmlDeviceGetFieldValues", "NOT_SUPPORTED")
     watcher, events = watch(sim, registered=0)
-    time.sleep(0.3)
-    assert watcher.stats.registered == [] and watcher.stats.errors == 0
+    watcher.probed()  # several probes since the start
+    assert watcher.stats.registered == [] and watcher.stats.errors == 0 and watcher.stats.probes >= 3
     assert sum("NVML events are not available" in r.message for r in caplog.records) == 1
     sim.raise_xid(1, 79)  # nobody listens for it
     sim.lose(1)
@@ -318,14 +368,12 @@ def test_one_gpu_failing_and_a_failing_callback_stop_nothing(sim: SimulatedNvml)
     watcher = GpuEventWatcher(sim, on_event, probe_interval=0.1)
     watcher.start()
     try:
-        deadline = time.monotonic() + 5
-        while len(watcher.stats.registered) < 7 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        watcher.probed()
         assert "gpu-2" not in watcher.stats.registered and len(watcher.stats.registered) == 7
         sim.raise_xid(3, 79)
+        watcher.probed()
         sim.raise_xid(5, 79)
-        while len(seen) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        watcher.probed()
         assert [(e.device, type(e)) for e in seen] == [("gpu-3", XidError), ("gpu-5", XidError)]
         assert watcher.stats.errors >= 2  # gpu-2's probe and the callback, counted
     finally:
@@ -335,12 +383,10 @@ def test_one_gpu_failing_and_a_failing_callback_stop_nothing(sim: SimulatedNvml)
 def test_gpu_appearing_later_is_registered(sim: SimulatedNvml, watch) -> None:  # type: ignore[no-untyped-def]
     sim.inject_error(None, "nvmlDeviceGetCount", "UNKNOWN")
     watcher, events = watch(sim, registered=0)
-    time.sleep(0.3)
-    assert watcher.stats.registered == []
+    assert watcher.stats.registered == [] and watcher.stats.errors > 0  # probed, and failed
     sim.clear_errors()
-    deadline = time.monotonic() + 5
-    while len(watcher.stats.registered) < 8 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    watcher.probed()
+    assert len(watcher.stats.registered) == 8
     sim.raise_xid(7, 94)
     event = events.next(lambda e: isinstance(e, XidError))
     assert (event.device, event.xid) == ("gpu-7", 94)  # type: ignore[union-attr]
@@ -349,29 +395,29 @@ def test_gpu_appearing_later_is_registered(sim: SimulatedNvml, watch) -> None:  
 # -- the real pynvml path, through the stand-in library ---------------------------------------------
 
 STANDIN_SCRIPT = textwrap.dedent("""
-    import json, os, sys, time, pathlib, pynvml
+    import json, os, sys, pathlib, pynvml
     from agent.inventory.gpu_events import GpuEventWatcher
     control = pathlib.Path(sys.argv[1])
 
     def say(*lines):  # the control file, replaced at once: the library reads it on every call
         control.with_suffix(".tmp").write_text("".join(line + "\\n" for line in lines))
         os.replace(control.with_suffix(".tmp"), control)
-        time.sleep(0.5)
+        watcher.probed()  # seen and reported by now
 
     pynvml.nvmlInit()
     seen = []
     watcher = GpuEventWatcher(pynvml, seen.append, probe_interval=0.1)
     watcher.start()
-    time.sleep(0.4)
+    watcher.probed()
     say("action 2 1", "xid 2 79")
     say("action 2 1", "xid 2 79", "lost 0")
     say("action 2 0", "xid 2 79")
-    started = time.monotonic()
-    watcher.stop()
+    watcher.stop(timeout=5)
+    import threading
     print(json.dumps({"events": [[type(e).__name__, e.device, getattr(e, "xid", None),
                                   getattr(e, "recovery_action", None) and e.recovery_action.value] for e in seen],
                       "registered": watcher.stats.registered, "errors": watcher.stats.errors,
-                      "stop": time.monotonic() - started}))
+                      "stopped": not any(t.name == "gpu-events" for t in threading.enumerate())}))
 """)
 
 
@@ -395,4 +441,4 @@ def test_real_pynvml_through_the_standin_library(short_tmp: Path, build: str) ->
     else:  # a driver older than the recovery action field: unknown, said once per GPU
         assert out["events"] == [["XidError", "gpu-3", 79, "unknown"], ["GpuLost", "gpu-0", None, None],
                                  ["GpuAnswering", "gpu-0", None, "unknown"]]
-    assert out["stop"] < 1.0
+    assert out["stopped"]

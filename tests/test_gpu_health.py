@@ -25,6 +25,9 @@ from agent.config import Settings
 from agent.health.requests import submit_clear
 from agent.kubelet import client as kc
 from agent.names import ClaimRef
+from agent.sim.hardware import materialize
+from agent.sim.nvml import SimulatedNvml
+from agent.sim.profiles import load_profile
 
 NODE_UID = "0b5c4a7e-0000-4000-8000-0000000000ab"
 CLAIM_UID = "6a0e0000-0000-4000-8000-000000000005"
@@ -140,8 +143,7 @@ async def test_a_lost_gpu_stays_published_with_a_noexecute_taint(kube_api: KubeA
         assert ready["reason"] == "GpuLost" and "GPU lost" in ready["message"]
 
         # A rescan while it is lost (discovery fails it) keeps it published.
-        await agent.inventory.scan(["gpu"])
-        await agent._changed()
+        await agent.rescan(["gpu"])
         assert taints(kube_api, "gpu-5").get(f"{DRIVER}/gpu-lost")
 
         sim(agent, "recover", "gpu-5")
@@ -167,15 +169,47 @@ async def test_an_application_xid_is_informational_and_an_operator_can_clear_it(
         await eventually(lambda: feed.latest["gpu-1"].get("message", "") == "", "the message gone")
 
 
-async def test_xid_taints_survive_a_restart_of_the_agent(kube_api: KubeApi, settings: Settings, agents) -> None:
+async def test_xid_taints_survive_a_restart_of_the_agent_until_the_gpu_was_reset(
+        kube_api: KubeApi, settings: Settings, agents) -> None:
     kube_api.add_node(NODE, uid=NODE_UID)
     agent = await start(agents, settings)
     await published(agent)
-    sim(agent, "xid", "gpu-6", 94)
-    first = await eventually(lambda: taints(kube_api, "gpu-6").get(f"{DRIVER}/xid"), "the XID 94 taint")
+    sim(agent, "xid", "gpu-6", 48)
+    first = await eventually(lambda: taints(kube_api, "gpu-6").get(f"{DRIVER}/xid"), "the XID 48 taint")
+
+    async def restart(before: Agent) -> Agent:
+        await before.stop()
+        agents.remove(before)
+        after = await start(agents, settings)
+        await published(after)
+        return after
+
+    # The same GPU in the same boot, still needing its reset: kept, also once it has answered.
+    agent = await restart(agent)
+    assert taints(kube_api, "gpu-6")[f"{DRIVER}/xid"] == first  # same taint, same time added
+    sim(agent, "xid", "gpu-2", 13)  # the watcher reports in order: gpu-6's first answer came before
+    await eventually(lambda: taints(kube_api, "gpu-2").get(f"{DRIVER}/xid"), "gpu-2's XID 13 taint")
+    assert taints(kube_api, "gpu-6")[f"{DRIVER}/xid"] == first
+
+    # Reset while no agent ran (by an operator, on the same machine): cleared at the GPU's first answer.
     await agent.stop()
     agents.remove(agent)
+    operator = SimulatedNvml.from_profile(settings.nvml.profile)
+    operator.materialize(settings.sim_root)
+    operator.nvmlInit()
+    operator.recover(next(i for i, g in enumerate(operator.profile.gpus) if g.minor == 6))
+    operator.nvmlShutdown()
+    agent = await start(agents, settings)
+    await published(agent)
+    await eventually(lambda: not taints(kube_api, "gpu-6"), "the XID taint of a GPU reset meanwhile cleared")
 
-    again = await start(agents, settings)
-    await published(again)
-    assert taints(kube_api, "gpu-6")[f"{DRIVER}/xid"] == first  # same taint, same time added
+    # A reboot resets every GPU: not even restored.
+    sim(agent, "xid", "gpu-6", 48)
+    await eventually(lambda: taints(kube_api, "gpu-6").get(f"{DRIVER}/xid"), "the XID 48 taint again")
+    await agent.stop()
+    agents.remove(agent)
+    materialize(load_profile(settings.nvml.profile), settings.sim_root, boot=True)
+    agent = await start(agents, settings)
+    assert agent.health.conditions.causes("gpu-6") == []
+    await published(agent)
+    assert taints(kube_api, "gpu-6") == {}

@@ -22,7 +22,8 @@ from agent.claims import plan as claimplan
 from agent.config import NvmlMode, Settings
 from agent.inventory import Inventory
 from agent.inventory.gpus import GpuSource
-from agent.inventory.gpushare import SHARE_KIND, memory_request_policy
+from agent.inventory.gpushare import memory_request_policy
+from agent.kinds import Kind
 from agent.kube import NODE_ALLOCATABLE_FEATURE, NodeInfo, read_node
 from agent.model import Device
 from agent.names import ClaimRef
@@ -54,7 +55,7 @@ def scan(tmp_path: Path, profile: str = "dgx-h100", *, sharing: bool = True, nod
 def test_each_gpu_has_a_shared_form_taking_its_whole_counter_set(tmp_path: Path) -> None:
     devices = scan(tmp_path)
     gpus = sorted(n for n, d in devices.items() if d.kind == "gpu")
-    shares = sorted(n for n, d in devices.items() if d.kind == SHARE_KIND)
+    shares = sorted(n for n, d in devices.items() if d.kind == Kind.GPUSHARE)
     assert len(gpus) == 8 and shares == sorted(f"{g}-shared" for g in gpus)
     gpu, share = devices["gpu-0"], devices["gpu-0-shared"]
     assert share.allow_multiple_allocations and not gpu.allow_multiple_allocations
@@ -66,8 +67,8 @@ def test_each_gpu_has_a_shared_form_taking_its_whole_counter_set(tmp_path: Path)
     assert cap.request_policy == {"default": "1Gi", "validRange": {"min": "1Gi", "max": f"{memory // GIB}Gi",
                                                                    "step": "1Gi"}}
     assert memory % GIB and memory // GIB == 79  # an H100's 81559Mi: max rounds down to a multiple of step
-    assert share.node == gpu.node  # its device nodes and UUID
-    assert not any(d.kind == SHARE_KIND for d in scan(tmp_path / "off", sharing=False).values())
+    assert (share.device_nodes, share.gpu) == (gpu.device_nodes, gpu.gpu)  # its device nodes and UUID
+    assert not any(d.kind == Kind.GPUSHARE for d in scan(tmp_path / "off", sharing=False).values())
 
 
 def test_no_shared_form_for_a_gpu_too_small_to_share() -> None:
@@ -92,7 +93,7 @@ def test_overhead_only_when_the_node_declares_the_feature(tmp_path: Path) -> Non
     finally:
         source.close()
     kinds = {d.kind for d in devices}
-    assert {"gpu", "vfio", "mig", SHARE_KIND} <= kinds
+    assert {"gpu", "vfio", "mig", Kind.GPUSHARE} <= kinds
     for d in devices:
         assert d.node_allocatable == {"memory": {"overhead": {"perContainer": "300Mi"}}}, d.name
     objs = build_slices(devices, driver=DRIVER, node=NODE)
@@ -121,7 +122,7 @@ async def test_slices_are_accepted_by_the_api_emulator(tmp_path: Path, kube_api:
     for dev in devices:
         wire = published[dev.name]
         assert ("nodeAllocatableResources" in wire) == declared, dev.name
-        assert wire.get("allowMultipleAllocations", False) == (dev.kind == SHARE_KIND)
+        assert wire.get("allowMultipleAllocations", False) == (dev.kind == Kind.GPUSHARE)
 
 
 @pytest.mark.parametrize("policy, capacity, expect", [
@@ -193,8 +194,8 @@ async def test_two_claims_share_one_gpu_each_with_its_own_id_and_limit(node: Nod
         env = cdev["containerEdits"]["env"]
         assert f"DRA_GPU_0_SHARED_MEMORY_LIMIT={limit}" in env
         assert f"DRA_GPU_0_SHARED_SHARE_ID={share_id}" in env
-        assert f"DRA_GPU_0_SHARED_UUID={gpu.node.gpu_uuid}" in env
-        assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu.node.gpu_uuid}={limit >> 20}M" in env
+        assert f"DRA_GPU_0_SHARED_UUID={gpu.node.gpu.uuid}" in env
+        assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu.node.gpu.uuid}={limit >> 20}M" in env
         assert {n["path"] for n in cdev["containerEdits"]["deviceNodes"]} == {
             "/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
         entry = metadata_entry(node, uid)

@@ -94,14 +94,14 @@ def test_dgx_h100_publishes_every_fact(dgx: GpuSource, tmp_path: Path) -> None:
         assert dev.capacity == {"memory": Capacity("81559Mi")}
         assert dev.taints == [] and not dev.allow_multiple_allocations and dev.node_allocatable is None
         dev_dir = sim_root / "dev"
-        assert dev.node.gpu_uuid == uuid and dev.node.gpu_index == index
-        assert dev.node.device_nodes == (
+        assert dev.node.gpu.uuid == uuid and dev.node.gpu.index == index
+        assert dev.device_nodes == (
             DeviceNode(f"/dev/nvidia{index}", str(dev_dir / f"nvidia{index}")),
             DeviceNode("/dev/nvidiactl", str(dev_dir / "nvidiactl")),
             DeviceNode("/dev/nvidia-uvm", str(dev_dir / "nvidia-uvm")),
             DeviceNode("/dev/nvidia-uvm-tools", str(dev_dir / "nvidia-uvm-tools")),
         )
-        for node in dev.node.device_nodes:
+        for node in dev.device_nodes:
             assert os.path.lexists(node.host_path)
         # The root the slice claims is the one the materialized sysfs resolves to.
         real = Path(os.path.realpath(sim_root / "sys" / "bus" / "pci" / "devices" / bus_id))
@@ -116,7 +116,7 @@ def test_dgx_h100_publishes_every_fact(dgx: GpuSource, tmp_path: Path) -> None:
 def test_same_profile_same_uuids(tmp_path: Path) -> None:
     first, second = opened(sim_settings(tmp_path / "a")), opened(sim_settings(tmp_path / "b"))
     try:
-        uuids = [[d.node.gpu_uuid for d in gpus(s.scan())] for s in (first, second)]
+        uuids = [[d.node.gpu.uuid for d in gpus(s.scan())] for s in (first, second)]
         assert uuids[0] == uuids[1]
     finally:
         first.close()

@@ -114,12 +114,10 @@ async def test_a_device_gone_from_discovery_makes_its_claims_not_ready(
     await eventually(lambda: is_ready(kube_api, "net", "True"), "the NIC claim Ready")
 
     source.devices = []  # the NIC is gone (unplugged, its driver unbound)
-    assert await agent.inventory.scan(["nic"])
-    await agent._changed()
+    assert await agent.rescan(["nic"])
     ready = await eventually(lambda: is_ready(kube_api, "net", "False"), "the NIC claim not Ready")
     assert ready["reason"] == "DeviceMissing"
 
     source.devices = [device]  # back
-    assert await agent.inventory.scan(["nic"])
-    await agent._changed()
+    assert await agent.rescan(["nic"])
     await eventually(lambda: is_ready(kube_api, "net", "True"), "the NIC claim Ready again")

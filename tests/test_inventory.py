@@ -8,12 +8,14 @@ import json
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from agentkit import StaticSource, cpu, nic, roots
 from conftest import need_command, need_root
+from handshakes import until
 from netns import NetNS, network_namespace
 from pyroute2.netlink.exceptions import NetlinkDumpInterrupted
 
@@ -24,7 +26,7 @@ from agent.inventory import Inventory, ScanError, ScanResult
 from agent.inventory import netlink as netlink_mod
 from agent.inventory.gpus import GpuSource
 from agent.kubelet.health import HEALTHY, UNHEALTHY, UNKNOWN, HealthTracker
-from agent.kubelet.server import _Health
+from agent.kubelet.server import Healthv1, Healthv1alpha1
 from agent.model import Device
 from agent.pb import health_v1_pb2, health_v1alpha1_pb2
 
@@ -176,36 +178,67 @@ async def test_retries_back_off_exponentially_up_to_a_bound() -> None:
 
 async def test_wait_retry_says_which_kinds_are_due(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inventory_mod, "RETRY_FIRST", 0.05)
+    waiting = asyncio.Event()
+    waiter: asyncio.Task[list[str]] | None = None
+
+    def clock() -> float:  # the inventory's clock, telling the test when the waiter reads it
+        if waiter is not None and asyncio.current_task() is waiter:
+            waiting.set()
+        return time.monotonic()
+
     nics = FlakySource("nic", [NIC_A])
-    inventory = Inventory([nics, StaticSource("cpu", [cpu()])])
+    inventory = Inventory([nics, StaticSource("cpu", [cpu()])], clock=clock)
     await inventory.scan()
-    assert await inventory.wait_retry(0.05) == []  # nothing is failing: the time just runs out
+    waiter = asyncio.create_task(inventory.wait_retry(0.05))
+    assert await waiter == []  # nothing is failing: the time just runs out
     nics.error = OSError("no")
+    waiting.clear()
     waiter = asyncio.create_task(inventory.wait_retry(10))
-    await asyncio.sleep(0.01)
+    await waiting.wait()  # it has looked (nothing failing: it waits the whole 10 s), and waits now
     await inventory.scan(["nic"])  # a failure recorded while someone waits wakes them in time
     assert await asyncio.wait_for(waiter, 2) == ["nic"]
 
 
+class QuietNetlink:
+    """The daemon's netlink watcher, with no events ever: only a retry can rescan the NICs."""
+
+    iterating: asyncio.Event  # set by the test before the agent starts
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def events(self):  # type: ignore[no-untyped-def]
+        QuietNetlink.iterating.set()  # (after the daemon's own NIC scan at the watch's start)
+        await asyncio.Event().wait()
+        yield
+
+    async def close(self) -> None:
+        pass
+
+
 async def test_the_daemon_retries_a_failing_source_before_the_next_rescan(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch, agents) -> None:
     monkeypatch.setattr(inventory_mod, "RETRY_FIRST", 0.05)
-    agent = Agent(roots(tmp_path, rescan_interval=3600.0))
+    monkeypatch.setattr(inventory_mod, "RETRY_MAX", 0.2)
     nics = FlakySource("nic", [NIC_A])
     cpus = FlakySource("cpu", [cpu()])
-    agent.inventory = Inventory([nics, cpus])
-    await agent.inventory.scan()
     nics.error = OSError("no")
-    await agent.inventory.scan(["nic"])
-    await agent.inventory.wait_changed()  # set by the first scan: start from a clean slate
+    monkeypatch.setattr("agent.app.daemon.build_sources", lambda s: [nics, cpus])
+    monkeypatch.setattr("agent.inventory.netwatch.NetlinkWatcher", QuietNetlink)
+    QuietNetlink.iterating = asyncio.Event()
+    agent = Agent(roots(short_tmp, rescan_interval=3600.0))  # no periodic rescan within the test
+    agents.append(agent)
+    await agent.start()
+    await asyncio.wait_for(QuietNetlink.iterating.wait(), 30)
+    assert [f.kind for f in agent.inventory.source_failures()] == ["nic"] and agent.inventory.get(NIC_A.name) is None
+    cpu_scans = cpus.scans
     nics.error, nics.devices = None, [NIC_B]
-    rescans = asyncio.create_task(agent._rescans())
-    try:
-        await asyncio.wait_for(agent.inventory.wait_changed(), 10)
-    finally:
-        rescans.cancel()
-    assert agent.inventory.source_failures() == [] and agent.inventory.get(NIC_B.name) == NIC_B
-    assert cpus.scans == 1  # only the failing kind was retried, not the whole node
+    await until(lambda: agent.inventory.get(NIC_B.name) == NIC_B, "the NICs retried")
+    assert agent.inventory.source_failures() == []
+    assert cpus.scans == cpu_scans  # only the failing kind was retried, not the whole node
 
 
 # -- the NIC source: an interrupted netlink dump ------------------------------------------------------
@@ -376,8 +409,9 @@ async def test_devices_of_a_source_failing_too_long_are_unknown_then_healthy_aga
     assert all(h.message == "" for h in tracker.current())
 
 
-@pytest.mark.parametrize("pb", [health_v1_pb2, health_v1alpha1_pb2], ids=["v1", "v1alpha1"])
-async def test_the_grpc_health_handler_sends_unknown_as_unknown(pb: object) -> None:
+@pytest.mark.parametrize(("servicer", "pb"), [(Healthv1, health_v1_pb2), (Healthv1alpha1, health_v1alpha1_pb2)],
+                         ids=["v1", "v1alpha1"])
+async def test_the_grpc_health_handler_sends_unknown_as_unknown(servicer: type, pb: object) -> None:
     clock = Clock()
     nics = FlakySource("nic", [NIC_A])
     inventory = Inventory([nics], stale_after=1.0, clock=clock)
@@ -388,7 +422,7 @@ async def test_the_grpc_health_handler_sends_unknown_as_unknown(pb: object) -> N
     clock.now += 5
     await inventory.scan()
     await tracker.update(inventory.snapshot())
-    stream = _Health(tracker, pb).NodeWatchResources(None, None)
+    stream = servicer(tracker).NodeWatchResources(None, None)
     response = await anext(stream)
     await stream.aclose()
     [device] = response.devices

@@ -8,17 +8,21 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pynvml
 import pytest
-from agentkit import DRIVER, NODE, claim, result, roots, write_claim
+from agentkit import DRIVER, NODE, StaticSource, claim, make_node, nic, result, roots, write_claim
+from test_agent_cluster import published
 
 from agent.app.daemon import Agent
 from agent.config import build_settings
 from agent.kubelet import client as kc
+from agent.kubelet.health import HealthTracker
+from agent.kubelet.server import Servers
 from agent.names import ClaimRef
 
 UID1 = "4c2d8e00-0000-4000-8000-000000000001"
@@ -45,6 +49,61 @@ async def test_get_info_answers_like_the_kubelet_expects(agent):
     assert info.endpoint == str(agent.settings.dra_socket) and os.path.isabs(info.endpoint)
     assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth",
                                              "v1alpha1.DRAResourceHealth"]
+
+
+async def call(socket, version):
+    """One call to the service `version` names ("v1.DRAPlugin"), as the kubelet would make it."""
+    api, _, service = version.partition(".")
+    if service == "DRAPlugin":
+        async with kc.DRAClient(socket, api) as client:
+            response = await client.prepare([])
+        assert dict(response.claims) == {}
+    elif service == "DRAResourceHealth":
+        stream = kc.watch_health(socket, api)
+        try:
+            first = await asyncio.wait_for(anext(stream), 10)
+        finally:
+            await stream.aclose()
+        assert first.devices
+    else:
+        raise AssertionError(f"GetInfo lists {version}, a service this test does not know how to call")
+
+
+async def test_every_service_get_info_lists_answers(agent):
+    info = await kc.get_info(agent.settings.registration_socket)
+    assert info.supported_versions
+    for version in info.supported_versions:
+        await call(agent.settings.dra_socket, version)
+
+
+@pytest.mark.parametrize("health", [True, False], ids=["with-health", "without-health"])
+async def test_get_info_lists_exactly_what_the_dra_socket_serves(short_tmp, health):
+    """A listed health service that answered Unimplemented would make the kubelet stop watching for
+    good; one served but not listed would never be watched."""
+    node = await make_node(short_tmp)
+    tracker = HealthTracker(pool=NODE)
+    await tracker.update(node.inventory.snapshot())
+    servers = Servers(node.settings, health=health)
+    with pytest.raises(RuntimeError, match="health"):
+        servers.attach(node.engine, None if health else tracker)
+    servers.attach(node.engine, tracker if health else None)
+    await servers.start_registration()
+    await servers.start_dra()
+    try:
+        info = await kc.get_info(node.settings.registration_socket)
+        listed = list(info.supported_versions)
+        assert listed == ["v1.DRAPlugin", "v1beta1.DRAPlugin",
+                          *(["v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"] if health else [])]
+        for version in listed:
+            await call(node.settings.dra_socket, version)
+        for version in ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"):
+            if version not in listed:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(node.settings.dra_socket, version)
+                assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await servers.stop(grace=0)
+        node.inventory.close()
 
 
 async def test_sockets_are_0600_at_the_contract_paths(agent):
@@ -88,9 +147,12 @@ async def test_one_entry_per_claim_and_errors_are_per_claim(agent):
 async def test_get_info_answers_within_the_kubelets_1s_while_50_prepares_are_in_flight(agent):
     source = agent.engine.claims
     real_read = source.read
+    reading = threading.Semaphore(0)
+    go_on = threading.Event()
 
     def slow_read(namespace, name):  # a claim source that takes its time, in the worker threads
-        time.sleep(2)
+        reading.release()
+        assert go_on.wait(60), "never let go"
         return real_read(namespace, name)
 
     source.read = slow_read
@@ -102,11 +164,15 @@ async def test_get_info_answers_within_the_kubelets_1s_while_50_prepares_are_in_
         refs.append(ClaimRef("default", f"c{i}", uid))
     async with kc.DRAClient(agent.settings.dra_socket) as client:
         calls = [asyncio.create_task(client.prepare([r])) for r in refs]
-        await asyncio.sleep(0.5)
-        assert not any(c.done() for c in calls)
-        for _ in range(5):
-            info = await kc.get_info(agent.settings.registration_socket, timeout=kc.GET_INFO_TIMEOUT)
-            assert info.name == DRIVER
+        try:
+            for _ in refs:  # every prepare is in the agent, reading its claim
+                assert await asyncio.to_thread(reading.acquire, True, 60), "the prepares did not all start"
+            for _ in range(5):
+                info = await kc.get_info(agent.settings.registration_socket, timeout=kc.GET_INFO_TIMEOUT)
+                assert info.name == DRIVER
+            assert not any(c.done() for c in calls)
+        finally:
+            go_on.set()
         responses = await asyncio.gather(*calls)
     assert all(r.claims[ref.uid].error == "" for r, ref in zip(responses, refs, strict=True))
 
@@ -124,8 +190,7 @@ async def test_health_stream_sends_the_full_list_then_changes(agent, api):
 
     gpus = next(s for s in agent.inventory.sources if s.kind == "gpu")
     gpus.nvml.inject_error(2, "nvmlDeviceGetMemoryInfo", pynvml.NVML_ERROR_GPU_IS_LOST)
-    assert await agent.inventory.scan(["gpu"])
-    await agent._changed()
+    assert await agent.rescan(["gpu"])
     second = await asyncio.wait_for(anext(stream), 10)
     by_name = {d.device.device_name: d for d in second.devices}
     assert len(by_name) == len(devices)  # still the complete list
@@ -238,3 +303,53 @@ async def test_unreachable_socket_fails_fast_with_unavailable(tmp_path):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await kc.get_info(tmp_path / "nothing.sock")
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class GatedPublisher:
+    """The agent's publisher, held at the gate while `open` is clear (an API server that does not answer)."""
+
+    def __init__(self, publisher):
+        self.publisher = publisher
+        self.open = asyncio.Event()
+        self.open.set()
+
+    async def sync(self, devices):
+        await self.open.wait()
+        return await self.publisher.sync(devices)
+
+    async def close(self):
+        await self.publisher.close()
+
+
+async def test_a_device_gone_from_discovery_is_reported_until_the_published_pool_drops_it(
+        short_tmp, agents, monkeypatch):
+    a, b = nic("nic-a", "ens1f0", "02:00:00:00:00:01"), nic("nic-b", "ens1f1", "02:00:00:00:00:02")
+    source = StaticSource("nic", [a, b])
+    monkeypatch.setattr("agent.app.daemon.build_sources", lambda s: [source])
+    agent = Agent(roots(short_tmp, rescan_interval=3600.0))
+    agents.append(agent)
+    await agent.start()
+    await published(agent)
+    gate = GatedPublisher(agent.publish.publisher)
+    agent.publish.publisher = gate
+    agent.tracker.interval = 0.2  # resent often, so the test sees many reports
+    stream = kc.watch_health(agent.settings.dra_socket)
+
+    async def report():
+        response = await asyncio.wait_for(anext(stream), 10)
+        return {d.device.device_name: (d.health, d.message) for d in response.devices}
+
+    assert await report() == {"nic-a": (1, ""), "nic-b": (1, "")}
+    gate.open.clear()
+    source.devices = [a]  # nic-b unplugged; the pool without it is not published yet
+    assert await agent.inventory.scan(["nic"])
+    await agent._changed()
+    for _ in range(5):
+        assert await report() == {"nic-a": (1, ""), "nic-b": (2, "device is no longer found on this node")}
+    gate.open.set()
+    await asyncio.wait_for(agent.publish.wait_published(), 10)
+    for _ in range(3):  # a report already on its way may still hold it
+        if (latest := await report()) == {"nic-a": (1, "")}:
+            break
+    assert latest == {"nic-a": (1, "")}
+    await stream.aclose()

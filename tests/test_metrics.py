@@ -13,7 +13,7 @@ import pytest
 from agentkit import DRIVER, claim, result, roots, write_claim
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent import metrics as metrics_mod
+from agent.app import httpserver
 from agent.app.daemon import Agent
 from agent.config import DEFAULT_METRICS_ADDRESS, OPTIONS, ConfigError, build_settings, settings_from
 from agent.inventory.netwatch import NetEvent
@@ -87,19 +87,25 @@ async def test_metrics_after_prepare_and_probes(started, http):
     assert health.status_code == 200, health.text
     assert "[+]registration-server ok" in health.text and "[+]dra-server ok" in health.text
 
-    # No kubelet has registered the plugin yet: not ready, and it says why.
-    ready = await http.get(f"{url}/readyz")
-    assert ready.status_code == 503
-    assert "[-]kubelet-registration failed: the kubelet has not registered the plugin yet" in ready.text
-
-    await kc.notify_registration(agent.settings.registration_socket, True)
-
     async def is_ready() -> httpx2.Response | None:
         r = await http.get(f"{url}/readyz")
         return r if r.status_code == 200 else None
 
+    # Offline, no kubelet has registered the plugin yet: ready once the slices are written, and it says
+    # so (in a cluster readiness waits for the kubelet: test_agent_cluster.py).
     ready = await eventually(is_ready, "/readyz answers 200")
-    assert "[+]kubelet-registration ok" in ready.text and "[+]slices ok: " in ready.text
+    assert "[+]kubelet-registration ok: offline: no kubelet has registered the plugin" in ready.text
+    assert "[+]slices ok: " in ready.text
+
+    await kc.notify_registration(agent.settings.registration_socket, True)
+    ready = await eventually(is_ready, "/readyz answers 200")
+    assert "[+]kubelet-registration ok: the kubelet registered the plugin" in ready.text
+    assert "[+]slices ok: " in ready.text
+    await kc.notify_registration(agent.settings.registration_socket, False, "no such driver here")
+    rejected = await http.get(f"{url}/readyz")  # a kubelet that says no is heard offline too
+    assert rejected.status_code == 503
+    assert "[-]kubelet-registration failed: the kubelet rejected the plugin: no such driver here" in rejected.text
+    await kc.notify_registration(agent.settings.registration_socket, True)
 
     async with kc.DRAClient(agent.settings.dra_socket) as client:
         prepared = await client.prepare([ClaimRef("default", "one", UID1)])
@@ -189,7 +195,7 @@ async def test_http_details(started, http):
 async def test_a_taken_port_does_not_stop_the_agent(started, http, monkeypatch):
     """During a rolling update the old agent holds the port until it exits: the new one starts anyway
     and takes the port when it is free."""
-    monkeypatch.setattr(metrics_mod, "REBIND_INTERVAL", 0.05)
+    monkeypatch.setattr(httpserver, "REBIND_INTERVAL", 0.05)
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
     blocker.listen()
@@ -203,16 +209,36 @@ async def test_a_taken_port_does_not_stop_the_agent(started, http, monkeypatch):
     assert (await http.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
 
 
-async def test_netlink_events_are_counted_by_kind(short_tmp):
-    agent = Agent(roots(short_tmp))
+class ScriptedNetlink:
+    """The daemon's netlink watcher, delivering three events and then none."""
 
-    async def events() -> AsyncIterator[NetEvent]:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def events(self) -> AsyncIterator[NetEvent]:
         for kind in ("link-changed", "link-changed", "address-added"):
             yield NetEvent(kind)
+        await asyncio.Event().wait()
 
-    seen = [e.kind async for e in agent._counted(events())]
-    assert seen == ["link-changed", "link-changed", "address-added"]
-    assert agent.metrics.registry.get_sample_value("dra_agent_netlink_events_total", {"kind": "link-changed"}) == 2
+    async def close(self) -> None:
+        pass
+
+
+async def test_netlink_events_are_counted_by_kind(started, http, monkeypatch):
+    monkeypatch.setattr("agent.inventory.netwatch.NetlinkWatcher", ScriptedNetlink)
+    agent = await started()
+
+    async def counted() -> Any:
+        samples = await scrape(http, agent)
+        return samples.get(("dra_agent_netlink_events_total", (("kind", "address-added"),)))
+
+    await eventually(counted, "the address event counted")
+    samples = await scrape(http, agent)
+    assert samples[("dra_agent_netlink_events_total", (("kind", "link-changed"),))] == 2
+    assert samples[("dra_agent_netlink_events_total", (("kind", "address-added"),))] == 1
 
 
 def test_metrics_address_setting():

@@ -1,6 +1,8 @@
 """Dynamic MIG: the simulated NVML's MIG calls and placement rules, the MIG devices published on each
 GPU's counter set (valid under the 1.37 schema and the API's counter rules), and the proof that the
-counter model is the hardware's: a set of devices fits the counters exactly when NVML creates it."""
+counter model is the hardware's: for every GPU model the simulator knows, the published devices and a
+set of them fitting the counters are checked against NVIDIA's published profiles and placements
+(tests/mig_facts.py), and the simulated NVML is held to the same facts."""
 
 from __future__ import annotations
 
@@ -9,17 +11,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+import mig_facts
 import pynvml
 import pytest
 from agentkit import fits, valid_pool
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mig_facts import GPUS
 
-from agent import apirules, counters
+from agent import apirules, counters, quantity
 from agent.config import NvmlMode, Settings
+from agent.facts import GpuFacts, MigPlacement
 from agent.inventory import mig
 from agent.inventory.gpus import GpuSource
 from agent.model import Device
+from agent.sim.migprofiles import MIG_TABLES
 from agent.sim.nvml import SimulatedNvml
 from agent.sim.profiles import parse_profile
 
@@ -28,12 +34,28 @@ NODE = "node-a"
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memoryTotal": 85520809984, "busId": "0000:18:00.0",
         "architecture": "NVML_DEVICE_ARCH_HOPPER", "computeCapability": [9, 0], "migMode": [0, 0],
         "migProfiles": "h100-80gb", "pciDeviceId": 0x233010DE}
-PROFILES = {"1g.10gb": (19, 7, 1), "1g.10gb+me": (20, 7, 1), "1g.20gb": (15, 4, 2), "2g.20gb": (14, 3, 2),
-            "3g.40gb": (9, 2, 4), "4g.40gb": (5, 1, 4), "7g.80gb": (0, 1, 8)}  # id, placements, size
+# One simulated GPU of each model the simulator has MIG tables for (what NVML says besides MIG).
+_AMPERE = {"architecture": "NVML_DEVICE_ARCH_AMPERE", "computeCapability": [8, 0]}
+MACHINES: dict[str, dict[str, Any]] = {
+    "a30-24gb": {"name": "NVIDIA A30", "memoryTotal": 25769803776, "pciDeviceId": 0x20B710DE, **_AMPERE},
+    "a100-40gb": {"name": "NVIDIA A100-SXM4-40GB", "memoryTotal": 42949672960, "pciDeviceId": 0x20B010DE,
+                  **_AMPERE},
+    "a100-80gb": {"name": "NVIDIA A100-SXM4-80GB", "memoryTotal": 85899345920, "pciDeviceId": 0x20B210DE,
+                  **_AMPERE},
+    "h100-80gb": H100,
+    "h100-94gb": {**H100, "name": "NVIDIA H100 NVL", "memoryTotal": 100485038080, "pciDeviceId": 0x232110DE},
+    "h100-96gb": {**H100, "name": "NVIDIA GH200 96GB HBM3", "memoryTotal": 102625181696, "pciDeviceId": 0x234210DE},
+    "h200-141gb": {**H100, "name": "NVIDIA H200", "memoryTotal": 150754820096, "pciDeviceId": 0x233510DE},
+}
+MODELS = sorted(MIG_TABLES)
 
 
-def one_gpu(mode: int = 0) -> SimulatedNvml:
-    nvml = SimulatedNvml(parse_profile("one", {"gpus": [dict(H100, migMode=[mode, mode])]}))
+def machine(model: str, mode: int = 0) -> dict[str, Any]:
+    return {"gpus": [{"busId": "0000:18:00.0", **MACHINES[model], "migMode": [mode, mode], "migProfiles": model}]}
+
+
+def one_gpu(mode: int = 0, model: str = "h100-80gb") -> SimulatedNvml:
+    nvml = SimulatedNvml(parse_profile("one", machine(model, mode)))
     nvml.nvmlInit()
     return nvml
 
@@ -58,17 +80,25 @@ def scan(tmp_path: Path, profile: str, dynamic_mig: bool | None = True) -> list[
         source.close()
 
 
+def text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 # -- the simulated NVML ---------------------------------------------------------------------------------
 
-def test_profiles_and_placements_are_the_h100s() -> None:
-    nvml = one_gpu()
+@pytest.mark.parametrize("model", MODELS)
+def test_the_simulated_nvml_answers_nvidias_published_profiles(model: str) -> None:
+    """Every profile of the model as the guide tables it: name, compute slices, engines, instances, and
+    the placements (start, size); nothing the guide does not list."""
+    facts = GPUS[model]
+    nvml = one_gpu(model=model)
     gpu = nvml.nvmlDeviceGetHandleByIndex(0)
     seen = {}
     for enum in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
         try:
             info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(gpu, enum)
         except pynvml.NVMLError as exc:
-            assert exc.value == pynvml.NVML_ERROR_NOT_SUPPORTED  # profiles an H100 does not offer
+            assert exc.value == pynvml.NVML_ERROR_NOT_SUPPORTED  # profiles this GPU does not offer
             continue
         count = ctypes.c_uint(0)
         nvml.nvmlDeviceGetGpuInstancePossiblePlacements(gpu, info.id, None, ctypes.byref(count))
@@ -78,10 +108,18 @@ def test_profiles_and_placements_are_the_h100s() -> None:
             pynvml.NVML_ERROR_INSUFFICIENT_SIZE and small.value == count.value
         out = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
         nvml.nvmlDeviceGetGpuInstancePossiblePlacements(gpu, info.id, out, ctypes.byref(count))
-        seen[mig._text(info.name).removeprefix("MIG ")] = (info.id, len(out), {p.size for p in out}.pop())
-    assert seen == PROFILES
+        (size,) = {p.size for p in out}
+        seen[text(info.name).removeprefix("MIG ")] = mig_facts.Profile(
+            text(info.name).removeprefix("MIG "), size, info.sliceCount, info.decoderCount, info.jpegCount,
+            info.ofaCount, info.copyEngineCount, info.instanceCount, tuple(p.start for p in out))
+    assert seen == {p.name: p for p in facts.profiles}
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(gpu) == facts.compute_slices
     assert code(nvml.nvmlDeviceGetGpuInstanceProfileInfo, gpu, pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT) == \
         pynvml.NVML_ERROR_INVALID_ARGUMENT
+
+
+def test_every_simulated_model_has_published_facts() -> None:
+    assert set(MIG_TABLES) <= set(GPUS) and set(MACHINES) == set(GPUS)
 
 
 def test_creating_instances_follows_nvmls_rules() -> None:
@@ -153,15 +191,14 @@ def test_every_placement_is_published_within_the_api_limits(tmp_path: Path, prof
     devices = scan(tmp_path, profile)
     objs = valid_pool(devices)
     published = {d["name"]: d for o in objs for d in o["spec"].get("devices", [])}
-    assert len(published) == len(devices) == gpus * (2 + 25)  # nothing dropped
+    per_gpu = sum(len(p.starts) for p in GPUS["h100-80gb"].profiles)
+    assert per_gpu == 25 and len(published) == len(devices) == gpus * (2 + per_gpu)  # nothing dropped
     assert [("sharedCounters" in o["spec"]) for o in objs[:counter_slices + 1]] == [True] * counter_slices + [False]
     sets = {s["name"]: s["counters"] for o in objs for s in o["spec"].get("sharedCounters", [])}
     assert len(sets) == gpus and all(len(c) <= apirules.MAX_COUNTERS_PER_SET for c in sets.values())
     migs = [d for d in devices if d.kind == "mig"]
-    assert {(d.attributes["profile"], d.attributes["placementStart"]) for d in migs if
-            d.name.startswith("gpu-0-")} == {(p, s) for p, (_, n, size) in PROFILES.items()
-                                            for s in range(0, 8, size)[:n] if p != "1g.10gb+me"} | {
-        ("1g.10gb+me", s) for s in range(7)}
+    assert {(d.attributes["profile"], d.attributes["placementStart"]) for d in migs if d.name.startswith("gpu-0-")} \
+        == {(p.name, s) for p in GPUS["h100-80gb"].profiles for s in p.starts}
     gpu0 = {d.name: d for d in devices if d.name == "gpu-0" or d.name.startswith("gpu-0-")}
     parent = gpu0["gpu-0"]
     whole = parent.consumes_counters[0].counter_set
@@ -181,7 +218,8 @@ def test_every_placement_is_published_within_the_api_limits(tmp_path: Path, prof
         "resource.kubernetes.io/pciBusID"] == parent.attributes["resource.kubernetes.io/pciBusID"])
     assert parent.consumes_counters[0].counters == variant.consumes_counters[0].counters == whole.counters
     assert all(len(n) <= 63 and not apirules.dns_label_errors(n) for n in published)
-    assert mig.placement_of(me) == mig.MigPlacement(str(parent.attributes["uuid"]), "1g.10gb+me", 3, 1)
+    assert me.node == GpuFacts(parent.node.gpu, MigPlacement("1g.10gb+me", 3, 1))
+    assert me.node.gpu.uuid == parent.attributes["uuid"]
 
 
 def test_dynamic_mig_off_publishes_no_placement_and_plain_sets(tmp_path: Path) -> None:
@@ -195,35 +233,116 @@ def test_a_gpu_offering_no_profile_gets_no_mig_devices(tmp_path: Path) -> None:
     path.write_text(json.dumps({"gpus": [dict(H100, migProfiles="")]}))
     devices = scan(tmp_path, str(path))
     assert [d.kind for d in devices] == ["gpu", "vfio"]
-    assert mig.placement_of(devices[0]) is None
+    assert devices[0].node.target is None
 
 
-# -- the counter model is the hardware's ------------------------------------------------------------------
+# -- the counter model is NVIDIA's ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gpu0(tmp_path_factory: pytest.TempPathFactory) -> list[Device]:
-    """gpu-0 of a one-H100 machine in all its forms: whole, passthrough, 25 placements."""
-    root = tmp_path_factory.mktemp("mig")
-    path = root / "one.json"
-    path.write_text(json.dumps({"gpus": [H100]}))
-    return scan(root, str(path))
+def forms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Device]]:
+    """gpu-0 of a one-GPU machine of each model, in all its forms: whole, passthrough, every placement."""
+    out = {}
+    for model in MODELS:
+        root = tmp_path_factory.mktemp(model)
+        path = root / "one.json"
+        path.write_text(json.dumps(machine(model)))
+        out[model] = scan(root, str(path))
+    return out
 
 
-def nvml_accepts(devices: list[Device]) -> bool:
-    """Whether the simulated NVML makes all of `devices`, in this order: a whole form of the GPU only
-    alone (MIG off); MIG devices as a GPU instance at their placement and its compute instance."""
+def where(dev: Device) -> tuple[str, int]:
+    found = dev.node.target if isinstance(dev.node, GpuFacts) else None
+    assert isinstance(found, MigPlacement)
+    return found.profile, found.start
+
+
+def facts_allow(model: str, devices: list[Device]) -> bool:
+    """Whether NVIDIA's facts allow all of `devices` at once: a whole form of the GPU only alone (MIG
+    off), MIG devices as GPU instances at their placements."""
     if any(d.kind != "mig" for d in devices):
         return len(devices) == 1
-    nvml = one_gpu()
+    return mig_facts.fits(GPUS[model], [where(d) for d in devices])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_published_mig_devices_are_nvidias_profiles_and_placements(model: str, forms) -> None:
+    facts = GPUS[model]
+    devices = {d.name: d for d in forms[model]}
+    migs = [d for d in devices.values() if d.kind == "mig"]
+    assert sorted((*where(d), d.attributes["placementSize"]) for d in migs) == sorted(
+        (p.name, s, p.memory_slices) for p in facts.profiles for s in p.starts)
+    whole = next(d for d in migs if d.attributes["profile"] == facts.whole.name)
+    whole_memory = quantity.parse_int(whole.capacity["memory"].value)
+    for dev in migs:
+        p = facts.profile(str(dev.attributes["profile"]))
+        caps = {k: c.value for k, c in dev.capacity.items()}
+        assert (caps["copyEngines"], caps["decoders"], caps["jpegEngines"], caps["ofaEngines"]) == (
+            str(p.copy_engines), str(p.decoders), str(p.jpegs), str(p.ofas)), dev.name
+        # Its memory: the profile's fraction of the whole GPU instance's, to 5%.
+        share = quantity.parse_int(caps["memory"]) / whole_memory
+        assert abs(share - p.memory_slices / facts.memory_slices) <= 0.05 * p.memory_slices / facts.memory_slices
+        [use] = dev.consumes_counters
+        assert {k for k in use.counters if k.startswith("memory-slice-")} == {
+            counters.memory_slice(i) for i in range(where(dev)[1], where(dev)[1] + p.memory_slices)}
+    parent = devices["gpu-0"].consumes_counters[0].counter_set.counters
+    assert {k for k in parent if k.startswith("memory-slice-")} == {
+        counters.memory_slice(i) for i in range(facts.memory_slices)}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_any_two_forms_fit_the_counters_exactly_when_nvidia_allows_both(model: str, forms) -> None:
+    devices = forms[model]
+    for a in devices:
+        for b in devices:
+            if a is not b:
+                assert fits([a, b]) == facts_allow(model, [a, b]), (a.name, b.name)
+    assert all(fits([d]) and facts_allow(model, [d]) for d in devices)
+
+
+def test_the_guides_side_by_side_instances_fit_the_counters(forms) -> None:
+    by_place = {where(d): d for d in forms["a100-40gb"] if d.kind == "mig"}
+    for placed in mig_facts.A100_SIDE_BY_SIDE:
+        devices = [by_place[p] for p in placed]
+        assert mig_facts.fits(GPUS["a100-40gb"], list(placed)) and fits(devices), placed
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_set_fits_the_counters_exactly_when_nvidia_allows_it(forms, data: st.DataObject) -> None:
+    model = data.draw(st.sampled_from(MODELS))
+    picked = data.draw(st.lists(st.sampled_from(forms[model]), min_size=1, max_size=8, unique_by=lambda d: d.name))
+    assert fits(picked) == facts_allow(model, picked)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_every_full_packing_the_counters_allow_nvidia_allows(forms, data: st.DataObject) -> None:
+    # Greedy over a random order: large sets that fit, down to a whole GPU's worth of placements.
+    model = data.draw(st.sampled_from(MODELS))
+    chosen: list[Device] = []
+    for dev in data.draw(st.permutations([d for d in forms[model] if d.kind == "mig"])):
+        if fits([*chosen, dev]):
+            chosen.append(dev)
+    assert facts_allow(model, chosen)
+    leftovers = [d for d in forms[model] if d not in chosen]
+    assert all(not fits([*chosen, d]) and not facts_allow(model, [*chosen, d]) for d in leftovers)
+
+
+# -- the simulated NVML creates what NVIDIA allows ----------------------------------------------------------
+
+def nvml_accepts(model: str, devices: list[Device]) -> bool:
+    """Whether the simulated NVML makes all of `devices`, in this order: MIG devices as a GPU instance at
+    their placement and its compute instance."""
+    nvml = one_gpu(model=model)
     gpu = nvml.nvmlDeviceGetHandleByIndex(0)
     nvml.nvmlDeviceSetMigMode(gpu, pynvml.NVML_DEVICE_MIG_ENABLE)
     for dev in devices:
-        where = mig.placement_of(dev)
-        assert where is not None
-        profile = mig.find_profile(nvml, gpu, where.profile)
+        found = dev.node.target
+        assert isinstance(found, MigPlacement)
+        profile = mig.find_profile(nvml, gpu, found.profile)
         assert profile is not None
         try:
-            gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, profile.id, placement(where.start, where.size))
+            gi = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, profile.id, placement(found.start, found.size))
         except pynvml.NVMLError as exc:
             assert exc.value == pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES
             return False
@@ -232,31 +351,11 @@ def nvml_accepts(devices: list[Device]) -> bool:
     return True
 
 
-def test_any_two_forms_fit_exactly_when_nvml_takes_both(gpu0: list[Device]) -> None:
-    for a in gpu0:
-        for b in gpu0:
-            if a is not b:
-                assert fits([a, b]) == nvml_accepts([a, b]), (a.name, b.name)
-    assert all(fits([d]) and nvml_accepts([d]) for d in gpu0)
-
-
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
-def test_a_set_fits_the_counters_exactly_when_nvml_creates_it_in_any_order(gpu0: list[Device],
-                                                                           data: st.DataObject) -> None:
-    picked = data.draw(st.lists(st.sampled_from(gpu0), min_size=1, max_size=8, unique_by=lambda d: d.name))
-    assert fits(picked) == nvml_accepts(data.draw(st.permutations(picked)))
-
-
-@settings(max_examples=150, deadline=None)
-@given(data=st.data())
-def test_every_full_packing_the_counters_allow_nvml_creates(gpu0: list[Device], data: st.DataObject) -> None:
-    # Greedy over a random order: large sets that fit, down to a whole GPU's worth of placements.
-    chosen: list[Device] = []
-    for dev in data.draw(st.permutations([d for d in gpu0 if d.kind == "mig"])):
-        if fits([*chosen, dev]):
-            chosen.append(dev)
-    assert nvml_accepts(data.draw(st.permutations(chosen)))
-    leftovers = [d for d in gpu0 if d not in chosen]
-    assert all(not fits([*chosen, d]) for d in leftovers)  # maximal: NVML has no room left either
-    assert all(not nvml_accepts([*chosen, d]) for d in leftovers[:3])
+def test_the_simulated_nvml_creates_a_set_in_any_order_exactly_when_nvidia_allows_it(
+        forms, data: st.DataObject) -> None:
+    model = data.draw(st.sampled_from(MODELS))
+    migs = [d for d in forms[model] if d.kind == "mig"]
+    picked = data.draw(st.lists(st.sampled_from(migs), min_size=1, max_size=8, unique_by=lambda d: d.name))
+    assert nvml_accepts(model, data.draw(st.permutations(picked))) == facts_allow(model, picked)

@@ -376,7 +376,8 @@ async def test_watcher_close_and_cancellation_release_everything(ns: NetNS) -> N
     await watcher.start()
     assert _fds() > fds  # the netlink socket
     blocked = asyncio.create_task(anext(watcher))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop (not a wait for time): the task now waits for an event
+    assert not blocked.done()
     await watcher.close()
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(blocked, 10)

@@ -18,8 +18,10 @@ from kubeapi import RESOURCE_SLICES, KubeApi
 
 from agent import apirules, counters
 from agent.config import NvmlMode, Settings
+from agent.facts import NicFacts
 from agent.inventory.gpus import GpuSource
 from agent.inventory.passthrough import NicVariants
+from agent.kinds import Kind
 from agent.kube import Backoff, NodeInfo, read_node
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, CounterConsumption, CounterSet, Device
 from agent.publish.apiserver import ApiPublisher, DirectoryPublisher
@@ -219,8 +221,8 @@ def test_a_vf_on_vfio_keeps_its_variant_and_mac(mixed: GpuSource) -> None:
 def test_ports_of_one_function_share_its_set_and_the_variant_takes_them_all(mixed: GpuSource) -> None:
     sys = sim_sys(mixed)
     bus = "0000:8b:00.0"
-    ports = [Device(name=f"nic-{bus.replace(':', '-').replace('.', '-')}{suffix}", kind="nic",
-                    attributes={"type": "nic", PCI_BUS_ID: bus})
+    ports = [Device(name=f"nic-{bus.replace(':', '-').replace('.', '-')}{suffix}", kind=Kind.NIC,
+                    attributes={"type": "nic", PCI_BUS_ID: bus}, node=NicFacts("", pci_bus_id=bus))
              for suffix in ("", "-p1")]
     out = {d.name: d for d in NicVariants(passthrough=("eno1",)).apply(sys, ports)}
     full = counters.nic_counter_set(bus, 2)
@@ -283,7 +285,7 @@ def consuming(n: int, definition: dict[str, str] | None = None) -> list[Device]:
     out = []
     for i in range(n):
         cs = CounterSet(f"set-{i:03d}", definition or {"gpu": "1"})
-        out.append(Device(name=f"dev-{i:03d}", kind="gpu", consumes_counters=(CounterConsumption.all_of(cs),)))
+        out.append(Device(name=f"dev-{i:03d}", kind=Kind.GPU, consumes_counters=(CounterConsumption.all_of(cs),)))
     return out
 
 
@@ -299,10 +301,10 @@ def test_many_functions_split_8_sets_and_64_devices_per_slice() -> None:
 def test_a_device_whose_set_disagrees_or_breaks_a_rule_is_not_published(caplog: pytest.LogCaptureFixture) -> None:
     first, second = consuming(2)
     other = CounterSet("set-000", {"gpu": "2"})  # the same name, another definition
-    clash = Device(name="dev-zzz", kind="vfio", consumes_counters=(CounterConsumption.all_of(other),))
-    broken = Device(name="dev-bad", kind="gpu",
+    clash = Device(name="dev-zzz", kind=Kind.VFIO, consumes_counters=(CounterConsumption.all_of(other),))
+    broken = Device(name="dev-bad", kind=Kind.GPU,
                     consumes_counters=(CounterConsumption.all_of(CounterSet("Bad_Set", {"gpu": "1"})),))
-    greedy = Device(name="dev-more", kind="gpu",
+    greedy = Device(name="dev-more", kind=Kind.GPU,
                     consumes_counters=(CounterConsumption(first.consumes_counters[0].counter_set, {"x": "1"}),))
     with caplog.at_level(logging.WARNING, logger="agent.publish.slices"):
         chunks = chunk_devices([first, second, clash, broken, greedy])
@@ -315,8 +317,8 @@ def test_a_device_whose_set_disagrees_or_breaks_a_rule_is_not_published(caplog: 
 def test_a_device_with_more_than_two_counter_consumptions_is_not_published(
         caplog: pytest.LogCaptureFixture) -> None:
     sets = [CounterSet(f"set-{i}", {"gpu": "1"}) for i in range(3)]
-    three = Device(name="dev-three", kind="gpu", consumes_counters=tuple(CounterConsumption.all_of(s) for s in sets))
-    two = Device(name="dev-two", kind="gpu", consumes_counters=tuple(CounterConsumption.all_of(s) for s in sets[:2]))
+    three = Device(name="dev-three", kind=Kind.GPU, consumes_counters=tuple(CounterConsumption.all_of(s) for s in sets))
+    two = Device(name="dev-two", kind=Kind.GPU, consumes_counters=tuple(CounterConsumption.all_of(s) for s in sets[:2]))
     with caplog.at_level(logging.WARNING, logger="agent.publish.slices"):
         chunks = chunk_devices([three, two])
     published = [d["name"] for c in chunks.slices if not isinstance(c, CounterChunk) for d in c]

@@ -48,7 +48,7 @@ async def test_one_gpu_gets_claim_spec_metadata_file_and_metadata_spec(node):
     assert cdev["name"] == f"{UID1}-gpu-3"
     gpu = node.inventory.get("gpu-3")
     edits = cdev["containerEdits"]
-    assert f"DRA_GPU_3_UUID={gpu.node.gpu_uuid}" in edits["env"]
+    assert f"DRA_GPU_3_UUID={gpu.node.gpu.uuid}" in edits["env"]
     assert {n["path"] for n in edits["deviceNodes"]} == {
         "/dev/nvidia3", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
     sim_dev = s.state_dir / "nvml-sim" / "dev"
@@ -217,7 +217,7 @@ async def test_unprepare_of_an_unknown_claim_succeeds(node):
 
 async def test_prepare_fails_cleanly_when_a_device_node_is_missing(node):
     gpu = node.inventory.get("gpu-2")
-    os.unlink(gpu.node.device_nodes[0].host_path)
+    os.unlink(gpu.device_nodes[0].host_path)
     write_claim(node.claims_dir, claim("c", UID1, [result("gpu-2")]))
     before = written_files(node.settings)
     res = await prepare_one(node, "c", UID1)
@@ -231,12 +231,12 @@ async def test_toolkit_cdi_device_is_added_when_its_spec_is_present(node):
     static.mkdir(parents=True)
     (static / "nvidia.yaml").write_text(
         "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n"
-        f"- name: '{gpu.node.gpu_uuid}'\n  containerEdits: {{deviceNodes: [{{path: /dev/nvidia4}}]}}\n"
+        f"- name: '{gpu.node.gpu.uuid}'\n  containerEdits: {{deviceNodes: [{{path: /dev/nvidia4}}]}}\n"
         "- name: '4'\n  containerEdits: {deviceNodes: [{path: /dev/nvidia4}]}\n")
     write_claim(node.claims_dir, claim("c", UID1, [result("gpu-4"), result("gpu-5")]))
     res = await prepare_one(node, "c", UID1)
     assert list(res.devices[0].cdi_device_ids[:2]) == [f"{DRIVER}/claim={UID1}-gpu-4",
-                                                 f"nvidia.com/gpu={gpu.node.gpu_uuid}"]
+                                                 f"nvidia.com/gpu={gpu.node.gpu.uuid}"]
     assert res.devices[1].cdi_device_ids == (f"{DRIVER}/claim={UID1}-gpu-5",)
 
 

@@ -17,6 +17,7 @@ from kubeapi import RESOURCE_SLICES, KubeApi
 from agent.app.assembly import PublishedForm, build_sources, set_node_allocatable
 from agent.inventory import Inventory
 from agent.inventory.nics import NicSource
+from agent.kinds import Kind
 from agent.kube import NODE_ALLOCATABLE_FEATURE, Backoff, NodeInfo, read_node
 from agent.model import NUMA_NODE, Capacity, Device, Taint, Version
 from agent.publish.apiserver import ApiPublisher, DirectoryPublisher, Publisher
@@ -46,18 +47,18 @@ def synthetic() -> list[Device]:
     """Devices with what is easy to get wrong on a round trip: taints the server stamps, versions,
     consumable capacity with a request policy, node-allocatable mappings, strings YAML would read
     as numbers or dates, and enough devices for several slices."""
-    devices = [Device(name=f"nic-{i:03d}", kind="nic", attributes={
+    devices = [Device(name=f"nic-{i:03d}", kind=Kind.NIC, attributes={
         "type": "nic", "mtu": 9000, "linkUp": i % 2 == 0, "ipv4": f"10.0.{i}.5/24",
         "resource.kubernetes.io/pciBusID": f"0000:{i % 256:02x}:00.0", "macAddress": "02:00:00:00:00:01",
         "note": "1e3", "when": "2026-03-01", "yes": "no", "octal": "0755"}) for i in range(150)]
     devices[3].taints = [Taint(key=f"{DRIVER}/link-down", effect="NoSchedule")]
     devices[4].taints = [Taint(key=f"{DRIVER}/xid", value="79", effect="NoExecute",
                                time_added="2026-03-01T10:00:00Z")]
-    devices.append(Device(name="gpu-0", kind="gpu", attributes={
+    devices.append(Device(name="gpu-0", kind=Kind.GPU, attributes={
         "type": "gpu", "driverVersion": Version("570.124.6"), NUMA_NODE: 0},
         capacity={"memory": Capacity("81559Mi")}))
     devices.append(Device(
-        name="cpu-numa0", kind="cpu", attributes={"type": "cpu", NUMA_NODE: 0},
+        name="cpu-numa0", kind=Kind.CPU, attributes={"type": "cpu", NUMA_NODE: 0},
         capacity={"cpus": Capacity("96", request_policy={"default": "1", "validRange": {"min": "1", "step": "1"}})},
         allow_multiple_allocations=True,
         node_allocatable={"cpu": {"mapping": {"capacityKey": "cpus", "capacityMultiplier": "1"}}}))

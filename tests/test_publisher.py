@@ -16,6 +16,7 @@ from kubeapi import RESOURCE_SLICES, Fault, KubeApi
 
 from agent import kube
 from agent.config import Settings
+from agent.kinds import Kind
 from agent.kube import Backoff, NodeInfo, NodeNotFound, connect, read_node, read_offline_node
 from agent.model import Device, Taint
 from agent.publish.apiserver import ApiPublisher, DirectoryPublisher, PublishError, PublishLoop
@@ -29,7 +30,7 @@ FAST = Backoff(initial=0.01, maximum=0.05, attempts=4)
 
 
 def nics(n: int, **attrs: Any) -> list[Device]:
-    return [Device(name=f"nic-{i:03d}", kind="nic",
+    return [Device(name=f"nic-{i:03d}", kind=Kind.NIC,
                    attributes={"type": "nic", "ifName": f"ens{i}", "mtu": 1500, **attrs}) for i in range(n)]
 
 
@@ -555,3 +556,80 @@ async def test_a_pool_breaking_api_rules_is_not_published(tmp_path: Path, settin
     with pytest.raises(PublishError, match="break API rules"):
         await publisher.sync(nics(4))
     assert identities(tmp_path) == before and ours(kube_api) == posted
+
+
+# -- a field the API server drops ----------------------------------------------------------------
+
+def mig_and_vgpu() -> list[Device]:
+    """A MIG placement and a vGPU of one GPU, on its counter set (what `--compatibility-groups` keeps apart)."""
+    from agent import counters
+    from agent.facts import GpuFacts, GpuIdentity, MigPlacement, VgpuType
+    from agent.kinds import Kind
+    from agent.model import PCI_BUS_ID, CounterConsumption
+
+    bus = "0000:18:00.0"
+    gpu = GpuIdentity(uuid="GPU-0", index=0, minor=0, pci_bus_id=bus)
+    cs = counters.gpu_counter_set(bus, 80 << 30)
+    mig = Device(name="gpu-0-mig-1g10gb-0", kind=Kind.MIG, attributes={"type": "mig", PCI_BUS_ID: bus},
+                 node=GpuFacts(gpu, MigPlacement("1g.10gb", 0, 1)),
+                 consumes_counters=(CounterConsumption(cs, {"memory": "10Gi"}),))
+    vgpu = Device(name="gpu-0-vgpu-nvidia-1021-0", kind=Kind.VGPU,
+                  attributes={"type": "vgpu", PCI_BUS_ID: bus, "mdevType": "nvidia-1021", "vgpuType": "GRID H100-4C"},
+                  node=GpuFacts(gpu, VgpuType("nvidia-1021", "GRID H100-4C", 4 << 30, 20)),
+                  consumes_counters=(CounterConsumption(cs, {"memory": "4Gi"}),))
+    return [mig, vgpu]
+
+
+async def test_dropped_compatibility_groups_are_noticed_once_and_nothing_is_rewritten(
+        kube_api: KubeApi, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The emulator, like an API server with DRADeviceCompatibilityGroups off, drops the groups.
+    assert "DRADeviceCompatibilityGroups" not in kube_api.emulator.gates
+    kube_api.add_node(NODE, uid=NODE_UID)
+    node = await read_node(kube_api.client(), NODE)
+    settings = Settings(driver_name=DRIVER, node_name=NODE, state_dir=tmp_path / "state", compatibility_groups=True)
+    publisher = ApiPublisher(kube_api.client(timeout=1.0), settings, node, backoff=FAST)
+    caplog.set_level(logging.WARNING, logger="agent.publish")
+
+    await publisher.sync(mig_and_vgpu())
+    stored = {d["name"]: d for s in ours(kube_api) for d in s["spec"].get("devices") or []}
+    # Without groups the vGPU cannot be kept from the MIG placement: it is not published.
+    assert set(stored) == {"gpu-0-mig-1g10gb-0"}
+    # Found by a dry run: no slice ever held the vGPU.
+    assert not [r for r in kube_api.requests if r.method == "POST" and "gpu-0-vgpu" in str(r.body)
+                and r.params.get("dryRun") != "All"]
+    said = [r.getMessage() for r in caplog.records if "compatibilityGroups" in r.getMessage()]
+    assert len(said) == 1 and "DRADeviceCompatibilityGroups" in said[0]
+
+    kube_api.mark()
+    for _ in range(3):
+        result = await publisher.sync(mig_and_vgpu())
+        assert not result.changed
+    assert [m for m in methods(kube_api) if not m.startswith("GET")] == []
+    assert len([r for r in caplog.records if "compatibilityGroups" in r.getMessage()]) == 1
+
+
+async def test_what_the_server_changes_in_a_slice_is_not_sent_again(
+        kube_api: KubeApi, publisher: ApiPublisher, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A server that stores a value other than the one sent (as a newer server might normalize one):
+    # the agent cannot make the stored slice equal what it sends, and must not keep trying.
+    default = type(kube_api.emulator)._default
+
+    def normalizing(kind: Any, obj: dict[str, Any]) -> None:
+        default(kind, obj)
+        for dev in (obj.get("spec") or {}).get("devices") or []:
+            if "ifName" in (dev.get("attributes") or {}):
+                dev["attributes"]["ifName"]["string"] = dev["attributes"]["ifName"]["string"].upper()
+
+    monkeypatch.setattr(type(kube_api.emulator), "_default", staticmethod(normalizing))
+    caplog.set_level(logging.WARNING, logger="agent.publish")
+    await publisher.sync(nics(3))
+    kube_api.mark()
+    for _ in range(3):
+        assert not (await publisher.sync(nics(3))).changed
+    assert [m for m in methods(kube_api) if not m.startswith("GET")] == []
+    said = [r.getMessage() for r in caplog.records if "differently" in r.getMessage()]
+    assert len(said) == 1 and "spec.devices[0].attributes.ifName.string" in said[0], said
+    # A change of what is sent is sent.
+    await publisher.sync(nics(3, mtu=9000))
+    assert {d["attributes"]["mtu"]["int"] for s in ours(kube_api) for d in s["spec"]["devices"]} == {9000}

@@ -1,5 +1,11 @@
 """Self-healing (agent/engine/selfheal.py): a running agent's files and sockets removed or changed from
-under it come back. The design target is 1 s; the socket checks allow 2 s for a loaded test machine."""
+under it come back.
+
+After each change a test makes, it awaits `SelfHealer.settled()`: every event the kernel queued has
+been read and judged and every check it caused has finished. What the agent restores is there then,
+and what it did not restore by then it never will (nothing is left to do it); each "not restored"
+check has the same observation see a restore in the same test. No timing is asserted (the design
+target of 1 s from the event is the agent's, not something a loaded test machine can show)."""
 
 from __future__ import annotations
 
@@ -7,8 +13,6 @@ import asyncio
 import os
 import shutil
 import stat
-import time
-from collections.abc import Callable
 
 import pytest
 from agentkit import DRIVER, claim, result, roots, write_claim
@@ -19,7 +23,6 @@ from agent.names import ClaimRef
 
 UID1 = "5e1f0000-0000-4000-8000-000000000001"
 UID2 = "5e1f0000-0000-4000-8000-000000000002"
-TARGET = 1.0
 
 
 @pytest.fixture
@@ -35,18 +38,14 @@ async def prepared(agent, name: str, uid: str, device: str = "gpu-0") -> dict[st
     write_claim(agent.settings.offline / "resourceclaims", claim(name, uid, [result(device)]))
     results = await agent.engine.prepare([ClaimRef("default", name, uid)])
     assert results[uid].error == ""
-    await asyncio.sleep(0.3)  # the agent's own writes raised events: let their checks pass
+    await settled(agent)  # the agent's own writes raised events: judged (as its own) by now
     record = agent.engine.whole_record(uid)
     assert record is not None
     return {f.path: f.content for f in record.files}
 
 
-async def within(seconds: float, ok: Callable[[], bool]) -> float:
-    started = time.monotonic()
-    while not ok():
-        assert time.monotonic() - started < seconds, f"not within {seconds}s"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
+async def settled(agent) -> None:
+    await asyncio.wait_for(agent.selfheal.settled(), 30)
 
 
 def content(path: str) -> bytes | None:
@@ -70,9 +69,10 @@ async def test_a_deleted_cdi_spec_comes_back_identical(agent, caplog):
     files = await prepared(agent, "c", UID1)
     path = spec_path(agent, UID1)
     os.unlink(path)
-    await within(TARGET, lambda: content(path) == files[path])
+    await settled(agent)
+    assert content(path) == files[path]
     # logged right after the write, once the claim's lock is let go
-    await within(0.5, lambda: any(r.levelname == "WARNING" and path in r.getMessage() for r in caplog.records))
+    assert any(r.levelname == "WARNING" and path in r.getMessage() for r in caplog.records)
 
 
 async def test_an_overwritten_metadata_file_is_restored(agent):
@@ -80,64 +80,72 @@ async def test_an_overwritten_metadata_file_is_restored(agent):
     path = metadata_path(files)
     with open(path, "wb") as f:
         f.write(b"garbage")
-    await within(TARGET, lambda: content(path) == files[path])
+    await settled(agent)
+    assert content(path) == files[path]
 
 
 async def test_a_removed_metadata_directory_is_restored(agent):
     files = await prepared(agent, "c", UID1)
     shutil.rmtree(agent.settings.metadata_dir / UID1)
-    await within(TARGET, lambda: all(content(p) == c for p, c in files.items()))
+    await settled(agent)
+    assert all(content(p) == c for p, c in files.items())
 
 
 async def test_files_of_an_unprepared_claim_are_not_recreated(agent):
     files = await prepared(agent, "c", UID1)
+    path = spec_path(agent, UID1)
+    os.unlink(path)  # while prepared: restored (the same observation, seeing a restore)
+    await settled(agent)
+    assert content(path) == files[path]
     assert await agent.engine.unprepare([ClaimRef("default", "c", UID1)]) == {UID1: ""}
-    await asyncio.sleep(0.5)
+    await settled(agent)
     assert all(content(p) is None for p in files)
     # Someone writes a file with the claim's name: not the agent's to restore (or remove).
-    path = spec_path(agent, UID1)
+    checks = agent.selfheal.claim_checks
     with open(path, "wb") as f:
         f.write(b"{}")
     os.unlink(path)
-    await asyncio.sleep(0.5)
+    await settled(agent)
+    assert agent.selfheal.claim_checks > checks  # the removal was seen and judged
     assert content(path) is None and UID1 not in agent.engine.records
 
 
 async def test_no_rewrite_loop_after_a_restore(agent):
     files = await prepared(agent, "c", UID1)
     path = spec_path(agent, UID1)
-    os.unlink(path)
-    await within(TARGET, lambda: content(path) == files[path])
-    await asyncio.sleep(0.3)  # the restore's own events are checked
-    st = os.stat(path)
     restored = agent.selfheal.restored
-    await asyncio.sleep(1.0)
+    os.unlink(path)
+    await settled(agent)  # a rewrite loop would never settle (the restore's own events are judged too)
+    assert content(path) == files[path] and agent.selfheal.restored == restored + 1
+    st = os.stat(path)
+    await settled(agent)
     after = os.stat(path)
     assert (after.st_ino, after.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
-    assert agent.selfheal.restored == restored
+    assert agent.selfheal.restored == restored + 1
 
 
 async def test_the_registration_socket_comes_back_and_answers(agent):
     path = agent.settings.registration_socket
     os.unlink(path)
-    took = await within(2 * TARGET, lambda: os.path.exists(path))
+    await settled(agent)
     assert stat.S_ISSOCK(os.stat(path).st_mode) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
     info = await kc.get_info(path, timeout=kc.GET_INFO_TIMEOUT)
     assert info.name == DRIVER
-    assert took < 2 * TARGET
 
 
 async def test_a_removed_registry_directory_and_socket_come_back(agent):
     path = agent.settings.registration_socket
     shutil.rmtree(path.parent)
-    await within(2 * TARGET, lambda: os.path.exists(path))
+    await settled(agent)
+    assert os.path.exists(path)
     assert (await kc.get_info(path, timeout=kc.GET_INFO_TIMEOUT)).name == DRIVER
 
 
 async def test_the_dra_socket_comes_back_and_prepares(agent):
     path = agent.settings.dra_socket
     os.unlink(path)
-    await within(2 * TARGET, lambda: os.path.exists(path))
+    await settled(agent)
+    assert os.path.exists(path)
     write_claim(agent.settings.offline / "resourceclaims", claim("c", UID2, [result("gpu-1")]))
     async with kc.DRAClient(path) as client:
         response = await client.prepare([ClaimRef("default", "c", UID2)])
@@ -147,8 +155,8 @@ async def test_the_dra_socket_comes_back_and_prepares(agent):
 async def test_a_removed_plugin_directory_brings_back_socket_and_metadata(agent):
     files = await prepared(agent, "c", UID1)
     shutil.rmtree(agent.settings.plugin_dir)  # a kubelet restart cleaning its plugin directories
-    await within(2 * TARGET, lambda: os.path.exists(agent.settings.dra_socket)
-                 and all(content(p) == c for p, c in files.items()))
+    await settled(agent)
+    assert os.path.exists(agent.settings.dra_socket) and all(content(p) == c for p, c in files.items())
     async with kc.DRAClient(agent.settings.dra_socket) as client:
         response = await client.prepare([ClaimRef("default", "c", UID1)])
     assert response.claims[UID1].error == ""
@@ -158,24 +166,32 @@ async def test_a_removed_cdi_directory_is_recreated_with_the_specs(agent):
     files = await prepared(agent, "a", UID1, "gpu-0")
     files |= await prepared(agent, "b", UID2, "gpu-1")
     shutil.rmtree(agent.settings.cdi_dir)
-    await within(TARGET, lambda: all(content(p) == c for p, c in files.items()))
+    await settled(agent)
+    assert all(content(p) == c for p, c in files.items())
     # ... and watched again: a spec deleted now comes back too.
     path = spec_path(agent, UID2)
-    await asyncio.sleep(0.3)
     os.unlink(path)
-    await within(TARGET, lambda: content(path) == files[path])
+    await settled(agent)
+    assert content(path) == files[path]
 
 
 async def test_a_removed_empty_cdi_directory_is_recreated(agent):
     shutil.rmtree(agent.settings.cdi_dir)
-    await within(TARGET, lambda: agent.settings.cdi_dir.is_dir())
+    await settled(agent)
+    assert agent.settings.cdi_dir.is_dir()
 
 
 async def test_stopping_does_not_bring_the_sockets_back(short_tmp):
     a = Agent(roots(short_tmp, rescan_interval=3600.0))
     await a.start()
+    os.unlink(a.settings.registration_socket)  # while running: it comes back (the same observation)
+    await settled(a)
+    assert os.path.exists(a.settings.registration_socket)
     await a.stop()
-    await asyncio.sleep(0.5)
+    # Nothing of the agent runs any more that could bind them again: no task of it is left, and
+    # self-healing has nothing queued or in flight.
+    assert {t for t in asyncio.all_tasks() if t is not asyncio.current_task()} == set()
+    await settled(a)
     assert not os.path.exists(a.settings.registration_socket)
     assert not os.path.exists(a.settings.dra_socket)
 
@@ -185,7 +201,7 @@ async def test_the_agents_own_writes_and_removals_cost_no_check_anyone_elses_do(
     before = heal.claim_checks
     files = await prepared(agent, "c", UID1)  # waits for the events of the writes to be read
     assert await agent.engine.unprepare([ClaimRef("default", "c", UID1)]) == {UID1: ""}
-    await asyncio.sleep(0.4)
+    await settled(agent)
     assert heal.claim_checks == before and heal.own_skipped > 0
     # The same claim prepared again: a file replaced by someone else (another inode under the name)
     # and one removed by someone else are restored as ever.
@@ -194,10 +210,12 @@ async def test_the_agents_own_writes_and_removals_cost_no_check_anyone_elses_do(
     with open(path + ".x", "wb") as f:
         f.write(b"{}")
     os.replace(path + ".x", path)
-    await within(TARGET, lambda: content(path) == files[path])
+    await settled(agent)
+    assert content(path) == files[path]
     meta = metadata_path(files)
     os.unlink(meta)
-    await within(TARGET, lambda: content(meta) == files[meta])
+    await settled(agent)
+    assert content(meta) == files[meta]
     assert heal.claim_checks > before
 
 
@@ -207,16 +225,17 @@ async def test_own_changes_faster_than_the_events_are_read_cost_no_check(agent):
     heal = agent.selfheal
     write_claim(agent.settings.offline / "resourceclaims", claim("c", UID1, [result("gpu-0")]))
     ref = ClaimRef("default", "c", UID1)
-    await asyncio.sleep(0.3)
+    await settled(agent)
     before = heal.claim_checks
     for i in range(30):
         assert (await agent.engine.prepare([ref]))[UID1].error == ""
         if i < 29:
             assert await agent.engine.unprepare([ref]) == {UID1: ""}
-    await asyncio.sleep(0.5)
+    await settled(agent)
     assert heal.own_skipped > 0 and heal.claim_checks == before
     # Then someone else's change is still seen and undone.
     path = spec_path(agent, UID1)
     expected = content(path)
     os.unlink(path)
-    await within(TARGET, lambda: content(path) == expected)
+    await settled(agent)
+    assert content(path) == expected and heal.claim_checks > before

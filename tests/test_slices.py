@@ -19,6 +19,7 @@ from agent.config import NvmlMode, Settings
 from agent.inventory.cpus import cpu_node_allocatable, cpu_request_policy
 from agent.inventory.gpus import GpuSource
 from agent.inventory.memory import memory_node_allocatable, memory_request_policy
+from agent.kinds import Kind
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Capacity, Device, Taint, Version
 from agent.publish.slices import (
     NodeRef,
@@ -43,7 +44,7 @@ def valid(obj: dict[str, Any]) -> None:
 
 def gpu(i: int, **extra: Any) -> Device:
     return Device(
-        name=f"gpu-{i}", kind="gpu",
+        name=f"gpu-{i}", kind=Kind.GPU,
         attributes={"type": "gpu", "index": i, "uuid": f"GPU-{i:08d}-0000-0000-0000-000000000000",
                     "productName": "NVIDIA H100 80GB HBM3", "driverVersion": Version("570.124.6"),
                     "cudaComputeCapability": Version("9.0.0"), "migCapable": True, "migEnabled": False,
@@ -55,7 +56,7 @@ def gpu(i: int, **extra: Any) -> Device:
 
 def nic(i: int, **extra: Any) -> Device:
     return Device(
-        name=f"nic-{i:03d}", kind="nic",
+        name=f"nic-{i:03d}", kind=Kind.NIC,
         attributes={"type": "nic", "ifName": f"ens{i}",
                     "macAddress": f"02:00:00:00:{i // 256:02x}:{i % 256:02x}",
                     "mtu": 1500, "linkUp": True, "isVf": False, "rdma": False,
@@ -65,7 +66,7 @@ def nic(i: int, **extra: Any) -> Device:
 
 def cpu(node: int) -> Device:
     return Device(
-        name=f"cpu-numa{node}", kind="cpu",
+        name=f"cpu-numa{node}", kind=Kind.CPU,
         attributes={"type": "cpu", NUMA_NODE: node, "socket": node, "smt": True},
         capacity={"cpus": Capacity(quantity.decimal(48), request_policy=cpu_request_policy())},
         allow_multiple_allocations=True, node_allocatable=cpu_node_allocatable(),
@@ -74,7 +75,7 @@ def cpu(node: int) -> Device:
 
 def memory(node: int) -> Device:
     return Device(
-        name=f"memory-numa{node}", kind="memory",
+        name=f"memory-numa{node}", kind=Kind.MEMORY,
         attributes={"type": "memory", NUMA_NODE: node},
         capacity={"memory": Capacity(quantity.binary(512 * 1024**3), request_policy=memory_request_policy())},
         allow_multiple_allocations=True, node_allocatable=memory_node_allocatable(),
@@ -328,7 +329,7 @@ def test_plan_devices_moving_between_slices_is_a_new_generation() -> None:
     devices = [nic(i) for i in range(200)]
     existing = served(build_slices(devices, driver=DRIVER, node=NODE, owner=OWNER))
     # Still two slices, but a new name early in the order pushes a device into the second slice.
-    plan = plan_for(existing, [*devices[:-1], Device(name="nic-00a", kind="nic")])
+    plan = plan_for(existing, [*devices[:-1], Device(name="nic-00a", kind=Kind.NIC)])
     assert plan.generation == 2
     assert len(plan.writes) == 2 and all(w.key in existing for w in plan.writes)
 

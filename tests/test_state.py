@@ -4,27 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import os
 import stat
 import threading
-import time
 from typing import Any
 
 import orjson
 import pytest
 
+from agent.claims.book import ClaimBook
 from agent.claims.dirsync import DirectorySync
 from agent.claims.records import (
     ClaimRecord,
     DeviceBinding,
     DevicePartition,
     FileRecord,
+    FileRole,
     PartitionKind,
     PreparedDevice,
     RecordError,
     RecordState,
     decode,
     encode,
+    role_of,
 )
 from agent.claims.store import ClaimStore
 from agent.host.vfio.bind import BindPlan, BindStep, FunctionBinding, StepKind
@@ -55,6 +58,40 @@ def test_round_trip_keeps_every_field():
     rec = record()
     back = decode(encode(rec))
     assert back == rec
+
+
+CLAIM_DIR = f"/var/lib/kubelet/plugins/dra.example.com/dra-device-metadata/{UID}"
+ROLES = [  # a prepared claim's three kinds of file, as the agent names them
+    (f"/var/run/cdi/dra.example.com-claim_{UID}.json", FileRole.CLAIM_SPEC, ""),
+    (f"{CLAIM_DIR}/gpu-a/metadata.json", FileRole.METADATA_FILE, "gpu-a"),
+    (f"/var/run/cdi/dra.example.com_metadata_{UID}_gpu-a.json", FileRole.METADATA_SPEC, "gpu-a"),
+]
+
+
+def test_files_keep_their_role_and_request_through_the_record():
+    rec = dataclasses.replace(record(), files=[
+        FileRecord(path, b"{}\n", 0o644, role, request) for path, role, request in ROLES])
+    body = orjson.loads(rec.to_json())
+    assert [(f["role"], f["request"]) for f in body["files"]] == [("claimSpec", ""), ("metadataFile", "gpu-a"),
+                                                                   ("metadataSpec", "gpu-a")]
+    assert decode(encode(rec)) == rec
+
+
+def test_a_record_written_before_files_had_roles_reads_back_with_roles_from_their_names():
+    body = orjson.loads(record().to_json())
+    body["files"] = [{"path": path, "mode": 0o644, "content": "{}\n"} for path, _, _ in ROLES]
+    back = decode(framed(orjson.dumps(body), 1))
+    assert [(f.path, f.role, f.request) for f in back.files] == ROLES
+    # Whatever directories they lie in: the names say what they are.
+    assert role_of(f"/elsewhere/{UID}/nic/metadata.json") == (FileRole.METADATA_FILE, "nic")
+
+
+@pytest.mark.parametrize("damage", [("role", "spec"), ("role", 1), ("request", 7)])
+def test_a_file_with_a_malformed_role_is_refused(damage):
+    key, value = damage
+    body = orjson.loads(record().to_json())
+    body["files"][0][key] = value
+    assert_refused(body, 1)
 
 
 def test_header_names_format_version_checksum_and_length():
@@ -94,6 +131,30 @@ def test_store_writes_0600_and_loads_back(tmp_path):
     assert store.delete(UID) is True and store.delete(UID) is False
 
 
+def test_the_book_deletes_a_record_durably_and_forgets_the_claim(tmp_path, monkeypatch):
+    store = ClaimStore(tmp_path / "claims")
+    book = ClaimBook(store)
+    book.write(record())
+    assert book.record_of(UID) is not None and book.claims_holding({"gpu-0"}) == [UID]
+    assert book.delete(UID) is True
+    assert store.stamp(UID) is None and book.record_of(UID) is None and book.claims_holding({"gpu-0"}) == []
+    assert book.delete(UID) is False
+
+    book.write(record())
+
+    def unlink_fails(path, durable=False):
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(store.root, "unlink", unlink_fails)
+    with pytest.raises(OSError):
+        book.delete(UID)
+    assert book.record_of(UID) is not None  # the caller was told: the claim is still known
+    # Best effort (a failed prepare's record): forgotten all the same; the file is read again when asked for.
+    assert book.delete(UID, best_effort=True) is False
+    assert book.record_of(UID) is None and store.stamp(UID) is not None
+    assert book.current(UID) == record() and book.record_of(UID) is not None
+
+
 def test_load_reports_damaged_records_and_ignores_temp_files(tmp_path):
     store = ClaimStore(tmp_path)
     store.ensure()
@@ -130,23 +191,35 @@ def test_concurrent_directory_syncs_share_fsyncs_and_each_waits_for_one_that_beg
     """Group commit: 16 writers cost a few fsyncs, and none returns before an fsync that started
     after it asked (so its rename is covered)."""
     sync = DirectorySync(tmp_path)
-    started: list[float] = []
+    order = itertools.count()  # one order for every step of every thread
+    order_lock = threading.Lock()
+
+    def now() -> int:
+        with order_lock:
+            return next(order)
+
+    fsyncs: list[tuple[int, int]] = []  # (began, ended)
     real_fsync = os.fsync
+    asked_all = threading.Semaphore(0)
 
-    def slow_fsync(fd: int) -> None:
-        started.append(time.monotonic())
-        time.sleep(0.02)
+    def held_fsync(fd: int) -> None:
+        if not fsyncs:  # the first fsync waits until every writer has asked: the rest arrive while it runs
+            for _ in range(16):
+                assert asked_all.acquire(timeout=30)
+        began = now()
         real_fsync(fd)
+        fsyncs.append((began, now()))
 
-    monkeypatch.setattr(os, "fsync", slow_fsync)
-    calls: list[tuple[float, float]] = []
+    monkeypatch.setattr(os, "fsync", held_fsync)
+    calls: list[tuple[int, int]] = []
     gate = threading.Barrier(16)
 
     def writer() -> None:
         gate.wait()
-        asked = time.monotonic()
+        asked = now()
+        asked_all.release()
         sync.sync()
-        calls.append((asked, time.monotonic()))
+        calls.append((asked, now()))
 
     threads = [threading.Thread(target=writer) for _ in range(16)]
     for t in threads:
@@ -154,9 +227,9 @@ def test_concurrent_directory_syncs_share_fsyncs_and_each_waits_for_one_that_beg
     for t in threads:
         t.join()
     assert len(calls) == 16
-    assert sync.fsyncs == len(started) < 16
+    assert sync.fsyncs == len(fsyncs) < 16
     for asked, returned in calls:
-        assert any(asked <= s <= returned - 0.02 for s in started), (asked, returned, started)
+        assert any(asked < began and ended < returned for began, ended in fsyncs), (asked, returned, fsyncs)
 
 
 def test_a_failed_directory_sync_raises_and_the_next_caller_syncs_again(tmp_path, monkeypatch):

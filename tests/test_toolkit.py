@@ -79,7 +79,7 @@ async def test_a_broken_spec_is_skipped_with_one_warning_and_the_good_one_is_use
         bad_dir, good_dir = good_dir, bad_dir
     bad = bad_dir / filename
     bad.write_bytes(content)
-    uuid = node.inventory.get("gpu-0").node.gpu_uuid
+    uuid = node.inventory.get("gpu-0").node.gpu.uuid
     (good_dir / "nvidia-toolkit.json").write_bytes(good_spec(uuid))
 
     assert f"nvidia.com/gpu={uuid}" in await prepare_gpu(node, 0)
@@ -108,7 +108,7 @@ async def test_a_spec_fixed_in_place_is_used_again(tmp_path: Path) -> None:
     node = await gpu_node(tmp_path)
     spec = node.settings.static_cdi_dir / "nvidia.json"
     spec.write_bytes(BAD_SPECS["devices-number.json"][0])
-    uuid = node.inventory.get("gpu-0").node.gpu_uuid
+    uuid = node.inventory.get("gpu-0").node.gpu.uuid
     assert not any(i.startswith("nvidia.com/gpu=") for i in await prepare_gpu(node, 0))
     spec.write_bytes(good_spec(uuid))
     assert f"nvidia.com/gpu={uuid}" in await prepare_gpu(node, 1)
@@ -142,7 +142,7 @@ async def test_what_is_not_a_readable_file_is_skipped_once(
 
         monkeypatch.setattr(toolkit.os, "open", refusing_open)
         problem = "cannot open it: Permission denied"
-    uuid = node.inventory.get("gpu-1").node.gpu_uuid
+    uuid = node.inventory.get("gpu-1").node.gpu.uuid
     (static / "nvidia.yaml").write_bytes(good_spec(uuid))
     assert f"nvidia.com/gpu={uuid}" in await prepare_gpu(node, 0, "gpu-1")
     assert f"nvidia.com/gpu={uuid}" in await prepare_gpu(node, 1, "gpu-1")
@@ -204,8 +204,8 @@ async def prepare_forms(node: Node) -> dict[str, tuple[list[str], dict[str, str]
 
 
 def gpu_uuids(node: Node) -> dict[str, str]:
-    return {name: dev.node.gpu_uuid for name in ("gpu-0", "gpu-1", "gpu-2")
-            if (dev := node.inventory.get(name)) is not None}
+    return {name: dev.gpu.uuid for name in ("gpu-0", "gpu-1", "gpu-2")
+            if (dev := node.inventory.get(name)) is not None and dev.gpu is not None}
 
 
 async def test_every_gpu_form_gets_the_toolkit_device_and_names_exactly_its_device(tmp_path: Path) -> None:

@@ -331,18 +331,22 @@ async def test_the_crash_suites_binding_check_can_fail(vm: VmNode) -> None:
     assert stress.check_bindings(settings, {}) == []
 
 
-async def test_a_device_of_a_kind_prepare_does_not_know_is_refused_before_any_side_effect(tmp_path) -> None:
+async def test_a_device_of_a_kind_prepare_does_not_know_is_refused_before_any_side_effect(
+        tmp_path, monkeypatch) -> None:
     import dataclasses
 
     from agentkit import StaticSource
 
+    from agent import kinds
     from agent.inventory import Inventory
 
     node = await make_node(tmp_path)
     gpu = node.inventory.get("gpu-0")
     assert gpu is not None
-    # (MIG devices are prepared since issue 9: a kind no agent part knows stands in for a future one.)
-    future = dataclasses.replace(gpu, name="gpu-0-npu-0", kind="npu")
+    # Every kind is preparable today: a kind whose traits say it is not stands in for one published ahead
+    # of its prepare path.
+    monkeypatch.setitem(kinds.TRAITS, gpu.kind, dataclasses.replace(gpu.kind.traits, preparable=False))
+    future = dataclasses.replace(gpu, name="gpu-0-npu-0")
     node.engine.inventory = Inventory([StaticSource("npu", [future])])
     await node.engine.inventory.scan()
     before = written_files(node.settings)

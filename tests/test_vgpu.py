@@ -6,8 +6,10 @@ step."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from agent import apirules, counters, failpoints
 from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import DevicePartition, PartitionKind
 from agent.config import ConfigError, NvmlMode, Settings
+from agent.facts import GpuFacts, VgpuType
 from agent.host.mdev import sysfs as mdev
 from agent.host.mdev.errors import MdevStepFailed, NoInstanceAvailable, ParentUnavailable, TypeNotOffered
 from agent.host.vfio.host import VfioHost
@@ -42,8 +45,12 @@ LIMITS = {"nvidia-1021": 20, "nvidia-1022": 10, "nvidia-1023": 8, "nvidia-1024":
           "nvidia-1026": 1}
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    mdev._wait(check, timeout, lambda: "the simulated kernel did not act in time")
+def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Until the simulated kernel has acted (its emulator thread applies sysfs writes)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "the simulated kernel did not act in time"
+        time.sleep(0.01)
 
 
 @dataclass
@@ -92,17 +99,17 @@ def test_types_read_and_devices_made_and_removed(machine: Machine) -> None:
     assert {k: t.max_instances for k, t in types.items()} == LIMITS
     assert types["nvidia-1023"] == mdev.MdevType("nvidia-1023", "GRID H100-10C", "vfio-pci", 8, 10 << 30, 8)
     u = "0f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"
-    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=5)
+    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=30)
     assert mdev.exists(sysfs, u) and mdev.parent_of(sysfs, u) == GPU and mdev.type_of(sysfs, u) == "nvidia-1023"
     assert mdev.mdevs_of(sysfs, GPU) == {u: "nvidia-1023"}
-    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=5)  # there already: nothing written
+    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=30)  # there already: nothing written
     assert len(machine.kernel.refusals) == 0
     group = mdev.iommu_group(sysfs, u)
     assert [n.path for n in mdev.vfio_nodes(sysfs, machine.host.dev, u)] == ["/dev/vfio/vfio", f"/dev/vfio/{group}"]
     with pytest.raises(MdevStepFailed, match="available_instances is 0"):
         mdev.create(sysfs, GPU, "nvidia-1021", "1f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01", timeout=0.5)
-    mdev.remove(sysfs, u, timeout=5)
-    mdev.remove(sysfs, u, timeout=5)  # gone already: nothing to do
+    mdev.remove(sysfs, u, timeout=30)
+    mdev.remove(sysfs, u, timeout=30)  # gone already: nothing to do
     assert not mdev.exists(sysfs, u) and mdev.read_type(sysfs, GPU, "nvidia-1021") is not None
     machine.kernel.fail(WriteKind.MDEV_CREATE, GPU, reason="the GPU is resetting")
     with pytest.raises(MdevStepFailed, match="did not appear"):
@@ -129,7 +136,7 @@ def test_vgpu_devices_published_per_instance_within_the_api_limits(dgx: list[Dev
     assert dev.capacity["memory"].value == "8Gi"
     [use] = dev.consumes_counters
     assert use.counter_set == gpu0.consumes_counters[0].counter_set and set(use.counters) == {"memory"}
-    assert vgpu.target_of(dev) == vgpu.VgpuTarget(GPU, "nvidia-1022")
+    assert (dev.node.gpu.pci_bus_id, dev.node.target.id) == (GPU, "nvidia-1022")
     assert all(not apirules.dns_label_errors(n) for n in published)
 
 
@@ -192,7 +199,7 @@ DEVICE = "gpu-0-vgpu-nvidia-1024-1"
 
 
 def test_plan_checks_without_a_side_effect(machine: Machine) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     part = p.plan("uid-1", alloc(machine.devices, DEVICE))
     assert part == DevicePartition(DEVICE, PartitionKind.MDEV, GPU, "nvidia-1024", boot_id=machine.host.boot_id())
     assert mdev.mdevs_of(machine.host.sysfs, GPU) == {}
@@ -200,8 +207,9 @@ def test_plan_checks_without_a_side_effect(machine: Machine) -> None:
     with pytest.raises(NoInstanceAvailable, match="one type at a time"):
         p.plan("uid-2", alloc(machine.devices, "gpu-0-vgpu-nvidia-1021-0"))
     p.destroy(done, None)
-    gone = Device("gpu-0-vgpu-nvidia-9999-0", "vgpu", {"resource.kubernetes.io/pciBusID": GPU,
-                                                        "mdevType": "nvidia-9999"})
+    real = alloc(machine.devices, DEVICE).device
+    gone = dataclasses.replace(real, name="gpu-0-vgpu-nvidia-9999-0",
+                               node=GpuFacts(real.node.gpu, VgpuType("nvidia-9999", "gone", None, 1)))
     with pytest.raises(TypeNotOffered, match="nvidia-9999"):
         p.plan("uid-3", AllocatedDevice("vm", DRIVER, gone))
     (machine.tree.drivers / "nvidia" / "unbind").write_text(GPU)
@@ -215,7 +223,7 @@ def test_plan_checks_without_a_side_effect(machine: Machine) -> None:
 
 
 def test_create_records_the_uuid_first_then_destroy(machine: Machine) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     allocated = alloc(machine.devices, DEVICE)
     written: list[DevicePartition] = []
 
@@ -228,9 +236,9 @@ def test_create_records_the_uuid_first_then_destroy(machine: Machine) -> None:
     assert p.exists(done) and mdev.type_of(machine.host.sysfs, done.uuid) == "nvidia-1024"
     assert p.create(done, write) == done and len(written) == 1  # made already: nothing again
     ready = p.device(done, allocated)
-    assert ready.device.attributes["mdevUUID"] == done.uuid and ready.device.name == DEVICE
-    assert all(os.path.exists(n.host_path) for n in ready.device.node.device_nodes)
-    assert [n.path for n in ready.device.node.device_nodes] == [
+    assert ready.attributes["mdevUUID"] == done.uuid and ready.device.name == DEVICE
+    assert all(os.path.exists(n.host_path) for n in ready.device.device_nodes)
+    assert [n.path for n in ready.device.device_nodes] == [
         "/dev/vfio/vfio", f"/dev/vfio/{mdev.iommu_group(machine.host.sysfs, done.uuid)}"]
     p.destroy(done, None)
     assert not p.exists(done) and mdev.mdevs_of(machine.host.sysfs, GPU) == {}
@@ -238,7 +246,7 @@ def test_create_records_the_uuid_first_then_destroy(machine: Machine) -> None:
 
 
 def test_a_reboot_forgets_the_device_and_create_makes_it_again_under_its_uuid(machine: Machine) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     done = p.create(p.plan("uid-1", alloc(machine.devices, DEVICE)), lambda _: None)
     root = machine.tree.root
     materialize(load_profile("dgx-h100"), root, boot=True)
@@ -254,7 +262,7 @@ class Crash(Exception):
 
 @pytest.mark.parametrize("where", ["write", "mdev-before-create", "mdev-after-create"])
 def test_destroy_converges_after_a_crash_at_any_step_of_create(machine: Machine, where: str) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     last: list[DevicePartition] = []
 
     def write(part: DevicePartition) -> None:
@@ -278,7 +286,7 @@ def test_destroy_converges_after_a_crash_at_any_step_of_create(machine: Machine,
 
 
 def test_destroy_converges_after_a_crash_in_destroy_and_waits_out_a_pending_create(machine: Machine) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     done = p.create(p.plan("uid-1", alloc(machine.devices, DEVICE)), lambda _: None)
     failpoints.configure("mdev-before-remove=raise")
     try:

@@ -116,23 +116,33 @@ def clip_device_status(entry: Mapping[str, Any],
             del out["data"]
     net = out.get("networkData")
     if isinstance(net, Mapping):
-        out["networkData"] = net = dict(net)
-        if len(str(net.get("interfaceName", ""))) > MAX_INTERFACE_NAME:
-            dropped.append(f"networkData.interfaceName is longer than {MAX_INTERFACE_NAME} characters")
-            del net["interfaceName"]
-        if len(str(net.get("hardwareAddress", ""))) > MAX_HARDWARE_ADDRESS:
-            dropped.append(f"networkData.hardwareAddress is longer than {MAX_HARDWARE_ADDRESS} characters")
-            del net["hardwareAddress"]
-        if "ips" in net:
-            ips: list[str] = []
-            for ip in net["ips"]:
-                if problems := interface_address_errors(str(ip)):
-                    dropped.append(f"networkData.ips: {problems[0]}")
-                elif ip in ips:
-                    dropped.append(f"networkData.ips: {ip!r} is duplicated")
-                elif len(ips) == MAX_NETWORK_IPS:
-                    dropped.append(f"networkData.ips: {ip!r} is beyond the first {MAX_NETWORK_IPS}")
-                else:
-                    ips.append(str(ip))
-            net["ips"] = ips
+        out["networkData"], cut = clip_network_data(net)
+        dropped += cut
     return out, dropped
+
+
+def clip_network_data(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A device's `networkData` (NetworkDeviceData: in a claim's status, and in the device metadata file)
+    cut down to what the API type allows, and what was cut (one line each): an over-long interface name
+    or hardware address, an invalid, duplicated or surplus IP."""
+    net = dict(data)
+    dropped: list[str] = []
+    if len(str(net.get("interfaceName", ""))) > MAX_INTERFACE_NAME:
+        dropped.append(f"networkData.interfaceName is longer than {MAX_INTERFACE_NAME} characters")
+        del net["interfaceName"]
+    if len(str(net.get("hardwareAddress", ""))) > MAX_HARDWARE_ADDRESS:
+        dropped.append(f"networkData.hardwareAddress is longer than {MAX_HARDWARE_ADDRESS} characters")
+        del net["hardwareAddress"]
+    if "ips" in net:
+        ips: list[str] = []
+        for ip in net["ips"]:
+            if problems := interface_address_errors(str(ip)):
+                dropped.append(f"networkData.ips: {problems[0]}")
+            elif ip in ips:
+                dropped.append(f"networkData.ips: {ip!r} is duplicated")
+            elif len(ips) == MAX_NETWORK_IPS:
+                dropped.append(f"networkData.ips: {ip!r} is beyond the first {MAX_NETWORK_IPS}")
+            else:
+                ips.append(str(ip))
+        net["ips"] = ips
+    return net, dropped

@@ -62,3 +62,26 @@ async def fetch_claim(settings: Settings, namespace: str, name: str) -> dict[str
         return dict(await conn.claim_source(settings).get(namespace, name))
     finally:
         await conn.close()
+
+
+async def claim_names(settings: Settings, namespace: str) -> list[str]:
+    """The claims of `namespace` an offline claim directory holds and those prepared on this node: what a
+    name that was not found is compared with. (The API server is not asked: the agent's role may get a
+    claim, not list them.)"""
+    from agent.claims.store import ClaimStore
+
+    records, _ = await asyncio.to_thread(ClaimStore(settings.claims_state_dir).load_all)
+    names = {r.name for r in records.values() if r.namespace == namespace}
+    offline = settings.offline or settings.offline_fallback
+    if offline is not None:
+        directory = offline / "resourceclaims" / namespace
+        names |= {p.stem for p in await asyncio.to_thread(lambda: list(directory.glob("*.yaml")))}
+    return sorted(names)
+
+
+async def device_names(settings: Settings) -> set[str]:
+    """The devices discovery finds with these settings (those it names but cannot read too), without
+    asking a cluster: whether a device an operator names is this node's."""
+    inventory = await _inventory_once(settings, NodeInfo(name=settings.node_name))
+    snapshot = inventory.snapshot()
+    return set(snapshot.devices) | {f.device for f in snapshot.failed_devices}

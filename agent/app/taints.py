@@ -9,6 +9,9 @@ cause and age of each taint. Clearing is a request the running agent applies
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import difflib
 import logging
 import sys
 import time
@@ -19,7 +22,7 @@ from agent.app.output import dump, table
 from agent.config import Settings
 from agent.health.conditions import Cause, read_saved
 from agent.health.requests import CLEAR_WAIT, health_dir, read_result, submit_clear
-from agent.names import InvalidName
+from agent.names import InvalidName, check_device_name
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,10 @@ def cmd_taints(args: argparse.Namespace, settings: Settings) -> int:
 
 def _clear(settings: Settings, device: str) -> int:
     try:
+        check_device_name(device)
+        if (unknown := _not_here(settings, device)) is not None:
+            print(f"dra-agent: {unknown}", file=sys.stderr)
+            return 2
         path = submit_clear(settings, device)
     except InvalidName as exc:
         print(f"dra-agent: {exc}", file=sys.stderr)
@@ -90,14 +97,40 @@ def _clear(settings: Settings, device: str) -> int:
     return 0
 
 
+def _not_here(settings: Settings, device: str) -> str | None:
+    """Why `device` is not a device of this node, or None when it is: one the agent saved conditions of
+    (a lost GPU, which discovery no longer finds), or one discovery finds with these settings."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        if any(c.device == device for c in read_saved(health_dir(settings))[0]):
+            return None
+    from agent.app import oneshot
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # what discovery cannot read is not this command's business
+    try:
+        names = asyncio.run(oneshot.device_names(settings))
+    finally:
+        root.setLevel(level)
+    if device in names:
+        return None
+    close = difflib.get_close_matches(device, sorted(names), n=3)
+    return (f"no device {device} on this node: discovery with these settings finds {len(names)} devices"
+            + (f" (the closest: {', '.join(close)})" if close else "") + "; give the agent's settings (--nvml, "
+            "--state-dir, --node-name) when it runs with others")
+
+
 def add_parser(sub: Any, add_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
-    tp = sub.add_parser("taints", help="list the device taints the agent holds, or clear XID taints by hand")
+    tp = sub.add_parser("taints", help="list the device taints the agent holds, or clear XID taints by hand",
+                        description="list the device taints the agent holds (from its saved device conditions), or "
+                                    "clear XID taints by hand (taints clear DEVICE)")
     tsub = tp.add_subparsers(dest="action", metavar="ACTION")
     tp.set_defaults(fn=cmd_taints, action="list")
     tp.add_argument("-o", "--output", choices=("table", "json"), default="table")
     add_arguments(tp)
-    cp = tsub.add_parser("clear", help="clear a device's XID taints (lost-GPU and link taints go when the "
-                         "hardware recovers)")
+    clear = ("clear a device's XID taints raised until now (lost-GPU and link taints go when the hardware "
+             "recovers); a device this node does not have is refused")
+    cp = tsub.add_parser("clear", help=clear, description=clear)
     cp.add_argument("device", metavar="DEVICE", help="the device as published, e.g. gpu-3")
     cp.set_defaults(fn=cmd_taints)
     add_arguments(cp)

@@ -19,7 +19,8 @@ from agent import quantity
 from agent.apirules import dns_label_errors, quantity_errors
 from agent.claims.metadata import POD_CLAIM_NAME, AllocatedDevice
 from agent.errors import ClaimFailure
-from agent.inventory.gpushare import SHARE_KIND
+from agent.facts import PassthroughFacts
+from agent.kinds import Kind
 from agent.model import Device
 from agent.names import ClaimRef, InvalidName, base_request, check_request
 
@@ -174,7 +175,7 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
         device = lookup(device_name)
         if device is None:
             raise ClaimError(f"device {device_name} is not on this node")
-        if device.kind == SHARE_KIND:
+        if device.kind.shared:
             _check_share(device, share_id, consumed, path)
         out.devices.append(AllocatedDevice(request=request, pool=pool, device=device, share_id=share_id,
                                            consumed=consumed))
@@ -254,10 +255,11 @@ def _apply_configs(out: Allocation, configs: list[Any], driver: str) -> None:
                 out.config_env.setdefault(alloc.device.name, {}).update(decoded)
                 continue
             dev = alloc.device
-            if dev.kind != "vfio":
+            if not dev.kind.passthrough:
                 raise ClaimError(f"{where}: a {VFIO_KIND} applies to passthrough (VFIO) devices only; "
                                  f"device {dev.name} of request {alloc.request!r} is a {dev.kind} device")
-            if decoded.fields & {"mac", "vlan"} and dev.attributes.get("nativeType") != "nic":
+            if decoded.fields & {"mac", "vlan"} and not (isinstance(dev.node, PassthroughFacts)
+                                                         and dev.node.native is Kind.NIC):
                 raise ClaimError(f"{where}.{'mac' if 'mac' in decoded.fields else 'vlan'}: only a NIC "
                                  f"function (an SR-IOV VF) takes a MAC or VLAN; {dev.name} is not one")
             old = out.vfio.get(dev.name, VfioSettings())

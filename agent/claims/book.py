@@ -123,6 +123,20 @@ class ClaimBook:
         assert stamp is not None
         self._remember(record, stamp)
 
+    def delete(self, uid: str, *, best_effort: bool = False) -> bool:
+        """Remove the claim's record durably (`ClaimStore.delete`), then forget it; True if there was one.
+        An OSError of the removal is raised with the claim still known, unless `best_effort` (a failed
+        prepare, which no record may call prepared: it is forgotten all the same, and a record left
+        on disk is read again by the next operation)."""
+        try:
+            removed = self.store.delete(uid)
+        except OSError:
+            if not best_effort:
+                raise
+            removed = False
+        self.forget(uid)
+        return removed
+
     def forget(self, uid: str) -> None:
         with self._guard:
             self._recent.pop(uid, None)

@@ -2,48 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agent.claims.filenames import CLAIM_CLASS, METADATA_CLASS
 from agent.claims.metadata import AllocatedDevice
-from agent.model import PCI_BUS_ID
-from cdi.atomic import TEMP_MARK, is_temp_name
+from agent.facts import CpuFacts, NicFacts
 from cdi.names import qualified_name
 from cdi.spec import minimum_version
-from cdi.store import check_filename, transient_spec_name
-
-CLAIM_CLASS = "claim"
-METADATA_CLASS = "metadata"
-_UID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-
-
-def claim_spec_name(vendor: str, uid: str) -> str:
-    return transient_spec_name(vendor, CLAIM_CLASS, uid)
-
-
-def metadata_spec_name(vendor: str, uid: str, base_request: str) -> str:
-    # `<vendor>_metadata_<uid>_<request>.json`: the name the device metadata contract gives.
-    name = f"{vendor}_{METADATA_CLASS}_{uid}_{base_request}.json"
-    check_filename(name)
-    return name
-
-
-@functools.lru_cache(maxsize=8)
-def _owned_spec_pattern(vendor: str) -> re.Pattern[str]:
-    v = re.escape(vendor)
-    return re.compile(rf"(?:{v}-{CLAIM_CLASS}_(?P<a>{_UID})\.json"
-                      rf"|{v}_{METADATA_CLASS}_(?P<b>{_UID})_[a-z0-9-]+\.json)")
-
-
-def claim_uid_of_spec(name: str, vendor: str) -> str | None:
-    """The claim UID in the file name of one of the agent's per-claim specs, or of a temp file of
-    one (an interrupted write); None for any other file. Ownership is never a guess."""
-    if is_temp_name(name):
-        name = name[1: name.index(TEMP_MARK)]
-    m = _owned_spec_pattern(vendor).fullmatch(name)
-    return (m.group("a") or m.group("b")) if m else None
 
 
 def claim_device_id(vendor: str, uid: str, device: str) -> str:
@@ -77,17 +43,17 @@ def device_env(alloc: AllocatedDevice) -> list[str]:
     dev = alloc.device
     prefix = env_prefix(dev.name)
     env = [f"{prefix}_NAME={dev.name}"]
-    bus_id = dev.attributes.get(PCI_BUS_ID)
-    if dev.kind in ("gpu", "mig"):  # a prepared MIG device carries its MIG-... UUID here (agent.hostprep.mig)
-        env.append(f"{prefix}_UUID={dev.node.gpu_uuid}")
-    elif dev.kind == "nic":
-        env.append(f"{prefix}_INTERFACE={dev.node.interface}")
-        if dev.node.mac:
-            env.append(f"{prefix}_MAC={dev.node.mac}")
-    elif dev.kind == "cpu":
-        env.append(f"{prefix}_CPUS={cpuset(dev.node.cpus)}")
-    if isinstance(bus_id, str):
-        env.append(f"{prefix}_PCI_BUS_ID={bus_id}")
+    facts = dev.node
+    if dev.kind.cuda_uuid:  # the GPU's, or the MIG device's that prepare made (agent.hostprep.mig)
+        env.append(f"{prefix}_UUID={alloc.cuda_uuid}")
+    elif isinstance(facts, NicFacts):
+        env.append(f"{prefix}_INTERFACE={facts.interface}")
+        if facts.mac:
+            env.append(f"{prefix}_MAC={facts.mac}")
+    elif isinstance(facts, CpuFacts):
+        env.append(f"{prefix}_CPUS={cpuset(facts.cpus)}")
+    if dev.pci_bus_id:
+        env.append(f"{prefix}_PCI_BUS_ID={dev.pci_bus_id}")
     if alloc.share_id:
         env.append(f"{prefix}_SHARE_ID={alloc.share_id}")
     return env
@@ -106,7 +72,7 @@ def claim_spec(vendor: str, uid: str, allocated: Sequence[AllocatedDevice],
         edits: dict[str, Any] = {
             "env": device_env(alloc) + [f"{k}={v}" for k, v in sorted(config_env.get(name, {}).items())]
         }
-        nodes = [{"path": n.path, "hostPath": n.host_path} for n in alloc.device.node.device_nodes]
+        nodes = [{"path": n.path, "hostPath": n.host_path} for n in alloc.device.device_nodes]
         if nodes:
             edits["deviceNodes"] = nodes
         devices.append({"name": f"{uid}-{name}", "containerEdits": edits})

@@ -20,7 +20,12 @@ from typing import Any
 
 import orjson
 
-from agent.model import Device, attribute_wire
+from agent import apirules
+from agent.claims.filenames import METADATA_FILE_NAME
+from agent.claims.records import DevicePartition, partition_attributes
+from agent.facts import NicFacts, PassthroughFacts
+from agent.kinds import Kind, PartitionKind
+from agent.model import AttrValue, Device, attribute_wire
 
 API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
 CONTAINER_ROOT = "/var/run/kubernetes.io/dra-device-attributes"
@@ -38,6 +43,23 @@ class AllocatedDevice:
     mac: str = ""  # a passthrough VF's MAC set by the claim's VfioConfig (its networkData says so)
     # The result's consumedCapacity (capacity name -> quantity): what a shared device's claim got.
     consumed: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # The partition prepare made for the device (a MIG instance, a mediated device), once made.
+    made: DevicePartition | None = None
+
+    @property
+    def attributes(self) -> dict[str, AttrValue]:
+        """The device's attributes with those of the partition made for it (`partition_attributes`)."""
+        if self.made is None:
+            return self.device.attributes
+        return {**self.device.attributes, **partition_attributes(self.made)}
+
+    @property
+    def cuda_uuid(self) -> str:
+        """The UUID CUDA knows the device by: the MIG device's that prepare made (`agent.hostprep.mig`),
+        else its GPU's ("" for a device of no GPU)."""
+        if self.made is not None and self.made.kind is PartitionKind.MIG:
+            return self.made.uuid
+        return self.device.gpu.uuid if self.device.gpu is not None else ""
 
 
 def host_dir(metadata_root: Path, uid: str) -> Path:
@@ -47,7 +69,7 @@ def host_dir(metadata_root: Path, uid: str) -> Path:
 
 
 def host_file(metadata_root: Path, uid: str, base_request: str) -> Path:
-    return host_dir(metadata_root, uid) / base_request / "metadata.json"
+    return host_dir(metadata_root, uid) / base_request / METADATA_FILE_NAME
 
 
 def container_file(driver: str, claim_name: str, base_request: str, pod_claim_name: str = "") -> str:
@@ -60,18 +82,22 @@ def container_file(driver: str, claim_name: str, base_request: str, pod_claim_na
 
 def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
     """A NIC's interface, IPs and MAC; a passthrough NIC function only its MAC (`mac` when the claim
-    set one), which is what a VM's SR-IOV network matches (it has no interface on the host)."""
+    set one), which is what a VM's SR-IOV network matches (it has no interface on the host).
+
+    Cut to what the API type allows (at most 16 IPs, each valid and once; a bounded interface name and
+    address), as the claim's status is, so a reader that validates the file accepts it. The status
+    writer logs what it cuts from the same device facts."""
     facts = device.node
-    if device.kind == "vfio" and device.attributes.get("nativeType") == "nic":
-        return {"hardwareAddress": mac or facts.mac} if mac or facts.mac else None
-    if device.kind != "nic" or not facts.interface:
+    if isinstance(facts, PassthroughFacts):
+        if facts.native is not Kind.NIC:
+            return None
+        out: dict[str, Any] = {"hardwareAddress": mac or facts.mac} if mac or facts.mac else {}
+    elif not isinstance(facts, NicFacts) or not facts.interface:
         return None
-    out: dict[str, Any] = {"interfaceName": facts.interface}
-    if facts.ips:
-        out["ips"] = list(facts.ips)
-    if facts.mac:
-        out["hardwareAddress"] = facts.mac
-    return out
+    else:
+        out = {"interfaceName": facts.interface, "ips": list(facts.ips), "hardwareAddress": facts.mac}
+    out = {k: v for k, v in apirules.clip_network_data(out)[0].items() if v}
+    return out or None
 
 
 def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: str, generation: int,
@@ -83,7 +109,7 @@ def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: 
             "driver": driver,
             "pool": alloc.pool,
             "name": alloc.device.name,
-            "attributes": {k: attribute_wire(v) for k, v in sorted(alloc.device.attributes.items())},
+            "attributes": {k: attribute_wire(v) for k, v in sorted(alloc.attributes.items())},
         }
         if (net := network_data(alloc.device, alloc.mac)) is not None:
             entry["networkData"] = net

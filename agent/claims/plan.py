@@ -23,13 +23,12 @@ from collections.abc import Callable
 from typing import Any
 
 from agent import quantity
-from agent.claims import cdispecs, metadata
+from agent.claims import cdispecs, filenames, metadata
 from agent.claims.allocation import Allocation
-from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, PreparedDevice, partition_attributes
+from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, FileRole, PreparedDevice
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
-from agent.inventory.gpushare import MIB, SHARE_KIND
-from agent.inventory.mig import MIG_KIND
+from agent.inventory.gpushare import MIB
 from agent.model import Device
 from agent.names import base_request
 from cdi.store import encode_spec
@@ -47,7 +46,8 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
     env = {name: {**visible.get(name, {}), **shares.get(name, {}), **alloc.config_env.get(name, {})}
            for name in set(visible) | set(shares) | set(alloc.config_env)}
     spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, env)
-    files.append(FileRecord(str(s.cdi_dir / cdispecs.claim_spec_name(vendor, ref.uid)), encode_spec(spec)))
+    files.append(FileRecord(str(s.cdi_dir / filenames.claim_spec_name(vendor, ref.uid)), encode_spec(spec),
+                            role=FileRole.CLAIM_SPEC))
     devices: list[PreparedDevice] = []
     first_of_request: set[str] = set()
     for a in alloc.devices:
@@ -65,11 +65,11 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
         content = metadata.render(driver=s.driver_name, namespace=ref.namespace, name=ref.name,
                                   uid=ref.uid, pod_claim_name=alloc.pod_claim_name,
                                   generation=generation, devices=allocs)
-        files.append(FileRecord(str(host), content))
+        files.append(FileRecord(str(host), content, role=FileRole.METADATA_FILE, request=base))
         container = metadata.container_file(s.driver_name, ref.name, base, alloc.pod_claim_name)
         mspec = cdispecs.metadata_spec(vendor, ref.uid, base, str(host), container)
-        files.append(FileRecord(str(s.cdi_dir / cdispecs.metadata_spec_name(vendor, ref.uid, base)),
-                                encode_spec(mspec)))
+        files.append(FileRecord(str(s.cdi_dir / filenames.metadata_spec_name(vendor, ref.uid, base)),
+                                encode_spec(mspec), role=FileRole.METADATA_SPEC, request=base))
     dirs = [str(metadata.host_dir(s.metadata_dir, ref.uid))] if alloc.devices else []
     return ClaimRecord(uid=ref.uid, namespace=ref.namespace, name=ref.name,
                        pod_claim_name=alloc.pod_claim_name, devices=devices, files=files, dirs=dirs,
@@ -78,8 +78,6 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
 
 MPS_MEMORY_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-# The forms of a GPU a container's CUDA uses: the whole GPU, a MIG device, a share of a GPU.
-CUDA_KINDS = ("gpu", MIG_KIND, SHARE_KIND)
 
 
 def toolkit_device(toolkit: ToolkitSpecs, dev: Device) -> str | None:
@@ -87,12 +85,10 @@ def toolkit_device(toolkit: ToolkitSpecs, dev: Device) -> str | None:
     GPU form: the GPU's own for a whole or shared GPU, the parent GPU's for a MIG device (the toolkit's
     spec predates MIG devices the agent makes; its MIG nodes come from the claim's own spec). None for
     other devices, or where no toolkit spec names the GPU. Blocking (reads the spec directories)."""
-    node = dev.node
-    if dev.kind in ("gpu", SHARE_KIND):
-        return toolkit.device_id(node.gpu_uuid, node.gpu_index)
-    if dev.kind == MIG_KIND and isinstance(parent := dev.attributes.get("parentUUID"), str):
-        return toolkit.device_id(parent, node.gpu_index)
-    return None
+    gpu = dev.gpu  # a MIG device's facts name its parent GPU
+    if not dev.kind.toolkit or gpu is None:
+        return None
+    return toolkit.device_id(gpu.uuid, gpu.index)
 
 
 def visible_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
@@ -103,35 +99,34 @@ def visible_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str
     uuids: list[str] = []
     names: list[str] = []
     for a in allocated:
-        if a.device.kind in CUDA_KINDS and a.device.node.gpu_uuid:
+        if a.device.kind.toolkit and (uuid := a.cuda_uuid):
             names.append(a.device.name)
-            if a.device.node.gpu_uuid not in uuids:
-                uuids.append(a.device.node.gpu_uuid)
+            if uuid not in uuids:
+                uuids.append(uuid)
     return {name: {CUDA_VISIBLE_DEVICES: ",".join(uuids)} for name in names}
 
 
 def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
     """Device name -> the variables of a shared GPU's share (see the module docstring)."""
     limits: dict[str, int] = {}
-    devices: dict[str, Device] = {}
+    uuids: dict[str, str] = {}
     for a in allocated:
-        if a.device.kind == SHARE_KIND:
+        if a.device.kind.shared:
             # allocation.parse_claim has checked that the amount is there and an integer quantity.
             limits[a.device.name] = limits.get(a.device.name, 0) + quantity.parse_int(a.consumed["memory"])
-            devices[a.device.name] = a.device
-    mps = ",".join(f"{devices[n].node.gpu_uuid}={limits[n] // MIB}M" for n in sorted(limits))
-    return {n: {f"{cdispecs.env_prefix(n)}_UUID": devices[n].node.gpu_uuid,
+            uuids[a.device.name] = a.device.gpu.uuid if a.device.gpu is not None else ""
+    mps = ",".join(f"{uuids[n]}={limits[n] // MIB}M" for n in sorted(limits))
+    return {n: {f"{cdispecs.env_prefix(n)}_UUID": uuids[n],
                 f"{cdispecs.env_prefix(n)}_MEMORY_LIMIT": str(limits[n]), MPS_MEMORY_LIMIT: mps}
             for n in limits}
 
 
-def _recorded_consumption(s: Settings, record: ClaimRecord) -> dict[tuple[str, str, str], dict[str, str]]:
+def _recorded_consumption(record: ClaimRecord) -> dict[tuple[str, str, str], dict[str, str]]:
     """(request, device, share ID) -> consumedCapacity, as the claim's metadata files in the record say:
     the record keeps no other copy of what each share got, and a refresh must not lose it."""
     out: dict[tuple[str, str, str], dict[str, str]] = {}
-    paths = {str(metadata.host_file(s.metadata_dir, record.uid, base_request(d.request))) for d in record.devices}
     for f in record.files:
-        if f.path not in paths:
+        if f.role is not FileRole.METADATA_FILE:
             continue
         objs = metadata.parse_stream(f.content)
         for req in (objs[0].get("requests") or []) if objs else []:
@@ -146,23 +141,25 @@ def refreshed(s: Settings, lookup: Callable[[str], Device | None],
               record: ClaimRecord) -> tuple[ClaimRecord, set[str]] | None:
     """The record with its metadata files rendered from the devices as they are now (generation + 1),
     and the paths of those files; None when nothing changed, or a device is gone (health reports
-    it; the file keeps the last known truth)."""
+    it; the file keeps the last known truth). The files are the ones the record holds in the role of
+    metadata file, at the paths it names: the claim's metadata CDI specs mount them from there, whatever
+    the metadata directory is today (`agent.claims.records.FileRole`)."""
     allocated = []
     macs = {b.device: b.mac for b in record.bindings}
-    made = {p.device: partition_attributes(p) for p in record.partitions}  # MIG or mdev UUIDs
-    consumed = _recorded_consumption(s, record)
+    made = {p.device: p for p in record.partitions}  # their MIG or mdev UUIDs are in the metadata
+    consumed = _recorded_consumption(record)
     for d in record.devices:
         device = lookup(d.device)
         if device is None:
             return None
-        if made.get(d.device):
-            device = dataclasses.replace(device, attributes={**device.attributes, **made[d.device]})
         allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id, macs.get(d.device, ""),
-                                                  consumed.get((d.request, d.device, d.share_id), {})))
+                                                  consumed.get((d.request, d.device, d.share_id), {}),
+                                                  made.get(d.device)))
     common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,
                               "uid": record.uid, "pod_claim_name": record.pod_claim_name}
-    contents = {str(metadata.host_file(s.metadata_dir, record.uid, base)): allocs
-                for base, allocs in metadata.group_by_base_request(allocated).items()}
+    recorded = {f.request: f.path for f in record.files if f.role is FileRole.METADATA_FILE}
+    contents = {recorded[base]: allocs for base, allocs in metadata.group_by_base_request(allocated).items()
+                if base in recorded}
     current = {f.path: f.content for f in record.files}
     if all(current.get(path) == metadata.render(generation=record.generation, devices=allocs, **common)
            for path, allocs in contents.items()):

@@ -20,6 +20,12 @@ same intent states. Only a record with partitions is written as version 3, so ve
 written as before and an older agent refuses a version-3 record by its version, never taking a
 claim whose MIG instance it cannot see for one it can clean up.
 
+Each file of the claim is held with its role (`FileRole`: the claim's CDI spec, a request's metadata
+file or the metadata file's CDI spec) and, for the metadata ones, the base request it is for; code that
+reads a record finds a claim's files by role, never by working out paths from today's settings, which
+may have changed since the prepare (another --kubelet-dir). Older agents ignore the two fields; a
+record written before them gets them from its files' names (`role_of`).
+
 The checksum catches torn or corrupted files; the version lets a later agent
 read (or refuse, clearly) what an earlier one wrote. Records are written
 atomically, the file fsync'd, and then their directory fsync'd: a write returns
@@ -43,11 +49,14 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import PurePosixPath
 from typing import Any
 
 import orjson
 
+from agent.claims.filenames import METADATA_FILE_NAME, metadata_spec_request
 from agent.host.vfio.bind import BindPlan
+from agent.kinds import PartitionKind
 from agent.model import AttrValue
 
 log = logging.getLogger(__name__)
@@ -133,11 +142,6 @@ class DeviceBinding:
         return cls(device, BindPlan.from_wire(plan), step, boot, iommu, mac, vlan)
 
 
-class PartitionKind(StrEnum):
-    MIG = "mig"  # a MIG GPU instance and its compute instance
-    MDEV = "mdev"  # a mediated device (vGPU)
-
-
 _PARTITION_KEYS = ("device", "kind", "parent", "profile", "start", "step", "uuid", "gpuInstance",
                    "computeInstance", "modeChanged", "bootId")
 
@@ -180,11 +184,52 @@ class DevicePartition:
         return cls(device, PartitionKind(kind), parent, profile, start, step, uuid, gi, ci, changed, boot)
 
 
-@dataclass(slots=True)
+class FileRole(StrEnum):
+    CLAIM_SPEC = "claimSpec"  # the CDI spec of the claim's devices
+    METADATA_FILE = "metadataFile"  # a base request's device metadata file
+    METADATA_SPEC = "metadataSpec"  # the CDI spec that mounts a base request's metadata file
+
+
+def role_of(path: str) -> tuple[FileRole, str]:
+    """The role and base request of a claim's file from its name alone, for a record written before files
+    carried them: by the rules that name the files (`agent.claims.filenames`:
+    `<uid>/<request>/metadata.json` below the metadata directory; `metadata_spec_name`:
+    `<vendor>_metadata_<uid>_<request>.json`); any other file of a record is the claim's CDI spec."""
+    p = PurePosixPath(path)
+    if p.name == METADATA_FILE_NAME:
+        return FileRole.METADATA_FILE, p.parent.name
+    if (request := metadata_spec_request(p.name)) is not None:
+        return FileRole.METADATA_SPEC, request
+    return FileRole.CLAIM_SPEC, ""
+
+
+@dataclass(slots=True, init=False)
 class FileRecord:
     path: str
     content: bytes
-    mode: int = 0o644
+    mode: int
+    role: FileRole  # what the file is
+    request: str  # the base request of a metadata file or spec; "" for the claim spec
+
+    def __init__(self, path: str, content: bytes, mode: int = 0o644, role: FileRole | None = None,
+                 request: str = "") -> None:
+        """Without a role (a record written before files carried one), role and request come from the
+        path's name (`role_of`)."""
+        if role is None:
+            role, request = role_of(path)
+        self.path, self.content, self.mode, self.role, self.request = path, content, mode, role, request
+
+    def wire(self) -> dict[str, Any]:
+        return {"path": self.path, "mode": self.mode, "content": self.content.decode(), "role": str(self.role),
+                "request": self.request}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> FileRecord:
+        role, request = raw.get("role"), raw.get("request", "")
+        if (role is not None and not isinstance(role, str)) or not isinstance(request, str):
+            raise TypeError(f"file {raw.get('path')!r}: role and request must be strings"[:200])
+        return cls(raw["path"], raw["content"].encode(), int(raw["mode"]), None if role is None else FileRole(role),
+                   request)
 
 
 @dataclass(slots=True)
@@ -222,7 +267,7 @@ class ClaimRecord:
             "state": str(self.state),
             "podClaimName": self.pod_claim_name,
             "devices": [d.to_json() for d in self.devices],
-            "files": [{"path": f.path, "mode": f.mode, "content": f.content.decode()} for f in self.files],
+            "files": [f.wire() for f in self.files],
             "dirs": self.dirs,
             "preparedAt": self.prepared_at,
             "generation": self.generation,
@@ -262,7 +307,7 @@ class ClaimRecord:
                 name=d["name"],
                 pod_claim_name=d.get("podClaimName", ""),
                 devices=[PreparedDevice.from_json(x) for x in d["devices"]],
-                files=[FileRecord(f["path"], f["content"].encode(), int(f["mode"])) for f in d["files"]],
+                files=[FileRecord.from_wire(f) for f in d["files"]],
                 dirs=list(d.get("dirs", [])),
                 prepared_at=float(d.get("preparedAt", 0.0)),
                 generation=int(d.get("generation", 1)),
@@ -304,14 +349,10 @@ def decode(data: bytes) -> ClaimRecord:
         raise RecordError(f"body is not JSON: {exc}") from exc
 
 
-MDEV_UUID = "mdevUUID"
-
-
 def partition_attributes(part: DevicePartition) -> dict[str, AttrValue]:
-    """What a made partition adds to its device's attributes (so to the metadata file): a MIG device's
-    UUID as `uuid`, a mediated device's as `mdevUUID` (KubeVirt reads it before `pciBusID`). The one
-    place for both the prepare (`Partitioner.device`) and a later metadata refresh, which renders the
-    devices from the inventory again and must keep them."""
+    """What a made partition adds to its device's attributes (so to the metadata file): its UUID, under
+    its kind's `uuid_attribute`. The one place for both the prepare (`Partitioner.device`) and a later
+    metadata refresh, which renders the devices from the inventory again and must keep them."""
     if not part.uuid:
         return {}
-    return {"uuid": part.uuid} if part.kind is PartitionKind.MIG else {MDEV_UUID: part.uuid}
+    return {part.kind.uuid_attribute: part.uuid}

@@ -112,6 +112,8 @@ class ClaimCollector:
             window = [rec for rec in todo[i:i + SWEEP_WINDOW] if self.engine.book.record_of(rec.uid) is not None]
             found = await asyncio.gather(*(self.observe(rec) for rec in window))
             await self._judge(window, found, collected)
+        if self.metrics is not None:
+            self.metrics.gc_sweeps.inc()
         return collected
 
     async def _judge(self, window: list[ClaimSummary], found: list[tuple[str, str]], collected: list[str]) -> None:

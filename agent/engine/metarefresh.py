@@ -2,7 +2,13 @@
 changed after prepare (a NIC got its IP), the new record (generation + 1) is written first, then the
 metadata files that changed; a crash between the two is repaired at start-up, which rewrites the
 files from the record (`agent.engine.recovery`). `PrepareEngine.refresh_devices` and `refresh_claims`
-run it for each claim and tell the listeners."""
+run it for each claim and tell the listeners.
+
+The files are those the record holds as metadata files, rewritten where the record says they are
+(`agent.claims.plan.refreshed`): the claim's metadata CDI specs mount them from there. An agent started
+with another metadata directory (another --kubelet-dir) than a claim was prepared under therefore
+still refreshes that claim's files in the directory they were prepared in, as long as it exists;
+start-up repair and unprepare reach only files below today's directories."""
 
 from __future__ import annotations
 
@@ -11,10 +17,10 @@ from typing import Protocol
 
 from agent import failpoints
 from agent.claims.book import ClaimBook
+from agent.claims.files import ClaimFiles
 from agent.claims.plan import refreshed
 from agent.claims.records import ClaimRecord
 from agent.config import Settings
-from agent.fsutil import Root
 from agent.inventory import Inventory
 
 
@@ -24,7 +30,7 @@ class RefreshEngine(Protocol):
     settings: Settings
     inventory: Inventory
     book: ClaimBook
-    metadata_root: Root
+    files: ClaimFiles
 
     def claim_locked(self, uid: str) -> AbstractContextManager[None]: ...
 
@@ -48,10 +54,12 @@ def _refresh(engine: RefreshEngine, record: ClaimRecord) -> ClaimRecord | None:
     if change is None:
         return None
     new, paths = change
+    # Where each file is written, worked out first: a file the agent cannot reach (the metadata
+    # directory it was prepared in is gone) leaves the record as it was.
+    writes = [(engine.files.root_of_recorded(new, f.path), f) for f in new.files if f.path in paths]
     engine.book.write(new)
     failpoints.hit("refresh-after-record")
-    for f in new.files:
-        if f.path in paths:
-            engine.metadata_root.write(f.path, f.content, f.mode)
-            failpoints.hit("refresh-after-metadata-file")
+    for root, f in writes:
+        root.write(f.path, f.content, f.mode)
+        failpoints.hit("refresh-after-metadata-file")
     return new

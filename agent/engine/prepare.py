@@ -12,15 +12,11 @@ each record with the identity of its file, and re-reads the file whenever it
 changed: a second agent sharing the state directory during a rolling update
 may have prepared or unprepared the claim meanwhile.
 
-Order of side effects, so that a crash at any point leaves all or nothing
-(start-up recovery, `agent.engine.recovery`, finishes the job):
-- prepare: claim files (UID-named) -> record (fsync'd). Without the record the
-  files are orphans that recovery removes.
-- unprepare: record removed (fsync'd) -> files. Without the record, the rest are orphans.
-- metadata refresh: new record (fsync'd) -> files. Recovery rewrites the files from the record.
-- passthrough (VFIO) devices bind PCI functions to vfio-pci, partition devices (MIG) create their
-  partition: intent record -> each step (recorded first) -> files -> final record; unprepare: restore
-  intent -> files -> each undo step -> record removed (`agent.hostprep.effects`).
+This module holds the engine's entry points (the kubelet's calls, metadata refreshes), its
+bookkeeping and what it is put together from. The operations themselves, and the order of their
+side effects that makes a crash at any point leave all or nothing, are in `agent.engine.claimops`
+(prepare, unprepare) and `agent.engine.metarefresh` (metadata refresh: new record, fsync'd, then
+the files).
 """
 
 from __future__ import annotations
@@ -28,24 +24,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-from agent import failpoints
-from agent.claims import cdispecs
-from agent.claims.allocation import Allocation, parse_claim
 from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.files import ClaimFiles
 from agent.claims.locks import ClaimFileLock, LockTable
-from agent.claims.plan import plan_record
-from agent.claims.records import ClaimRecord, DeviceBinding, PreparedDevice, RecordError
+from agent.claims.records import ClaimRecord, PreparedDevice, RecordError
 from agent.claims.sources import ClaimSource, LocalClaimSource
 from agent.claims.store import ClaimStore
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
+from agent.engine.claimops import ClaimReader, prepare_blocking, unprepare_blocking
 from agent.engine.deferred import DeferredChecks
 from agent.engine.metarefresh import refresh_blocking
 from agent.errors import ClaimFailure
@@ -64,21 +56,10 @@ from agent.ownchanges import OwnChanges
 log = logging.getLogger(__name__)
 
 
-# The kinds of device the engine knows how to prepare; any other kind is refused, never half-prepared.
-PREPARABLE_KINDS = ("gpu", "nic", "cpu", "memory", "vfio", "gpushare", "mig", "vgpu")
-
-
-class PrepareFailed(ClaimFailure):
-    """The claim is valid but this node cannot prepare it now (a device node missing, ...)."""
-
-
 @dataclass(slots=True)
 class PrepareResult:
     devices: list[PreparedDevice] = field(default_factory=list)
     error: str = ""
-
-
-ClaimReader = Callable[[str, str], Mapping[str, Any]]
 
 
 class ClaimListener(Protocol):
@@ -112,12 +93,12 @@ class PrepareEngine:
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
         self.book = ClaimBook(store)
         self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
-        # Partitions created at prepare, by the device kind they prepare (`agent.hostprep.partitions`).
-        self.effects = HostEffects(self.book, self.passthrough, inventory, {
-            "mig": MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id,
-                                  MigModeMarks(settings.state_dir / "mig-mode")),
-            "vgpu": VgpuPartitioner(self.passthrough.host),
-        })
+        # Partitions created at prepare, one partitioner per `Kind.partition_kind` (`agent.hostprep.partitions`).
+        self.effects = HostEffects(self.book, self.passthrough, inventory, [
+            MigPartitioner(nvml_of(inventory), self.passthrough.host.boot_id,
+                           MigModeMarks(settings.state_dir / "mig-mode")),
+            VgpuPartitioner(self.passthrough.host),
+        ])
         self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
         self.listeners: list[ClaimListener] = []
         # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is
@@ -177,8 +158,8 @@ class PrepareEngine:
             check_claim_ref(ref)
             if (read := self._local_reader()) is not None:
                 # A local source is read in the same worker thread as the side effects.
-                record = await asyncio.to_thread(self._prepare_blocking, ref, read)
-                assert record is not None  # with a reader, _prepare_blocking prepares or raises
+                record = await asyncio.to_thread(prepare_blocking, self, ref, read)
+                assert record is not None  # with a reader, prepare_blocking prepares or raises
             else:
                 record = await self._prepare_remote(ref, self.claims)
         except (ClaimFailure, InvalidName, UnsafePath) as exc:
@@ -196,11 +177,11 @@ class PrepareEngine:
     async def _prepare_remote(self, ref: ClaimRef, source: ClaimSource) -> ClaimRecord:
         # A prepared claim (by this agent or another one on the node) is answered from its record,
         # without asking the API server, which may no longer have it.
-        record = await asyncio.to_thread(self._prepare_blocking, ref, None)
+        record = await asyncio.to_thread(prepare_blocking, self, ref, None)
         if record is not None:
             return record
         claim = await source.get(ref.namespace, ref.name)
-        record = await asyncio.to_thread(self._prepare_blocking, ref, lambda _ns, _n: claim)
+        record = await asyncio.to_thread(prepare_blocking, self, ref, lambda _ns, _n: claim)
         assert record is not None
         return record
 
@@ -214,7 +195,7 @@ class PrepareEngine:
         started = time.monotonic()
         try:
             check_claim_ref(ref)
-            record = await asyncio.to_thread(self._unprepare_blocking, ref)
+            record = await asyncio.to_thread(unprepare_blocking, self, ref)
         except (ClaimFailure, InvalidName, UnsafePath) as exc:
             return self._failed("unprepare", ref, str(exc), started).error
         except Exception as exc:
@@ -296,41 +277,6 @@ class PrepareEngine:
         """Finish a prepare or unprepare with host side effects that stopped halfway (`HostEffects.settle`)."""
         self.effects.settle(record, self.files)
 
-    # -- side effects (worker thread) -------------------------------------------------------------
-
-    def plan(self, alloc: Allocation, generation: int = 1,
-             bindings: list[DeviceBinding] | None = None) -> ClaimRecord:
-        """Every file of the prepared claim with its content, and the kubelet response
-        (`agent.claims.plan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
-        in their facts (`Passthrough.bound_devices`)."""
-        if unbound := {a.device.name for a in alloc.devices if a.device.kind == "vfio"} - \
-                {b.device for b in bindings or ()}:
-            raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
-        return plan_record(self.settings, self.toolkit, alloc, generation, bindings or [])
-
-    def _prepare_blocking(self, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
-        """Prepare the claim unless it is prepared; with `read` None, only look it up."""
-        with self.claim_locked(ref.uid):
-            self.ensure_checked(ref.uid)
-            record = self.current_or_purge(ref.uid)
-            if record is not None and (record.namespace, record.name) != (ref.namespace, ref.name):
-                raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
-            if record is not None and not record.prepared:
-                # A prepare or unprepare of passthrough devices that stopped halfway: settle it first.
-                with self.locks.hold(self.effects.record_lock_keys(record)):
-                    self.settle(record)
-                record = None
-            if record is not None:
-                log.debug("%s already prepared", ref)
-                return record
-            if read is None:
-                return None
-            claim = read(ref.namespace, ref.name)
-            alloc = parse_claim(claim, ref, driver=self.settings.driver_name, pool=self.settings.node_name,
-                                lookup=self.inventory.get)
-            with self.locks.hold(self.effects.lock_key(a.device) for a in alloc.devices):
-                return self._apply(alloc)
-
     def current_or_purge(self, uid: str) -> ClaimRecord | None:
         """The current record; an unreadable one is set aside and the claim's files removed, so the
         claim is cleanly not prepared (its UID names every file, so nothing else is touched)."""
@@ -342,63 +288,3 @@ class PrepareEngine:
             self.quarantined.append(str(self.store.quarantine(self.store.path(uid).name)))
             self.files.remove_claim_files(uid)
             return None
-
-    def _apply(self, alloc: Allocation) -> ClaimRecord:
-        if unknown := sorted(a.device.name for a in alloc.devices if a.device.kind not in PREPARABLE_KINDS
-                             and a.device.kind not in self.effects.by_device_kind):
-            # Published ahead of their prepare path: refused before any side effect.
-            raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
-                                f"(it prepares {', '.join(PREPARABLE_KINDS)} devices)")
-        self.effects.check(alloc.ref.uid, alloc.devices)
-        for a in alloc.devices:
-            for node in a.device.node.device_nodes:
-                if not os.path.exists(node.host_path):
-                    raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
-                                        f"on the host ({node.host_path})")
-        bindings = self.passthrough.plan(alloc)
-        parts = self.effects.plan(alloc)
-        if bindings or parts:
-            # The intent first: from here on a crash leaves a record that recovery rolls back.
-            record = self.effects.make(alloc, bindings, parts, lambda a, b: self.plan(a, bindings=b), self.files)
-        else:
-            record = self.plan(alloc)
-        try:
-            for f in record.files:
-                self.files.root_of(f.path).write(f.path, f.content, f.mode)
-                failpoints.hit(_step(f.path, self.settings))
-            self.book.write(record)
-        except BaseException:
-            if record.bindings or record.partitions:
-                self.effects.roll_back(record, self.files)
-            else:
-                self.files.roll_back(record, self.book)
-            raise
-        failpoints.hit("after-record")
-        return record
-
-    def _unprepare_blocking(self, ref: ClaimRef) -> ClaimRecord | None:
-        with self.claim_locked(ref.uid):
-            self.ensure_checked(ref.uid)
-            record = self.current_or_purge(ref.uid)
-            if record is None:
-                return None
-            with self.locks.hold(self.effects.record_lock_keys(record)):
-                if not record.prepared:
-                    self.settle(record)
-                    return record
-                if record.bindings or record.partitions:
-                    self.effects.unprepare(record, self.files)
-                    return record
-                # The record goes first: a crash from here on leaves only files that no record
-                # owns, which the next start removes.
-                self.store.delete(record.uid)
-                self.book.forget(record.uid)
-                failpoints.hit("unprepare-after-record")
-                self.files.remove_files(record)
-            return record
-
-
-def _step(path: str, settings: Settings) -> str:
-    if path.startswith(str(settings.cdi_dir) + os.sep):
-        return "after-metadata-spec" if f"_{cdispecs.METADATA_CLASS}_" in path else "after-claim-spec"
-    return "after-metadata-file"

@@ -33,7 +33,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from agent.claims import cdispecs
+from agent.claims import filenames
 from agent.claims.book import ClaimSummary
 from agent.claims.records import SUFFIX, ClaimRecord, RecordState
 from agent.engine.prepare import PrepareEngine
@@ -58,10 +58,6 @@ class RecoveryReport:
                 f"{len(self.removed)} orphans removed, {len(self.quarantined)} unreadable records set aside, "
                 f"{len(self.settled)} interrupted passthrough operations settled, "
                 f"{len(self.dropped)} passthrough claims dropped")
-
-
-class PartitionGone(ClaimFailure):
-    """A prepared claim's partition is not on the host (a reboot): the claim cannot stay prepared."""
 
 
 def _uid_or_none(text: str) -> str | None:
@@ -121,28 +117,27 @@ def finish_recovery(engine: PrepareEngine, report: RecoveryReport) -> RecoveryRe
 
 def _check_claim(engine: PrepareEngine, uid: str, report: RecoveryReport) -> None:
     """The full check of one record (with the claim locked): decoded (or set aside when unreadable),
-    interrupted passthrough work settled, and its files rewritten where they differ from it."""
+    interrupted work on its host side effects settled, and its files rewritten where they differ from it."""
     record = engine.current_or_purge(uid)
-    if record is not None and (not record.prepared or record.bindings or record.partitions):
-        record = _settle_bindings(engine, record, report)
+    if record is not None and (not record.prepared or engine.effects.held(record)):
+        record = _settle_effects(engine, record, report)
     if record is None:
         return
     report.records[uid] = engine.book.record_of(uid) or ClaimSummary.of(record)  # (the book's: not a copy)
     report.repaired += repair_claim(engine, record)
 
 
-def _settle_bindings(engine: PrepareEngine, record: ClaimRecord, report: RecoveryReport) -> ClaimRecord | None:
-    """A record with PCI functions bound to vfio-pci (call with the claim locked). Mid-bind: rolled back
-    (the kubelet retries the prepare); mid-restore: finished; prepared: the bindings made true again
-    (after a reboot the kernel forgot them). Returns the record when the claim stays prepared. A
-    prepared claim whose functions cannot be bound again is rolled back and dropped, loudly: the
-    kubelet's next prepare of it does it again and says why it fails."""
+def _settle_effects(engine: PrepareEngine, record: ClaimRecord, report: RecoveryReport) -> ClaimRecord | None:
+    """A record with host side effects, or one an operation left halfway (call with the claim locked).
+    Mid-bind: rolled back (the kubelet retries the prepare); mid-restore: finished; prepared: its effects
+    made true again (`HostEffects.reassert`: after a reboot the kernel forgot the bindings). Returns the
+    record when the claim stays prepared. A prepared claim whose effects cannot be made true again (a
+    function that cannot be bound, a partition gone) is rolled back and dropped, loudly: the kubelet's
+    next prepare of it does it again and says why it fails."""
     with engine.locks.hold(engine.passthrough.record_lock_keys(record)):
         if record.prepared:
             try:
-                if missing := engine.effects.missing(record):
-                    raise PartitionGone(f"partition(s) {', '.join(missing)} are not on the host any more")
-                return engine.passthrough.reapply(record, engine.book.write)
+                return engine.effects.reassert(record)
             except (ClaimFailure, OSError) as exc:
                 log.error("claim %s/%s (%s): its host side effects cannot be made true again (%s): rolling it "
                           "back; the claim is not prepared any more", record.namespace, record.name, record.uid, exc)
@@ -188,7 +183,7 @@ def _remove_orphan_specs(engine: PrepareEngine) -> list[str]:
     root = engine.cdi_root
     by_uid: dict[str, list[str]] = defaultdict(list)
     for name in root.listdir():
-        uid = cdispecs.claim_uid_of_spec(name, engine.settings.cdi_vendor)
+        uid = filenames.claim_uid_of_spec(name, engine.settings.cdi_vendor)
         if uid is not None:
             by_uid[uid].append(name)
     removed: list[str] = []

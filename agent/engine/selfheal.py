@@ -21,6 +21,9 @@ before the batch was read. Events are debounced per claim, so a burst of events 
 A watched directory that is removed is watched again once it exists again: the nearest existing
 ancestor of each directory is watched too, and any directory event on the way re-arms the watches
 and checks everything (events missed while a directory was gone are covered by that full check).
+
+`settled()` waits until every event the kernel has queued so far has been read and judged and every
+check they caused has finished: what a test (or a tool) awaits instead of guessing a delay.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from agent.claims import cdispecs
+from agent.claims import filenames
 from agent.config import Settings
 from agent.engine.prepare import PrepareEngine
 from agent.engine.recovery import repair_claim
@@ -87,6 +90,7 @@ class SelfHealer:
         self._pending: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._socket_lock = asyncio.Lock()
+        self._moved = asyncio.Event()  # set at every step of the work `settled()` waits for
         self.restored = 0  # files and sockets restored (for tests and logs)
         self.own_skipped = 0  # events of the agent's own changes, not checked
         self.claim_checks = 0  # claims checked (each under its lock, reading its record)
@@ -113,6 +117,22 @@ class SelfHealer:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self._moved.set()
+
+    def _idle(self) -> bool:
+        inotify = self._inotify
+        unread = inotify is not None and (self._read_due is not None or inotify.queued() > 0)
+        return not unread and not self._pending and not self._tasks
+
+    async def settled(self) -> None:
+        """Return once every event queued before the call (and every event the checks' own writes
+        raise) has been read and judged, and every check it caused has finished."""
+        while not self._idle():
+            self._moved.clear()
+            await self._moved.wait()
+
+    def _step(self) -> None:
+        self._moved.set()
 
     # -- watches ---------------------------------------------------------------------------------
 
@@ -178,6 +198,7 @@ class SelfHealer:
             return
         self.loop.remove_reader(inotify.fd)
         self._read_due = self.loop.call_later(self.read_delay, self._read_batch)
+        self._step()
 
     def _read_batch(self) -> None:
         self._read_due = None
@@ -193,6 +214,7 @@ class SelfHealer:
             self.loop.add_reader(inotify.fd, self._readable)
         for event in events:
             self._on_inotify(inotify, event)
+        self._step()
 
     def _on_inotify(self, inotify: Inotify, event: Event) -> None:
         if event.overflow:  # events were lost: everything is checked
@@ -234,7 +256,7 @@ class SelfHealer:
         s = self.settings
         parent, name = os.path.split(path)
         if parent == str(s.cdi_dir):
-            return cdispecs.claim_uid_of_spec(name, s.cdi_vendor)
+            return filenames.claim_uid_of_spec(name, s.cdi_vendor)
         prefix = str(s.metadata_dir) + os.sep
         if path.startswith(prefix):
             uid = path[len(prefix):].split(os.sep, 1)[0]
@@ -254,10 +276,16 @@ class SelfHealer:
     def _fire(self, key: str) -> None:
         self._pending.discard(key)
         if self._inotify is None:
+            self._step()
             return
         task = asyncio.create_task(self._check(key), name=f"selfheal {key}")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._check_done)
+        self._step()
+
+    def _check_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._step()
 
     async def _check(self, key: str) -> None:
         try:

@@ -8,8 +8,8 @@ For each prepared claim it keeps this driver's entries current, one per prepared
   the integrator says otherwise (False with its reason, e.g. `LinkDown`); a device gone
   from the inventory is `Ready` False, `DeviceMissing`. `lastTransitionTime` moves only
   when the status does (the first one is the time of the prepare);
-- GPUs: `data` {uuid, productName};
-- NICs: `networkData` {interfaceName, ips (CIDR), hardwareAddress}.
+- GPUs: `data` {uuid, productName}; NICs: `networkData` {interfaceName, ips (CIDR),
+  hardwareAddress} (`agent.health.statusentry`).
 
 Entries are built from the prepared claim's record, whose devices prepare took from
 this very claim's `status.allocation.devices.results` (this driver, this node's pool).
@@ -43,72 +43,32 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from agent import apirules
 from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.records import ClaimRecord
 from agent.health.conditions import Readiness
+from agent.health.statusentry import (
+    AlwaysReady,
+    ClaimView,
+    DeviceLookup,
+    DeviceReadiness,
+    DeviceView,
+    device_data,
+)
 from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed
 from agent.kube import Backoff
 from agent.metrics import Metrics
-from agent.model import Device
 from agent.names import ClaimRef
 
 log = logging.getLogger(__name__)
 
-
-class DeviceView(Protocol):
-    """A prepared device, as a status entry names it (`PreparedDevice` or the book's `DeviceSummary`)."""
-
-    @property
-    def pool(self) -> str: ...
-
-    @property
-    def device(self) -> str: ...
-
-    @property
-    def share_id(self) -> str: ...
-
-
-class ClaimView(Protocol):
-    """What a claim's status is built from: a whole record (from an operation) or the book's summary."""
-
-    @property
-    def uid(self) -> str: ...
-
-    @property
-    def namespace(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def devices(self) -> Sequence[DeviceView]: ...
-
-    @property
-    def prepared_at(self) -> float: ...
-
 READY = "Ready"
 DEFAULT_CONCURRENCY = 4
 RESYNC_WINDOW = 16  # claims a resync keeps queued at most; it feeds more as writes finish
-
-
-class DeviceReadiness(Protocol):
-    """Whether a prepared device is ready for its workload now (health, link state, ...)."""
-
-    def readiness(self, device: Device) -> Readiness: ...
-
-
-class AlwaysReady:
-    def readiness(self, device: Device) -> Readiness:
-        return Readiness()
-
-
-class DeviceLookup(Protocol):
-    def get(self, name: str) -> Device | None: ...
 
 
 @dataclass(slots=True)
@@ -279,18 +239,7 @@ class ClaimStatusWriter:
                 ready = Readiness(False, "ReadinessUnknown", f"readiness could not be read: {exc!r}")
         entry["conditions"] = [self._condition(record, d, ready)]
         if device is not None:
-            if device.node.gpu_uuid:
-                data = {"uuid": device.node.gpu_uuid}
-                if isinstance(product := device.attributes.get("productName"), str) and product:
-                    data["productName"] = product
-                entry["data"] = data
-            if device.kind == "nic":
-                net: dict[str, Any] = {"ips": list(device.node.ips)}
-                if device.node.interface:
-                    net["interfaceName"] = device.node.interface
-                if device.node.mac:
-                    net["hardwareAddress"] = device.node.mac
-                entry["networkData"] = net
+            entry |= device_data(device)
         return entry
 
     def _condition(self, record: ClaimView, d: DeviceView, ready: Readiness) -> dict[str, Any]:

@@ -10,73 +10,53 @@ a taint effect. The same causes feed three outputs, so they always agree:
 
 A cause goes only when what caused it is gone (see `agent.health.policy` for each kind), or
 when an operator clears it. The current causes are saved to `<state dir>/health/causes.json`
-on every change: XID causes survive a restart of the agent (the GPU still needs its reset),
-and `dra-agent taints` reads them from there. Lost-GPU and link causes are observations,
-re-made by the running agent, so they are not restored.
+on every change (`agent.health.causes`), and `dra-agent taints` reads them from there.
+Lost-GPU and link causes are observations, re-made by the running agent, so they are not
+restored. XID causes are restored at start (the GPU still needs its reset) only while nothing
+says the GPU was reset since, or is another GPU:
+- a cause recorded in another boot (the kernel's boot ID differs) is dropped at `load`: a
+  reboot resets the GPU;
+- the GPU's first answer in this run (`baseline`) drops its restored causes when the recovery
+  action NVML reports is none (it was reset while no agent watched) or its UUID is not the one
+  the cause was recorded for (another GPU has that name now); otherwise they are kept, and
+  stamped with this boot and UUID.
+A cause whose boot or UUID was not recorded (an older file, a boot ID that could not be read)
+counts as unknown there: only what is known can drop it.
 
 Not thread-safe: used on the event loop only (events from the NVML thread are handed over).
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
-
-import orjson
 
 from agent.fsutil import atomic_write, makedirs
+from agent.health.causes import (
+    CAUSES_FILE,
+    GPU_LOST,
+    KINDS,
+    LINK_DOWN,
+    XID,
+    Cause,
+    encode,
+    read_saved,
+    rfc3339,
+)
 from agent.health.policy import EFFECT_RANK, IGNORE, TaintPolicy, xid_meaning
 from agent.model import Taint
 
-log = logging.getLogger(__name__)
+__all__ = ["CAUSES_FILE", "GPU_LOST", "KINDS", "LINK_DOWN", "NONE", "READY", "UNKNOWN_ACTION", "XID", "Cause",
+           "DeviceConditions", "Readiness", "read_saved", "rfc3339"]
 
-XID = "xid"
-GPU_LOST = "gpu-lost"
-LINK_DOWN = "link-down"
-KINDS = (XID, GPU_LOST, LINK_DOWN)
+log = logging.getLogger(__name__)
 
 # The NVML recovery actions, as the agent spells them.
 NONE = "none"
 UNKNOWN_ACTION = "unknown"
-
-CAUSES_FILE = "causes.json"
-FORMAT_VERSION = 1
-
-
-def rfc3339(unix: float) -> str:
-    return datetime.datetime.fromtimestamp(int(unix), datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass(frozen=True, slots=True)
-class Cause:
-    """One reason a device is tainted (or reported) now."""
-
-    device: str
-    kind: str  # XID | GPU_LOST | LINK_DOWN
-    effect: str  # a taint effect
-    value: str  # the taint's value: the XID number, or ""
-    detail: str  # for people: "XID 48 (double-bit ECC error), recovery action gpu-reset"
-    since: float  # unix seconds
-    expires: float | None = None  # unix seconds: an informational cause goes by itself then
-
-    def to_json(self) -> dict[str, Any]:
-        return {"device": self.device, "kind": self.kind, "effect": self.effect, "value": self.value,
-                "detail": self.detail, "since": self.since, "expires": self.expires}
-
-    @classmethod
-    def from_json(cls, d: Any) -> Cause:
-        kind = str(d["kind"])
-        if kind not in KINDS:
-            raise ValueError(f"unknown cause kind {kind!r}")
-        expires = d.get("expires")
-        return cls(device=str(d["device"]), kind=kind, effect=str(d["effect"]), value=str(d.get("value", "")),
-                   detail=str(d.get("detail", "")), since=float(d["since"]),
-                   expires=float(expires) if expires is not None else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,24 +95,36 @@ class DeviceConditions:
         self.policy = policy
         self.directory = directory
         self.clock = clock
+        self.boot_id = ""  # this kernel boot's ID, given to `load` ("": unknown)
         self._devices: dict[str, _Device] = {}
+        # Device -> until when an operator cleared its XIDs (unix seconds): an XID raised before then and
+        # reported only after (a command the simulated machine had queued) is not taken.
+        self._cleared: dict[str, float] = {}
+        self._uuids: dict[str, str] = {}  # GPU name -> UUID, from each GPU's first answer
+        self._restored: set[str] = set()  # devices with restored XID causes their GPU has not confirmed
         self.version = 0  # moves on every change
         self.on_change: Callable[[set[str]], None] | None = None  # told the devices whose causes changed
 
     # -- events -----------------------------------------------------------------------------------
 
-    def xid(self, device: str, xid: int, action: str = UNKNOWN_ACTION) -> bool:
+    def xid(self, device: str, xid: int, action: str = UNKNOWN_ACTION, *, at: float | None = None) -> bool:
+        """An XID on `device`; `at`: when it was raised (unix seconds; default now)."""
         rule = self.policy.for_xid(xid)
         what = f"XID {xid} ({xid_meaning(xid)})"
         if not rule.taints:
             log.info("%s on %s: not tainted (policy: ignore)", what, device)
             return False
         now = self.clock()
+        raised = now if at is None else min(at, now)
+        if raised <= self._cleared.get(device, float("-inf")):
+            log.info("%s on %s: raised before an operator cleared its XID taints: not tainted", what, device)
+            return False
         detail = what if action in (NONE, UNKNOWN_ACTION) else f"{what}, recovery action {action}"
         state = self._devices.setdefault(device, _Device())
         old = state.xids.get(xid)
-        state.xids[xid] = Cause(device, XID, rule.effect, str(xid), detail, old.since if old else now,
-                                now + rule.clear_after if rule.clear_after else None)
+        state.xids[xid] = Cause(device, XID, rule.effect, str(xid), detail, old.since if old else raised,
+                                now + rule.clear_after if rule.clear_after else None,
+                                self.boot_id, self._uuids.get(device, ""))
         log.warning("%s on %s: taint %s/xid=%d:%s", what, device, self.driver, xid, rule.effect,
                     extra={"device": device, "xid": xid})
         return self._changed({device})
@@ -165,6 +157,28 @@ class DeviceConditions:
                  extra={"device": device})
         return self._changed({device})
 
+    def baseline(self, device: str, uuid: str, action: str) -> bool:
+        """The GPU's first answer in this run: which GPU it is and what it needs. Its restored XID
+        causes go when it needs nothing (it was reset since they were recorded) or it is not the GPU
+        they were recorded for; else they stay, stamped with this boot and this UUID."""
+        if uuid:
+            self._uuids[device] = uuid
+        state = self._devices.get(device)
+        if device not in self._restored or state is None or not state.xids:
+            return False
+        self._restored.discard(device)
+        other = bool(uuid) and any(c.gpu_uuid and c.gpu_uuid != uuid for c in state.xids.values())
+        if not other and action != NONE:
+            state.xids = {x: replace(c, boot_id=c.boot_id or self.boot_id, gpu_uuid=c.gpu_uuid or uuid)
+                          for x, c in state.xids.items()}
+            self.save()
+            return False
+        why = f"another GPU ({uuid}) is {device} now" if other else "its recovery action reads none: it was reset"
+        log.info("%s: restored XID taints cleared, %s: %s", device, why,
+                 "; ".join(c.detail for c in state.xids.values()), extra={"device": device})
+        state.xids.clear()
+        return self._changed({device})
+
     def link(self, device: str, up: bool) -> bool:
         """The link state of a NIC as the latest scan saw it (called for every NIC on every scan)."""
         rule = self.policy.link_down
@@ -190,14 +204,21 @@ class DeviceConditions:
         # At once when the hold time is 0; else `tick` lets it go when the time has come.
         return self._release_link(device, state, now) and self._changed({device})
 
-    def clear(self, device: str) -> list[Cause]:
+    def clear(self, device: str, before: float | None = None) -> list[Cause]:
         """An operator clears the device's XID causes (`dra-agent taints clear`); the causes cleared.
-        Lost-GPU and link causes are observations: they go when the hardware says so."""
+        `before`: when the operator asked (unix seconds): an XID raised later stays, and one raised
+        earlier but reported later is not taken. Lost-GPU and link causes are observations: they go
+        when the hardware says so."""
+        if before is not None:
+            self._cleared[device] = max(before, self._cleared.get(device, float("-inf")))
         state = self._devices.get(device)
         if state is None or not state.xids:
             return []
-        gone = list(state.xids.values())
-        state.xids.clear()
+        gone = [c for c in state.xids.values() if before is None or c.since <= before]
+        if not gone:
+            return []
+        for cause in gone:
+            del state.xids[int(cause.value)]
         log.info("%s: XID taints cleared by an operator: %s", device, "; ".join(c.detail for c in gone),
                  extra={"device": device})
         self._changed({device})
@@ -276,6 +297,16 @@ class DeviceConditions:
                              rfc3339(state.link_down.since)))
         return out
 
+    def taint_counts(self) -> dict[tuple[str, str], int]:
+        """(cause kind, effect) -> how many taints are published now, counted as `taints` makes them
+        (a device's XIDs are one taint)."""
+        counts: dict[tuple[str, str], int] = {}
+        for name in self._devices:
+            for t in self.taints(name):
+                key = (t.key.rsplit("/", 1)[-1], t.effect)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def health(self, device: str) -> tuple[bool, str] | None:
         """(healthy, message) when the device has causes, else None. Informational causes
         (effect None) leave it healthy, with a message saying what happened."""
@@ -300,38 +331,43 @@ class DeviceConditions:
 
     # -- persistence ------------------------------------------------------------------------------
 
-    def load(self) -> None:
-        """Restore saved XID causes (a GPU that needed a reset still does after a restart)."""
+    def load(self, boot_id: str = "") -> None:
+        """Restore the saved XID causes recorded in this boot (`boot_id`; a reboot reset the GPU),
+        to be confirmed by each GPU's first answer (`baseline`)."""
+        self.boot_id = boot_id
         if self.directory is None:
             return
-        path = self.directory / CAUSES_FILE
         try:
-            doc = orjson.loads(path.read_bytes())
-            if doc.get("version") != FORMAT_VERSION:
-                raise ValueError(f"format version {doc.get('version')!r} is not {FORMAT_VERSION}")
-            causes = [Cause.from_json(c) for c in doc["causes"]]
+            causes, _ = read_saved(self.directory)
         except FileNotFoundError:
             return
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("saved device conditions in %s cannot be read (%s): starting without them", path, exc)
+        except (OSError, ValueError) as exc:
+            log.warning("saved device conditions in %s cannot be read (%s): starting without them",
+                        self.directory / CAUSES_FILE, exc)
             return
-        restored = 0
+        restored, rebooted = 0, []
         for cause in causes:
-            if cause.kind == XID and cause.value.isdigit():
-                self._devices.setdefault(cause.device, _Device()).xids[int(cause.value)] = cause
-                restored += 1
+            if cause.kind != XID or not cause.value.isdigit():
+                continue
+            if cause.boot_id and boot_id and cause.boot_id != boot_id:
+                rebooted.append(f"{cause.device}: {cause.detail}")
+                continue
+            self._devices.setdefault(cause.device, _Device()).xids[int(cause.value)] = cause
+            self._restored.add(cause.device)
+            restored += 1
+        if rebooted:
+            log.info("not restored, the node rebooted since (a reboot resets the GPU): %s", "; ".join(rebooted))
         if restored:
-            log.info("restored %d XID taints from %s", restored, path)
+            log.info("restored %d XID taints from %s", restored, self.directory / CAUSES_FILE)
+        if restored or rebooted:
             self.version += 1
 
     def save(self) -> None:
         if self.directory is None:
             return
-        doc = {"version": FORMAT_VERSION, "driver": self.driver, "savedAt": self.clock(),
-               "causes": [c.to_json() for c in self.causes()]}
         try:
             makedirs(self.directory, 0o755)
-            atomic_write(self.directory / CAUSES_FILE, orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+            atomic_write(self.directory / CAUSES_FILE, encode(self.driver, self.clock(), self.causes()))
         except OSError as exc:
             log.warning("cannot save device conditions in %s: %s", self.directory, exc)
 
@@ -345,11 +381,3 @@ class DeviceConditions:
             self.on_change(devices)
         return True
 
-
-def read_saved(directory: Path) -> tuple[list[Cause], float | None]:
-    """The causes a running agent saved last, and when (for `dra-agent taints`)."""
-    doc = orjson.loads((directory / CAUSES_FILE).read_bytes())
-    if doc.get("version") != FORMAT_VERSION:
-        raise ValueError(f"format version {doc.get('version')!r} is not {FORMAT_VERSION}")
-    saved_at = doc.get("savedAt")
-    return [Cause.from_json(c) for c in doc["causes"]], float(saved_at) if saved_at is not None else None

@@ -18,9 +18,16 @@ informational rules), or an operator cleared it (`dra-agent taints clear DEVICE`
 taint goes once the link has been up for `upHold` seconds without interruption: a flapping
 link keeps its taint instead of flapping it.
 
-The defaults follow the contract: XIDs 13, 31, 43, 45, 68 and 109 are caused by the
-application, not the GPU (informational, effect None, gone after 5 minutes); any other XID
-means NoSchedule until a reset; 79 (the GPU fell off the bus) and a lost GPU mean NoExecute.
+The defaults follow what each effect does (README, "Device health and taints", has the table with
+the reasons). NoExecute evicts the pods using the device at once, so it is kept for conditions
+that leave the device unusable until the hardware recovers, where the pods must leave anyway for a
+reset to be possible: a lost GPU, XID 79 (fallen off the bus), 95 (an uncontained ECC error: every
+context on the GPU is affected), 119 and 120 (the GPU's GSP firmware timed out or failed). None
+(informational: the taint tells, nothing moves) for XIDs that leave the GPU working: the
+application's own errors 13, 31, 43, 45, 68 and 109, and 63, 92, 94 (a memory row remapped, a high
+rate of corrected errors, an ECC error contained to the application that hit it); they go after 5
+minutes. Any other XID means NoSchedule until a reset: no new work, running pods are left alone.
+A link down is NoSchedule too: links come back, and a blip must not evict.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ EFFECTS = ("None", "NoSchedule", "NoExecute")
 # How strongly an effect acts, to pick the one a device's XID taint carries.
 EFFECT_RANK = {"None": 0, "NoSchedule": 1, "NoExecute": 2}
 
-APPLICATION_XIDS = (13, 31, 43, 45, 68, 109)
+APPLICATION_XIDS = (13, 31, 43, 45, 68, 109)  # the application's error, not the GPU's
+WORKING_XIDS = (63, 92, 94)  # the GPU's, corrected or contained: it keeps working
+UNUSABLE_XIDS = (79, 95, 119, 120)  # the GPU runs nothing until it is reset
 INFORMATIONAL_CLEAR_AFTER = 300.0
 LINK_UP_HOLD = 10.0
 
@@ -88,8 +97,8 @@ class LinkRule:
 
 
 def _default_xids() -> dict[int, Rule]:
-    table = {xid: Rule("None", INFORMATIONAL_CLEAR_AFTER) for xid in APPLICATION_XIDS}
-    table[79] = Rule("NoExecute")
+    table = {xid: Rule("None", INFORMATIONAL_CLEAR_AFTER) for xid in (*APPLICATION_XIDS, *WORKING_XIDS)}
+    table.update({xid: Rule("NoExecute") for xid in UNUSABLE_XIDS})
     return table
 
 
@@ -102,17 +111,6 @@ class TaintPolicy:
 
     def for_xid(self, xid: int) -> Rule:
         return self.xid.get(xid, self.default_xid)
-
-    def table(self) -> list[dict[str, Any]]:
-        """The policy as rows, for README and `dra-agent taints --policy`."""
-        rows = [{"cause": f"XID {x}", "effect": r.effect, "clearAfter": r.clear_after,
-                 "meaning": XID_MEANINGS.get(x, "")} for x, r in sorted(self.xid.items())]
-        rows.append({"cause": "any other XID", "effect": self.default_xid.effect,
-                     "clearAfter": self.default_xid.clear_after, "meaning": ""})
-        rows.append({"cause": "GPU lost", "effect": self.gpu_lost.effect, "clearAfter": None, "meaning": ""})
-        rows.append({"cause": "link down", "effect": self.link_down.effect,
-                     "clearAfter": None, "meaning": f"cleared after {self.link_down.up_hold:g}s up"})
-        return rows
 
 
 def xid_meaning(xid: int) -> str:

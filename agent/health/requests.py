@@ -83,7 +83,7 @@ def apply_requests(directory: Path, conditions: DeviceConditions) -> int:
             with contextlib.suppress(OSError):
                 os.replace(path, directory / f"{name}.bad")
             continue
-        gone = conditions.clear(device)
+        gone = conditions.clear(device, before=written_at(name))
         if not gone:
             log.info("taint request: %s has no XID taint to clear", device)
         try:  # before the request goes: the CLI reads it once the request is gone
@@ -95,6 +95,12 @@ def apply_requests(directory: Path, conditions: DeviceConditions) -> int:
             os.unlink(path)
         applied += 1
     return applied
+
+
+def written_at(name: str) -> float | None:
+    """When a request was written: its name starts with the nanoseconds (`submit_clear`)."""
+    head = name.split("-", 1)[0]
+    return int(head) / 1e9 if head.isdigit() else None
 
 
 def result_path(request: Path) -> Path:

@@ -3,8 +3,9 @@
 `DeviceHealthService` owns the device conditions (`agent.health.conditions`) and everything that
 feeds them while the agent runs:
 - each inventory snapshot: the link state of every NIC (`observe`);
-- the GPU event watcher's events (XIDs, lost and answering GPUs), handed over from its
-  thread (`gpu_event`);
+- the GPU event watcher's events (XIDs, lost and answering GPUs, each GPU's first answer, which
+  XID taints restored from the last run are checked against), handed over from its thread
+  (`gpu_event`);
 - operators' clear requests (`agent.health.requests.RequestWatcher`);
 - time: informational XID taints expiring, link taints held until the link stays up.
 
@@ -34,20 +35,23 @@ import time
 from collections.abc import Awaitable, Callable
 
 from agent.config import Settings
+from agent.facts import NicFacts
 from agent.health.conditions import GPU_LOST, DeviceConditions, Readiness
 from agent.health.policy import TaintPolicy, load_policy
 from agent.health.requests import RequestWatcher, health_dir, requests_dir
+from agent.host.vfio.host import VfioHost
 from agent.inventory import Inventory, Snapshot
 from agent.inventory.gpu_events import (
     DoubleBitEcc,
     GpuAnswering,
+    GpuBaseline,
     GpuEvent,
     GpuEventWatcher,
     GpuLost,
     XidError,
 )
 from agent.inventory.gpus import GpuSource
-from agent.model import PCI_BUS_ID, Device
+from agent.model import Device
 from agent.sim.control import control_dir
 
 log = logging.getLogger(__name__)
@@ -56,11 +60,6 @@ log = logging.getLogger(__name__)
 # wall-clock jump cannot leave a held link taint for long).
 IDLE_WAKE = 30.0
 DOUBLE_BIT_ECC_XID = 48  # the XID the driver logs for a double-bit ECC error
-
-
-# Kinds that are another form of a native device on the same PCI function (its health is theirs):
-# passthrough variants, MIG placements, vGPU devices and shared GPUs.
-_FORMS = ("vfio", "mig", "vgpu", "gpushare")
 
 
 class DeviceHealthService:
@@ -77,7 +76,7 @@ class DeviceHealthService:
         self._last_seen: dict[str, Device] = {}
         # PCI bus ID -> native device, as of the last snapshot observed: readiness and get, called per
         # claim device on every status write, look forms up here instead of going over every device.
-        self._bus_native: dict[object, str] = {}
+        self._bus_native: dict[str, str] = {}
         self._nics: set[str] = set()
         self._dirty: set[str] = set()
         self._rescan: set[str] = set()  # kinds to rescan: a lost GPU answering is back in discovery
@@ -86,7 +85,10 @@ class DeviceHealthService:
         self.gpu_events: GpuEventWatcher | None = None
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.conditions.load)
+        # The kernel's boot ID (the simulated machine's with --nvml sim): XID causes of another boot
+        # are not restored.
+        boot_id = await asyncio.to_thread(VfioHost.of(self.settings).boot_id)
+        await asyncio.to_thread(self.conditions.load, boot_id)
         await asyncio.to_thread(self.conditions.save)  # `dra-agent taints` tells "none" from "no agent"
         try:
             await self.requests.start()
@@ -107,7 +109,7 @@ class DeviceHealthService:
 
         self.gpu_events = GpuEventWatcher(source.nvml, hand_over, probe_interval=self.settings.gpu_probe_interval,
                                           control_dir=control_dir(self.settings), name_hint=source.device_name,
-                                          gate=source.gate)
+                                          baseline=True, gate=source.gate)
         self.gpu_events.start()
 
     async def stop_gpus(self) -> None:
@@ -132,9 +134,9 @@ class DeviceHealthService:
         due = self.conditions.next_deadline()
         for name, dev in snapshot.devices.items():
             self._last_seen[name] = dev
-            if dev.kind == "nic":
+            if isinstance(dev.node, NicFacts):
                 nics.add(name)
-                self.conditions.link(name, dev.attributes.get("linkUp") is True)
+                self.conditions.link(name, dev.node.link_up)
         if (soon := self.conditions.next_deadline()) is not None and (due is None or soon < due):
             # A link came up: its hold ends before the loop's current sleep does (which may be the idle one).
             self._wake.set()
@@ -155,9 +157,10 @@ class DeviceHealthService:
 
     def gpu_event(self, event: GpuEvent) -> None:
         if isinstance(event, XidError):
-            self.conditions.xid(event.device, event.xid, event.recovery_action.value)
+            self.conditions.xid(event.device, event.xid, event.recovery_action.value, at=event.at.timestamp())
         elif isinstance(event, DoubleBitEcc):
-            self.conditions.xid(event.device, DOUBLE_BIT_ECC_XID, event.recovery_action.value)
+            self.conditions.xid(event.device, DOUBLE_BIT_ECC_XID, event.recovery_action.value,
+                                at=event.at.timestamp())
         elif isinstance(event, GpuLost):
             self._rescan.add("gpu")
             self.conditions.gpu_lost(event.device, event.reason)
@@ -165,6 +168,8 @@ class DeviceHealthService:
             self._rescan.add("gpu")
             self.conditions.gpu_answering(event.device, event.recovery_action.value)
             self._wake.set()
+        elif isinstance(event, GpuBaseline):
+            self.conditions.baseline(event.device, event.uuid, event.recovery_action.value)
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -199,7 +204,7 @@ class DeviceHealthService:
                 if (native := _native_of(dev, natives)) != name}
 
     def readiness(self, device: Device) -> Readiness:
-        """For the claim status writer (`agent.health.claimstatus.DeviceReadiness`): a form of a GPU is as
+        """For the claim status writer (`agent.health.statusentry.DeviceReadiness`): a form of a GPU is as
         ready as its GPU."""
         own = self.conditions.readiness(device.name)
         return own if not own.ready else self.conditions.readiness(_native_of(device, self._bus_native))
@@ -217,11 +222,11 @@ class DeviceHealthService:
     def _lost(self) -> set[str]:
         return {c.device for c in self.conditions.causes() if c.kind == GPU_LOST}
 
-    def _natives(self, snapshot: Snapshot | None = None) -> dict[object, str]:
+    def _natives(self, snapshot: Snapshot | None = None) -> dict[str, str]:
         """PCI bus ID -> the native device there, among the devices seen (and `snapshot`'s)."""
-        native: dict[object, str] = {}
+        native: dict[str, str] = {}
         for name, dev in (*self._last_seen.items(), *(snapshot.devices.items() if snapshot else ())):
-            if dev.kind not in _FORMS and (bus := dev.attributes.get(PCI_BUS_ID)) is not None:
+            if not dev.kind.form and (bus := dev.pci_bus_id):
                 native[bus] = name
         return native
 
@@ -256,8 +261,9 @@ class DeviceHealthService:
                 log.exception("applying the device conditions of %s failed", ", ".join(sorted(devices)))
 
 
-def _native_of(device: Device, natives: dict[object, str]) -> str:
-    """The name of the native device `device` is a form of (by PCI bus ID), or its own name."""
-    if device.kind in _FORMS and (native := natives.get(device.attributes.get(PCI_BUS_ID))) is not None:
+def _native_of(device: Device, natives: dict[str, str]) -> str:
+    """The name of the native device `device` is a form of (the one on the PCI function its facts name:
+    a GPU form's GPU, a passthrough variant's function), or its own name."""
+    if device.kind.form and (native := natives.get(device.pci_bus_id)) is not None:
         return native
     return device.name

@@ -23,7 +23,7 @@ access capabilities' nodes, `/dev/nvidia-caps/nvidia-cap<minor>`, the minors rea
 publishes them (`/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>/[ci<id>/]access`); the driver
 makes no such nodes itself, so the agent creates the ones missing, as nvidia-modprobe does
 (`agent.host.nvcaps`).
-The NVML queries (instances, compute instances, capability minors) are in `agent.hostprep.migquery`.
+The NVML queries (instances, compute instances) are in `agent.hostprep.migquery`.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import pynvml
 
 from agent import failpoints
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import DevicePartition, PartitionKind, partition_attributes
+from agent.claims.records import DevicePartition
 from agent.errors import ClaimFailure
+from agent.facts import GpuFacts, MigPlacement
 from agent.host.nvcaps import CapError, caps_dir, ensure_node
 from agent.hostprep.migmode import MigModeMarks
 from agent.hostprep.migquery import (
@@ -57,6 +58,7 @@ from agent.inventory import Inventory
 from agent.inventory import mig as migs
 from agent.inventory.gpus import SHARED_NODES, GpuSource
 from agent.inventory.nvmlgate import NvmlGate
+from agent.kinds import PartitionKind
 from agent.model import DeviceNode
 
 log = logging.getLogger(__name__)
@@ -119,26 +121,26 @@ class MigPartitioner:
 
     def _plan(self, uid: str, allocated: AllocatedDevice) -> DevicePartition:
         dev = allocated.device
-        where = migs.placement_of(dev)
-        if where is None:
+        if not isinstance(dev.node, GpuFacts) or not isinstance(where := dev.node.target, MigPlacement):
             raise MigFailure(f"device {dev.name} is not a MIG placement this agent published")
-        nv, handle = self._parent(where.parent_uuid, dev.name)
+        parent = dev.node.gpu.uuid
+        nv, handle = self._parent(parent, dev.name)
         profile = self._profile(nv, handle, where.profile, dev.name)
         if where.start not in profile.starts or where.size != profile.size:
-            raise MigFailure(f"device {dev.name}: GPU {where.parent_uuid} has no placement {where.start} (size "
+            raise MigFailure(f"device {dev.name}: GPU {parent} has no placement {where.start} (size "
                              f"{where.size}) for profile {profile.name} (it offers {list(profile.starts)})")
         current, pending = self._mode(nv, handle, dev.name)
         if current != _ENABLE and pending == _ENABLE:
-            raise MigModeUnavailable(f"device {dev.name}: MIG mode of GPU {where.parent_uuid} is pending: it takes "
+            raise MigModeUnavailable(f"device {dev.name}: MIG mode of GPU {parent} is pending: it takes "
                                      "effect only after a GPU reset (nvidia-smi -r), which the agent does not do")
         if current == _ENABLE:
             for gi_id, start, size, name in gpu_instances(nv, handle):
                 if start < where.start + where.size and where.start < start + size:
                     raise PlacementTaken(
                         f"device {dev.name}: memory slices {where.start}..{where.start + where.size - 1} of GPU "
-                        f"{where.parent_uuid} overlap GPU instance {gi_id} ({name} at {start}); retry once it is "
+                        f"{parent} overlap GPU instance {gi_id} ({name} at {start}); retry once it is "
                         "destroyed")
-        return DevicePartition(dev.name, PartitionKind.MIG, where.parent_uuid, profile.name, where.start,
+        return DevicePartition(dev.name, PartitionKind.MIG, parent, profile.name, where.start,
                                boot_id=self._boot_id())
 
     def create(self, part: DevicePartition, write: WritePartition) -> DevicePartition:
@@ -306,10 +308,8 @@ class MigPartitioner:
             except CapError as exc:
                 raise MigFailure(f"device {part.device}: {exc}") from exc
             nodes.append(DeviceNode(f"/dev/nvidia-caps/{host.name}", str(host)))
-        dev = allocated.device
-        node = dataclasses.replace(dev.node, device_nodes=tuple(nodes), gpu_uuid=part.uuid)
-        return dataclasses.replace(allocated, device=dataclasses.replace(
-            dev, attributes={**dev.attributes, **partition_attributes(part)}, node=node))
+        return dataclasses.replace(allocated, device=dataclasses.replace(allocated.device, device_nodes=tuple(nodes)),
+                                   made=part)
 
     # -- NVML ----------------------------------------------------------------------------------------
 

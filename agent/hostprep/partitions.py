@@ -1,5 +1,6 @@
 """GPU partitions created on the host at prepare (MIG instances, vGPU mediated devices): the
-interface each kind's module implements, and the checks every kind shares.
+interface each kind's module implements, the `HostEffect` of a record's partitions (`Partitions`),
+and the checks every kind shares.
 
 A partition is a side effect outside the agent's files, like a passthrough binding, and follows the
 same discipline (`agent.hostprep.vfio`): the record (`agent.claims.records.DevicePartition`, format version 3)
@@ -10,15 +11,19 @@ a prepare that stopped anywhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+from agent.claims.allocation import Allocation
 from agent.claims.book import ClaimBook
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import DevicePartition, PartitionKind
+from agent.claims.records import ClaimRecord, DevicePartition
 from agent.errors import ClaimFailure
+from agent.hostprep.hosteffect import WriteRecord
 from agent.inventory import Inventory
-from agent.model import PCI_BUS_ID, Device
+from agent.kinds import GpuForm, PartitionKind
+from agent.model import Device
 
 WritePartition = Callable[[DevicePartition], None]
 
@@ -50,21 +55,99 @@ class Partitioner(Protocol):
         ...
 
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
-        """The allocated device with the partition's facts (MIG: its UUID as the GPU UUID and the
-        /dev/nvidia-caps nodes; mdev: its UUID), so claimplan writes the CDI spec and metadata from it."""
+        """The allocated device as the container or VM gets it: the partition (`made`: its UUID) and its
+        device nodes (MIG: the GPU's and the /dev/nvidia-caps nodes; mdev: its VFIO group), so
+        `agent.claims.plan` writes the CDI spec and metadata from it."""
         ...
 
 
-# -- the checks every kind shares ----------------------------------------------------------------------
+class PartitionUnknown(ClaimFailure):
+    """A record names a partition kind this agent has no partitioner for (written by a newer agent), or a
+    device needs one."""
 
-WHOLE, SHARED, MIG_FORM, MDEV_FORM = "whole GPU", "shared GPU", "MIG", "vGPU"
-# Forms of one GPU that never coexist: the whole GPU (native, passthrough) with a share or any
-# partition, shares with partitions, and MIG with vGPU (the driver takes the GPU into one mode or the
-# other). Shares go with shares (that is what they are for); the native GPU and its passthrough
-# variant are kept apart by `agent.hostprep.vfio`.
-_CLASH = {frozenset((WHOLE, SHARED)), frozenset((WHOLE, MIG_FORM)), frozenset((WHOLE, MDEV_FORM)),
-          frozenset((SHARED, MIG_FORM)), frozenset((SHARED, MDEV_FORM)), frozenset((MIG_FORM, MDEV_FORM))}
-_FORMS = {"gpu": WHOLE, "gpushare": SHARED, "mig": MIG_FORM, "vgpu": MDEV_FORM}
+
+class PartitionGone(ClaimFailure):
+    """A prepared claim's partition is not on the host (a reboot): the claim cannot stay prepared."""
+
+
+class Partitions:
+    """The `HostEffect` of a record's `partitions`: each one made and destroyed by the partitioner of its
+    kind. The partitioners are kept by the partition kind they make; a device's kind says which it needs
+    (`Kind.partition_kind`): adding a partition kind is one partitioner in the list the engine builds."""
+
+    name = "GPU partitions"
+
+    def __init__(self, partitioners: Iterable[Partitioner]) -> None:
+        self.by_kind: dict[PartitionKind, Partitioner] = {p.kind: p for p in partitioners}
+
+    def held(self, record: ClaimRecord) -> bool:
+        return bool(record.partitions)
+
+    def planned(self, alloc: Allocation, intent: ClaimRecord) -> ClaimRecord:
+        """A partition per partition device of the claim, checked, nothing created."""
+        out: list[DevicePartition] = []
+        seen: set[str] = set()
+        for a in alloc.devices:
+            kind = a.device.kind.partition_kind
+            if kind is not None and a.device.name not in seen:
+                seen.add(a.device.name)
+                out.append(self._partitioner_of(kind, a.device.name).plan(alloc.ref.uid, a))
+        return dataclasses.replace(intent, partitions=out)
+
+    def apply(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+        for i, part in enumerate(record.partitions):
+            def write_part(p: DevicePartition, i: int = i, base: ClaimRecord = record) -> None:
+                write(_with_partition(base, i, p))
+            done = self._partitioner(part).create(part, write_part)
+            record = _with_partition(record, i, done)
+        return record
+
+    def devices(self, allocated: Iterable[AllocatedDevice], record: ClaimRecord) -> list[AllocatedDevice]:
+        by_name = {p.device: p for p in record.partitions}
+        return [self._partitioner(by_name[a.device.name]).device(by_name[a.device.name], a)
+                if a.device.name in by_name else a for a in allocated]
+
+    def undo_intent(self, record: ClaimRecord) -> ClaimRecord:
+        """As they are: each partitioner's `destroy` starts from what the host shows."""
+        return record
+
+    def undo(self, record: ClaimRecord, write: WriteRecord | None) -> ClaimRecord:
+        """Every partition destroyed, last made first; with `write`, each one's progress recorded."""
+        for i in reversed(range(len(record.partitions))):
+            part = record.partitions[i]
+            write_part = None
+            if write is not None:
+                def write_part(p: DevicePartition, i: int = i) -> None:
+                    nonlocal record
+                    record = _with_partition(record, i, p)
+                    write(record)
+            self._partitioner(part).destroy(part, write_part)
+        return record
+
+    def reassert(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+        """PartitionGone when a partition is not on the host any more (after a reboot: all): one made again
+        would have another UUID than the claim's files name."""
+        if missing := [p.device for p in record.partitions if not self._partitioner(p).exists(p)]:
+            raise PartitionGone(f"partition(s) {', '.join(missing)} are not on the host any more")
+        return record
+
+    def _partitioner(self, part: DevicePartition) -> Partitioner:
+        return self._partitioner_of(part.kind, part.device)
+
+    def _partitioner_of(self, kind: PartitionKind, device: str) -> Partitioner:
+        found = self.by_kind.get(kind)
+        if found is None:
+            raise PartitionUnknown(f"device {device}: this agent cannot handle {kind} partitions")
+        return found
+
+
+def _with_partition(record: ClaimRecord, i: int, part: DevicePartition) -> ClaimRecord:
+    parts = list(record.partitions)
+    parts[i] = part
+    return dataclasses.replace(record, partitions=parts)
+
+
+# -- the checks every kind shares ----------------------------------------------------------------------
 
 
 class GpuFormConflict(ClaimFailure):
@@ -73,21 +156,16 @@ class GpuFormConflict(ClaimFailure):
     groups would have kept them apart, but those may be off."""
 
 
-def gpu_form(device: Device) -> tuple[str, str] | None:
+def gpu_form(device: Device) -> tuple[str, GpuForm] | None:
     """(the GPU's PCI bus ID, the form the device takes it in), or None for a device of no GPU."""
-    if device.kind == "vfio":
-        if device.attributes.get("nativeType") != "gpu" or not device.node.pci_bus_id:
-            return None
-        return device.node.pci_bus_id, WHOLE
-    form = _FORMS.get(device.kind)
-    bus = device.attributes.get(PCI_BUS_ID)
-    return (bus, form) if form is not None and isinstance(bus, str) else None
+    form, bus = device.kind.gpu_form, device.gpu_function
+    return (bus, form) if form is not None and bus else None
 
 
 def gpu_lock_key(device: Device) -> str | None:
     """One lock per GPU for its partitions (`pci/<bus>`, the key its whole forms take), so a MIG mode change
     and another claim's instance on the same GPU, or a partition and the full GPU, never run at once."""
-    found = gpu_form(device) if device.kind in ("mig", "vgpu") else None
+    found = gpu_form(device) if device.kind.partition_kind is not None else None
     return f"pci/{found[0]}" if found else None
 
 
@@ -97,12 +175,12 @@ class GpuForms:
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
         self._version = -1
-        self._by_bus: dict[str, dict[str, str]] = {}
+        self._by_bus: dict[str, dict[str, GpuForm]] = {}
 
-    def on_bus(self, bus: str) -> dict[str, str]:
+    def on_bus(self, bus: str) -> dict[str, GpuForm]:
         """Device name -> form, of every device of the GPU at `bus`."""
         if self._version != self.inventory.version:
-            by_bus: dict[str, dict[str, str]] = {}
+            by_bus: dict[str, dict[str, GpuForm]] = {}
             for d in self.inventory.devices():
                 if (found := gpu_form(d)) is not None:
                     by_bus.setdefault(found[0], {})[d.name] = found[1]
@@ -113,18 +191,18 @@ class GpuForms:
 def check_gpu_forms(uid: str, allocated: Sequence[AllocatedDevice], forms_of: GpuForms, book: ClaimBook) -> None:
     """GpuFormConflict when the claim asks for clashing forms of one GPU, or another claim holds a form that
     clashes with one the claim asks for."""
-    wanted: dict[str, dict[str, str]] = {}  # bus -> device name -> form
+    wanted: dict[str, dict[str, GpuForm]] = {}  # bus -> device name -> form
     for a in allocated:
         if (found := gpu_form(a.device)) is not None:
             wanted.setdefault(found[0], {})[a.device.name] = found[1]
     for bus, forms in wanted.items():
         for (first, fa), (second, fb) in ((x, y) for x in forms.items() for y in forms.items()):
-            if frozenset((fa, fb)) in _CLASH:
+            if fa.clashes(fb):
                 raise GpuFormConflict(f"devices {first} ({fa}) and {second} ({fb}) are forms of GPU {bus} that "
                                       "cannot be used together: a claim can have only one")
         on_bus = forms_of.on_bus(bus)
         for name, form in forms.items():
-            clashing = {n for n, f in on_bus.items() if frozenset((form, f)) in _CLASH}
+            clashing = {n for n, f in on_bus.items() if form.clashes(f)}
             for other in book.claims_holding(clashing):
                 if other == uid:
                     continue

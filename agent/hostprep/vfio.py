@@ -14,6 +14,9 @@ outside the agent's files, so the claim's record says what is about to happen be
 - recovery: `binding` is rolled back (the kubelet retries the prepare), `restoring` is finished,
   `prepared` is re-applied (after a reboot the kernel forgot it; otherwise a no-op).
 
+`Passthrough` is the `HostEffect` of the record's bindings (`agent.hostprep.hosteffect`); the sequences
+above are run, the same for every kind of effect, by `agent.hostprep.effects.HostEffects`.
+
 Steps are idempotent and judged against what sysfs shows now (`agent.host.vfio.bind`), so replaying a
 step a crash interrupted, or rolling back from any prefix of a plan, converges: each function ends
 bound to exactly the driver the record says. Every write and wait is bounded (a GPU in use is a
@@ -25,14 +28,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from agent import counters, failpoints
 from agent.claims.allocation import Allocation, VfioSettings
 from agent.claims.book import ClaimBook
-from agent.claims.files import ClaimFiles
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import ClaimRecord, DeviceBinding, RecordState
+from agent.claims.records import ClaimRecord, DeviceBinding
 from agent.errors import ClaimFailure
 from agent.host.pci import nvidia_display_functions
 from agent.host.vfio.bind import DEFAULT_TIMEOUT, BindStep, StepKind, apply_step, plan_bind
@@ -43,16 +45,16 @@ from agent.host.vfio.nodes import IommuBackend, host_has_iommufd, vfio_device_no
 from agent.host.vfio.pci import VFIO_PCI, current_driver, iommu_group
 from agent.host.vfio.persistence import check_persistence_off
 from agent.host.vfio.sriov import set_vf_mac_vlan
+from agent.hostprep.hosteffect import WriteRecord
 from agent.hostprep.mig import nvml_of
 from agent.inventory import Inventory
 from agent.inventory.gpuminors import driver_minors
-from agent.model import PCI_BUS_ID, Device, DeviceNode
+from agent.kinds import Kind
+from agent.model import Device, DeviceNode
 
 log = logging.getLogger(__name__)
 
-VFIO_KIND = "vfio"
 NVIDIA_DRIVER = "nvidia"
-_FUNCTION_KINDS = ("gpu", "nic", VFIO_KIND)
 
 
 class GroupChanged(VfioError):
@@ -66,13 +68,8 @@ class FormConflict(ClaimFailure):
 
 
 def function_of(device: Device) -> str | None:
-    """The PCI function behind a GPU, NIC or passthrough device (its bus ID); None for others."""
-    if device.kind not in _FUNCTION_KINDS:
-        return None
-    if device.kind == VFIO_KIND and device.node.pci_bus_id:
-        return device.node.pci_bus_id
-    bus = device.attributes.get(PCI_BUS_ID)
-    return bus if isinstance(bus, str) else None
+    """The PCI function a GPU, NIC or passthrough device is (its bus ID); None for others."""
+    return (device.pci_bus_id or None) if device.kind.function else None
 
 
 def lock_key(device: Device) -> str:
@@ -82,11 +79,11 @@ def lock_key(device: Device) -> str:
     return f"pci/{bus}" if bus else f"device/{device.name}"
 
 
-WriteRecord = Callable[[ClaimRecord], None]
-
-
 class Passthrough:
-    """The engine's passthrough side. Blocking: call from the claim's worker thread, with its locks."""
+    """The engine's passthrough side, and the `HostEffect` of a record's `bindings`. Blocking: call from the
+    claim's worker thread, with its locks."""
+
+    name = "PCI functions bound to vfio-pci"
 
     def __init__(self, host: VfioHost, inventory: Inventory, book: ClaimBook, *,
                  timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -121,18 +118,18 @@ class Passthrough:
             dev, bus = a.device, function_of(a.device)
             if bus is None:
                 continue
-            if dev.kind == VFIO_KIND:
+            if dev.kind.passthrough:
                 if natives is None:
                     natives = {}
                     for d in self.inventory.devices():
-                        if d.kind != VFIO_KIND and (b := function_of(d)) is not None:
+                        if not d.kind.passthrough and (b := function_of(d)) is not None:
                             natives.setdefault(b, []).append(d.name)
                 others = set(natives.get(bus, ())) | {dev.name}
             else:
                 others = {counters.passthrough_name(dev.kind, bus)}
             # In one claim: a passthrough device with anything else of its function, or a native one with
             # its passthrough form (two ports of one NIC function are fine).
-            same_claim = wanted[bus] - {dev.name} if dev.kind == VFIO_KIND else wanted[bus] & others
+            same_claim = wanted[bus] - {dev.name} if dev.kind.passthrough else wanted[bus] & others
             if same_claim:
                 raise FormConflict(f"devices {dev.name} and {', '.join(sorted(same_claim))} are two forms of PCI "
                                    f"function {bus}: a claim can have only one")
@@ -142,12 +139,18 @@ class Passthrough:
                 other = self.book.record_of(other_uid)
                 held = sorted(d.device for d in other.devices if d.device in others) if other else sorted(others)
                 who = f"claim {other.namespace}/{other.name} ({other_uid})" if other else f"claim {other_uid}"
-                why = ("a passthrough device takes the whole function" if dev.kind == VFIO_KIND
+                why = ("a passthrough device takes the whole function" if dev.kind.passthrough
                        else "its passthrough form has it")
                 raise FormConflict(f"device {dev.name}: PCI function {bus} is prepared as {', '.join(held)} for "
                                    f"{who}; {why} (retry once that claim is unprepared)")
 
     # -- prepare -----------------------------------------------------------------------------------
+
+    def held(self, record: ClaimRecord) -> bool:
+        return bool(record.bindings)
+
+    def planned(self, alloc: Allocation, intent: ClaimRecord) -> ClaimRecord:
+        return dataclasses.replace(intent, bindings=self.plan(alloc))
 
     def plan(self, alloc: Allocation) -> list[DeviceBinding]:
         """A binding per passthrough device, from what sysfs shows now; raises (nothing written) when a
@@ -157,7 +160,7 @@ class Passthrough:
         boot: str | None = None  # read once, and only for a claim with passthrough devices
         for a in alloc.devices:
             dev = a.device
-            if dev.kind != VFIO_KIND or dev.name in seen:
+            if not dev.kind.passthrough or dev.name in seen:
                 continue
             seen.add(dev.name)
             cfg = alloc.vfio.get(dev.name, VfioSettings())
@@ -168,7 +171,7 @@ class Passthrough:
                 raise VfioError(f"{cfg.where}.iommu: iommufd was asked for, but this host has no "
                                 f"{self.host.dev / 'iommu'} (a kernel with CONFIG_IOMMUFD and "
                                 "CONFIG_VFIO_DEVICE_CDEV); ask for legacy")
-            if dev.attributes.get("nativeType") == "gpu":
+            if dev.gpu_function is not None:
                 self._check_gpu_free(bdf)
             plan = plan_bind(self.host.sysfs, bdf)
             if boot is None:
@@ -227,17 +230,16 @@ class Passthrough:
     def _is_gpu(self, device: str, bdf: str) -> bool:
         dev = self.inventory.get(device)
         if dev is not None:
-            return dev.attributes.get("nativeType") == "gpu"
+            return dev.gpu_function is not None
         return bdf in nvidia_display_functions(self.host.sysfs)
 
     def _gpu_minor(self, bdf: str) -> int | None:
         for d in self.inventory.devices():
-            minor = d.attributes.get("minor")
-            if d.kind == "gpu" and d.attributes.get(PCI_BUS_ID) == bdf and isinstance(minor, int):
-                return minor
+            if d.kind is Kind.GPU and (gpu := d.gpu) is not None and gpu.pci_bus_id == bdf:
+                return gpu.minor
         return driver_minors(self.host.proc).get(bdf)
 
-    def bind(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+    def apply(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
         """Apply the `binding` record's plans, writing "step k is next" before each step; returns the
         record as last written."""
         with self._letting_go(record.bindings, check=True):
@@ -247,10 +249,15 @@ class Passthrough:
                 record = self._run(record, i, b.plan.steps, write, "bind")
         return record
 
-    def restore(self, record: ClaimRecord, write: WriteRecord | None) -> ClaimRecord:
-        """Put every function of the record's bindings back on its original driver. With `write` (a
-        `restoring` record), from each binding's recorded step, recording each step first; without
-        (rolling back a `binding` record, which recovery rolls back again from any state), all steps."""
+    def undo_intent(self, record: ClaimRecord) -> ClaimRecord:
+        """Every binding at step 0 of its restore plan."""
+        return dataclasses.replace(record, bindings=[dataclasses.replace(b, step=0) for b in record.bindings])
+
+    def undo(self, record: ClaimRecord, write: WriteRecord | None) -> ClaimRecord:
+        """Put every function of the record's bindings back on its original driver (override cleared, an
+        operator's override put back). With `write` (a `restoring` record), from each binding's recorded
+        step, recording each step first; without (rolling back a `binding` record, which recovery rolls
+        back again from any state), all steps."""
         with self._letting_go(record.bindings, check=False):
             for i, b in enumerate(record.bindings):
                 steps = b.plan.restore().steps
@@ -260,37 +267,6 @@ class Passthrough:
                 else:
                     record = self._run(record, i, steps, write, "restore")
         return record
-
-    # -- a claim's passthrough operations (with the claim's and its devices' locks) -------------------
-
-    def settle(self, record: ClaimRecord, files: ClaimFiles) -> None:
-        """Finish a passthrough prepare or unprepare that stopped halfway: `binding` is rolled back,
-        `restoring` finished; the claim's files and record go. Raises (record kept) when a function
-        cannot be put back now."""
-        files.remove_claim_files(record.uid)
-        if record.state is RecordState.BINDING:
-            self.restore(record, None)
-        else:
-            self.restore(record, self.book.write)
-        self.book.store.delete(record.uid)
-        self.book.forget(record.uid)
-        log.info("claim %s/%s: %s settled: its PCI functions are back on their drivers", record.namespace,
-                 record.name, "an interrupted prepare" if record.state is RecordState.BINDING else
-                 "an interrupted unprepare")
-
-    def unprepare_bound(self, record: ClaimRecord, files: ClaimFiles) -> None:
-        """Unprepare a claim with bindings: the restore intent first (no files: from here on they are
-        orphans the next start removes), then the files, then each function back on its driver, each
-        step recorded first; the record last."""
-        restoring = dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[],
-                                        bindings=[dataclasses.replace(b, step=0) for b in record.bindings])
-        self.book.write(restoring)
-        failpoints.hit("unprepare-after-restore-intent")
-        files.remove_files(record)
-        self.restore(restoring, self.book.write)
-        self.book.store.delete(record.uid)
-        self.book.forget(record.uid)
-        failpoints.hit("unprepare-after-record")
 
     def _run(self, record: ClaimRecord, i: int, steps: Sequence[BindStep], write: WriteRecord,
              what: str) -> ClaimRecord:
@@ -327,22 +303,20 @@ class Passthrough:
         IOMMU and the function's cdev)."""
         return vfio_device_nodes(self.host.sysfs, self.host.dev, [binding.plan.target], IommuBackend(binding.iommu))
 
-    def bound_devices(self, allocated: Iterable[AllocatedDevice],
-                      bindings: Sequence[DeviceBinding]) -> list[AllocatedDevice]:
+    def devices(self, allocated: Iterable[AllocatedDevice], record: ClaimRecord) -> list[AllocatedDevice]:
         """The allocation with each passthrough device's VFIO nodes and configured MAC filled in."""
-        by_name = {b.device: b for b in bindings}
+        by_name = {b.device: b for b in record.bindings}
         out = []
         for a in allocated:
             b = by_name.get(a.device.name)
             if b is not None:
-                node = dataclasses.replace(a.device.node, device_nodes=self.nodes(b))
-                a = dataclasses.replace(a, device=dataclasses.replace(a.device, node=node), mac=b.mac)
+                a = dataclasses.replace(a, device=dataclasses.replace(a.device, device_nodes=self.nodes(b)), mac=b.mac)
             out.append(a)
         return out
 
     # -- recovery ----------------------------------------------------------------------------------
 
-    def reapply(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
+    def reassert(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
         """A prepared record's bindings made true again (after a reboot the kernel forgot them; a no-op
         when they hold); the record with the current boot ID. Raises when that fails."""
         boot = self.host.boot_id()

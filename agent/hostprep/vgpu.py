@@ -28,13 +28,14 @@ import uuid as uuidlib
 
 from agent import failpoints
 from agent.claims.metadata import AllocatedDevice
-from agent.claims.records import DevicePartition, PartitionKind, partition_attributes
+from agent.claims.records import DevicePartition
+from agent.facts import GpuFacts, VgpuType
 from agent.host.mdev import sysfs as mdev
 from agent.host.mdev.errors import MdevError, NoInstanceAvailable, ParentUnavailable, TypeNotOffered
 from agent.host.vfio.host import VfioHost
 from agent.host.vfio.pci import VFIO_PCI, current_driver
 from agent.hostprep.partitions import WritePartition
-from agent.inventory.vgpu import target_of
+from agent.kinds import PartitionKind
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,9 @@ class VgpuPartitioner:
 
     def plan(self, uid: str, allocated: AllocatedDevice) -> DevicePartition:
         dev = allocated.device
-        target = target_of(dev)
-        if target is None:
-            raise MdevError(f"device {dev.name} is not a vGPU device (no parent bus ID or mdev type)")
-        parent, type_id = target.parent, target.type_id
+        if not isinstance(dev.node, GpuFacts) or not isinstance(target := dev.node.target, VgpuType):
+            raise MdevError(f"device {dev.name} is not a vGPU device this agent published")
+        parent, type_id = dev.node.gpu.pci_bus_id, target.id
         driver = current_driver(self.host.sysfs, parent)
         if driver == VFIO_PCI:
             raise ParentUnavailable(f"device {dev.name}: GPU {parent} is bound to {VFIO_PCI} (passed through to a "
@@ -109,10 +109,8 @@ class VgpuPartitioner:
 
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
         nodes = mdev.vfio_nodes(self.host.sysfs, self.host.dev, part.uuid)
-        dev = allocated.device
-        dev = dataclasses.replace(dev, attributes={**dev.attributes, **partition_attributes(part)},
-                                  node=dataclasses.replace(dev.node, device_nodes=nodes))
-        return dataclasses.replace(allocated, device=dev)
+        return dataclasses.replace(allocated, device=dataclasses.replace(allocated.device, device_nodes=nodes),
+                                   made=part)
 
 
 __all__ = ["CREATED", "VgpuPartitioner"]

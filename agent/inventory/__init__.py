@@ -102,6 +102,8 @@ class SourceFailure:
 
 
 class Source(Protocol):
+    # The source's name (`gpu`, `nic`, `cpu`, `memory`, `simnic`), which rescans, logs and metrics use:
+    # not a device `Kind` (GPU discovery finds devices of five kinds).
     kind: str
 
     def open(self) -> None: ...

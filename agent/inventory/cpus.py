@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent import quantity
+from agent.facts import CpuFacts
 from agent.inventory import DeviceFailure, ScanResult
 from agent.inventory.numa import (
     NodeResourceSource,
@@ -14,7 +15,9 @@ from agent.inventory.numa import (
     numa_nodes,
     online_cpus,
 )
-from agent.model import NUMA_NODE, AttrValue, Capacity, Device, NodeFacts
+from agent.inventory.published import attributes
+from agent.kinds import Kind
+from agent.model import NUMA_NODE, Capacity, Device
 
 
 # Whole CPUs, any number of them: the scheduler hands out slices of one device to many claims.
@@ -50,7 +53,8 @@ class CpuSource(NodeResourceSource):
 
     def _device(self, node: int, cpus: list[int], online: set[int]) -> Device:
         root = self.settings.sysfs_root
-        attrs: dict[str, AttrValue] = {"type": "cpu", NUMA_NODE: node}
+        facts = CpuFacts(tuple(cpus))
+        attrs = attributes(facts) | {NUMA_NODE: node}
         socket = next((p for c in cpus if (p := cpu_package(root, c)) is not None), None)
         if socket is not None:
             attrs["socket"] = socket
@@ -58,10 +62,10 @@ class CpuSource(NodeResourceSource):
         policy = cpu_request_policy() if self.node_allocatable else None
         return Device(
             name=f"cpu-numa{node}",
-            kind="cpu",
+            kind=Kind.CPU,
             attributes=attrs,
             capacity={"cpus": Capacity(quantity.decimal(len(cpus)), request_policy=policy)},
             allow_multiple_allocations=self.node_allocatable,
             node_allocatable=cpu_node_allocatable() if self.node_allocatable else None,
-            node=NodeFacts(cpus=tuple(cpus)),
+            node=facts,
         )

@@ -75,4 +75,16 @@ class GpuAnswering:
     at: datetime
 
 
-GpuEvent = XidError | DoubleBitEcc | GpuLost | GpuAnswering
+@dataclass(frozen=True)
+class GpuBaseline:
+    """The GPU's first answer to this watcher: which GPU it is (`uuid`, "" when it did not say) and
+    what it needs. Only from a watcher asked for it (`GpuEventWatcher(baseline=True)`): whoever
+    restored what an earlier process knew of the GPU checks it against this."""
+
+    device: str
+    uuid: str
+    recovery_action: RecoveryAction
+    at: datetime
+
+
+GpuEvent = XidError | DoubleBitEcc | GpuLost | GpuAnswering | GpuBaseline

@@ -24,10 +24,12 @@ from typing import Any
 
 import orjson
 
+from agent.facts import GpuFacts, GpuIdentity
 from agent.fsutil import atomic_write
 from agent.host.vfio.pci import VFIO_PCI, current_driver
 from agent.inventory.mig import MigLayout, MigProfile
-from agent.model import PCI_BUS_ID, Capacity, Device, DeviceNode, NodeFacts, attribute_from_wire, attribute_wire
+from agent.kinds import Kind
+from agent.model import Capacity, Device, DeviceNode, attribute_from_wire, attribute_wire
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +68,8 @@ class GpuMemory:
     def learn(self, natives: Iterable[Device], layouts: Mapping[str, MigLayout]) -> None:
         """Remember the GPUs NVML described in this scan; written when that changes what is remembered."""
         for dev in natives:
-            bus = dev.attributes.get(PCI_BUS_ID)
-            if dev.kind == "gpu" and isinstance(bus, str):
-                self.gpus[bus] = RememberedGpu(dev, layouts.get(bus))
+            if dev.kind is Kind.GPU and dev.gpu is not None:
+                self.gpus[dev.gpu.pci_bus_id] = RememberedGpu(dev, layouts.get(dev.gpu.pci_bus_id))
         body = orjson.dumps({"version": VERSION, "bootId": self._boot_id(),
                              "gpus": {bus: _gpu_wire(g) for bus, g in sorted(self.gpus.items())}},
                             option=orjson.OPT_INDENT_2)
@@ -91,13 +92,17 @@ class GpuMemory:
 
 def _gpu_wire(g: RememberedGpu) -> dict[str, Any]:
     dev = g.device
+    gpu = dev.gpu
+    assert gpu is not None  # learn keeps whole GPUs only
     return {
         "name": dev.name,
         "attributes": {k: attribute_wire(v) for k, v in sorted(dev.attributes.items())},
         "capacity": {k: c.value for k, c in sorted(dev.capacity.items())},
-        "nodes": [[n.path, n.host_path] for n in dev.node.device_nodes],
-        "uuid": dev.node.gpu_uuid,
-        "index": dev.node.gpu_index,
+        "nodes": [[n.path, n.host_path] for n in dev.device_nodes],
+        "uuid": gpu.uuid,
+        "index": gpu.index,
+        "minor": gpu.minor,
+        "pciBusID": gpu.pci_bus_id,
         "mig": None if g.layout is None else {
             "memorySlices": g.layout.memory_slices,
             "profiles": [{"enum": p.enum, "id": p.id, "name": p.name, "computeSlices": p.compute_slices,
@@ -114,10 +119,12 @@ def _gpu_from_wire(raw: Mapping[str, Any]) -> RememberedGpu:
                          engines=tuple(int(e) for e in p["engines"]), memory=int(p["memory"]),
                          starts=tuple(int(s) for s in p["starts"]), size=int(p["size"])) for p in mig["profiles"]),
         int(mig["memorySlices"]))
+    identity = GpuIdentity(uuid=str(raw["uuid"]), index=int(raw["index"]), minor=int(raw["minor"]),
+                           pci_bus_id=str(raw["pciBusID"]))
     device = Device(
-        name=str(raw["name"]), kind="gpu",
+        name=str(raw["name"]), kind=Kind.GPU,
         attributes={str(k): attribute_from_wire(v) for k, v in raw["attributes"].items()},
         capacity={str(k): Capacity(str(v)) for k, v in raw["capacity"].items()},
-        node=NodeFacts(device_nodes=tuple(DeviceNode(str(p), str(h)) for p, h in raw["nodes"]),
-                       gpu_uuid=str(raw["uuid"]), gpu_index=int(raw["index"])))
+        node=GpuFacts(identity),
+        device_nodes=tuple(DeviceNode(str(p), str(h)) for p, h in raw["nodes"]))
     return RememberedGpu(device, layout)

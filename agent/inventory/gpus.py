@@ -15,9 +15,9 @@ one GPU left over (`<proc>/driver/nvidia/gpus/<bus id>/information`, where
 `<proc>` is the `proc` directory beside the sysfs root; `agent.inventory.gpuminors`).
 Only when neither names it is it a `SourceProblem` ("GPU at NVML index N").
 
-Brand and architecture are NVML codes; a code this agent has no name for is
-published as `unknown-<code>` (logged once), never dropped. NVML's own
-"unknown" codes are omitted.
+Brand and architecture are NVML codes (named in `agent.inventory.gpunames`); a
+code this agent has no name for is published as `unknown-<code>` (logged once),
+never dropped. NVML's own "unknown" codes are omitted.
 """
 
 from __future__ import annotations
@@ -34,58 +34,31 @@ import pynvml
 from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
+from agent.facts import GpuFacts, GpuIdentity
 from agent.host.pci import normalize_bus_id, pci_function
 from agent.inventory import DeviceFailure, ScanError, ScanResult
 from agent.inventory.gpumemory import GpuMemory
 from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
 from agent.inventory.gpuminors import driver_minors as driver_minors
 from agent.inventory.gpuminors import name_the_rest
+from agent.inventory.gpunames import ARCHITECTURES, BRANDS, NO_ARCHITECTURE, NO_BRAND
 from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
 from agent.inventory.nvmlgate import NvmlGate
-from agent.inventory.nvmlopen import describe_error, open_nvml
+from agent.inventory.nvmlopen import open_nvml
 from agent.inventory.nvmlopen import probe as probe  # python -m agent.inventory.gpus --probe
+from agent.inventory.nvmlvalues import describe_error
 from agent.inventory.passthrough import GpuVariants
+from agent.inventory.published import MIG_CAPABLE, MIG_ENABLED, attributes
 from agent.inventory.vgpu import VgpuDevices
-from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, NodeFacts, Version
+from agent.kinds import Kind
+from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, Version
 from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)
 
 SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
-BRANDS = {
-    pynvml.NVML_BRAND_QUADRO: "Quadro",
-    pynvml.NVML_BRAND_TESLA: "Tesla",
-    pynvml.NVML_BRAND_NVS: "NVS",
-    pynvml.NVML_BRAND_GRID: "GRID",
-    pynvml.NVML_BRAND_GEFORCE: "GeForce",
-    pynvml.NVML_BRAND_TITAN: "Titan",
-    pynvml.NVML_BRAND_NVIDIA_VAPPS: "NVIDIA Virtual Applications",
-    pynvml.NVML_BRAND_NVIDIA_VPC: "NVIDIA Virtual PC",
-    pynvml.NVML_BRAND_NVIDIA_VCS: "NVIDIA Virtual Compute Server",
-    pynvml.NVML_BRAND_NVIDIA_VWS: "NVIDIA RTX Virtual Workstation",
-    pynvml.NVML_BRAND_NVIDIA_CLOUD_GAMING: "NVIDIA Cloud Gaming",
-    pynvml.NVML_BRAND_QUADRO_RTX: "Quadro RTX",
-    pynvml.NVML_BRAND_NVIDIA_RTX: "NVIDIA RTX",
-    pynvml.NVML_BRAND_NVIDIA: "NVIDIA",
-    pynvml.NVML_BRAND_GEFORCE_RTX: "GeForce RTX",
-    pynvml.NVML_BRAND_TITAN_RTX: "Titan RTX",
-}
-ARCHITECTURES = {
-    pynvml.NVML_DEVICE_ARCH_KEPLER: "Kepler",
-    pynvml.NVML_DEVICE_ARCH_MAXWELL: "Maxwell",
-    pynvml.NVML_DEVICE_ARCH_PASCAL: "Pascal",
-    pynvml.NVML_DEVICE_ARCH_VOLTA: "Volta",
-    pynvml.NVML_DEVICE_ARCH_TURING: "Turing",
-    pynvml.NVML_DEVICE_ARCH_AMPERE: "Ampere",
-    pynvml.NVML_DEVICE_ARCH_ADA: "Ada Lovelace",
-    pynvml.NVML_DEVICE_ARCH_HOPPER: "Hopper",
-    pynvml.NVML_DEVICE_ARCH_BLACKWELL: "Blackwell",
-}
-# Codes that say NVML does not know either: the attribute is omitted.
-_NO_BRAND = pynvml.NVML_BRAND_UNKNOWN
-_NO_ARCHITECTURE = pynvml.NVML_DEVICE_ARCH_UNKNOWN
 # Answers that mean "this GPU or driver has no such thing", not "this GPU is broken".
 _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
@@ -175,13 +148,11 @@ class GpuSource:
             result = self._scan_nvml()
         natives = list(result.devices)
         self._memory.learn(natives, self._mig.layouts)
-        listed = {bus for d in natives if isinstance(bus := d.attributes.get(PCI_BUS_ID), str)}
-        for away in self._memory.away(self.sysfs_root, listed):
+        for away in self._memory.away(self.sysfs_root, {d.pci_bus_id for d in natives}):
             # Passed through to a VM: published as NVML last described it, with its counter set.
             result.devices.append(away.device)
-            bus = away.device.attributes[PCI_BUS_ID]
-            if away.layout is not None and isinstance(bus, str):
-                self._mig.layouts.setdefault(bus, away.layout)
+            if away.layout is not None:
+                self._mig.layouts.setdefault(away.device.pci_bus_id, away.layout)
         result.devices = self._variants.apply(self.sysfs_root, result.devices)
         if self.dynamic_mig:
             result.devices = self._mig.apply(result.devices)
@@ -298,11 +269,11 @@ class GpuSource:
             raise _GpuFailed(f"nvmlDeviceGetPciInfo gave an unusable bus ID: {exc}") from exc
         memory = int(self._call("nvmlDeviceGetMemoryInfo", handle).total)
 
-        attrs: dict[str, AttrValue] = {"type": "gpu", "uuid": uuid, "index": index, "minor": minor,
-                                       "productName": product}
-        for attr, call, names, unknown in (("brand", "nvmlDeviceGetBrand", BRANDS, _NO_BRAND),
+        facts = GpuFacts(GpuIdentity(uuid, index, minor, bus_id))
+        attrs = attributes(facts) | {"productName": product}
+        for attr, call, names, unknown in (("brand", "nvmlDeviceGetBrand", BRANDS, NO_BRAND),
                                                ("architecture", "nvmlDeviceGetArchitecture", ARCHITECTURES,
-                                                _NO_ARCHITECTURE)):
+                                                NO_ARCHITECTURE)):
             code = self._optional(call, handle)
             if code is None or int(code) == unknown:
                 continue
@@ -317,8 +288,8 @@ class GpuSource:
             attrs["cudaComputeCapability"] = Version(f"{int(cc[0])}.{int(cc[1])}.0")
         attrs.update(common)
         mig = self._optional("nvmlDeviceGetMigMode", handle)
-        attrs["migCapable"] = mig is not None
-        attrs["migEnabled"] = mig is not None and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        attrs[MIG_CAPABLE] = mig is not None
+        attrs[MIG_ENABLED] = mig is not None and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE
         if mig is not None and self.dynamic_mig:
             self._mig.learn(self.nvml, handle, bus_id)
 
@@ -335,10 +306,11 @@ class GpuSource:
         nodes += [DeviceNode(f"/dev/{name}", str(self.dev_root / name)) for name in SHARED_NODES]
         return Device(
             name=f"gpu-{minor}",
-            kind="gpu",
+            kind=Kind.GPU,
             attributes=attrs,
             capacity={"memory": Capacity(quantity.binary(memory))},
-            node=NodeFacts(device_nodes=tuple(nodes), gpu_uuid=uuid, gpu_index=index),
+            node=facts,
+            device_nodes=tuple(nodes),
         )
 
 

@@ -3,13 +3,14 @@ of each GPU (`--gpu-sharing`) and the host memory a GPU claim costs the node (wh
 `DRANodeAllocatableResources`).
 
 **Shared GPUs** (consumable capacity, KEP-5075, `DRAConsumableCapacity`). `gpu-<minor>-shared`, kind
-`gpushare`: the GPU's attributes with `type=shared`, `allowMultipleAllocations: true` and one capacity,
-`memory` (the GPU's memory), with a request policy: default 1Gi, range 1Gi to the GPU's memory rounded
-down to whole GiB, step 1Gi. Each claim that gets it receives a `shareID` and a `consumedCapacity.memory`
-from the scheduler, which keeps the sum of all shares within the capacity. Whole GiB because every
-workload sizes GPU memory in GiB and a finer grain only fragments the GPU; a 1Gi default so a request
-that names no amount takes the smallest share and leaves the GPU shareable (say how much you need); the
-maximum rounded down because the API wants max to be a multiple of step (81559Mi on an H100 -> 79Gi).
+`gpushare` (its facts: the GPU and `agent.facts.GpuShare`): the GPU's attributes with `type=shared`,
+`allowMultipleAllocations: true` and one capacity, `memory` (the GPU's memory), with a request policy:
+default 1Gi, range 1Gi to the GPU's memory rounded down to whole GiB, step 1Gi. Each claim that gets it
+receives a `shareID` and a `consumedCapacity.memory` from the scheduler, which keeps the sum of all
+shares within the capacity. Whole GiB because every workload sizes GPU memory in GiB and a finer grain
+only fragments the GPU; a 1Gi default so a request that names no amount takes the smallest share and
+leaves the GPU shareable (say how much you need); the maximum rounded down because the API wants max to
+be a multiple of step (81559Mi on an H100 -> 79Gi).
 A GPU with less than 2Gi gets no shared form (the API wants min + step within the capacity).
 
 The shared form consumes the GPU's whole counter set, like the full GPU and its passthrough variant.
@@ -43,16 +44,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent import counters, quantity
+from agent.facts import GpuFacts, GpuShare
+from agent.inventory.published import form_attributes
+from agent.kinds import Kind
 from agent.model import Capacity, CounterConsumption, Device
 
-SHARE_KIND = "gpushare"
-SHARED_TYPE = "shared"
 SHARE_SUFFIX = "-shared"
 SHARE_GRAIN = 1 << 30  # 1Gi: the request policy's min, step and default
 MIB = 1 << 20
 DEFAULT_HOST_MEMORY_OVERHEAD = 256 * MIB
-# Kinds that stand for (a part of) a GPU used by a container on this node.
-_GPU_KINDS = ("gpu", "mig", "vgpu", SHARE_KIND)
 
 
 def share_name(gpu_name: str) -> str:
@@ -76,13 +76,13 @@ def host_memory_overhead(amount: int) -> dict[str, Any]:
 
 def is_gpu_device(dev: Device) -> bool:
     """A device that puts a GPU (or part of one) in a container or VM: what the overhead applies to."""
-    return dev.kind in _GPU_KINDS or (dev.kind == "vfio" and dev.attributes.get("nativeType") == "gpu")
+    return dev.gpu_function is not None
 
 
 def shared_form(gpu: Device) -> Device | None:
     """The shared form of a full GPU device (None: it has no memory or counter set, or too little memory)."""
     cap = gpu.capacity.get("memory")
-    if cap is None or not gpu.consumes_counters:
+    if cap is None or not gpu.consumes_counters or (identity := gpu.gpu) is None:
         return None
     try:
         memory = quantity.parse_int(cap.value)
@@ -91,12 +91,14 @@ def shared_form(gpu: Device) -> Device | None:
     policy = memory_request_policy(memory)
     if policy is None:
         return None
+    facts = GpuFacts(identity, GpuShare())
     return Device(
-        name=share_name(gpu.name), kind=SHARE_KIND,
-        attributes={**gpu.attributes, "type": SHARED_TYPE},
+        name=share_name(gpu.name), kind=Kind.GPUSHARE,
+        attributes=form_attributes(gpu.attributes, facts),
         capacity={"memory": Capacity(cap.value, request_policy=policy)},
         allow_multiple_allocations=True,
-        node=gpu.node,
+        node=facts,
+        device_nodes=gpu.device_nodes,
         # The whole set, as it is now: nothing may extend the set after this (see GpuExtras).
         consumes_counters=tuple(CounterConsumption.all_of(c.counter_set) for c in gpu.consumes_counters))
 
@@ -111,7 +113,7 @@ class GpuExtras:
     def apply(self, devices: Sequence[Device], *, node_allocatable: bool) -> list[Device]:
         out = list(devices)
         if self.sharing:
-            out += [s for d in devices if d.kind == "gpu" and (s := shared_form(d)) is not None]
+            out += [s for d in devices if d.kind is Kind.GPU and (s := shared_form(d)) is not None]
         if node_allocatable and self.host_memory_overhead > 0:
             out = [self._with_overhead(d) if is_gpu_device(d) else d for d in out]
         return out

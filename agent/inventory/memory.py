@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent import quantity
+from agent.facts import MemoryFacts
 from agent.inventory import ScanResult
 from agent.inventory.numa import (
     NodeResourceSource,
@@ -22,7 +23,9 @@ from agent.inventory.numa import (
     online_block_memory,
     system_memory,
 )
-from agent.model import NUMA_NODE, Capacity, Device
+from agent.inventory.published import attributes
+from agent.kinds import Kind
+from agent.model import Capacity, Device
 
 
 # Mebibyte granularity: finer requests only fragment the node for no workload's benefit.
@@ -57,11 +60,13 @@ class MemorySource(NodeResourceSource):
 
     def _device(self, node: int, size: int) -> Device:
         policy = memory_request_policy() if self.node_allocatable else None
+        facts = MemoryFacts(node)
         return Device(
             name=f"memory-numa{node}",
-            kind="memory",
-            attributes={"type": "memory", NUMA_NODE: node},
+            kind=Kind.MEMORY,
+            attributes=attributes(facts),
             capacity={"memory": Capacity(quantity.binary(size), request_policy=policy)},
             allow_multiple_allocations=self.node_allocatable,
             node_allocatable=memory_node_allocatable() if self.node_allocatable else None,
+            node=facts,
         )

@@ -8,17 +8,21 @@ slices: `start`, `size`). These are facts of the hardware, read once per GPU and
 vfio-pci leaves NVML, and its counter set must not change meanwhile).
 
 Devices: `gpu-<minor>-mig-<profile>-<start>`, the profile name with everything but letters and digits
-dropped (`1g.10gb+me` at slice 3 -> `gpu-0-mig-1g10gbme-3`); kind `mig` (the prepare engine refuses
-kinds it cannot prepare). Attributes: `type=mig`, `profile`, `parentUUID`, `placementStart`,
-`placementSize`, the parent's product, brand, architecture, compute capability, driver and CUDA
-versions and standard PCI attributes. Capacities: `multiprocessors`, `copyEngines`, `decoders`,
-`encoders`, `jpegEngines`, `ofaEngines`, `memory`.
+dropped (`1g.10gb+me` at slice 3 -> `gpu-0-mig-1g10gbme-3`); kind `mig`, its facts the parent GPU and the
+placement (`agent.facts.MigPlacement`), which prepare creates (`agent.hostprep.mig`). Attributes
+(`agent.inventory.published`): `type=mig`, `profile`, `parentUUID`, `placementStart`, `placementSize`,
+the parent's product, brand, architecture, compute capability, driver and CUDA versions and standard
+PCI attributes. Capacities: `multiprocessors`, `copyEngines`, `decoders`, `encoders`, `jpegEngines`,
+`ofaEngines`, `memory`.
 
 The counter model (`agent.counters`): one `memory-slice-<i>` per memory slice, taken by each placement
 covering it, is exactly NVML's rule (two GPU instances never share a memory slice); an
 `instances-<profile>` counter carries a profile's instance limit where it binds; engines and memory
 are set to the most any set of placements NVML accepts can use together, so they never refuse such
-a set (tests/test_mig.py proves both directions against the simulated NVML).
+a set. An engine belongs to one GPU instance, and the GPU has no more of it than its largest profile
+(the whole GPU's) holds: no set beyond that is accepted, which is what keeps an A30's two media
+profiles (1g.6gb+me, 2g.12gb+me: one JPEG and one OFA engine each, the GPU has one of each) apart.
+tests/test_mig.py proves both directions against NVIDIA's published profiles (tests/mig_facts.py).
 """
 
 from __future__ import annotations
@@ -35,25 +39,14 @@ from typing import Any
 import pynvml
 
 from agent import apirules, counters, quantity
-from agent.model import (
-    NUMA_NODE,
-    PCI_BUS_ID,
-    PCIE_ROOT,
-    AttrValue,
-    Capacity,
-    CounterConsumption,
-    CounterSet,
-    Device,
-    NodeFacts,
-)
+from agent.facts import GpuFacts, MigPlacement
+from agent.inventory.published import form_attributes
+from agent.kinds import Kind
+from agent.model import Capacity, CounterConsumption, CounterSet, Device
 
 log = logging.getLogger(__name__)
 
-MIG_KIND = "mig"
 MIB = 1 << 20
-# Attributes a MIG device takes from its parent GPU.
-INHERITED = ("productName", "brand", "architecture", "cudaComputeCapability", "driverVersion",
-             "cudaDriverVersion", PCI_BUS_ID, PCIE_ROOT, NUMA_NODE)
 # Capacity name of each engine counter (same order as counters.ENGINE_COUNTERS).
 ENGINE_CAPACITIES = ("multiprocessors", "copyEngines", "decoders", "encoders", "jpegEngines", "ofaEngines")
 # NVML's answers for a profile this GPU or driver does not offer.
@@ -102,17 +95,6 @@ class MigLayout:
         out |= {_instances(p): str(p.instances) for p in self.profiles if p.instances < len(p.starts)}
         out[counters.MEMORY_COUNTER] = quantity.binary(max(gpu_memory, most[0]))
         return out
-
-
-@dataclass(frozen=True, slots=True)
-class MigPlacement:
-    """What prepare needs to create a published MIG device: the parent GPU, the profile (its name;
-    `find_profile` gives NVML's enum and id on that GPU) and the placement."""
-
-    parent_uuid: str
-    profile: str
-    start: int
-    size: int
 
 
 def device_name(minor: int, profile: MigProfile, start: int) -> str:
@@ -169,23 +151,13 @@ def find_profile(nvml: Any, handle: Any, name: str) -> MigProfile | None:
     return next((p for p in layout.profiles if p.name == name), None) if layout else None
 
 
-def placement_of(dev: Device) -> MigPlacement | None:
-    """The placement a published MIG device stands for (None: not a MIG device of this module)."""
-    a = dev.attributes
-    parent, profile, start, size = a.get("parentUUID"), a.get("profile"), a.get("placementStart"), \
-        a.get("placementSize")
-    if dev.kind != MIG_KIND or not isinstance(parent, str) or not isinstance(profile, str) \
-            or not isinstance(start, int) or not isinstance(size, int):
-        return None
-    return MigPlacement(parent, profile, start, size)
-
-
 @functools.lru_cache(maxsize=32)
 def _most_used(layout: MigLayout) -> tuple[int, ...]:
     """(memory, *engines): the most of each that one set of placements NVML accepts uses together
-    (no shared memory slice, no profile beyond its instance limit)."""
+    (no shared memory slice, no profile beyond its instance limit, no engine beyond the GPU's)."""
     options = [(p, s) for p in layout.profiles for s in p.starts]
     best = [0] * (1 + len(counters.ENGINE_COUNTERS))
+    gpu_engines = [max(p.engines[k] for p in layout.profiles) for k in range(len(counters.ENGINE_COUNTERS))]
 
     def walk(i: int, used: int, counts: dict[int, int], total: list[int]) -> None:
         for k in range(len(best)):
@@ -193,7 +165,8 @@ def _most_used(layout: MigLayout) -> tuple[int, ...]:
         for j in range(i, len(options)):
             p, start = options[j]
             mask = ((1 << p.size) - 1) << start
-            if used & mask or counts.get(p.id, 0) >= p.instances:
+            if used & mask or counts.get(p.id, 0) >= p.instances or any(
+                    t + v > most for t, v, most in zip(total[1:], p.engines, gpu_engines, strict=True)):
                 continue
             counts[p.id] = counts.get(p.id, 0) + 1
             walk(j + 1, used | mask, counts, [t + v for t, v in zip(total, (p.memory, *p.engines), strict=True)])
@@ -237,9 +210,9 @@ class MigDevices:
         the set takes all of it, as before), plus the MIG devices of each native GPU."""
         out: list[Device] = []
         for dev in devices:
-            bus = dev.attributes.get(PCI_BUS_ID)
-            layout = self.layouts.get(bus) if isinstance(bus, str) else None
-            name = counters.counter_set_name("gpu", bus) if isinstance(bus, str) else ""
+            bus = dev.pci_bus_id
+            layout = self.layouts.get(bus) if bus else None
+            name = counters.gpu_counter_set_name(bus) if bus else ""
             if layout is None or not any(c.counter_set.name == name for c in dev.consumes_counters):
                 out.append(dev)
                 continue
@@ -247,7 +220,7 @@ class MigDevices:
                          if c.counter_set.name == name else c for c in dev.consumes_counters)
             dev = dataclasses.replace(dev, consumes_counters=uses)
             out.append(dev)
-            if dev.kind == "gpu":
+            if dev.kind is Kind.GPU:
                 out += _partitions(dev, layout, next(c.counter_set for c in uses if c.counter_set.name == name))
         return out
 
@@ -263,15 +236,13 @@ def _extended(cs: CounterSet, layout: MigLayout) -> CounterSet:
 
 
 def _partitions(parent: Device, layout: MigLayout, cs: CounterSet) -> list[Device]:
-    minor, uuid = parent.attributes.get("minor"), parent.attributes.get("uuid")
-    if not isinstance(minor, int) or not isinstance(uuid, str):
+    gpu = parent.gpu
+    if gpu is None:
         return []
-    inherited = {k: parent.attributes[k] for k in INHERITED if k in parent.attributes}
     out = []
     for p in layout.profiles:
         for start in p.starts:
-            attrs: dict[str, AttrValue] = {"type": MIG_KIND, "profile": p.name, "parentUUID": uuid,
-                                           "placementStart": start, "placementSize": p.size, **inherited}
+            facts = GpuFacts(gpu, MigPlacement(p.name, start, p.size))
             caps = {c: Capacity(str(n)) for c, n in zip(ENGINE_CAPACITIES, p.engines, strict=True)}
             caps["memory"] = Capacity(quantity.binary(p.memory))
             use = {counters.memory_slice(i): "1" for i in range(start, start + p.size)}
@@ -281,7 +252,7 @@ def _partitions(parent: Device, layout: MigLayout, cs: CounterSet) -> list[Devic
                 use[_instances(p)] = "1"
             use[counters.MEMORY_COUNTER] = quantity.binary(p.memory)
             out.append(Device(
-                name=device_name(minor, p, start), kind=MIG_KIND, attributes=attrs, capacity=caps,
-                node=NodeFacts(gpu_uuid=uuid, gpu_index=parent.node.gpu_index),
+                name=device_name(gpu.minor, p, start), kind=Kind.MIG,
+                attributes=form_attributes(parent.attributes, facts), capacity=caps, node=facts,
                 consumes_counters=(CounterConsumption(cs, use),)))
     return out

@@ -21,11 +21,14 @@ from pathlib import Path
 
 from agent.apirules import attribute_value_errors
 from agent.config import Settings
+from agent.facts import NicFacts
 from agent.host.pci import PciFunction, pci_function_of
 from agent.inventory import DeviceFailure, ScanResult, SourceProblem
 from agent.inventory.netlink import Address, Link, dump
 from agent.inventory.passthrough import NicVariants
-from agent.model import AttrValue, Device, NodeFacts
+from agent.inventory.published import attributes
+from agent.kinds import Kind
+from agent.model import AttrValue, Device
 
 log = logging.getLogger(__name__)
 
@@ -190,32 +193,27 @@ class NicSource:
 
     def _device(self, link: Link, ident: _Identity, addresses: list[Address]) -> Device:
         netdir, pci = ident.netdir, ident.pci
-        attrs: dict[str, AttrValue] = {"type": "nic", "ifName": link.ifname}
-        if link.mac:
-            attrs["macAddress"] = link.mac
+        usable = [a for a in addresses if a.usable_global]
+        v4 = [a.cidr for a in usable if a.family == socket.AF_INET]
+        v6 = [a.cidr for a in usable if a.family == socket.AF_INET6]
+        facts = NicFacts(interface=link.ifname, mac=link.mac, ips=tuple(v4 + v6), link_up=link.link_up,
+                         pci_bus_id=pci.bus_id if pci is not None else "")
+        attrs = attributes(facts)
         attrs["mtu"] = link.mtu
-        attrs["linkUp"] = link.link_up
         speed = _read_int(netdir / "speed")
         if speed is not None and speed > 0:  # -1 (unknown) while a link is down
             attrs["speedMbps"] = speed
         if driver := _basename_of_link(netdir / "device" / "driver"):
             attrs["driver"] = driver
         attrs.update(self._pci_attributes(pci))
-        usable = [a for a in addresses if a.usable_global]
-        v4 = [a.cidr for a in usable if a.family == socket.AF_INET]
-        v6 = [a.cidr for a in usable if a.family == socket.AF_INET6]
-        if v4:
-            attrs["ipv4"] = v4[0]
-        if v6:
-            attrs["ipv6"] = v6[0]
         if pci is not None:
             attrs.update(pci.standard_attributes())
         self._check_same_link(netdir, link)
         return Device(
             name=ident.name,
-            kind="nic",
+            kind=Kind.NIC,
             attributes=_publishable(ident.name, attrs),
-            node=NodeFacts(interface=link.ifname, mac=link.mac, ips=tuple(v4 + v6)),
+            node=facts,
         )
 
     @staticmethod

@@ -26,15 +26,11 @@ from agent.config import Settings
 from agent.host.driverroot import NVML_LIBRARY, find_library
 from agent.host.pci import nvidia_display_functions
 from agent.inventory import DiscoveryError
+from agent.inventory.nvmlvalues import describe_error
 from agent.sim.nvml import SimulatedNvml
-from agent.sim.profiles import ProfileError, error_name
+from agent.sim.profiles import ProfileError
 
 log = logging.getLogger(__name__)
-
-
-def describe_error(exc: pynvml.NVMLError) -> str:
-    """`GPU is lost (NVML_ERROR_GPU_IS_LOST)`: the library's words and the code's name."""
-    return f"{exc} ({error_name(exc.value)})"
 
 
 class LibraryMissing(Exception):

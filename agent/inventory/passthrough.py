@@ -4,10 +4,10 @@ native devices.
 A function that can go to a VM whole is published twice: as its native device (`gpu-3`,
 `nic-0000-4b-00-2`) and as a passthrough variant (`gpu-0000-18-00-0-vfio`, `nic-0000-4b-00-2-vfio`,
 `counters.passthrough_name`), both consuming all of the function's counter set, so the scheduler
-never hands out both. The variant carries `type=vfio`, `nativeType` (`gpu` | `nic`), the native
-device's standard PCI attributes, `iommuGroup`, `vendorID` and `deviceID` (and a NIC's `macAddress`);
-what prepare needs and the slice does not carry (bus ID, group, current and host driver) is in its
-`NodeFacts`.
+never hands out both. Its facts (`agent.facts.PassthroughFacts`) are what prepare needs: the native
+kind, bus ID, IOMMU group, current and host driver, a NIC's MAC. It carries `type=vfio`, `nativeType`
+(`gpu` | `nic`), `iommuGroup` (and a NIC's `macAddress`) from them (`agent.inventory.published`), and the
+native device's standard PCI attributes, `vendorID` and `deviceID`.
 
 Variants are found in sysfs, not from the native devices: a function bound to vfio-pci leaves NVML
 and loses its netdev, and its variant must stay published (under the same name) while a VM has it.
@@ -30,6 +30,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 from agent import counters
+from agent.facts import NicFacts, PassthroughFacts
 from agent.host.pci import normalize_bus_id, nvidia_display_functions, pci_function, read_text
 from agent.host.vfio.errors import VfioError
 from agent.host.vfio.pci import (
@@ -40,12 +41,12 @@ from agent.host.vfio.pci import (
     read_function,
     sriov_numvfs,
 )
-from agent.model import PCI_BUS_ID, AttrValue, CounterConsumption, CounterSet, Device, NodeFacts
+from agent.inventory.published import attributes
+from agent.kinds import Kind
+from agent.model import PCI_BUS_ID, CounterConsumption, CounterSet, Device
 
 log = logging.getLogger(__name__)
 
-VFIO_TYPE = "vfio"
-IOMMU_GROUP = "iommuGroup"
 _NETWORK_CLASS = 0x02
 
 
@@ -111,22 +112,20 @@ class Variants:
             self.host_drivers[bus_id] = fn.driver
         return fn
 
-    def variant(self, sysfs: Path, fn: FunctionState, prefix: str, counter_set: CounterSet,
-                extra: dict[str, AttrValue] | None = None, mac: str = "") -> Device:
-        attrs: dict[str, AttrValue] = {"type": VFIO_TYPE, "nativeType": prefix}
+    def variant(self, sysfs: Path, fn: FunctionState, native: Kind, counter_set: CounterSet,
+                mac: str = "") -> Device:
+        assert fn.iommu_group is not None  # passable() said so
+        facts = PassthroughFacts(native, fn.bdf, fn.iommu_group, driver=fn.driver or "",
+                                 host_driver=self.host_drivers.get(fn.bdf, ""), mac=mac)
+        attrs = attributes(facts)
         pci = pci_function(sysfs, fn.bdf)
         attrs.update(pci.standard_attributes() if pci is not None else {PCI_BUS_ID: fn.bdf})
-        assert fn.iommu_group is not None  # passable() said so
-        attrs[IOMMU_GROUP] = fn.iommu_group
         if fn.vendor:
             attrs["vendorID"] = fn.vendor
         if fn.device:
             attrs["deviceID"] = fn.device
-        attrs.update(extra or {})
         return Device(
-            name=counters.passthrough_name(prefix, fn.bdf), kind=VFIO_TYPE, attributes=attrs,
-            node=NodeFacts(pci_bus_id=fn.bdf, iommu_group=fn.iommu_group, driver=fn.driver or "",
-                           host_driver=self.host_drivers.get(fn.bdf, ""), mac=mac),
+            name=counters.passthrough_name(native, fn.bdf), kind=Kind.VFIO, attributes=attrs, node=facts,
             consumes_counters=(CounterConsumption.all_of(counter_set),))
 
     def groups_present(self, sysfs: Path) -> bool:
@@ -139,8 +138,7 @@ class Variants:
 
 
 def _bus_of(dev: Device) -> str | None:
-    bus = dev.attributes.get(PCI_BUS_ID)
-    return bus if isinstance(bus, str) else None
+    return dev.pci_bus_id or None
 
 
 # -- GPUs ------------------------------------------------------------------------------------------
@@ -169,7 +167,7 @@ class GpuVariants:
         for bus in sorted(set(nvidia_display_functions(sysfs)) | {b for b in sets if _in_sysfs(sysfs, b)}):
             fn = self.variants.passable(sysfs, bus)
             if fn is not None:
-                out.append(self.variants.variant(sysfs, fn, "gpu", sets.get(bus) or self._counter_set(bus)))
+                out.append(self.variants.variant(sysfs, fn, Kind.GPU, sets.get(bus) or self._counter_set(bus)))
         return out
 
     def _counter_set(self, bus: str) -> CounterSet:
@@ -205,8 +203,8 @@ class NicVariants:
                 by_bus.setdefault(bus, []).append(dev)
         for bus, devs in by_bus.items():
             self._ports[bus] = max(self._ports.get(bus, 0), len(devs))
-            self._learn(bus, [d.node.interface for d in devs if d.node.interface],
-                        min(devs, key=lambda d: d.name).node.mac)
+            ports = [d.node for d in sorted(devs, key=lambda d: d.name) if isinstance(d.node, NicFacts)]
+            self._learn(bus, [p.interface for p in ports if p.interface], ports[0].mac if ports else "")
         out = [d if (bus := _bus_of(d)) is None
                else dataclasses.replace(d, consumes_counters=(counters.one_port(self._counter_set(bus)),))
                for d in natives]
@@ -216,9 +214,7 @@ class NicVariants:
             fn = self.variants.passable(sysfs, bus)
             if fn is None:
                 continue
-            mac = self._macs.get(bus, "")
-            extra: dict[str, AttrValue] = {"macAddress": mac} if mac else {}
-            out.append(self.variants.variant(sysfs, fn, "nic", self._counter_set(bus), extra, mac))
+            out.append(self.variants.variant(sysfs, fn, Kind.NIC, self._counter_set(bus), self._macs.get(bus, "")))
         return out
 
     def _counter_set(self, bus: str) -> CounterSet:

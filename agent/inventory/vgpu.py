@@ -2,11 +2,12 @@
 
 A GPU whose host driver offers mediated device types (`mdev_supported_types`, `agent.host.mdev`) gets,
 for each type, one device per instance the type allows: `gpu-<minor>-vgpu-<type id>-<i>` for
-i < the type's instance limit (`gpu-0-vgpu-nvidia-1021-0` .. `-19`), kind `vgpu`. Attributes:
-`type=vgpu`, `vgpuType` (the type's name, `GRID H100-4C`), `mdevType` (its id, `nvidia-1021`),
-`parentUUID`, and the parent's product, brand, architecture, compute capability, driver and CUDA
-versions and standard PCI attributes. Capacity: `memory` (the type's framebuffer). Prepare creates
-the mediated device (`agent.hostprep.vgpu`) and gives its UUID as the `mdevUUID` attribute.
+i < the type's instance limit (`gpu-0-vgpu-nvidia-1021-0` .. `-19`), kind `vgpu`, its facts the parent
+GPU and the type (`agent.facts.VgpuType`). Attributes (`agent.inventory.published`): `type=vgpu`,
+`vgpuType` (the type's name, `GRID H100-4C`), `mdevType` (its id, `nvidia-1021`), `parentUUID`, and
+the parent's product, brand, architecture, compute capability, driver and CUDA versions and standard
+PCI attributes. Capacity: `memory` (the type's framebuffer). Prepare creates the mediated device
+(`agent.hostprep.vgpu`) and gives its UUID as the `mdevUUID` attribute.
 
 Why one device per instance: a device goes to at most one claim (without `allowMultipleAllocations`,
 which needs DRAConsumableCapacity and would make each allocation's share a capacity request rather
@@ -42,56 +43,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import counters, quantity
+from agent.facts import GpuFacts, VgpuType
 from agent.host.mdev import sysfs as mdev
-from agent.inventory.mig import INHERITED
-from agent.model import PCI_BUS_ID, AttrValue, Capacity, CounterConsumption, CounterSet, Device, NodeFacts
+from agent.inventory.published import form_attributes
+from agent.kinds import Kind
+from agent.model import Capacity, CounterConsumption, CounterSet, Device
 from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)
 
-VGPU_KIND = "vgpu"
-MDEV_TYPE = "mdevType"
 MIB = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class VgpuType:
-    """A type as published: its id, name, framebuffer and instance limit."""
-
-    id: str
-    name: str
-    framebuffer: int | None  # bytes
-    instances: int
-
-    @property
-    def label(self) -> str:
-        return counters.fit_label(self.id.lower().replace("_", "-").replace(".", "-"), 40)
-
-
-@dataclass(frozen=True, slots=True)
-class VgpuTarget:
-    """What prepare needs to create a published vGPU device: the parent GPU's bus ID and the type id."""
-
-    parent: str
-    type_id: str
+def type_label(t: VgpuType) -> str:
+    """The type in device names: `nvidia-1021`."""
+    return counters.fit_label(t.id.lower().replace("_", "-").replace(".", "-"), 40)
 
 
 def device_name(minor: int, t: VgpuType, i: int) -> str:
-    return counters.fit_label(f"gpu-{minor}-vgpu-{t.label}-{i}")
+    return counters.fit_label(f"gpu-{minor}-vgpu-{type_label(t)}-{i}")
 
 
 def compatibility_group(type_id: str) -> str:
-    """The compatibility group of a type's devices (for the publisher of compatibility groups)."""
-    return counters.fit_label(f"vgpu-{type_id.lower()}")
-
-
-
-def target_of(dev: Device) -> VgpuTarget | None:
-    """The parent and type a published vGPU device stands for (None: not a vGPU device of this module)."""
-    bus, type_id = dev.attributes.get(PCI_BUS_ID), dev.attributes.get(MDEV_TYPE)
-    if dev.kind != VGPU_KIND or not isinstance(bus, str) or not isinstance(type_id, str):
-        return None
-    return VgpuTarget(bus, type_id)
+    """The compatibility group of a type's devices (what the publisher of compatibility groups gives them)."""
+    return counters.vgpu_type_group(type_id)
 
 
 def share(cs: CounterSet, t: VgpuType) -> str | None:
@@ -140,13 +115,13 @@ class VgpuDevices:
         out = list(devices)
         if not self.policy.enabled:
             return out
-        with_mig = {d.attributes.get(PCI_BUS_ID) for d in devices if d.kind == "mig"}
+        with_mig = {d.pci_bus_id for d in devices if d.kind is Kind.MIG}
         for dev in devices:
-            bus = dev.attributes.get(PCI_BUS_ID)
-            if dev.kind != "gpu" or not isinstance(bus, str):
+            bus = dev.pci_bus_id
+            if dev.kind is not Kind.GPU or not bus:
                 continue
             self.learn(sysfs, bus)
-            name = counters.counter_set_name("gpu", bus)
+            name = counters.gpu_counter_set_name(bus)
             cs = next((c.counter_set for c in dev.consumes_counters if c.counter_set.name == name), None)
             types = [t for t in self.types.get(bus, ()) if self.policy.wants(t.id, t.name)]
             if not types or cs is None:
@@ -160,10 +135,9 @@ class VgpuDevices:
         return out
 
     def _devices(self, parent: Device, cs: CounterSet, types: Sequence[VgpuType]) -> list[Device]:
-        minor, uuid = parent.attributes.get("minor"), parent.attributes.get("uuid")
-        if not isinstance(minor, int) or not isinstance(uuid, str):
+        gpu = parent.gpu
+        if gpu is None:
             return []
-        inherited = {k: parent.attributes[k] for k in INHERITED if k in parent.attributes}
         out = []
         for t in types:
             memory = share(cs, t)
@@ -171,13 +145,12 @@ class VgpuDevices:
                 self._note(f"{cs.name}/memory", f"counter set {cs.name} has no memory counter: no vGPU devices "
                            "(the scheduler could not keep them from the whole GPU)", logging.WARNING)
                 return []
-            attrs: dict[str, AttrValue] = {"type": VGPU_KIND, "vgpuType": t.name, MDEV_TYPE: t.id,
-                                           "parentUUID": uuid, **inherited}
+            facts = GpuFacts(gpu, t)
+            attrs = form_attributes(parent.attributes, facts)
             caps = {"memory": Capacity(quantity.binary(t.framebuffer))} if t.framebuffer else {}
             use = (CounterConsumption(cs, {counters.MEMORY_COUNTER: memory}),)
-            node = NodeFacts(gpu_uuid=uuid, gpu_index=parent.node.gpu_index)
-            out += [Device(name=device_name(minor, t, i), kind=VGPU_KIND, attributes=dict(attrs),
-                           capacity=dict(caps), node=node, consumes_counters=use) for i in range(t.instances)]
+            out += [Device(name=device_name(gpu.minor, t, i), kind=Kind.VGPU, attributes=dict(attrs),
+                           capacity=dict(caps), node=facts, consumes_counters=use) for i in range(t.instances)]
         return out
 
     def forget(self, bus_id: str) -> None:

@@ -3,6 +3,11 @@
 - registration (`plugins_registry/<driver>-reg.sock`): GetInfo, NotifyRegistrationStatus;
 - DRA v1 + v1beta1 and health v1 + v1alpha1 on `plugins/<driver>/dra.sock`.
 
+GetInfo lists exactly the services the DRA socket serves: the kubelet picks the newest health
+version it finds there and, should that service answer Unimplemented, stops watching until the
+plugin registers again. So the health versions are listed only by servers made to serve them
+(`Servers(health=True)`, the default), and those refuse to attach without a health tracker.
+
 Registration runs on its own server so GetInfo (1 s kubelet timeout) never
 queues behind prepares, and it starts first: this module imports the engine's modules only for
 types, so the registration socket answers before discovery and the engine are even imported.
@@ -46,7 +51,8 @@ if TYPE_CHECKING:  # the registration server starts before the engine's modules 
 log = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "DRAPlugin"
-SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
+DRA_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+HEALTH_VERSIONS = ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")  # newest first, as the kubelet picks
 
 
 class RegistrationState:
@@ -59,11 +65,16 @@ class RegistrationState:
         self.info_calls = 0
 
 
+def supported_versions(health: bool) -> list[str]:
+    """The services GetInfo lists: the DRA versions, and the health versions when they are served."""
+    return [*DRA_VERSIONS, *(HEALTH_VERSIONS if health else ())]
+
+
 class Registration(registration_pb2_grpc.RegistrationServicer):
-    def __init__(self, settings: Settings, state: RegistrationState) -> None:
+    def __init__(self, settings: Settings, state: RegistrationState, health: bool) -> None:
         self.info = registration_pb2.PluginInfo(
             type=PLUGIN_TYPE, name=settings.driver_name, endpoint=str(settings.dra_socket),
-            supported_versions=list(SUPPORTED_VERSIONS))
+            supported_versions=supported_versions(health))
         self.state = state
 
     async def GetInfo(self, request: Any, context: Any) -> Any:
@@ -234,31 +245,43 @@ async def _start(server: grpc.aio.Server, path: Path) -> SocketIdentity:
 
 
 class Servers:
-    """Both servers. The registration server needs nothing but the settings, so it can start first
-    (the kubelet's GetInfo answered while devices are discovered and records listed); the DRA server
-    gets its servicers from `attach` once the engine exists, and starts after that."""
+    """Both servers. The registration server needs nothing but the settings (and whether the health
+    stream will be served), so it can start first (the kubelet's GetInfo answered while devices are
+    discovered and records listed); the DRA server gets its servicers from `attach` once the engine
+    exists, and starts after that."""
 
     def __init__(self, settings: Settings, engine: PrepareEngine | None = None,
-                 tracker: HealthTracker | None = None) -> None:
+                 tracker: HealthTracker | None = None, *, health: bool = True) -> None:
         self.settings = settings
+        self.health = health
         self.registration_state = RegistrationState()
         self._listening: list[tuple[grpc.aio.Server, Path, SocketIdentity]] = []
         self._retiring: set[asyncio.Task[None]] = set()  # replaced servers, stopping in the background
-        self._registration_servicer = Registration(settings, self.registration_state)
-        self._dra_servicers: tuple[DRAv1, DRAv1beta1, Healthv1, Healthv1alpha1] | None = None
+        self._registration_servicer = Registration(settings, self.registration_state, health)
+        self._dra_servicers: tuple[DRAv1, DRAv1beta1] | None = None
+        self._health_servicers: tuple[Healthv1, Healthv1alpha1] | None = None
         self.registration = self._new_registration()
         self.dra: grpc.aio.Server | None = None
-        if engine is not None and tracker is not None:
+        if engine is not None:
             self.attach(engine, tracker)
 
-    def attach(self, engine: PrepareEngine, tracker: HealthTracker) -> None:
-        """The DRA and health servicers (before `start_dra`)."""
-        self._dra_servicers = (DRAv1(engine), DRAv1beta1(engine), Healthv1(tracker), Healthv1alpha1(tracker))
+    def attach(self, engine: PrepareEngine, tracker: HealthTracker | None) -> None:
+        """The DRA servicers, and the health servicers exactly when registration lists them
+        (before `start_dra`)."""
+        if self.health != (tracker is not None):
+            raise RuntimeError("registration lists the health service: it needs a health tracker" if self.health
+                               else "registration does not list the health service: it must not be served")
+        self._dra_servicers = (DRAv1(engine), DRAv1beta1(engine))
+        self._health_servicers = None if tracker is None else (Healthv1(tracker), Healthv1alpha1(tracker))
         self.dra = self._new_dra()
 
     @property
     def dra_started(self) -> bool:
         return any(path == self.settings.dra_socket for _, path, _ in self._listening)
+
+    @property
+    def registration_started(self) -> bool:
+        return any(path == self.settings.registration_socket for _, path, _ in self._listening)
 
     @staticmethod
     def _server() -> grpc.aio.Server:
@@ -273,11 +296,13 @@ class Servers:
         if self._dra_servicers is None:
             raise RuntimeError("the DRA servicers are not attached")
         server = self._server()
-        v1, v1beta1, h1, h1alpha1 = self._dra_servicers
+        v1, v1beta1 = self._dra_servicers
         dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(v1, server)
         dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(v1beta1, server)
-        health_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(h1, server)
-        health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(h1alpha1, server)
+        if self._health_servicers is not None:
+            h1, h1alpha1 = self._health_servicers
+            health_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(h1, server)
+            health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(h1alpha1, server)
         return server
 
     async def start_dra(self) -> None:

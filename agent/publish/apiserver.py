@@ -22,6 +22,15 @@ Copies that got in anyway (another agent, an older version of this one) are
 removed by the next sync: `plan_pool` keeps one slice per chunk of the current
 generation and deletes the others.
 
+What the API server stores is compared with what was sent (`agent.publish.dropped`):
+a field it drops (its feature gate off) is logged once and no longer sent, so no
+slice is rewritten for want of a field the server will not keep. A pool that
+carries a field of a gate off by default is tried in a dry run before the first
+write of the process, so that a slice without such a field never reaches a
+scheduler next to devices that relied on it. A slice whose content was sent
+before and is stored as the server stored it then is not sent again, whatever the
+server changed in it.
+
 This module is the API-server publisher, `ApiPublisher`. The offline one,
 `DirectoryPublisher`, is in `publish_dir.py`; `Publisher`, `SyncResult`,
 `PublishError` and `PublishLoop` are in `publish_loop.py`. All of them are
@@ -42,7 +51,7 @@ from agent import kube
 from agent.config import Settings
 from agent.kube import Backoff, NodeInfo
 from agent.model import Device
-from agent.publish import slices
+from agent.publish import dropped, slices
 from agent.publish.directory import DirectoryPublisher
 from agent.publish.loop import Publisher, PublishError, PublishLoop, SyncResult, log_result, owner_ref
 
@@ -59,31 +68,94 @@ class _Conflict(Exception):
     pass
 
 
+class _NewDrops(Exception):
+    """The API server dropped a field not known to be dropped: the pool is planned again without it."""
+
+
 class ApiPublisher:
     def __init__(self, client: lightkube.AsyncClient, settings: Settings, node: NodeInfo, *,
                  backoff: Backoff | None = None) -> None:
         self.client = client
         self.driver = settings.driver_name
         self.groups = settings.compatibility_groups  # the cluster runs DRADeviceCompatibilityGroups
+        self.vgpu_types = settings.vgpu_types
         self.node = node
         self.backoff = backoff or Backoff()
         self._reported: set[str] = set()
+        self.dropped: set[str] = set()  # spec fields the API server drops (`dropped.dropped_fields` paths)
+        self._probed = False  # a dry run has shown what the API server keeps of what is sent
+        # Slice name -> what was last sent and what the server stored of it (`slices.comparable`).
+        self._stored_as: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._said: set[str] = set()
 
     async def sync(self, devices: Sequence[Device]) -> SyncResult:
-        chunks = slices.chunk_devices(devices, reported=self._reported,
-                                      compatibility_groups=self.groups)
-        if chunks.errors:  # the API server would refuse the pool: the published one stays
-            raise self._failed("the pool's slices break API rules: " + "; ".join(chunks.errors))
-        for _ in range(CONFLICT_ROUNDS):
+        conflicts = 0
+        while True:
+            chunks = self._chunks(devices)
+            if chunks.errors:  # the API server would refuse the pool: the published one stays
+                raise self._failed("the pool's slices break API rules: " + "; ".join(chunks.errors))
             try:
                 result = await self._sync_once(chunks.slices)
             except _Conflict as exc:
+                conflicts += 1
+                if conflicts >= CONFLICT_ROUNDS:
+                    raise self._failed(f"still conflicting after {CONFLICT_ROUNDS} re-reads") from exc
                 log.debug("ResourceSlice conflict, re-reading: %s", exc)
                 continue
+            except _NewDrops:
+                continue  # planned again without the field; each field is learnt once, so this ends
             result.devices, result.dropped = chunks.device_count, chunks.dropped
             log_result("the API server", result)
             return result
-        raise self._failed(f"still conflicting after {CONFLICT_ROUNDS} re-reads")
+
+    def _chunks(self, devices: Sequence[Device]) -> slices.Chunks:
+        """The pool's slices, without the fields the API server drops."""
+        groups = self.groups and dropped.COMPATIBILITY_GROUPS not in self.dropped
+        if self.groups and not groups:
+            devices = dropped.exact_without_groups(devices, self.vgpu_types)
+        chunks = slices.chunk_devices(devices, reported=self._reported, compatibility_groups=groups)
+        for chunk in chunks.slices if self.dropped else ():
+            if isinstance(chunk, slices.CounterChunk):
+                dropped.strip_counter_sets(chunk.sets, self.dropped)
+            else:
+                dropped.strip_devices(chunk, self.dropped)
+        return chunks
+
+    def _learn(self, sent: Mapping[str, Any], stored: Mapping[str, Any], what: str) -> None:
+        """Compare what the API server stored (or would store) with what was sent; _NewDrops when it
+        dropped a field not known to be dropped."""
+        new = dropped.dropped_fields(sent.get("spec") or {}, stored.get("spec") or {}) - self.dropped
+        for path in sorted(new):
+            log.warning("the API server dropped spec.%s from %s (is its %s feature gate off?): not publishing "
+                        "it any more", path, what, dropped.gate_of(path))
+            if path == dropped.COMPATIBILITY_GROUPS and self.groups:
+                log.warning("without compatibility groups, vGPU devices are published as --vgpu-types %r allows "
+                            "on a cluster without them (none for auto; one type, and never beside MIG placements)",
+                            self.vgpu_types)
+        self.dropped |= new
+        if new:
+            raise _NewDrops()
+        if not slices.same_slice(stored, sent):
+            where = dropped.first_difference(slices.comparable(sent), slices.comparable(stored)) or "?"
+            if where not in self._said:
+                self._said.add(where)
+                log.warning("the API server stored %s differently from what was sent (at %s); it is not sent "
+                            "again while what would be sent stays the same", what, where)
+
+    async def _probe(self, writes: Sequence[slices.SliceWrite]) -> None:
+        """A dry run of each write before the first real one of this process (when they carry a field of
+        a gate off by default): the fields the API server drops are known before a slice without them
+        reaches a scheduler."""
+        for write in writes:
+            obj = dict(write.obj)
+            obj["metadata"] = {k: v for k, v in (write.obj.get("metadata") or {}).items()
+                               if k not in ("name", "resourceVersion")}
+            async def dry_run(obj: dict[str, Any] = obj) -> ResourceSlice:
+                return await self.client.create(cast(ResourceSlice, ResourceSlice.from_dict(obj)), dry_run=True)
+
+            answer = await self._call("a dry run of a ResourceSlice", dry_run)
+            self._learn(write.obj, kube.plain(answer), "a dry run of a ResourceSlice")
+        self._probed = True
 
     async def close(self) -> None:
         """The client belongs to the caller; slices stay published across restarts."""
@@ -115,8 +187,9 @@ class ApiPublisher:
         log.warning("%s: %s; retrying in %.2fs", what, kube.describe(exc), delay)
         await asyncio.sleep(delay)
 
-    async def _create(self, desired: Mapping[str, Any]) -> str:
-        """Create one slice under a name chosen here (see the module docstring); its name."""
+    async def _create(self, desired: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Create one slice under a name chosen here (see the module docstring); its name and the slice
+        as stored."""
         what = "creating a ResourceSlice"
         name = slices.new_slice_name(self.driver, self.node.name)
         maybe_stored = False  # an earlier try under `name` got no clear answer
@@ -131,9 +204,9 @@ class ApiPublisher:
                     await self._pause(what, exc, failures)
                     maybe_stored = True
                     continue
-                if maybe_stored and await self._holds(name, desired):
+                if maybe_stored and (found := await self._holds(name, desired)) is not None:
                     log.info("ResourceSlice %s was stored by an earlier try whose answer was lost", name)
-                    return name
+                    return name, found
                 # The name is someone else's: draw another (bounded, though a second clash is
                 # already a one-in-millions event).
                 if failures >= self.backoff.attempts:
@@ -141,10 +214,11 @@ class ApiPublisher:
                 log.debug("ResourceSlice name %s is taken; drawing another", name)
                 name, maybe_stored = slices.new_slice_name(self.driver, self.node.name), False
                 continue
-            return str(created.metadata.name) if created.metadata and created.metadata.name else name
+            stored = kube.plain(created)
+            return str((stored.get("metadata") or {}).get("name") or name), stored
 
-    async def _holds(self, name: str, desired: Mapping[str, Any]) -> bool:
-        """Whether the slice stored as `name` is `desired` (our own create, answered too late)."""
+    async def _holds(self, name: str, desired: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The slice stored as `name` when it is `desired` (our own create, answered too late)."""
         async def read() -> dict[str, Any] | None:
             try:
                 return kube.plain(await self.client.get(ResourceSlice, name))
@@ -154,8 +228,9 @@ class ApiPublisher:
                 raise
 
         found = await self._call(f"reading ResourceSlice {name}", read)
-        return found is not None and slices.is_ours(found, driver=self.driver, node=self.node.name) \
+        ours = found is not None and slices.is_ours(found, driver=self.driver, node=self.node.name) \
             and slices.same_slice(found, desired)
+        return found if ours else None
 
     async def existing(self) -> dict[str, dict[str, Any]]:
         """This pool's slices by name, as the API server has them."""
@@ -172,19 +247,36 @@ class ApiPublisher:
         existing = await self.existing()
         plan = slices.plan_pool(existing, chunks, driver=self.driver, node=self.node.name,
                                 owner=owner_ref(self.node))
+        for name in set(self._stored_as) - set(existing):
+            del self._stored_as[name]
+        writes = [w for w in plan.writes if not self._sent_before(w, existing)]
+        if writes and not self._probed and any(dropped.OFF_BY_DEFAULT & dropped.fields_of(w.obj.get("spec") or {})
+                                                for w in writes):
+            await self._probe(writes)
         result = SyncResult(generation=plan.generation, slices=len(chunks))
-        for write in plan.writes:
+        for write in writes:
             if write.key is None:
-                result.created.append(await self._create(write.obj))
+                name, stored = await self._create(write.obj)
+                result.created.append(name)
             else:
                 obj = _with_identity(write.obj, existing[write.key])
-                await self._call(f"replacing ResourceSlice {write.key}", _bind(
-                    self.client.replace, ResourceSlice.from_dict(obj)))
-                result.updated.append(write.key)
+                name = write.key
+                stored = kube.plain(await self._call(f"replacing ResourceSlice {name}", _bind(
+                    self.client.replace, ResourceSlice.from_dict(obj))))
+                result.updated.append(name)
+            self._stored_as[name] = (slices.comparable(write.obj), slices.comparable(stored))
+            self._learn(write.obj, stored, f"ResourceSlice {name}")
         for name in plan.deletes:
             if await self._call(f"deleting ResourceSlice {name}", _bind(self._delete, name)):
                 result.deleted.append(name)
         return result
+
+    def _sent_before(self, write: slices.SliceWrite, existing: Mapping[str, Mapping[str, Any]]) -> bool:
+        """Whether this rewrite would send what was sent before, to a slice still stored as the server
+        stored it then (whatever the server changed in it, sending it again would change nothing)."""
+        before = self._stored_as.get(write.key) if write.key is not None else None
+        return before is not None and write.key is not None and before == (
+            slices.comparable(write.obj), slices.comparable(existing[write.key]))
 
     async def _delete(self, name: str) -> bool:
         try:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,6 +86,9 @@ class PublishLoop:
         self.failures = 0
         self._wake = asyncio.Event()
         self._done = asyncio.Condition()
+        # Told the devices of each sync that completed (the health stream stops reporting a device
+        # that is gone from discovery once the published pool no longer holds it).
+        self.on_published: Callable[[Sequence[Device]], None] | None = None
 
     def update(self, devices: Sequence[Device]) -> None:
         self._devices = list(devices)
@@ -139,6 +142,8 @@ class PublishLoop:
             self.last_error = ""
             self.last_result = result
             self.published_version = version
+            if self.on_published is not None:
+                self.on_published(devices)
             async with self._done:
                 self._done.notify_all()
             delay = self.verify_interval

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, cast
 
@@ -59,6 +59,9 @@ class SimCommand:
     command: Action
     device: str  # as published: gpu-<minor>
     xid: int | None = None  # for `xid` only
+    # Unix seconds, read from the command file's name by the watcher (not in the file): an XID is as old
+    # as the command that raised it, also when no agent ran then.
+    written: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.command not in COMMANDS:
@@ -106,6 +109,12 @@ def device_index(profile: SimProfile, device: str) -> int:
             return index
     names = ", ".join(f"gpu-{g.minor}" for g in profile.gpus) or "none"
     raise CommandError(f"no GPU {device!r} on the simulated machine {profile.name} (its GPUs: {names})")
+
+
+def written_at(name: str) -> float | None:
+    """When a command file was written: its name starts with the nanoseconds (None for another name)."""
+    head = name.split("-", 1)[0]
+    return int(head) / 1e9 if head.isdigit() else None
 
 
 def is_command_name(name: str) -> bool:
@@ -194,7 +203,7 @@ class ControlWatcher:
         except FileNotFoundError:
             return False  # taken by another watcher of the same directory
         try:
-            command = SimCommand.decode(data)
+            command = replace(SimCommand.decode(data), written=written_at(path.name))
             self.apply(command)
         except Exception as exc:
             self.rejected += 1

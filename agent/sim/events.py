@@ -8,18 +8,30 @@ really sleeps for its timeout, as it would in the driver.
 
 Only the state lives here; `SimulatedNvml` checks initialization, lost GPUs and injected faults
 before it delegates, so every call fails the way the rest of the simulated library does.
+
+The recovery actions are the driver's, not the process's: once the machine is materialized
+(`keep_actions`) they are kept in `<machine>/gpu-recovery.json` with the simulated boot ID, so a
+GPU that needs a reset still does after an agent restart, and no longer after a simulated reboot.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pynvml
+
+from agent.fsutil import atomic_write
+
+log = logging.getLogger(__name__)
 
 # XIDs NVIDIA documents as caused by the application (the contract's list): the GPU needs nothing.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
@@ -38,6 +50,7 @@ class SimEvent:
     index: int  # NVML index of the GPU
     event_type: int  # one nvmlEventType* bit
     data: int  # the XID for nvmlEventTypeXidCriticalError, else 0
+    raised_at: float | None = None  # unix seconds, when the command that raised it was written (else now)
 
 
 @dataclass
@@ -50,12 +63,39 @@ class SimEvents:
     """Event sets, per-GPU supported event types and recovery actions of one simulated machine."""
 
     def __init__(self, gpu_count: int) -> None:
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._waiters_changed = threading.Condition(lock)  # (for `until_waiting`, so waiters never wake each other)
         self._sets: dict[int, _EventSet] = {}
         self._next_set = 1
         self._supported: list[int] = [SUPPORTED_EVENTS] * gpu_count
         self._actions: list[int] = [pynvml.NVML_GPU_RECOVERY_ACTION_NONE] * gpu_count
         self._closed = False  # the library was shut down: waiters give up
+        self._kept: tuple[Path, Callable[[], str]] | None = None  # (file, boot ID) once `keep_actions`
+        self._waiting = 0  # threads blocked in wait() now
+
+    def keep_actions(self, path: Path, boot_id: Callable[[], str]) -> None:
+        """Keep the recovery actions in `path` from now on; those saved there in this boot are loaded."""
+        try:
+            saved = orjson.loads(path.read_bytes())
+            actions = [int(a) for a in saved["actions"]]
+            if saved["bootId"] == boot_id() and len(actions) == len(self._actions):
+                with self._cond:
+                    self._actions = actions
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("simulated recovery actions in %s are not readable (%s): every GPU needs none", path, exc)
+        self._kept = (path, boot_id)
+        self._save()
+
+    def _save(self) -> None:
+        if self._kept is None:
+            return
+        path, boot_id = self._kept
+        with self._cond:
+            actions = list(self._actions)
+        atomic_write(path, orjson.dumps({"bootId": boot_id(), "actions": actions}), mode=0o644)
 
     # Event sets.
     def create(self) -> Any:
@@ -109,7 +149,17 @@ class SimEvents:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
-                self._cond.wait(left)
+                self._waiting += 1
+                self._waiters_changed.notify_all()
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
+
+    def until_waiting(self, count: int, timeout: float) -> bool:
+        """Block until `count` threads are blocked in `wait`; False if they are not within `timeout`."""
+        with self._waiters_changed:
+            return self._waiters_changed.wait_for(lambda: self._waiting >= count, timeout)
 
     def open(self) -> None:
         with self._cond:
@@ -134,6 +184,8 @@ class SimEvents:
                     entry.queue.append(event)
                     delivered += 1
             self._cond.notify_all()
+        if action is not None:
+            self._save()
         return delivered
 
     def action(self, index: int) -> int:
@@ -143,6 +195,7 @@ class SimEvents:
     def set_action(self, index: int, action: int) -> None:
         with self._cond:
             self._actions[index] = action
+        self._save()
 
     def _set_number(self, event_set: Any) -> int:
         # Caller holds the condition's lock.
@@ -163,6 +216,10 @@ def event_data(handle: Any, event: SimEvent) -> Any:
     # Not a MIG instance's event: NVML says 0xFFFFFFFF for "no instance".
     data.gpuInstanceId = 0xFFFFFFFF
     data.computeInstanceId = 0xFFFFFFFF
+    if event.raised_at is not None:
+        # Not NVML's: an XID a command written while no agent ran raised when the machine applied it is as
+        # old as the command (agent.inventory.gpu_events reads it where it is there).
+        data.raised_at = event.raised_at
     return data
 
 

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.fsutil import makedirs
 from agent.sim.kernel import mdev as simmdev
 from agent.sim.kernel.tree import (
     COMMAND_FILES,
@@ -63,6 +64,10 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
     A repeat keeps what the simulated kernel changed since (drivers bound and unbound, overrides, VFIO
     nodes), as a real host keeps it across an agent restart. `boot=True` is a simulated reboot:
     every function back on its native driver, no overrides, no VFIO nodes, a new boot ID."""
+    # Its device nodes carry the real NVIDIA and VFIO numbers: only the agent's user may reach them, whoever
+    # writes the machine first (the agent, or a command such as `dra-agent devices`), as with the state
+    # directory the machine lives in (created 0700 here too when it is not there yet).
+    makedirs(root, 0o700)
     tree = SimTree(root)
     for d in (tree.devices, tree.drivers, tree.groups):
         d.mkdir(parents=True, exist_ok=True)

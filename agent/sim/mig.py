@@ -4,8 +4,10 @@
 for the GPUs of a simulated machine; `SimulatedNvml` delegates them here. Placement rules are
 the hardware's as NVML states them: a GPU instance occupies the memory slices of its placement
 (`start`, `size`), a placement must be one `nvmlDeviceGetGpuInstancePossiblePlacements` lists for
-its profile, two instances never share a memory slice, and a profile has at most `instanceCount`
-instances. Anything else fails as NVML does: an overlap or one instance too many is
+its profile, two instances never share a memory slice, a profile has at most `instanceCount`
+instances, and instances side by side hold no more compute slices or engines than the GPU has (what
+its whole-GPU profile holds: an A30's two media profiles never exist together). Anything else fails
+as NVML does: an overlap, one instance too many or an engine too many is
 `NVML_ERROR_INSUFFICIENT_RESOURCES`, an unlisted placement `NVML_ERROR_INVALID_ARGUMENT`, a profile
 the GPU does not offer `NVML_ERROR_NOT_SUPPORTED`, creating with MIG mode off
 `NVML_ERROR_NOT_SUPPORTED`, destroying a GPU instance that still has compute instances (or turning
@@ -17,7 +19,7 @@ could be split into. `nvmlDeviceSetMigMode` takes effect at once here (activatio
 NVML_SUCCESS); on real hardware the change may stay pending until a GPU reset
 (`nvmlDeviceGetMigMode` then answers [current, pending] with the two differing).
 
-The profile tables (H100 80GB) are in `agent.sim.migprofiles`. Attached to a simulated
+The profile tables (A30, A100, H100, H200) are in `agent.sim.migprofiles`. Attached to a simulated
 machine's directory (`attach`), the state outlives the process like hardware's does
 (`agent.sim.migstate`): every change is written there, and read back by the next
 simulated NVML on that machine.
@@ -29,6 +31,7 @@ import contextlib
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -46,19 +49,20 @@ from agent.sim.mighandles import (
     split,
     target,
 )
+from agent.sim.miginfo import CI_PROFILES, compute_instance_profile_info, gpu_instance_profile_info
 from agent.sim.migprofiles import MigProfileSpec
 from agent.sim.migstate import MigMachine, SimGi, SimGpuMig
 
-# Compute instance profiles a GPU instance offers: NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE, n <= its slices.
-_CI_PROFILES = {pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE: 1, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE: 2,
-                pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE: 3, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE: 4,
-                pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE: 7}
 _SUCCESS: int = pynvml.NVML_SUCCESS
 _NO_ROOM: int = pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES
 
 
 def _err(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
+
+
+# What one GPU instance holds of the GPU's compute slices and engines (no two instances share them).
+_SHARES = tuple(attrgetter(name) for name in ("slices", "copy_engines", "decoders", "encoders", "jpegs", "ofas"))
 
 
 # (function, GPU handle) -> (GPU index, its UUID), raising the GPU's faults; (function, GPU index) -> its
@@ -132,25 +136,7 @@ class SimMig:
 
     def nvmlDeviceGetGpuInstanceProfileInfo(self, device: Any, profile: int, version: int = 2) -> Any:
         spec = self._spec_by_enum(self._gpu("nvmlDeviceGetGpuInstanceProfileInfo", device)[1], profile)
-        if version == 2:
-            info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
-            info.name = f"MIG {spec.name}".encode()
-        elif version == 1:
-            info = pynvml.c_nvmlGpuInstanceProfileInfo_t()
-        else:
-            raise _err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        info.id = spec.id
-        info.isP2pSupported = 0
-        info.sliceCount = spec.slices
-        info.instanceCount = spec.instances
-        info.multiprocessorCount = spec.multiprocessors
-        info.copyEngineCount = spec.copy_engines
-        info.decoderCount = spec.decoders
-        info.encoderCount = spec.encoders
-        info.jpegCount = spec.jpegs
-        info.ofaCount = spec.ofas
-        info.memorySizeMB = spec.memory_mib
-        return info
+        return gpu_instance_profile_info(spec, version)
 
     nvmlDeviceGetGpuInstanceProfileInfoV = nvmlDeviceGetGpuInstanceProfileInfo
 
@@ -227,35 +213,13 @@ class SimMig:
     def nvmlGpuInstanceGetComputeInstanceProfileInfo(self, device: Any, profile: int, engProfile: int,
                                                      version: int = 2) -> Any:
         _, _, gi = self._gi("nvmlGpuInstanceGetComputeInstanceProfileInfo", device)
-        slices = _CI_PROFILES.get(profile)
-        if slices is None or slices > gi.spec.slices:
-            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if engProfile != pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
-            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if version == 2:
-            info = pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
-            info.name = (f"MIG {gi.spec.name}" if slices == gi.spec.slices
-                         else f"MIG {slices}c.{gi.spec.name}").encode()
-        elif version == 1:
-            info = pynvml.c_nvmlComputeInstanceProfileInfo_t()
-        else:
-            raise _err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-        info.id = profile
-        info.sliceCount = slices
-        info.instanceCount = gi.spec.slices // slices
-        info.multiprocessorCount = gi.spec.multiprocessors * slices // gi.spec.slices
-        info.sharedCopyEngineCount = gi.spec.copy_engines
-        info.sharedDecoderCount = gi.spec.decoders
-        info.sharedEncoderCount = gi.spec.encoders
-        info.sharedJpegCount = gi.spec.jpegs
-        info.sharedOfaCount = gi.spec.ofas
-        return info
+        return compute_instance_profile_info(gi.spec, profile, engProfile, version)
 
     nvmlGpuInstanceGetComputeInstanceProfileInfoV = nvmlGpuInstanceGetComputeInstanceProfileInfo
 
     def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
         index, gpu, gi = self._gi("nvmlGpuInstanceCreateComputeInstance", gpuInstance)
-        slices = _CI_PROFILES.get(profileId)
+        slices = CI_PROFILES.get(profileId)
         if slices is None or slices > gi.spec.slices:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         with self._changing():
@@ -269,7 +233,7 @@ class SimMig:
     def nvmlGpuInstanceGetComputeInstances(self, gpuInstance: Any, profileId: int, computeInstancesRef: Any,
                                            countRef: Any) -> int:
         index, _, gi = self._gi("nvmlGpuInstanceGetComputeInstances", gpuInstance)
-        wanted = _CI_PROFILES.get(profileId)
+        wanted = CI_PROFILES.get(profileId)
         with self._lock:
             ids = sorted(c for c, s in gi.cis.items() if s == wanted)
         return fill(computeInstancesRef, countRef, [ci_handle(index, gi.id, ci_id) for ci_id in ids])
@@ -281,7 +245,7 @@ class SimMig:
         info.gpuInstance = gi_handle(index, gi.id)
         info.id = ci_id
         slices = gi.cis[ci_id]
-        info.profileId = next(p for p, s in _CI_PROFILES.items() if s == slices)
+        info.profileId = next(p for p, s in CI_PROFILES.items() if s == slices)
         info.placement.start = 0
         info.placement.size = slices
         return info
@@ -341,6 +305,11 @@ class SimMig:
         wanted = set(range(start, start + spec.size))
         if any(wanted & g.covers() for g in gpu.gis.values()):
             return _NO_ROOM
+        # Compute slices and engines belong to one GPU instance each; the GPU has what its largest
+        # profile (the whole GPU's) holds.
+        for share in _SHARES:
+            if sum(share(g.spec) for g in gpu.gis.values()) + share(spec) > max(map(share, gpu.table)):
+                return _NO_ROOM
         return None
 
     def _gpu(self, function: str, handle: Any) -> tuple[int, SimGpuMig]:

@@ -1,4 +1,5 @@
-"""Handles of the simulated NVML's MIG objects, and NVML's calling conventions for list and out arguments.
+"""Handles of the simulated NVML's GPUs and MIG objects, and NVML's calling conventions for list and out
+arguments.
 
 A GPU instance, compute instance or MIG device handle is a pointer-sized value that encodes the GPU's
 index and the instance ids (`split`), so a handle stays valid as long as the instance it names exists,
@@ -12,6 +13,7 @@ from typing import Any
 
 import pynvml
 
+GPU_BASE = 0x5151_0000
 GI_BASE = 0x6A00_0000
 CI_BASE = 0x6B00_0000
 MIG_BASE = 0x6C00_0000
@@ -72,3 +74,18 @@ def ci_handle(index: int, gi: int, ci: int) -> Any:
 
 def mig_handle(index: int, gi: int, ci: int) -> Any:
     return ctypes.cast(ctypes.c_void_p(MIG_BASE + index * PER_GPU + gi * 256 + ci), pynvml.c_nvmlDevice_t)
+
+
+def gpu_handle(index: int) -> Any:
+    """GPU `index`'s handle: a real c_nvmlDevice_t, never dereferenced; its address encodes the index."""
+    return ctypes.cast(ctypes.c_void_p(GPU_BASE + index), pynvml.c_nvmlDevice_t)
+
+
+def gpu_index(handle: Any, count: int) -> int:
+    """The index of the GPU `handle` names, one of `count` GPUs (INVALID_ARGUMENT otherwise)."""
+    if not isinstance(handle, pynvml.c_nvmlDevice_t):
+        raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    index = address(handle) - GPU_BASE
+    if not 0 <= index < count:
+        raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    return index

@@ -160,10 +160,7 @@ class MigMachine:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _boot_id(self) -> str:
-        try:
-            return self.tree.boot_id.read_text().strip()
-        except FileNotFoundError:
-            return ""
+        return self.tree.read_boot_id()
 
 
 def _capability(where: Path, minor: int) -> None:

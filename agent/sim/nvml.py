@@ -35,22 +35,22 @@ GPU fields (only `name`, `busId` and `memoryTotal` are required):
     errors              {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST", ...}: that call fails on this GPU
 
 Error codes are numbers or names, with or without the `NVML_ERROR_` prefix.
-In-process tests inject the same faults with `inject_error` and `lose` (`agent.sim.nvmlfaults`).
+In-process tests inject the same faults with `inject_error` and `lose` (`agent.sim.nvmlhealth`).
 
-MIG (`nvml_sim_mig`): the pynvml MIG calls with real placement rules, for GPUs whose `migMode` is
-set and whose `migProfiles` names a profile table (`h100-80gb`, in `nvml_mig_profiles`).
+MIG (`agent.sim.mig`): the pynvml MIG calls with real placement rules, for GPUs whose `migMode` is
+set and whose `migProfiles` names a profile table (`h100-80gb` and the others in `agent.sim.migprofiles`).
 
-Events and health (`nvml_sim_events`): the pynvml event API (`nvmlEventSetCreate`,
-`nvmlDeviceGetSupportedEventTypes`, `nvmlDeviceRegisterEvents`, `nvmlEventSetWait_v2`,
+Events and health (`agent.sim.nvmlhealth`, the event sets in `agent.sim.events`): the pynvml event
+API (`nvmlEventSetCreate`, `nvmlDeviceGetSupportedEventTypes`, `nvmlDeviceRegisterEvents`, `nvmlEventSetWait_v2`,
 `nvmlEventSetFree`) and `nvmlDeviceGetFieldValues` for `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`.
 `raise_xid` delivers an XID to the event sets registered for it and sets the recovery action
 (GPU_RESET, or NONE for the application XIDs 13, 31, 43, 45, 68, 109); `lose` makes the GPU fail
 every call; `recover` is a GPU reset (answers again, recovery action NONE). The same three come
-from outside the process as command files (`watch_control`, `nvml_sim_control`).
+from outside the process as command files (`watch_control`, `agent.sim.control`).
 
-What an initialized session lists and holds open (`nvml_view`): GPUs bound to nvidia when it was
-initialized, numbered in order; a handle holds its GPU's node open until the last shutdown, an event
-registration until its set is freed (`agent.sim.nvmlview`).
+What an initialized session lists and holds open (`agent.sim.nvmlview`): GPUs bound to nvidia when it
+was initialized, numbered in order; a handle holds its GPU's node open until the last shutdown, an
+event registration until its set is freed.
 
 Persistence mode: `nvmlDeviceGetPersistenceMode` / `nvmlDeviceSetPersistenceMode`, off on every GPU
 at start (passthrough refuses a GPU with it on); `inject_error` makes the get fail like a library
@@ -59,7 +59,6 @@ without it (`FUNCTION_NOT_FOUND`).
 
 from __future__ import annotations
 
-import ctypes
 import re
 import threading
 from collections.abc import Callable
@@ -70,22 +69,33 @@ import pynvml
 
 from agent.host.pci import normalize_bus_id
 from agent.sim.control import ControlWatcher
-from agent.sim.events import SimEvents, event_data, field_values
+from agent.sim.events import SimEvents
 from agent.sim.hardware import materialize
+from agent.sim.kernel.tree import SimTree
 from agent.sim.mig import SimMig
+from agent.sim.mighandles import gpu_handle, gpu_index
 from agent.sim.migprofiles import MIG_FUNCTIONS, MIG_TABLES
-from agent.sim.nvmlfaults import SimFaults
+from agent.sim.nvmlhealth import EVENT_DEVICE_FUNCTIONS, EVENT_SYSTEM_FUNCTIONS, SimHealth
 from agent.sim.nvmlview import NvmlView
-from agent.sim.profiles import ProfileError, SimGpu, SimProfile, load_profile
+from agent.sim.profiles import (
+    DEVICE_FUNCTIONS,
+    SYSTEM_FUNCTIONS,
+    ProfileError,
+    SimGpu,
+    SimProfile,
+    error_code,
+    load_profile,
+)
 
 __all__ = ["ProfileError", "SimulatedNvml", "load_profile", "materialize"]
 
 
-_HANDLE_BASE = 0x5151_0000
 _FORWARDED = re.compile(r"^(NVML|c_nvml|nvmlPciInfo_t$|nvmlExceptionClass$|nvmlEventType)")
+# Persistence mode (off on every GPU at start, as after a boot without nvidia-persistenced).
+PERSISTENCE_FUNCTIONS = frozenset({"nvmlDeviceGetPersistenceMode", "nvmlDeviceSetPersistenceMode"})
 
 
-class SimulatedNvml(SimFaults):
+class SimulatedNvml(SimHealth):
     """Answers pynvml calls for one profile; faults can be injected while it runs."""
 
     def __init__(self, profile: SimProfile) -> None:
@@ -100,12 +110,11 @@ class SimulatedNvml(SimFaults):
         self._events = SimEvents(len(profile.gpus))
         # Which GPUs an initialized session lists, and the files its handles hold open (agent.sim.nvmlview).
         self._view = NvmlView(profile.gpus)
-        self._fault_functions = MIG_FUNCTIONS
         self._control: ControlWatcher | None = None
         # MIG (nvml_sim_mig): profiles, placements, GPU and compute instances, MIG devices.
         self._mig = SimMig([MIG_TABLES.get(g.mig_profiles, ()) for g in profile.gpus],
                            [None if g.mig_mode is None else g.mig_mode[0] for g in profile.gpus],
-                           self._mig_parent, lambda fn, i: self._checked(fn, i).uuid, _handle)
+                           self._mig_parent, lambda fn, i: self._checked(fn, i).uuid, gpu_handle)
 
     @classmethod
     def from_profile(cls, spec: str) -> SimulatedNvml:
@@ -119,6 +128,30 @@ class SimulatedNvml(SimFaults):
         if name.startswith("nvml") and hasattr(self._mig, name):
             return getattr(self._mig, name)
         raise AttributeError(f"the simulated NVML does not implement {name}")
+
+    # Fault injection.
+    def inject_error(self, index: int | None, function: str, code: int | str) -> None:
+        """Make `function` fail with `code` on GPU `index` (None: a system call, or every GPU)."""
+        allowed = DEVICE_FUNCTIONS | EVENT_DEVICE_FUNCTIONS | MIG_FUNCTIONS | PERSISTENCE_FUNCTIONS
+        if index is None:
+            allowed |= SYSTEM_FUNCTIONS | EVENT_SYSTEM_FUNCTIONS
+        if function not in allowed:
+            raise ValueError(f"{function!r} is not a function the simulated NVML answers")
+        value = error_code(code, function)
+        with self._lock:
+            if index is None:
+                self._system_errors[function] = value
+            else:
+                self._gpu_errors[self._checked_index(index)][function] = value
+
+    def clear_errors(self) -> None:
+        with self._lock:
+            self._system_errors.clear()
+            for errors in self._gpu_errors:
+                errors.clear()
+            self._lost = [False] * len(self._lost)
+        for index in range(len(self.profile.gpus)):
+            self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
 
     # Library lifetime.
     def nvmlInitWithFlags(self, flags: int) -> None:
@@ -148,9 +181,11 @@ class SimulatedNvml(SimFaults):
 
     def materialize(self, root: Path) -> None:
         """Write this machine's sysfs and device nodes under `root` (see `nvml_hardware.materialize`); the
-        MIG state is kept there from now on, as hardware keeps it across an agent restart."""
+        MIG state and the recovery actions are kept there from now on, as hardware keeps them across an
+        agent restart."""
         materialize(self.profile, root)
         self._mig.attach(root, [g.minor for g in self.profile.gpus])
+        self._events.keep_actions(root / "gpu-recovery.json", SimTree(root).read_boot_id)
         self._view.attach(root)
 
     # System queries.
@@ -184,7 +219,7 @@ class SimulatedNvml(SimFaults):
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             self._raise_device("nvmlDeviceGetHandleByIndex", slot)
         self._view.hold(slot)
-        return _handle(slot)
+        return gpu_handle(slot)
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
         text = uuid.decode() if isinstance(uuid, bytes) else uuid
@@ -271,39 +306,12 @@ class SimulatedNvml(SimFaults):
         with self._lock:
             self._persistence[index] = int(mode)
 
-    # Events and field values.
-    def nvmlEventSetCreate(self) -> Any:
-        self._system("nvmlEventSetCreate")
-        return self._events.create()
-
-    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
-        index = self._device("nvmlDeviceGetSupportedEventTypes", handle)[0]
-        return self._events.supported(index)
-
-    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
-        index = self._device("nvmlDeviceRegisterEvents", handle)[0]
-        self._events.register(index, int(eventTypes), eventSet)
-        self._view.register(_address(eventSet), index)
-
-    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
-        self._system("nvmlEventSetWait_v2")
-        event = self._events.wait(eventSet, timeoutms)
-        return event_data(_handle(event.index), event)
-
-    def nvmlEventSetWait(self, eventSet: Any, timeoutms: int) -> Any:
-        self._system("nvmlEventSetWait")
-        return self.nvmlEventSetWait_v2(eventSet, timeoutms)
-
-    def nvmlEventSetFree(self, eventSet: Any) -> None:
-        self._system("nvmlEventSetFree")
-        self._events.free(eventSet)
-        self._view.free_set(_address(eventSet))
-
-    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[int] | list[tuple[int, int]]) -> Any:
-        index = self._device("nvmlDeviceGetFieldValues", handle)[0]
-        return field_values(fieldIds, self._events.action(index))
-
     # Internals.
+    def _checked_index(self, index: int) -> int:
+        if not 0 <= index < len(self.profile.gpus):
+            raise IndexError(f"profile {self.profile.name} has no GPU {index}")
+        return index
+
     def _raise_system(self, function: str, initialized: bool = True) -> None:
         if initialized and self._refcount <= 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
@@ -323,7 +331,7 @@ class SimulatedNvml(SimFaults):
     def _device(self, function: str, handle: Any) -> tuple[int, SimGpu]:
         with self._lock:
             self._raise_system(function)
-            index = _index_of(handle, len(self.profile.gpus))
+            index = gpu_index(handle, len(self.profile.gpus))
             if self._view.index(index) is None:  # a handle of a GPU this session does not list
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             self._raise_device(function, index)
@@ -350,26 +358,7 @@ class SimulatedNvml(SimFaults):
             else:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         self._view.hold(index)
-        return _handle(index)
-
-
-def _handle(index: int) -> Any:
-    # A real c_nvmlDevice_t, never dereferenced: its address encodes the index.
-    return ctypes.cast(ctypes.c_void_p(_HANDLE_BASE + index), pynvml.c_nvmlDevice_t)
-
-
-def _address(handle: Any) -> int:
-    return ctypes.cast(handle, ctypes.c_void_p).value or 0
-
-
-def _index_of(handle: Any, count: int) -> int:
-    if not isinstance(handle, pynvml.c_nvmlDevice_t):
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    address = ctypes.cast(handle, ctypes.c_void_p).value or 0
-    index = address - _HANDLE_BASE
-    if not 0 <= index < count:
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    return index
+        return gpu_handle(index)
 
 
 def _pci_info(gpu: SimGpu) -> Any:

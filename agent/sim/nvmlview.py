@@ -24,7 +24,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.sim.profiles import SimGpu
+from agent.sim.machine import SimGpu
 
 NVIDIA = "nvidia"
 

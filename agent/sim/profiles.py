@@ -1,4 +1,5 @@
-"""Machine descriptions for the simulated NVML: the builtin profiles and the JSON loader.
+"""Machine descriptions for the simulated NVML: the builtin profiles and the JSON loader (what they
+describe, `SimGpu`, `SimNic` and `SimProfile`, is `agent.sim.machine`).
 
 The schema is documented in `agent.sim.nvml`; the PCI keys below are for passthrough.
 Parsing is strict (an unknown key or function name is an error) so that a misspelt fault in a
@@ -13,7 +14,8 @@ PCI keys, per GPU:
     audio           true: an HD audio function (class 0x0403) at function 1 of its slot, same group
     bridgeInGroup   true: the root port above it is in its group too (no ACS)
 
-MIG key, per GPU: `migProfiles` names the GPU's MIG profile table (`h100-80gb`, the builtins' default);
+MIG key, per GPU: `migProfiles` names the GPU's MIG profile table (`a30-24gb`, `a100-40gb`, `a100-80gb`,
+`h100-80gb` (the builtins' default), `h100-94gb`, `h100-96gb`, `h200-141gb`);
 with `migMode` set the GPU answers the MIG calls with that table's profiles and placements.
 
 and at the top level:
@@ -31,28 +33,30 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pynvml
 
 from agent.host.pci import normalize_bus_id
+from agent.sim.machine import (
+    DEVICE_FUNCTIONS,
+    GPU_GROUP_BASE,
+    NIC_GROUP_BASE,
+    NIC_GROUP_STRIDE,
+    SYSTEM_FUNCTIONS,
+    ProfileError,
+    SimGpu,
+    SimNic,
+    SimProfile,
+    error_code,
+    error_name,
+)
 from agent.sim.migprofiles import MIG_TABLES
 
-# The per-GPU calls the simulation answers; faults may name any of them.
-DEVICE_FUNCTIONS = frozenset({
-    "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByPciBusId",
-    "nvmlDeviceGetIndex", "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMinorNumber",
-    "nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetBrand",
-    "nvmlDeviceGetArchitecture", "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetMigMode",
-    "nvmlDeviceGetNumaNodeId",
-})
-SYSTEM_FUNCTIONS = frozenset({
-    "nvmlInit", "nvmlInitWithFlags", "nvmlShutdown", "nvmlSystemGetDriverVersion",
-    "nvmlSystemGetCudaDriverVersion", "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetNVMLVersion",
-    "nvmlDeviceGetCount",
-})
+# The machine's model is `agent.sim.machine`; its names are used through this module too.
+__all__ = ["BUILTIN", "DEVICE_FUNCTIONS", "SYSTEM_FUNCTIONS", "ProfileError", "SimGpu", "SimNic", "SimProfile",
+           "derived_uuid", "error_code", "error_name", "load_profile", "parse_profile"]
 
 _GPU_KEYS = frozenset({
     "name", "busId", "memoryTotal", "numaNode", "nvmlNumaNode", "uuid", "minor", "pcieRoot", "brand",
@@ -60,111 +64,6 @@ _GPU_KEYS = frozenset({
     "errors", "iommuGroup", "audio", "bridgeInGroup", "migProfiles",
 })
 _TOP_KEYS = frozenset({"driverVersion", "cudaDriverVersion", "errors", "defaults", "gpus", "nics", "iommufd"})
-# Groups the profile does not name: a GPU's is 100 + its index, a NIC's functions 200 + 32 * NIC index + n.
-GPU_GROUP_BASE = 100
-NIC_GROUP_BASE = 200
-NIC_GROUP_STRIDE = 32
-
-
-class ProfileError(ValueError):
-    """A simulated-NVML profile that cannot be used, with what is wrong in it."""
-
-
-@dataclass(frozen=True)
-class SimGpu:
-    name: str
-    bus_id: str  # canonical `0000:18:00.0`
-    memory_total: int
-    uuid: str
-    minor: int
-    pcie_root: str  # `pci0000:17`
-    numa_node: int = -1  # what sysfs says; -1 = no affinity
-    nvml_numa_node: int | None = None  # None: nvmlDeviceGetNumaNodeId is NOT_SUPPORTED
-    brand: int = pynvml.NVML_BRAND_NVIDIA
-    architecture: int = pynvml.NVML_DEVICE_ARCH_UNKNOWN
-    compute_capability: tuple[int, int] | None = None
-    mig_mode: tuple[int, int] | None = None  # None: not MIG capable
-    pci_device_id: int = 0x000010DE  # (device << 16) | vendor, as NVML packs it
-    pci_subsystem_id: int = 0
-    in_sysfs: bool = True
-    lost: bool = False
-    errors: Mapping[str, int] = field(default_factory=dict)
-    iommu_group: int = -1  # parse_profile assigns it; -1 only in hand-built records (100 + index then)
-    audio: bool = False  # an HD audio function (class 0x0403) at function 1 of the slot, same group
-    bridge_in_group: bool = False  # the root port above the GPU is in the GPU's group (no ACS)
-    mig_profiles: str = ""  # the MIG profile table (nvml_mig_profiles.MIG_TABLES); "": no profile offered
-
-    @property
-    def audio_bus_id(self) -> str:
-        """Function 1 of the GPU's slot, where its audio function sits."""
-        return self.bus_id[:-1] + "1"
-
-    @property
-    def nvml_bus_id(self) -> bytes:
-        """The bus ID as NVML spells it: 8-digit domain, upper-case hex."""
-        domain, bus, rest = self.bus_id.split(":")
-        return f"{int(domain, 16):08X}:{bus.upper()}:{rest.upper()}".encode()
-
-
-@dataclass(frozen=True)
-class SimNic:
-    """A NIC physical function, with SR-IOV virtual functions when `total_vfs` > 0."""
-
-    bus_id: str
-    interface: str  # the PF's netdev name; VF n's is `<interface>v<n>`
-    pcie_root: str
-    numa_node: int = -1
-    vendor: int = 0x15B3  # Mellanox
-    device: int = 0x1021  # ConnectX-7
-    vf_device: int = 0x101E  # ConnectX family VF
-    driver: str = "mlx5_core"
-    total_vfs: int = 0
-    num_vfs: int = 0
-    iommu_group: int = NIC_GROUP_BASE  # the PF's; VF n's is this + 1 + n
-
-    def vf_bus_id(self, n: int) -> str:
-        """VF n (from 0) at routing-ID offset 1 + n, stride 1, from the PF (ARI: device and function
-        numbers run together)."""
-        domain, bus, rest = self.bus_id.split(":")
-        dev, fn = rest.split(".")
-        rid = (int(dev, 16) << 3 | int(fn)) + 1 + n
-        return f"{domain}:{bus}:{rid >> 3:02x}.{rid & 7}"
-
-    def mac(self, vf: int | None = None) -> str:
-        """A stable locally administered MAC for the PF (None) or VF n."""
-        h = hashlib.sha256(f"nic-sim/{self.bus_id}/{vf}".encode()).digest()
-        return ":".join(f"{b:02x}" for b in (0x02, *h[:5]))
-
-
-@dataclass(frozen=True)
-class SimProfile:
-    name: str
-    driver_version: str
-    cuda_driver_version: int
-    gpus: tuple[SimGpu, ...]
-    errors: Mapping[str, int] = field(default_factory=dict)
-    nics: tuple[SimNic, ...] = ()
-    iommufd: bool = True  # the host has /dev/iommu and VFIO device cdevs (/dev/vfio/devices/vfioN)
-
-
-def error_code(value: object, where: str) -> int:
-    """An NVML error code from `15`, `"NVML_ERROR_GPU_IS_LOST"` or `"GPU_IS_LOST"`."""
-    code: object = value
-    if isinstance(value, str):
-        name = value if value.startswith("NVML_ERROR_") else f"NVML_ERROR_{value}"
-        code = getattr(pynvml, name, None)
-    if isinstance(code, bool) or not isinstance(code, int) or code not in pynvml.NVMLError._valClassMapping:
-        raise ProfileError(f"{where}: {value!r} is not an NVML error code")
-    return code
-
-
-def error_name(code: int) -> str:
-    """`15` -> `NVML_ERROR_GPU_IS_LOST` (or the number when NVML has no name for it)."""
-    for name in dir(pynvml):
-        if name.startswith("NVML_ERROR_") and getattr(pynvml, name) == code:
-            return name
-    return str(code)
-
 
 def _faults(raw: object, allowed: frozenset[str], where: str) -> dict[str, int]:
     if not isinstance(raw, Mapping):

@@ -53,7 +53,7 @@ import agentkit  # noqa: E402
 
 from agent import failpoints  # noqa: E402
 from agent.app.assembly import PublishedForm  # noqa: E402
-from agent.claims import cdispecs, metadata  # noqa: E402
+from agent.claims import filenames, metadata  # noqa: E402
 from agent.claims.records import ClaimRecord, PartitionKind  # noqa: E402
 from agent.claims.sources import DirectoryClaimSource  # noqa: E402
 from agent.claims.store import ClaimStore  # noqa: E402
@@ -121,7 +121,7 @@ def check_disk(settings: Settings, expect: dict[str, str]) -> list[str]:
             if not ok:
                 problems.append(f"claim {uid}: {f.path} is missing or differs from the record")
     for name in sorted(os.listdir(settings.cdi_dir)) if settings.cdi_dir.exists() else []:
-        uid = cdispecs.claim_uid_of_spec(name, settings.cdi_vendor)
+        uid = filenames.claim_uid_of_spec(name, settings.cdi_vendor)
         if uid is not None and str(settings.cdi_dir / name) not in owned:
             problems.append(f"orphan CDI spec {name}")
     for name in sorted(os.listdir(settings.metadata_dir)) if settings.metadata_dir.exists() else []:

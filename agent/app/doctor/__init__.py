@@ -22,9 +22,11 @@ directory, the NVIDIA toolkit's CDI spec), `node` (NVML, IOMMU, vfio-pci, claim 
 from __future__ import annotations
 
 import asyncio
+import platform
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from agent import __version__
 from agent.app.doctor.cluster import PERMISSIONS, ClusterChecks, Permission
 from agent.app.doctor.node import LOW_FREE_BYTES, MIN_FREE_BYTES, MIN_FREE_INODES, NodeChecks
 from agent.app.doctor.plugin import PluginChecks
@@ -73,7 +75,11 @@ class Doctor(PluginChecks, RuntimeChecks, NodeChecks, ClusterChecks):
             ("free space", thread(self.free_space)),
             ("Kubernetes API", self.cluster),
         ]
-        results: list[Result] = []
+        s = self.s
+        # Which doctor this is, and for which agent: a report read later says so (the agent's own version is
+        # in its first log line and in its probes' answers).
+        results = [passed("dra-agent", f"version {__version__} (Python {platform.python_version()}), driver "
+                          f"{s.driver_name}, node {s.node_name}")]
         for name, step in steps:
             try:
                 results += await step()

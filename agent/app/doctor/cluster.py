@@ -20,6 +20,7 @@ class Permission:
     resource: str
     why: str
     namespaced: bool = False
+    named: str = ""  # the object the permission is for: "node" (this Node), "driver" (the driver's name)
 
     def __str__(self) -> str:
         return f"{self.verb} {self.resource}{'.' + self.group if self.group else ''}"
@@ -28,7 +29,7 @@ class Permission:
 # Every API call the agent makes: agent/kube.py (the Node), agent/claims/sources.py (claims), agent/publish/apiserver.py
 # (slices), agent/health/statussinks.py (claim status). A permission the agent does not use is not asked for.
 PERMISSIONS: tuple[Permission, ...] = (
-    Permission("get", "", "nodes", "read this Node: its UID (slice owner) and declared features"),
+    Permission("get", "", "nodes", "read this Node: its UID (slice owner) and declared features", named="node"),
     Permission("get", "resource.k8s.io", "resourceclaims", "read a claim the kubelet asks to prepare",
                namespaced=True),
     Permission("list", "resource.k8s.io", "resourceslices", "read this node's published slices"),
@@ -38,6 +39,11 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("delete", "resource.k8s.io", "resourceslices", "remove slices of an older generation"),
     Permission("patch", "resource.k8s.io", "resourceclaims/status",
                "report the status.devices entries of prepared claims (server-side apply)", namespaced=True),
+    # What the API server also checks for that write (DRAResourceClaimGranularStatusAuthorization, on by
+    # default since 1.36): the driver's own entries, of claims allocated on the writer's node.
+    Permission("associated-node:patch", "resource.k8s.io", "resourceclaims/driver",
+               "write status.devices entries of this driver for claims on this node", namespaced=True,
+               named="driver"),
 )
 
 
@@ -103,9 +109,9 @@ class ClusterChecks(Checks):
 
         async def review(p: Permission) -> tuple[Permission, bool | None, str]:
             resource, _, subresource = p.resource.partition("/")
+            name = {"node": self.s.node_name, "driver": self.s.driver_name}.get(p.named)
             attributes = ResourceAttributes(verb=p.verb, group=p.group, resource=resource,
-                                            subresource=subresource or None,
-                                            name=self.s.node_name if p.resource == "nodes" else None)
+                                            subresource=subresource or None, name=name)
             try:
                 async with asyncio.timeout(self.s.api_timeout):
                     answer = await client.create(SelfSubjectAccessReview(

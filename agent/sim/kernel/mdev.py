@@ -38,7 +38,11 @@ UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]
 
 
 @dataclass(frozen=True, slots=True)
-class VgpuType:
+class SimVgpuType:
+    """A row of the simulated vGPU manager's type table: what it lists under `mdev_supported_types`.
+    (Discovery reads such a listing as `agent.host.mdev.sysfs.MdevType` and publishes the type as
+    `agent.facts.VgpuType`.)"""
+
     id: str  # the directory name: nvidia-1021
     name: str  # GRID H100-4C
     framebuffer_mib: int
@@ -50,17 +54,17 @@ class VgpuType:
                 f"max_resolution=4096x2160, max_instance={self.max_instances}")
 
 
-def _h100_80gb() -> tuple[VgpuType, ...]:
+def _h100_80gb() -> tuple[SimVgpuType, ...]:
     sizes = (4, 8, 10, 20, 40, 80)  # GiB of framebuffer; the limit is what fits in 80 GB
-    return tuple(VgpuType(f"nvidia-{1021 + i}", f"GRID H100-{gb}C", gb * 1024, 80 // gb)
+    return tuple(SimVgpuType(f"nvidia-{1021 + i}", f"GRID H100-{gb}C", gb * 1024, 80 // gb)
                  for i, gb in enumerate(sizes))
 
 
 # PCI device ID (vendor 10de) -> the vGPU types the host driver offers on it.
-VGPU_TABLES: dict[int, tuple[VgpuType, ...]] = {0x2330: _h100_80gb()}
+VGPU_TABLES: dict[int, tuple[SimVgpuType, ...]] = {0x2330: _h100_80gb()}
 
 
-def types_for(files: dict[str, str]) -> tuple[VgpuType, ...]:
+def types_for(files: dict[str, str]) -> tuple[SimVgpuType, ...]:
     """The types a function with these sysfs `vendor`/`device` values offers (none for others)."""
     try:
         vendor, device = int(files.get("vendor", "0"), 16), int(files.get("device", "0"), 16)
@@ -94,7 +98,7 @@ def mdevs_of(tree: SimTree, bdf: str) -> dict[str, str]:
     return out
 
 
-def available(kinds: tuple[VgpuType, ...], existing: dict[str, str], type_id: str) -> int:
+def available(kinds: tuple[SimVgpuType, ...], existing: dict[str, str], type_id: str) -> int:
     """The driver's rule: one type per GPU at a time, up to its limit."""
     t = next((k for k in kinds if k.id == type_id), None)
     if t is None:
@@ -104,7 +108,7 @@ def available(kinds: tuple[VgpuType, ...], existing: dict[str, str], type_id: st
     return max(t.max_instances - sum(1 for other in existing.values() if other == type_id), 0)
 
 
-def sync_types(tree: SimTree, bdf: str, kinds: tuple[VgpuType, ...]) -> None:
+def sync_types(tree: SimTree, bdf: str, kinds: tuple[SimVgpuType, ...]) -> None:
     """Write the parent's type directories, each `available_instances` as the driver would show it."""
     parent = tree.function(bdf)
     existing = mdevs_of(tree, bdf)
@@ -145,7 +149,7 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
             (mdev_devices(tree) / name).unlink()
 
 
-def check_create(tree: SimTree, bdf: str, kinds: tuple[VgpuType, ...], type_id: str, text: str) -> str:
+def check_create(tree: SimTree, bdf: str, kinds: tuple[SimVgpuType, ...], type_id: str, text: str) -> str:
     """Why the kernel refuses writing `text` to the type's `create` ("" when it accepts it)."""
     if tree.driver_of(bdf) != NVIDIA_HOST_DRIVER:
         return f"the parent is bound to {tree.driver_of(bdf) or 'no driver'}, not {NVIDIA_HOST_DRIVER}"
@@ -160,7 +164,7 @@ def check_create(tree: SimTree, bdf: str, kinds: tuple[VgpuType, ...], type_id: 
     return ""
 
 
-def create(tree: SimTree, bdf: str, kinds: tuple[VgpuType, ...], type_id: str, u: str) -> None:
+def create(tree: SimTree, bdf: str, kinds: tuple[SimVgpuType, ...], type_id: str, u: str) -> None:
     """Make mediated device `u` of `type_id` on `bdf` (already checked): the device, its type's entry,
     its own IOMMU group and VFIO group node; `bus/mdev/devices/<u>` last, as the kernel registers it."""
     parent = tree.function(bdf)
@@ -258,5 +262,5 @@ def _give_group(tree: SimTree, u: str, where: Path) -> None:
     device_node(tree.dev / "vfio" / str(group), VFIO_GROUP_MAJOR, group)
 
 
-__all__ = ["UUID_RE", "VGPU_TABLES", "VgpuType", "available", "check_create", "create", "materialize", "mdevs_of",
+__all__ = ["UUID_RE", "VGPU_TABLES", "SimVgpuType", "available", "check_create", "create", "materialize", "mdevs_of",
            "remove", "types_for"]

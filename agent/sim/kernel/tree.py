@@ -64,6 +64,13 @@ class SimTree:
         """The simulated kernel's boot ID (`proc/sys/kernel/random/boot_id`): new at each simulated boot."""
         return self.root / "proc" / "sys" / "kernel" / "random" / "boot_id"
 
+    def read_boot_id(self) -> str:
+        """The boot ID ("" before the machine's first boot is written)."""
+        try:
+            return self.boot_id.read_text().strip()
+        except FileNotFoundError:
+            return ""
+
     @property
     def kernel_log(self) -> Path:
         """Where the emulator writes what the kernel would print (refusals, with why): a dmesg."""

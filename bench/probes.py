@@ -1,6 +1,6 @@
 """The bench's reference points and helpers: the floor server (an empty unary call, and one with a
-durable write), process memory, timing and percentiles. Kept apart from bench.py, which drives the
-agent."""
+durable write), process memory, timing, percentiles and the file system under a path. Kept apart
+from bench.py, which drives the drivers."""
 
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ class Floor:
                                      stdout=subprocess.PIPE)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == b"ready"
         self.channel = grpc.aio.insecure_channel(f"unix://{sock}")
-        ping = self.channel.unary_unary("/bench.Floor/Ping")
-        empty = self.channel.unary_unary("/bench.Floor/Empty")
+        ping: Any = self.channel.unary_unary("/bench.Floor/Ping")
+        empty: Any = self.channel.unary_unary("/bench.Floor/Empty")
         self.ping: Call = lambda: ping(b"")
         self.empty: Call = lambda: empty(b"")
 
@@ -99,3 +99,14 @@ def run_seconds(argv: list[str], cwd: Path, runs: int = 5) -> float:
         subprocess.run(argv, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         samples.append(time.perf_counter() - started)
     return sorted(samples)[len(samples) // 2]
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the file system `path` lies on (the longest mount point above it)."""
+    best, kind = "", "unknown"
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        mount = fields[1].replace("\\040", " ")
+        if (str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, kind = mount, fields[2]
+    return kind

@@ -1,0 +1,158 @@
+"""The prepare and unprepare of one claim, whole, in one worker thread holding the claim's locks
+(`PrepareEngine.claim_locked`) and then its devices' locks. `PrepareEngine` runs them for the kubelet,
+garbage collection and the CLI, and tells the listeners.
+
+Order of side effects, so that a crash at any point leaves all or nothing (start-up recovery,
+`agent.engine.recovery`, finishes the job):
+- prepare: claim files (UID-named) -> record (fsync'd). Without the record the files are orphans
+  that recovery removes.
+- unprepare: record removed (fsync'd) -> files. Without the record, the rest are orphans.
+- a claim with host side effects (PCI functions bound to vfio-pci, GPU partitions made for it;
+  `agent.hostprep.effects`): intent record -> each effect, each step recorded first -> files -> final
+  record; unprepare: restore intent -> files -> the effects undone in the reverse order of their
+  application, each step recorded first -> record removed. A record left halfway (`binding`,
+  `restoring`) is settled before anything else is done with the claim.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from agent import failpoints
+from agent.claims.allocation import Allocation, parse_claim
+from agent.claims.book import ClaimBook
+from agent.claims.files import ClaimFiles
+from agent.claims.locks import LockTable
+from agent.claims.plan import plan_record
+from agent.claims.records import ClaimRecord, DeviceBinding, FileRole
+from agent.claims.toolkit import ToolkitSpecs
+from agent.config import Settings
+from agent.errors import ClaimFailure
+from agent.hostprep.effects import HostEffects
+from agent.inventory import Inventory
+from agent.kinds import preparable_kinds
+from agent.names import ClaimRef
+
+log = logging.getLogger(__name__)
+
+# The kinds of device the engine knows how to prepare; any other kind is refused, never half-prepared.
+
+ClaimReader = Callable[[str, str], Mapping[str, Any]]
+
+
+class PrepareFailed(ClaimFailure):
+    """The claim is valid but this node cannot prepare it now (a device node missing, ...)."""
+
+
+class ClaimEngine(Protocol):
+    """What a claim operation uses of the engine (`agent.engine.prepare.PrepareEngine`)."""
+
+    settings: Settings
+    inventory: Inventory
+    toolkit: ToolkitSpecs
+    book: ClaimBook
+    files: ClaimFiles
+    effects: HostEffects
+    locks: LockTable
+
+    def claim_locked(self, uid: str) -> AbstractContextManager[None]: ...
+
+    def ensure_checked(self, uid: str) -> None: ...
+
+    def current_or_purge(self, uid: str) -> ClaimRecord | None: ...
+
+
+def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
+    """Prepare the claim unless it is prepared; with `read` None, only look it up."""
+    with engine.claim_locked(ref.uid):
+        engine.ensure_checked(ref.uid)
+        record = engine.current_or_purge(ref.uid)
+        if record is not None and (record.namespace, record.name) != (ref.namespace, ref.name):
+            raise PrepareFailed(f"UID {ref.uid} is prepared for claim {record.namespace}/{record.name}")
+        if record is not None and not record.prepared:
+            # A prepare or unprepare with host side effects that stopped halfway: settle it first.
+            with engine.locks.hold(engine.effects.record_lock_keys(record)):
+                engine.effects.settle(record, engine.files)
+            record = None
+        if record is not None:
+            log.debug("%s already prepared", ref)
+            return record
+        if read is None:
+            return None
+        claim = read(ref.namespace, ref.name)
+        alloc = parse_claim(claim, ref, driver=engine.settings.driver_name, pool=engine.settings.node_name,
+                            lookup=engine.inventory.get)
+        with engine.locks.hold(engine.effects.lock_key(a.device) for a in alloc.devices):
+            return _apply(engine, alloc)
+
+
+def unprepare_blocking(engine: ClaimEngine, ref: ClaimRef) -> ClaimRecord | None:
+    """Unprepare the claim; the record it had, None when it was not prepared."""
+    with engine.claim_locked(ref.uid):
+        engine.ensure_checked(ref.uid)
+        record = engine.current_or_purge(ref.uid)
+        if record is None:
+            return None
+        with engine.locks.hold(engine.effects.record_lock_keys(record)):
+            if not record.prepared:
+                engine.effects.settle(record, engine.files)
+                return record
+            if engine.effects.held(record):
+                engine.effects.unprepare_with_effects(record, engine.files)
+                return record
+            # The record goes first: a crash from here on leaves only files that no record
+            # owns, which the next start removes.
+            engine.book.delete(record.uid)
+            failpoints.hit("unprepare-after-record")
+            engine.files.remove_files(record)
+        return record
+
+
+def plan_claim(engine: ClaimEngine, alloc: Allocation, bindings: list[DeviceBinding]) -> ClaimRecord:
+    """Every file of the prepared claim with its content, and the kubelet response
+    (`agent.claims.plan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
+    in their facts (`Passthrough.devices`)."""
+    if unbound := {a.device.name for a in alloc.devices if a.device.kind.passthrough} - {b.device for b in bindings}:
+        raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
+    return plan_record(engine.settings, engine.toolkit, alloc, 1, bindings)
+
+
+def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
+    effects = engine.effects
+    if unknown := sorted(a.device.name for a in alloc.devices if not a.device.kind.preparable):
+        # Published ahead of their prepare path: refused before any side effect.
+        raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
+                            f"(it prepares {', '.join(preparable_kinds())} devices)")
+    effects.check(alloc.ref.uid, alloc.devices)
+    for a in alloc.devices:
+        for node in a.device.device_nodes:
+            if not os.path.exists(node.host_path):
+                raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
+                                    f"on the host ({node.host_path})")
+    intent = effects.intent(alloc)
+    if intent is not None:
+        # The intent first: from here on a crash leaves a record that recovery rolls back.
+        record = effects.make(alloc, intent, lambda a, b: plan_claim(engine, a, b), engine.files)
+    else:
+        record = plan_claim(engine, alloc, [])
+    try:
+        for f in record.files:
+            engine.files.root_of(f.path).write(f.path, f.content, f.mode)
+            failpoints.hit(_WRITTEN[f.role])
+        engine.book.write(record)
+    except BaseException:
+        if effects.held(record):
+            effects.roll_back(record, engine.files)
+        else:
+            engine.files.roll_back(record, engine.book)
+        raise
+    failpoints.hit("after-record")
+    return record
+
+
+_WRITTEN = {FileRole.CLAIM_SPEC: "after-claim-spec", FileRole.METADATA_FILE: "after-metadata-file",
+            FileRole.METADATA_SPEC: "after-metadata-spec"}  # the failpoint after each file of a prepare

@@ -1,0 +1,96 @@
+"""The bench's table: the agent beside the peer, each figure with the target the project aims for
+(where it has one), then every key of .bench/results.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# key -> (comparison, bound): what the project aims for; printed beside the figure, not enforced.
+TARGETS: dict[str, tuple[str, float]] = {
+    "peer_ratio_rt_10_tmpfs": ("<=", 1.3),
+    "peer_ratio_rt_10_ext4": ("<=", 1.1),
+    "peer_ratio_rt_1000_ext4": ("<=", 0.4),
+    "concurrent16_speedup": (">=", 1.5),
+    "peer_ratio_conc16_claims_per_s_ext4": (">=", 1.0),
+    "node_fill_110_vs_serial": ("<=", 0.6),
+    "peer_ratio_node_fill_110": ("<=", 1.0),
+    "peer_ratio_start_to_getinfo": ("<=", 1.5),
+    "rss_idle_mib": ("<=", 60),
+    "peer_ratio_rss_1000": ("<=", 1.4),
+    "agent_ms_per_prepare_tmpfs": ("<=", 1.0),
+    "startup_to_dra_ready_with_10000_claims_s": ("<=", 2.0),
+    "p50_10000_vs_10_claims": ("<=", 1.1),
+    "cli_info_s": ("<=", 0.3),
+}
+
+# (what, our key, the peer's key, the ratio's key); ratios are ours / peer.
+SIDE_BY_SIDE: list[tuple[str, str, str, str]] = [
+    ("empty DRA call p50 (ms)", "dra_empty_call_p50_ms", "peer_dra_empty_call_p50_ms", "peer_ratio_empty_call"),
+    ("prepare+unprepare p50, 10 others, tmpfs (ms)", "rt_10_tmpfs_p50_ms", "peer_rt_10_tmpfs_p50_ms",
+     "peer_ratio_rt_10_tmpfs"),
+    ("prepare+unprepare p50, 10 others, ext4 (ms)", "rt_10_ext4_p50_ms", "peer_rt_10_ext4_p50_ms",
+     "peer_ratio_rt_10_ext4"),
+    ("prepare+unprepare p50, {mid} others, ext4 (ms)", "rt_{mid}_ext4_p50_ms", "peer_rt_{mid}_ext4_p50_ms",
+     "peer_ratio_rt_{mid}_ext4"),
+    ("claims/s one at a time, tmpfs", "serial_claims_per_s_tmpfs", "peer_serial_claims_per_s_tmpfs",
+     "peer_ratio_serial_claims_per_s_tmpfs"),
+    ("claims/s 16 in flight, tmpfs", "conc16_claims_per_s_tmpfs", "peer_conc16_claims_per_s_tmpfs",
+     "peer_ratio_conc16_claims_per_s_tmpfs"),
+    ("claims/s one at a time, ext4", "serial_claims_per_s_ext4", "peer_serial_claims_per_s_ext4",
+     "peer_ratio_serial_claims_per_s_ext4"),
+    ("claims/s 16 in flight, ext4", "conc16_claims_per_s_ext4", "peer_conc16_claims_per_s_ext4",
+     "peer_ratio_conc16_claims_per_s_ext4"),
+    ("16 in flight / one at a time, ext4", "concurrent16_speedup", "peer_concurrent16_speedup", ""),
+    ("node fill: 110 claims at once (s)", "node_fill_110_s", "peer_node_fill_110_s", "peer_ratio_node_fill_110"),
+    ("node fill: 110 claims one at a time (s)", "node_fill_110_serial_s", "peer_node_fill_110_serial_s", ""),
+    ("node fill: at once / one at a time", "node_fill_110_vs_serial", "peer_node_fill_110_vs_serial", ""),
+    ("exec -> GetInfo answered (s)", "startup_to_getinfo_s", "peer_startup_to_getinfo_s",
+     "peer_ratio_start_to_getinfo"),
+    ("exec -> DRA socket answers (s)", "startup_to_dra_ready_s", "peer_startup_to_dra_ready_s", ""),
+    ("RSS idle (MiB)", "rss_idle_mib", "peer_rss_idle_mib", ""),
+    ("RSS with {mid} claims (MiB)", "rss_{mid}_mib", "peer_rss_{mid}_mib", "peer_ratio_rss_{mid}"),
+]
+
+
+def agent_targets(results: dict[str, Any]) -> str:
+    """The agent's figures with a target that the side-by-side table does not show."""
+    shown = {k for row in SIDE_BY_SIDE for k in row[1:]}
+    keys = [k for k in TARGETS if k not in shown and not k.startswith("peer_")]
+    width = max(len(k) for k in keys)
+    return "\n".join(f"{k.ljust(width)}  {fmt(results.get(k)).rjust(9)}  {target(k, results.get(k))}" for k in keys)
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def target(key: str, value: Any) -> str:
+    if key not in TARGETS:
+        return ""
+    op, bound = TARGETS[key]
+    if not isinstance(value, int | float):
+        return f"target {op} {bound:g}"
+    met = value <= bound if op == "<=" else value >= bound
+    return f"target {op} {bound:g}  {'met' if met else 'NOT MET'}"
+
+
+def side_by_side(results: dict[str, Any], mid: int) -> str:
+    rows = [("", "agent", "peer", "agent/peer", "")]
+    for what, ours, peer, ratio in SIDE_BY_SIDE:
+        what, ours, peer, ratio = (s.replace("{mid}", str(mid)) for s in (what, ours, peer, ratio))
+        marks = " ".join(t for t in (target(ours, results.get(ours)), target(ratio, results.get(ratio))) if t)
+        rows.append((what, fmt(results.get(ours)), fmt(results.get(peer)),
+                     fmt(results.get(ratio)) if ratio else "", marks))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(
+        f"{r[0].ljust(widths[0])}  {r[1].rjust(widths[1])}  {r[2].rjust(widths[2])}  {r[3].rjust(widths[3])}  {r[4]}"
+        .rstrip() for r in rows)
+
+
+def every_key(results: dict[str, Any]) -> str:
+    width = max(len(k) for k in results)
+    return "\n".join(f"{k.ljust(width)}  {fmt(v).rjust(9)}  {target(k, v)}".rstrip() for k, v in results.items())

@@ -1,0 +1,149 @@
+"""The real control plane for the tests under tests/cluster (marker `cluster`), started once per
+session: etcd, kube-apiserver, kube-scheduler and kube-controller-manager built by
+tests/cluster/build.py (`make cluster-components`), with deploy/ applied as a user applies it
+and the agent's Node registered.
+
+Without the built components the tests skip, saying how to build them; under CI=true or
+DRA_TEST_NO_SKIP=1 that is an error instead. A failing test gets the end of each component's
+log and of every agent's log it started in its report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster
+from .controlplane import ControlPlaneError, start_plane, tail
+from .nodekit import Node
+from .pki import Pki
+
+DEPLOY = REPO / "deploy"
+OVERLAYS = sorted(p for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+
+
+def _build_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("dra_cluster_build", Path(__file__).with_name("build.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _strict() -> bool:
+    """Whether a missing control plane is an error rather than a skip."""
+    return any(os.environ.get(v, "") not in ("", "0", "false") for v in ("CI", "DRA_TEST_NO_SKIP"))
+
+
+@pytest.fixture(scope="session")
+def components() -> Path:
+    """The bin directory of the built control plane."""
+    build = _build_module()
+    try:
+        return Path(build.ensure(build_missing=False).bin)
+    except build.BuildError as exc:
+        if _strict():
+            pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def node_components() -> Path:
+    """The bin directory of the built kubelet and containerd (`make kubelet-components`)."""
+    build = _build_module()
+    try:
+        return Path(build.ensure(build_missing=False, node_set=True).bin)
+    except build.BuildError as exc:
+        if _strict():
+            pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def cluster_root() -> Iterator[Path]:
+    # Short, under /tmp: the agents' unix sockets live below it (108-byte limit).
+    root = Path(tempfile.mkdtemp(prefix="dra-k8s-", dir="/tmp"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pki(cluster_root: Path) -> Pki:
+    return Pki(cluster_root / "pki")
+
+
+@pytest.fixture(scope="session")
+def cluster(components: Path, cluster_root: Path, pki: Pki) -> Iterator[Cluster]:
+    """The session's cluster: every DRA gate on, deploy/ applied (each overlay, then the base, so
+    the base's objects are what is left), NODE (declaring DRANodeAllocatableResources) and
+    OTHER_NODE registered."""
+    started = time.monotonic()
+    try:
+        plane = start_plane(components, cluster_root / "main", pki)
+    except ControlPlaneError as exc:
+        pytest.fail(f"the control plane did not start: {exc}", pytrace=False)
+    c = Cluster(plane, cluster_root)
+    try:
+        for overlay in OVERLAYS:
+            c.applied[overlay.name] = c.apply_kustomization(overlay)
+        c.applied["base"] = c.apply_kustomization(DEPLOY / "base")
+        c.add_node(NODE, declared=[NODE_ALLOCATABLE])
+        c.add_node(OTHER_NODE)
+        plane.wait_components()
+    except Exception as exc:
+        logs = plane.logs()
+        c.close()
+        plane.stop()
+        pytest.fail(f"setting up the cluster failed: {exc}\n{logs}", pytrace=False)
+    c.ready_in = time.monotonic() - started
+    print(f"\ncontrol plane: API server ready in {plane.started_in:.1f} s, deploy/ applied and every "
+          f"component healthy in {c.ready_in:.1f} s ({plane.root})")
+    try:
+        yield c
+    finally:
+        c.close()
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def agent_kubeconfig(cluster: Cluster) -> Path:
+    """The agent's own ServiceAccount with a token bound to a Pod on NODE."""
+    return cluster.agent_kubeconfig(NODE)
+
+
+@pytest.fixture
+def agent_runs(cluster_root: Path, request: pytest.FixtureRequest) -> Iterator[AgentRuns]:
+    base = Path(tempfile.mkdtemp(prefix="agent-", dir=cluster_root))
+    runs = AgentRuns(base)
+    request.node.agent_runs = runs
+    yield runs
+    for proc in runs.started:
+        proc.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    cluster = getattr(item, "funcargs", {}).get("cluster")
+    if isinstance(cluster, Cluster):
+        report.sections.append(("control plane logs", cluster.plane.logs()))
+    node = getattr(item, "real_node", None)
+    if isinstance(node, Node):
+        report.sections.append((f"node {node.name}", node.logs()))
+    runs = getattr(item, "agent_runs", None)
+    if isinstance(runs, AgentRuns):
+        for proc in runs.started:
+            report.sections.append((f"agent log {proc.log}", tail(proc.log, 80)))
