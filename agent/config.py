@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 UNIX_PATH_MAX = 108  # sun_path, including the terminating NUL
+# Device kinds whose claims may skip the kubelet's prepare and unprepare (`--skip-node-operations`): what
+# such a claim gets from prepare is a CPU list or a NUMA node's name in its environment, which a claim
+# taken for node-allocatable accounting alone does without.
+SKIPPABLE_KINDS = ("cpu", "memory")
 
 
 class ConfigError(ValueError):
@@ -122,6 +126,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("compatibility_groups", "--compatibility-groups", "DRA_COMPATIBILITY_GROUPS", False,
            "publish compatibility groups (mig, vgpu) on counter consumptions; only for clusters with the "
            "DRADeviceCompatibilityGroups gate on (true/false)", kind=bool, metavar="BOOL"),
+    Option("kubevirt_cpu", "--kubevirt-cpu", "DRA_KUBEVIRT_CPU", False,
+           "publish CPU devices as KubeVirt's CPUsWithDRA asks for them: capacity dra.cpu/cpu (instead of "
+           "cpus), attribute dra.cpu/socketID, shared by claims whatever the Node declares (true/false)",
+           kind=bool, metavar="BOOL"),
+    Option("numa_node_list", "--numa-node-list", "DRA_NUMA_NODE_LIST", "auto",
+           "publish resource.kubernetes.io/numaNode as a list (the node, then its socket's nearest nodes; "
+           "DRAListTypeAttributes): auto (where the Node declares DRAListTypeAttributes), true or false",
+           metavar="MODE"),
+    Option("partition_type_attribute", "--partition-type-attribute", "DRA_PARTITION_TYPE_ATTRIBUTE", False,
+           "put MIG and vGPU devices in slices of their own that name their partitionType attribute "
+           "(partitionTypeAttribute, for ResourcePoolStatusRequest summaries; DRAPartitionableDevicesType; "
+           "true/false)", kind=bool, metavar="BOOL"),
+    Option("skip_node_operations", "--skip-node-operations", "DRA_SKIP_NODE_OPERATIONS", "",
+           "comma list of device kinds (cpu, memory) whose claims need no prepare on the node: their slices "
+           "say skipNodeOperations where the Node declares DRAOptionalNodeOperations", metavar="KINDS"),
     Option("gpu_host_memory_overhead", "--gpu-host-memory-overhead", "DRA_GPU_HOST_MEMORY_OVERHEAD", 256 * 2**20,
            "host memory a container using a GPU device costs, published as nodeAllocatableResources "
            "memory overhead when the Node declares DRANodeAllocatableResources (a quantity: 256Mi)",
@@ -196,6 +215,10 @@ class Settings:
     vgpu_types: str = "auto"
     gpu_sharing: bool = False
     compatibility_groups: bool = False
+    kubevirt_cpu: bool = False
+    numa_node_list: str = "auto"
+    partition_type_attribute: bool = False
+    skip_node_operations: tuple[str, ...] = ()
     gpu_host_memory_overhead: int = 256 * 2**20
     gpu_probe_interval: float = 1.0
     taint_policy: Path | None = None
@@ -229,6 +252,12 @@ class Settings:
             VgpuPolicy.of(self.vgpu_types, self.compatibility_groups)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        if self.numa_node_list not in ("auto", "true", "false"):
+            raise ConfigError(f"--numa-node-list must be auto, true or false, not {self.numa_node_list!r}")
+        if bad := sorted(set(self.skip_node_operations) - set(SKIPPABLE_KINDS)):
+            raise ConfigError(f"--skip-node-operations: {', '.join(bad)} cannot skip prepare (only "
+                              f"{', '.join(SKIPPABLE_KINDS)} can: every other device needs its device nodes, "
+                              "files or host changes on the node)")
         if self.gpu_host_memory_overhead < 0:
             raise ConfigError(f"--gpu-host-memory-overhead must be >= 0, not {self.gpu_host_memory_overhead}")
 
@@ -360,7 +389,8 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
             continue
         if key == "nvml" and isinstance(value, str):
             value = NvmlMode.parse(value)
-        elif key in ("nic_include", "nic_exclude", "nic_passthrough") and isinstance(value, str):
+        elif key in ("nic_include", "nic_exclude", "nic_passthrough", "skip_node_operations") \
+                and isinstance(value, str):
             value = _globs(value)
         elif key in ("driver_root", "kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root",
                      "dev_root", "kubeconfig", "offline", "offline_fallback", "taint_policy") \

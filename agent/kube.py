@@ -27,6 +27,12 @@ from agent.config import Settings
 log = logging.getLogger(__name__)
 
 NODE_ALLOCATABLE_FEATURE = "DRANodeAllocatableResources"
+# A 1.37 kubelet declares DRAOptionalNodeOperations (it can skip calls for the devices of a slice that says
+# so; the scheduler puts a claim of such devices only on a node that declares it). It does not declare
+# DRAListTypeAttributes, a gate of the API server and the scheduler alone: a Node lists it only where its
+# status was written so (`--numa-node-list true` is how a real cluster says it).
+LIST_ATTRIBUTES_FEATURE = "DRAListTypeAttributes"
+OPTIONAL_NODE_OPERATIONS_FEATURE = "DRAOptionalNodeOperations"
 FIELD_MANAGER = "dra-agent"
 
 
@@ -44,6 +50,16 @@ class NodeInfo:
     def node_allocatable(self) -> bool:
         """Whether the API server will accept node-allocatable fields in our slices."""
         return NODE_ALLOCATABLE_FEATURE in self.declared_features
+
+    @property
+    def list_attributes(self) -> bool:
+        """Whether the Node says list-valued attributes are taken (`--numa-node-list auto`)."""
+        return LIST_ATTRIBUTES_FEATURE in self.declared_features
+
+    @property
+    def optional_node_operations(self) -> bool:
+        """Whether the kubelet can skip prepare for the devices of a slice that says so."""
+        return OPTIONAL_NODE_OPERATIONS_FEATURE in self.declared_features
 
 
 # -- connecting ---------------------------------------------------------------------------------
@@ -140,6 +156,12 @@ def status_code(exc: BaseException) -> int | None:
     if isinstance(exc, httpx2.HTTPStatusError):
         return exc.response.status_code
     return None
+
+
+def status_cause_fields(exc: BaseException) -> list[str]:
+    """The fields the API server's answer blames (`status.details.causes[].field` of a 422)."""
+    details = exc.status.details if isinstance(exc, ApiError) and exc.status is not None else None
+    return [c.field for c in (details.causes or []) if c.field] if details is not None else []
 
 
 def is_retryable(exc: BaseException) -> bool:

@@ -43,7 +43,7 @@ RESULTS = ("success", "error", "cancelled")
 SLICE_ACTIONS = ("create", "update", "delete")
 RECOVERY_ACTIONS = ("repaired", "removed", "quarantined")
 HEALTH_STATES = ("HEALTHY", "UNHEALTHY", "UNKNOWN")
-STATUS_WRITE_RESULTS = ("ok", "retry", "gave_up")
+STATUS_WRITE_RESULTS = ("ok", "unchanged", "retry", "gave_up")
 
 
 @dataclass
@@ -191,8 +191,9 @@ class Metrics:
             "prepared claim's ResourceClaim)", registry=r)
         self.claim_status_writes = Counter(
             PREFIX + "claim_status_writes", "Writes of this driver's ResourceClaim status.devices entries (server-side "
-            "apply, or the offline file), by result: ok, retry (failed, tried again after a backoff) or gave_up "
-            "(the claim is gone or was re-created, or the API server refused the write)", ["result"], registry=r)
+            "apply, or the offline file), by result: ok, unchanged (not sent: after a restart, the stored entries "
+            "were what it would send), retry (failed, tried again after a backoff) or gave_up (the claim is gone "
+            "or was re-created, or the API server refused the write)", ["result"], registry=r)
         for result in STATUS_WRITE_RESULTS:
             self.claim_status_writes.labels(result)
         self.claim_status_queue = Gauge(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from lightkube.types import PatchType
 from agent.claims.sources import ApiClaimSource
 from agent.health.claimstatus import ClaimStatusWriter
 from agent.health.conditions import Readiness
+from agent.health.readytimes import ReadyTransitions
 from agent.health.statussinks import ApiStatusSink, DirectoryStatusSink
 from agent.kube import Backoff
 from agent.metrics import Metrics
@@ -279,6 +281,42 @@ async def test_resync_writes_every_prepared_claim(node, kube_api, online):
     assert ready(devices_of(kube_api)[DRIVER, "gpu-0"])["status"] == "True"
 
 
+async def test_a_restart_keeps_the_time_ready_last_changed_and_sends_what_is_stored_already(node, kube_api, online):
+    # Each writer after the first is a restarted agent; each one's clock runs later than the last one's,
+    # so that a time it dates cannot be mistaken for a stored one.
+    links = Links()
+    first = online(readiness=links, transitions=ReadyTransitions(clock=lambda: time.time() + 1800))
+    kube_api.add(claim("c", UID, [result(NIC, "net"), result("gpu-0", "gpu")]))
+    await prepare(node)
+    await settled(first)
+    prepared_at = ready(devices_of(kube_api)[DRIVER, NIC])["lastTransitionTime"]
+    links.down.add(NIC)
+    first.devices_changed([NIC])
+    await settled(first)
+    down = ready(devices_of(kube_api)[DRIVER, NIC])
+    await first.stop()
+
+    # Restarted while the link is still down: not ready since the same moment; nothing to send.
+    again = online(readiness=links, transitions=ReadyTransitions(clock=lambda: time.time() + 3600))
+    again.resync(node.engine.records.values())
+    await settled(again)
+    assert ready(devices_of(kube_api)[DRIVER, NIC]) == down
+    assert writes(again, "unchanged") == 1 and writes(again, "ok") == 0
+    links.down.clear()
+    again.devices_changed([NIC])
+    await settled(again)
+    up = ready(devices_of(kube_api)[DRIVER, NIC])
+    assert up["status"] == "True" and up["lastTransitionTime"] > down["lastTransitionTime"] > prepared_at
+    await again.stop()
+
+    # Restarted once it is up again: ready since it came up, not since the prepare.
+    third = online(readiness=links, transitions=ReadyTransitions(clock=lambda: time.time() + 7200))
+    third.resync(node.engine.records.values())
+    await settled(third)
+    assert ready(devices_of(kube_api)[DRIVER, NIC])["lastTransitionTime"] == up["lastTransitionTime"]
+    assert ready(devices_of(kube_api)[DRIVER, "gpu-0"])["lastTransitionTime"] == prepared_at
+
+
 async def test_what_the_api_would_refuse_is_clipped_before_sending(tmp_path, kube_api, writers, caplog):
     valid = [f"10.0.{i}.5/24" for i in range(20)]
     many = ("10.1.0.005/24", *valid)  # not canonical (and not even parsed by the API server), then 20
@@ -438,6 +476,9 @@ class _CountingSink:
         self.most_queued = max(self.most_queued, self.writer.queued)
         await asyncio.sleep(0.001)
         self.written.append(claim.uid)
+
+    async def read(self, claim: Any) -> list[dict[str, Any]]:
+        return []  # nothing written yet: each claim's status is written
 
 
 async def test_a_resync_of_many_claims_is_fed_a_window_at_a_time(node, writers) -> None:

@@ -140,7 +140,8 @@ def driver_places(objs: list[dict[str, Any]]) -> dict[str, list[str]]:
         "plugin dir hostPath": [volume.removeprefix("/var/lib/kubelet/plugins/")],
         "ClusterRole resourceNames": [n for r in role["rules"] if "resourceclaims/driver" in r["resources"]
                                       for n in r.get("resourceNames", [])],
-        "DeviceClass names": [c["metadata"]["name"].partition(".")[2] for c in all_of(objs, "DeviceClass")],
+        "DeviceClass names": [c["metadata"]["name"].partition(".")[2] for c in all_of(objs, "DeviceClass")
+                              if c["metadata"]["name"] not in FIXED_NAMES],
     }
 
 
@@ -590,12 +591,12 @@ def devices_of(slices: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]
 
 
 @functools.cache
-def _node_devices(node_allocatable: bool) -> tuple[tuple[str, dict[str, Any]], ...]:
+def _node_devices(node_allocatable: bool, kubevirt_cpu: bool) -> tuple[tuple[str, dict[str, Any]], ...]:
     """Simulated GPUs (`--nvml sim`), and this host's CPUs and memory per NUMA node."""
     root = Path(tempfile.mkdtemp(prefix="dra-deploy-"))
     try:
         settings = build_settings({"driver_name": DRIVER, "node_name": NODE, "nvml": "sim", "nic_exclude": "*",
-                                   "gpu_sharing": True, "compatibility_groups": True,
+                                   "gpu_sharing": True, "compatibility_groups": True, "kubevirt_cpu": kubevirt_cpu,
                                    "state_dir": str(root / "state"),
                                    "offline": str(_offline_dir(root, node_allocatable))})
         return tuple(devices_of(asyncio.run(render_slices(settings))))
@@ -603,8 +604,8 @@ def _node_devices(node_allocatable: bool) -> tuple[tuple[str, dict[str, Any]], .
         shutil.rmtree(root, ignore_errors=True)
 
 
-def node_devices(node_allocatable: bool) -> list[tuple[str, dict[str, Any]]]:
-    return copy.deepcopy(list(_node_devices(node_allocatable)))
+def node_devices(node_allocatable: bool, kubevirt_cpu: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    return copy.deepcopy(list(_node_devices(node_allocatable, kubevirt_cpu)))
 
 
 @pytest.fixture(scope="module")
@@ -655,7 +656,11 @@ MEANT: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool]]] = {
     "mig": ("mig", _kind("mig")),
     "gpu-shared": ("shared", _kind("shared")),
     "vgpu": ("vgpu", _kind("vgpu")),
+    # KubeVirt's CPUsWithDRA names this class itself: CPU devices counted in its capacity's name.
+    "dra.cpu": ("cpu", lambda d: _kind("cpu")(d) and "dra.cpu/cpu" in (d.get("capacity") or {})),
 }
+# Classes whose whole name another project fixes (no ".<driver>" appended).
+FIXED_NAMES = {"dra.cpu"}
 # The node-allocatable overlay's cpu and memory: only devices carrying node-allocatable mappings.
 MEANT_NODE_ALLOCATABLE = {
     "cpu": ("cpu", lambda d: _kind("cpu")(d) and d.get("allowMultipleAllocations") is True),
@@ -683,8 +688,10 @@ def check_classes(which: str, devices: list[tuple[str, dict[str, Any]]], kinds: 
     """Each class selects exactly the devices it is meant to, errs on none, and selects at least one
     when it is meant for one of `kinds` (the kinds these devices cover)."""
     for device_class in all_of(rendered(which), "DeviceClass"):
-        name, _, driver = device_class["metadata"]["name"].partition(".")
-        assert driver == DRIVER
+        name = device_class["metadata"]["name"]
+        if name not in FIXED_NAMES:
+            name, _, driver = name.partition(".")
+            assert driver == DRIVER
         kind, rule = meant(which, name)
         expected = {d["name"] for drv, d in devices if drv == DRIVER and rule(d)}
         got = {d["name"] for drv, d in devices if selects(device_class, drv, d)}
@@ -697,7 +704,8 @@ def check_classes(which: str, devices: list[tuple[str, dict[str, Any]]], kinds: 
 
 @pytest.mark.parametrize("which", EVERY)
 def test_device_classes_select_the_gpus_cpus_and_memory_the_agent_publishes(which: str) -> None:
-    devices = node_devices(node_allocatable=which == "overlays/node-allocatable")
+    devices = node_devices(node_allocatable=which == "overlays/node-allocatable",
+                           kubevirt_cpu=effective_settings(rendered(which)).kubevirt_cpu)
     assert {_attr(d, "type") for _, d in devices} == {"gpu", "vfio", "mig", "vgpu", "shared", "cpu", "memory"}
     check_classes(which, devices, {"gpu", "vfio-gpu", "mig", "vgpu", "shared", "cpu", "memory"})
 
@@ -726,6 +734,8 @@ def test_the_gpu_class_serves_unchanged_pods_asking_for_example_com_gpu() -> Non
 # -- the ValidatingAdmissionPolicy ------------------------------------------------------------------
 
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+SLICE_POLICY = "dra-agent-resourceslices"
+POOL_POLICY = "dra-agent-resourcepoolstatusrequests"
 
 
 def admission(policy: Mapping[str, Any], *, operation: str, username: str, extra: Mapping[str, list[str]] | None,
@@ -774,9 +784,12 @@ def slice_on(node: str | None) -> dict[str, Any]:
 @pytest.mark.parametrize("which", EVERY)
 def test_admission_policy_applies_to_the_agents_service_account_and_slice_writes(which: str) -> None:
     objs = rendered(which)
-    policy = one(objs, "ValidatingAdmissionPolicy")
-    binding = one(objs, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert {p["metadata"]["name"] for p in all_of(objs, "ValidatingAdmissionPolicy")} == {SLICE_POLICY, POOL_POLICY}
+    for name in (SLICE_POLICY, POOL_POLICY):
+        binding = one(objs, "ValidatingAdmissionPolicyBinding", name)
+        assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
+        assert one(objs, "ValidatingAdmissionPolicy", name)["spec"]["failurePolicy"] == "Fail"
+    policy = one(objs, "ValidatingAdmissionPolicy", SLICE_POLICY)
     assert policy["spec"]["failurePolicy"] == "Fail"
     [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
     assert (rule["apiGroups"], rule["resources"]) == (["resource.k8s.io"], ["resourceslices"])
@@ -790,7 +803,7 @@ def test_admission_policy_applies_to_the_agents_service_account_and_slice_writes
 
 def test_admission_policy_limits_the_agent_to_its_own_nodes_slices(tmp_path: Path) -> None:
     objs = rendered("base")
-    policy = one(objs, "ValidatingAdmissionPolicy")
+    policy = one(objs, "ValidatingAdmissionPolicy", SLICE_POLICY)
     sa = one(objs, "ServiceAccount")["metadata"]
     agent = f"system:serviceaccount:{sa['namespace']}:{sa['name']}"
     on = {NODE_NAME_EXTRA: [NODE]}
@@ -842,3 +855,39 @@ def test_admission_policy_limits_the_agent_to_its_own_nodes_slices(tmp_path: Pat
     for user in ("system:serviceaccount:kube-system:generic-garbage-collector", "kubernetes-admin",
                  f"system:serviceaccount:{sa['namespace']}:other"):
         assert decide("DELETE", None, theirs, user=user, extra=None) == (True, "not matched")
+
+
+def pool_request(pool: str | None, driver: str = DRIVER) -> dict[str, Any]:
+    spec: dict[str, Any] = {"driver": driver}
+    if pool is not None:
+        spec["poolName"] = pool
+    return {"apiVersion": "resource.k8s.io/v1alpha3", "kind": "ResourcePoolStatusRequest",
+            "metadata": {"name": "dra-agent-x"}, "spec": spec}
+
+
+def test_admission_policy_limits_the_agents_pool_status_requests_to_its_own_pool() -> None:
+    objs = rendered("base")
+    policy = one(objs, "ValidatingAdmissionPolicy", POOL_POLICY)
+    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert (rule["apiGroups"], rule["apiVersions"], rule["resources"], set(rule["operations"])) == (
+        ["resource.k8s.io"], ["v1alpha3"], ["resourcepoolstatusrequests"], {"CREATE", "DELETE"})
+    sa = one(objs, "ServiceAccount")["metadata"]
+    agent = f"system:serviceaccount:{sa['namespace']}:{sa['name']}"
+    on = {NODE_NAME_EXTRA: [NODE]}
+
+    def decide(operation: str, obj: Any, *, user: str = agent, extra: Any = on) -> tuple[bool, str]:
+        new, old = (None, obj) if operation == "DELETE" else (obj, None)
+        return admission(policy, operation=operation, username=user, extra=extra, obj=new, old=old)
+
+    mine = pool_request(NODE)
+    assert decide("CREATE", mine) == (True, "") and decide("DELETE", mine) == (True, "")
+    allowed, message = decide("CREATE", pool_request("node-b"))
+    assert not allowed and message == (f"the dra-agent on node {NODE} may ask only for the status of its own pool of "
+                                       f"driver {DRIVER}, not of pool node-b of driver {DRIVER}")
+    assert not decide("CREATE", pool_request(None))[0]  # every pool of the driver
+    assert not decide("CREATE", pool_request(NODE, "gpu.other.example.com"))[0]
+    assert not decide("DELETE", pool_request("node-b"))[0]
+    for extra in (None, {}, {NODE_NAME_EXTRA: []}):
+        allowed, message = decide("CREATE", mine, extra=extra)
+        assert not allowed and "bound to a node" in message
+    assert decide("CREATE", pool_request(None), user="kubernetes-admin", extra=None) == (True, "not matched")

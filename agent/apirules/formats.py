@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from agent.model import AttrValue, Version
+from agent.model import AttrValue, IntList, Version
 
 MAX_VALUE_LENGTH = 64
 MAX_POOL_NAME = 253
@@ -105,6 +105,12 @@ def attribute_value_errors(value: AttrValue) -> list[str]:
         return []
     if isinstance(value, Version):
         return semver_errors(value.value)
+    if isinstance(value, IntList):
+        if not value.values:
+            return ["ints must not be empty"]
+        if not all(type(v) is int and -(2**63) <= v < 2**63 for v in value.values):
+            return ["ints must be 64-bit integers"]
+        return []
     if isinstance(value, str):
         if len(value) > MAX_VALUE_LENGTH:
             return [f"string must be no more than {MAX_VALUE_LENGTH} characters (is {len(value)})"]

@@ -22,7 +22,7 @@ from agent.app.assembly import (
     PublishedForm,
     build_sources,
     prepare_roots,
-    set_node_allocatable,
+    set_node_features,
     start_sim_kernel,
 )
 from agent.config import Settings
@@ -73,7 +73,7 @@ class Agent:
         from agent.metrics import Metrics
 
         self.settings = settings
-        self.inventory = Inventory(build_sources(settings), refine=PublishedForm())
+        self.inventory = Inventory(build_sources(settings), refine=PublishedForm(settings))
         self.store = ClaimStore(settings.claims_state_dir)
         self.tracker = HealthTracker(pool=settings.node_name)
         self.servers = servers if servers is not None else Servers(settings)
@@ -146,7 +146,7 @@ class Agent:
             kernel = await asyncio.to_thread(start_sim_kernel, s)
             if kernel is not None:
                 undo.push_async_callback(asyncio.to_thread, kernel.stop)
-            set_node_allocatable(self.inventory, conn.node)
+            set_node_features(self.inventory, conn.node, s)
             engine = PrepareEngine(s, self.inventory, conn.claim_source(s), self.store, metrics=self.metrics)
             # Records are only listed here; each is checked in the background or by the first operation
             # on its claim, whichever comes first (agent.engine.recovery).
@@ -238,8 +238,8 @@ class Agent:
         node = conn.node
         if node is None:
             node = await wait_for_node(conn, self.settings.node_name)
-            set_node_allocatable(self.inventory, node)
-            await self.rescan(["cpu", "memory", "gpu"])
+            set_node_features(self.inventory, node, self.settings)
+            await self.rescan()  # every source: node-allocatable fields, the form of numaNode
         publish = PublishLoop(conn.publisher(self.settings, node),
                               verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
         publish.on_published = lambda devices: self.tracker.pool_published([d.name for d in devices])

@@ -177,6 +177,8 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
             raise ClaimError(f"device {device_name} is not on this node")
         if device.kind.shared:
             _check_share(device, share_id, consumed, path)
+        elif device.kind is Kind.CPU and share_id:
+            _check_cpu_share(device, consumed, path)
         out.devices.append(AllocatedDevice(request=request, pool=pool, device=device, share_id=share_id,
                                            consumed=consumed))
     _apply_configs(out, _list(device_alloc.get("config"), _CONFIG), driver)
@@ -210,6 +212,21 @@ def _check_share(device: Device, share_id: str, consumed: dict[str, str], path: 
     if not ok:
         raise ClaimError(f"{path}.consumedCapacity.memory {amount!r} is not a share of device {device.name} "
                          f"(whole bytes, more than 0, at most {capacity.value if capacity else 0})")
+
+
+def _check_cpu_share(device: Device, consumed: dict[str, str], path: str) -> None:
+    """A share of a CPU device: a whole number of its CPUs, at least one, under its one capacity's name."""
+    if len(device.capacity) != 1:
+        raise ClaimError(f"{path}: device {device.name} publishes no capacity to take a share of")
+    (name, capacity), = device.capacity.items()
+    amount = consumed.get(name)
+    try:
+        ok = amount is not None and 0 < quantity.parse_int(amount) <= quantity.parse_int(capacity.value)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ClaimError(f"{path}.consumedCapacity[{_key(name)}] {amount!r} is not a share of device {device.name} "
+                         f"(whole CPUs, at least 1, at most {capacity.value})")
 
 
 def _check_name(what: str, value: str) -> None:

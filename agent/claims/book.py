@@ -24,7 +24,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from agent.claims.records import ClaimRecord, PreparedDevice, RecordState
+from agent.claims.records import ClaimRecord, PreparedDevice, RecordState, partition_attributes
 from agent.claims.store import ClaimStore, RecordStamp
 
 RECENT = 64  # whole records kept (the claims operated on last)
@@ -32,16 +32,25 @@ RECENT = 64  # whole records kept (the claims operated on last)
 
 @dataclass(frozen=True, slots=True)
 class DeviceSummary:
-    """What the book keeps of a prepared device: which device of which pool, and its share."""
+    """What the book keeps of a prepared device: which device of which pool, and its share; and what
+    the claim made of it that the inventory does not know: the attributes of a partition made for the
+    claim (a MIG device's own `uuid`, a mediated device's `mdevUUID`), and the MAC the claim set on a
+    passthrough VF."""
 
     pool: str
     device: str
     share_id: str = ""
+    made: tuple[tuple[str, str], ...] = ()
+    mac: str = ""
 
     @classmethod
-    def of(cls, d: PreparedDevice) -> DeviceSummary:
+    def of(cls, d: PreparedDevice, record: ClaimRecord) -> DeviceSummary:
+        # Only a claim with side effects on the host has either (partitions, bindings): empty for the rest.
+        made = tuple((k, str(v)) for p in record.partitions if p.device == d.device
+                     for k, v in sorted(partition_attributes(p).items()))
+        mac = next((b.mac for b in record.bindings if b.device == d.device and b.mac), "")
         # A node has a few pools and devices, held by thousands of claims: one string each.
-        return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "")
+        return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "", made, mac)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +71,7 @@ class ClaimSummary:
     @classmethod
     def of(cls, record: ClaimRecord) -> ClaimSummary:
         return cls(record.uid, sys.intern(record.namespace), record.name, sys.intern(record.pod_claim_name),
-                   tuple(DeviceSummary.of(d) for d in record.devices), tuple(record.dirs), record.prepared_at,
+                   tuple(DeviceSummary.of(d, record) for d in record.devices), tuple(record.dirs), record.prepared_at,
                    record.generation, record.state)
 
     @property

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agent import quantity
-from agent.claims import cdispecs, filenames, metadata
+from agent.claims import cdispecs, cpuset, filenames, metadata
 from agent.claims.allocation import Allocation
 from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, FileRole, PreparedDevice
 from agent.claims.toolkit import ToolkitSpecs
@@ -148,13 +148,15 @@ def refreshed(s: Settings, lookup: Callable[[str], Device | None],
     macs = {b.device: b.mac for b in record.bindings}
     made = {p.device: p for p in record.partitions}  # their MIG or mdev UUIDs are in the metadata
     consumed = _recorded_consumption(record)
+    cpus = cpuset.recorded_cpus(record)  # a share's CPUs, chosen at prepare; a whole device's follow it
     for d in record.devices:
         device = lookup(d.device)
         if device is None:
             return None
+        key = (d.request, d.device, d.share_id)
         allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id, macs.get(d.device, ""),
-                                                  consumed.get((d.request, d.device, d.share_id), {}),
-                                                  made.get(d.device)))
+                                                  consumed.get(key, {}), made.get(d.device),
+                                                  cpus.get(key, ()) if d.share_id else ()))
     common: dict[str, Any] = {"driver": s.driver_name, "namespace": record.namespace, "name": record.name,
                               "uid": record.uid, "pod_claim_name": record.pod_claim_name}
     recorded = {f.request: f.path for f in record.files if f.role is FileRole.METADATA_FILE}

@@ -23,10 +23,12 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from agent import failpoints
+from agent.claims import cpuset
 from agent.claims.allocation import Allocation, parse_claim
 from agent.claims.book import ClaimBook
 from agent.claims.files import ClaimFiles
 from agent.claims.locks import LockTable
+from agent.claims.metadata import AllocatedDevice
 from agent.claims.plan import plan_record
 from agent.claims.records import ClaimRecord, DeviceBinding, FileRole
 from agent.claims.toolkit import ToolkitSpecs
@@ -62,6 +64,8 @@ class ClaimEngine(Protocol):
     def claim_locked(self, uid: str) -> AbstractContextManager[None]: ...
 
     def ensure_checked(self, uid: str) -> None: ...
+
+    def unverified(self) -> list[str]: ...
 
     def current_or_purge(self, uid: str) -> ClaimRecord | None: ...
 
@@ -128,6 +132,7 @@ def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
         raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
                             f"(it prepares {', '.join(preparable_kinds())} devices)")
     effects.check(alloc.ref.uid, alloc.devices)
+    alloc.devices = _with_cpus(engine, alloc)
     for a in alloc.devices:
         for node in a.device.device_nodes:
             if not os.path.exists(node.host_path):
@@ -152,6 +157,22 @@ def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
         raise
     failpoints.hit("after-record")
     return record
+
+
+def _with_cpus(engine: ClaimEngine, alloc: Allocation) -> list[AllocatedDevice]:
+    """The claim's devices with the CPUs each share of a CPU device gets (`agent.claims.cpuset`), around
+    what the other claims prepared here hold: the device locks are held, so none of those changes meanwhile.
+    Until every record listed at start-up is checked the book does not know all of them, and the prepare
+    is refused (retryable) rather than chosen blind."""
+    shares = {a.device.name for a in alloc.devices if cpuset.share_size(a) is not None}
+    if not shares:
+        return alloc.devices
+    if pending := engine.unverified():
+        raise PrepareFailed(f"a share of {', '.join(sorted(shares))} waits for the start-up check of {len(pending)} "
+                            "claim records, which may hold CPUs of it (retry in a moment)")
+    others = [r for uid in engine.book.claims_holding(shares) if uid != alloc.ref.uid
+              and (r := engine.book.current(uid)) is not None]
+    return cpuset.assign(alloc.devices, cpuset.held_cpus(others, shares))
 
 
 _WRITTEN = {FileRole.CLAIM_SPEC: "after-claim-spec", FileRole.METADATA_FILE: "after-metadata-file",

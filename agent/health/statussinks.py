@@ -37,7 +37,7 @@ import lightkube
 import orjson
 import yaml
 from lightkube.core.exceptions import ApiError
-from lightkube.resources.resource_v1 import ResourceClaimStatus
+from lightkube.resources.resource_v1 import ResourceClaim, ResourceClaimStatus
 from lightkube.types import PatchType
 
 from agent import kube
@@ -70,6 +70,23 @@ class StatusSink(Protocol):
         """Make this driver's entries in the claim's status.devices exactly `entries`."""
         ...
 
+    async def read(self, claim: ClaimRef) -> list[dict[str, Any]]:
+        """The claim's status.devices entries as they are now, every driver's; ClaimGone as `write`."""
+        ...
+
+
+def same_entries(entries: Sequence[Mapping[str, Any]], stored: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the entries `read` gave are these (the API server leaves out what is null)."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: plain(v) for k, v in value.items() if v is not None}
+        return [plain(v) for v in value] if isinstance(value, list) else value
+
+    def keyed(found: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], Any]:
+        return {(str(e.get("device")), str(e.get("shareID") or "")): plain(e) for e in found}
+
+    return keyed(entries) == keyed(stored)
+
 
 def apply_body(claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The apply configuration: no status at all when we have no entries, so we own none."""
@@ -99,8 +116,36 @@ class ApiStatusSink:
                                 f"UID {claim.uid}: {why}") from exc
             if kube.status_code(exc) is None and not kube.is_retryable(exc):
                 raise  # not an API answer nor a connection failure: a bug, not a status to report
+            if kube.status_code(exc) == 422 and "status.allocation" in why:
+                # Seen on 1.37.2 (README "The real control plane"): nothing of ours changes the allocation.
+                why += (" (the API server compares the claim's opaque parameters with its own encoding of them, "
+                        "byte for byte: sent other than as compact JSON with sorted keys, as kubectl sends them, "
+                        "they refuse every status apply)")
             raise StatusWriteFailed(f"applying the status of {claim}: {why}",
                                     retryable=kube.is_retryable(exc)) from exc
+
+    async def read(self, claim: ClaimRef) -> list[dict[str, Any]]:
+        try:
+            obj = await self.client.get(ResourceClaim, claim.name, namespace=claim.namespace)
+        except Exception as exc:
+            why = kube.describe(exc)
+            if kube.is_not_found(exc):
+                raise ClaimGone(f"{claim} is gone: {why}") from exc
+            if kube.status_code(exc) is None and not kube.is_retryable(exc):
+                raise
+            raise StatusWriteFailed(f"reading the status of {claim}: {why}", retryable=kube.is_retryable(exc)) from exc
+        return _entries_of(kube.plain(obj), claim)
+
+
+def _entries_of(obj: Mapping[str, Any], claim: ClaimRef) -> list[dict[str, Any]]:
+    """The status.devices entries of `claim`'s incarnation (ClaimGone for another one)."""
+    meta = obj.get("metadata")
+    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    if uid != claim.uid:
+        raise ClaimGone(f"ResourceClaim {claim.namespace}/{claim.name} now has UID {uid!r}, not {claim.uid}")
+    status = obj.get("status")
+    found = status.get("devices") if isinstance(status, Mapping) else None
+    return [dict(e) for e in found or [] if isinstance(e, Mapping)]
 
 
 def _uid_refused(exc: BaseException) -> bool:
@@ -132,6 +177,27 @@ class DirectoryStatusSink:
             raise StatusWriteFailed(f"writing the status of {claim} under {self.root.path}: {exc}",
                                     retryable=True) from exc
 
+    async def read(self, claim: ClaimRef) -> list[dict[str, Any]]:
+        try:
+            return await asyncio.to_thread(self._read_blocking, claim)
+        except OSError as exc:
+            raise StatusWriteFailed(f"reading the status of {claim} under {self.root.path}: {exc}",
+                                    retryable=True) from exc
+
+    def _read_blocking(self, claim: ClaimRef) -> list[dict[str, Any]]:
+        """What the status file holds (the claim file's, before any write of ours)."""
+        current = self._claim(claim)
+        written = self._stored(self.path(claim))
+        return _entries_of(written if written is not None else current, claim)
+
+    def _claim(self, claim: ClaimRef) -> dict[str, Any]:
+        try:
+            return self.claims.read(claim.namespace, claim.name)
+        except ClaimNotFound as exc:
+            raise ClaimGone(str(exc)) from exc
+        except ClaimSourceError as exc:
+            raise StatusWriteFailed(str(exc), retryable=True) from exc
+
     def _write_blocking(self, claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> None:
         path = self.path(claim)
         if not entries:
@@ -139,25 +205,20 @@ class DirectoryStatusSink:
                 self.root.unlink(path)
                 self.root.remove_empty_dirs(path.parent, stop=0)
             return
-        try:
-            current = self.claims.read(claim.namespace, claim.name)
-        except ClaimNotFound as exc:
-            raise ClaimGone(str(exc)) from exc
-        except ClaimSourceError as exc:
-            raise StatusWriteFailed(str(exc), retryable=True) from exc
-        meta = current.get("metadata")
-        uid = meta.get("uid") if isinstance(meta, Mapping) else None
-        if uid != claim.uid:
-            raise ClaimGone(f"ResourceClaim {claim.namespace}/{claim.name} now has UID {uid!r}, not {claim.uid}")
+        current = self._claim(claim)
         ours = {e["driver"] for e in entries}
-        status = current.get("status")
-        theirs = [e for e in (status.get("devices") or [] if isinstance(status, Mapping) else [])
-                  if isinstance(e, Mapping) and e.get("driver") not in ours]
+        theirs = [e for e in _entries_of(current, claim) if e.get("driver") not in ours]
         obj = apply_body(claim, [*theirs, *entries])
         self.root.write(path, orjson.dumps(obj, option=orjson.OPT_INDENT_2) + b"\n")
 
     def _uid_in(self, path: Path) -> str | None:
         """The UID the status file names; None when there is no (readable) file."""
+        doc = self._stored(path)
+        meta = doc.get("metadata") if doc is not None else None
+        return str(meta.get("uid")) if isinstance(meta, Mapping) else None
+
+    def _stored(self, path: Path) -> dict[str, Any] | None:
+        """The object in a status file; None when there is no (readable) file."""
         try:
             data = self.root.read(path)
         except OSError:
@@ -169,8 +230,7 @@ class DirectoryStatusSink:
                 doc = yaml.load(data, Loader=_LOADER)
             except yaml.YAMLError:
                 return None
-        meta = doc.get("metadata") if isinstance(doc, Mapping) else None
-        return str(meta.get("uid")) if isinstance(meta, Mapping) else None
+        return dict(doc) if isinstance(doc, Mapping) else None
 
 
 def sink_for(client: lightkube.AsyncClient | None, offline: Path | None, driver: str) -> StatusSink:

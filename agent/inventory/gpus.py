@@ -49,7 +49,7 @@ from agent.inventory.nvmlopen import open_nvml
 from agent.inventory.nvmlopen import probe as probe  # python -m agent.inventory.gpus --probe
 from agent.inventory.nvmlvalues import describe_error
 from agent.inventory.passthrough import GpuVariants
-from agent.inventory.published import MIG_CAPABLE, MIG_ENABLED, attributes
+from agent.inventory.published import MIG_CAPABLE, MIG_ENABLED, attributes, with_partition_type
 from agent.inventory.vgpu import VgpuDevices
 from agent.kinds import Kind
 from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, Version
@@ -160,6 +160,8 @@ class GpuSource:
         result.devices = self._vgpu.apply(self.sysfs_root, result.devices)
         # Last: a shared form takes its GPU's counter set as it is by now.
         result.devices = self._extras.apply(result.devices, node_allocatable=self.node_allocatable)
+        if self.settings.partition_type_attribute:
+            result.devices = [with_partition_type(d) for d in result.devices]
         return result
 
     def _scan_nvml(self) -> ScanResult:

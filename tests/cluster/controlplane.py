@@ -127,6 +127,7 @@ class ControlPlane:
     pki: Pki
     gates: Mapping[str, bool] = field(default_factory=dict)  # over DRA_GATES (all on)
     full: bool = True
+    runtime_config: str = RUNTIME_CONFIG
     components: list[Component] = field(default_factory=list)
     server: str = ""
     admin: Pair | None = None
@@ -173,7 +174,7 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=Node,RBAC", "--allow-privileged=true",
             "--enable-admission-plugins=NodeRestriction",
-            f"--feature-gates={self.feature_gates()}", f"--runtime-config={RUNTIME_CONFIG}",
+            f"--feature-gates={self.feature_gates()}", f"--runtime-config={self.runtime_config}",
             # The endpoint reconciler refuses a loopback advertise address; nothing here dials the
             # `kubernetes` Service anyway.
             "--endpoint-reconciler-type=none", "--profiling=false", "--v=1"])

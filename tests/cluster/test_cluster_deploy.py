@@ -73,7 +73,7 @@ def test_every_kustomization_was_stored_as_rendered(cluster: Cluster) -> None:
 
 def test_device_class_selectors_are_compiled_by_the_server(cluster: Cluster) -> None:
     classes = [o for objs in cluster.applied.values() for o in objs if o["kind"] == "DeviceClass"]
-    assert len({c["metadata"]["name"] for c in classes}) == 9
+    assert len({c["metadata"]["name"] for c in classes}) == 10  # dra.cpu: KubeVirt's, in the kubevirt overlay
     for cls in classes:
         # A server-side dry run of each class as rendered: accepted.
         probe = copy.deepcopy(cls)
@@ -99,9 +99,12 @@ def _type_checked(cluster: Cluster, name: str) -> dict[str, Any]:
 
 
 def test_admission_policy_type_checks_without_warnings(cluster: Cluster) -> None:
-    (policy,) = [o for o in cluster.applied["base"] if o["kind"] == "ValidatingAdmissionPolicy"]
-    status = _type_checked(cluster, policy["metadata"]["name"])
-    assert (status.get("typeChecking") or {}).get("expressionWarnings") in (None, [])
+    policies = [o for o in cluster.applied["base"] if o["kind"] == "ValidatingAdmissionPolicy"]
+    assert len(policies) == 2  # ResourceSlices, ResourcePoolStatusRequests
+    for each in policies:
+        status = _type_checked(cluster, each["metadata"]["name"])
+        assert (status.get("typeChecking") or {}).get("expressionWarnings") in (None, []), each["metadata"]["name"]
+    policy = next(p for p in policies if p["metadata"]["name"] == "dra-agent-resourceslices")
     # A copy with a misspelt field gets a warning from the same checker.
     probe = copy.deepcopy(policy)
     probe["metadata"] = {"name": "probe-type-checking"}
