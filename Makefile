@@ -62,13 +62,15 @@ test-kubelet: cluster-components kubelet-components
 STANDIN_DIR    := tests/nvml_standin
 STANDIN        := $(STANDIN_DIR)/build
 STANDIN_CC     ?= gcc
-STANDIN_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden
+STANDIN_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden -Wl,-soname,libnvidia-ml.so.1
 
 nvml-standin: $(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1
 
-$(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1: $(STANDIN_DIR)/nvml_standin.c $(STANDIN_DIR)/machine.txt
+STANDIN_SRC    := $(STANDIN_DIR)/nvml_standin.c $(STANDIN_DIR)/nvml_standin_mig.c
+
+$(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1: $(STANDIN_SRC) $(STANDIN_DIR)/nvml_standin.h $(STANDIN_DIR)/machine.txt
 	mkdir -p $(@D)
-	$(STANDIN_CC) $(STANDIN_CFLAGS) $(if $(findstring /legacy/,$@),-DSTANDIN_LEGACY) -o $@ $< -ldl
+	$(STANDIN_CC) $(STANDIN_CFLAGS) $(if $(findstring /legacy/,$@),-DSTANDIN_LEGACY) -o $@ $(STANDIN_SRC) -ldl
 	cp $(STANDIN_DIR)/machine.txt $(@D)/machine.txt
 
 # Simulated GPUs unless the NVML library loads; the host's NICs; offline under $(RUN)/

@@ -102,7 +102,8 @@ EVERY = kustomizations()
 
 
 def test_the_promised_overlays_exist() -> None:
-    assert {"base", "overlays/dev", "overlays/kubevirt", "overlays/node-allocatable"} <= set(EVERY)
+    assert {"base", "overlays/dev", "overlays/driver-container", "overlays/kubevirt",
+            "overlays/node-allocatable"} <= set(EVERY)
 
 
 @pytest.mark.parametrize("which", EVERY)
@@ -257,6 +258,29 @@ def test_every_directory_the_agent_uses_is_the_hosts_at_the_same_path(which: str
     assert mount_for(objs, s.static_cdi_dir)[0].get("readOnly") is True  # the toolkit's, only read
     sysfs_ro = mount_for(objs, s.sysfs_root)[0].get("readOnly", False)
     assert sysfs_ro is (which != "overlays/kubevirt")  # vfio-pci binding writes sysfs
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_the_driver_root_is_the_host_s_driver_mounted_read_only(which: str) -> None:
+    # The agent loads libnvidia-ml.so.1 from below --driver-root: the host's / (a driver installed on the
+    # host), or the GPU Operator's driver container root, /run/nvidia/driver on the host.
+    objs = rendered(which)
+    s = effective_settings(objs)
+    mount, volume = mount_for(objs, s.driver_root)
+    assert mount["mountPath"] == str(s.driver_root) == "/driver-root"
+    assert mount["readOnly"] is True and mount["mountPropagation"] == "HostToContainer"
+    assert volume["hostPath"]["path"] == ("/run/nvidia/driver" if which == "overlays/driver-container" else "/")
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_the_agent_sees_the_host_s_processes(which: str) -> None:
+    # Before a GPU leaves the NVIDIA driver, every process holding it (on the host, in any pod) must be
+    # seen in the agent's /proc, which only the host's PID namespace shows (tests/test_vfio_holders.py).
+    objs = rendered(which)
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    s = effective_settings(objs)
+    assert s.sysfs_root.parent / "proc" == Path("/proc")  # the /proc the agent reads (agent.host.vfio.host)
 
 
 @pytest.mark.parametrize("which", EVERY)
