@@ -46,6 +46,14 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("associated-node:patch", "resource.k8s.io", "resourceclaims/driver",
                "write status.devices entries of this driver for claims on this node", namespaced=True,
                named="driver"),
+    # The same write as an update, for a claim whose opaque parameters the API server refuses every apply of
+    # (agent/health/statusupdate.py).
+    Permission("update", "resource.k8s.io", "resourceclaims/status",
+               "report the status.devices entries of a claim no server-side apply can change (update)",
+               namespaced=True),
+    Permission("associated-node:update", "resource.k8s.io", "resourceclaims/driver",
+               "write status.devices entries of this driver for claims on this node (update)", namespaced=True,
+               named="driver"),
     Permission("list", "resource.k8s.io", "devicetaintrules",
                "list the DeviceTaintRules an administrator made for this node's devices (dra-agent taints)"),
     # `dra-agent pool status` (agent/app/poolstatus.py): the agent itself never asks.
