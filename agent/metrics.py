@@ -182,6 +182,10 @@ class Metrics:
             "removed, unreadable records set aside", ["action"], registry=r)
         for action in RECOVERY_ACTIONS:
             self.recovery.labels(action)
+        self.records_quarantined = Counter(
+            PREFIX + "records_quarantined", "Unreadable claim records set aside as <uid>.rec.corrupt (the claim's "
+            "files removed, the claim no longer prepared), at start-up or while running; each is also a Warning "
+            "Event ClaimRecordQuarantined on the Node and a line of /readyz", registry=r)
         self.claims_garbage_collected = Counter(
             PREFIX + "claims_garbage_collected", "Prepared claims unprepared by garbage collection because "
             "their ResourceClaim was gone (deleted, or re-created with another UID) for longer than "

@@ -251,3 +251,43 @@ def test_metrics_address_setting():
     for bad in ("9477", "host:port", ":70000", "::1:9477"):
         with pytest.raises(ConfigError, match="--metrics-address"):
             build_settings({"metrics_address": bad})
+
+
+async def test_an_unreadable_record_is_counted_and_shown_by_readyz_offline(started, http, short_tmp, caplog):
+    """Set aside at start-up and while running: counted each time, named on /readyz (which stays ready),
+    and offline the log says that no Event is posted (there is no API server to hold one)."""
+    write_claim(roots(short_tmp).offline / "resourceclaims", claim("one", UID1, [result("gpu-0")]))
+    write_claim(roots(short_tmp).offline / "resourceclaims", claim("two", UID2, [result("gpu-1")]))
+    first = await started()
+    async with kc.DRAClient(first.settings.dra_socket) as client:
+        answer = await client.prepare([ClaimRef("default", "one", UID1), ClaimRef("default", "two", UID2)])
+    assert not answer.claims[UID1].error and not answer.claims[UID2].error
+    await first.stop()
+    records = first.settings.claims_state_dir
+    for uid in (UID1, UID2):
+        path = records / f"{uid}.rec"
+        path.write_bytes(path.read_bytes()[:-10])  # torn: the checksum no longer matches
+
+    agent = await started()
+    await asyncio.wait_for(agent.recovered.wait(), WAIT)
+    assert agent.http is not None
+    samples = await scrape(http, agent)
+    assert value(samples, "dra_agent_records_quarantined_total") == 2
+    assert value(samples, "dra_agent_recovery_actions_total", action="quarantined") == 2
+    ready = await http.get(f"{agent.http.url}/readyz")
+    line = next(x for x in ready.text.splitlines() if "claim-records" in x)
+    assert line.startswith("[+]claim-records ok: 2 unreadable claim records set aside since the start"), line
+    assert f"{records / UID1}.rec.corrupt" in line and f"{records / UID2}.rec.corrupt" in line
+    offline = [r.getMessage() for r in caplog.records if "no Event is posted" in r.getMessage()]
+    assert len(offline) == 2 and all("offline" in m for m in offline), offline
+
+    # While running: prepared again, its record torn, the next operation on it sets it aside.
+    async with kc.DRAClient(agent.settings.dra_socket) as client:
+        assert not (await client.prepare([ClaimRef("default", "one", UID1)])).claims[UID1].error
+        path = records / f"{UID1}.rec"
+        path.write_bytes(b"DRAREC 1 0 0\n")
+        assert (await client.unprepare([ClaimRef("default", "one", UID1)])).claims[UID1].error == ""
+    samples = await scrape(http, agent)
+    assert value(samples, "dra_agent_records_quarantined_total") == 3
+    assert value(samples, "dra_agent_recovery_actions_total", action="quarantined") == 2  # start-up only
+    assert "3 unreadable claim records" in (await http.get(f"{agent.http.url}/readyz")).text

@@ -70,6 +70,7 @@ class DevicesView:
     taints: Mapping[tuple[str, str], int]  # (cause kind, effect) -> taints published now
     prepared_claims: int
     health_watchers: int
+    quarantined: tuple[str, ...] = ()  # unreadable claim records set aside since the start (their paths)
 
 
 class Observed(Protocol):
@@ -128,7 +129,20 @@ async def readyz(agent: Observed) -> list[Check]:
                 f": {publish.failures} failed attempts, the last: {publish.last_error})" if publish.failures
                 else ")")
         slices_check = Check("slices", True, detail)
-    return [registration, slices_check]
+    return [registration, slices_check, _records(agent.devices_view().quarantined)]
+
+
+QUARANTINED_SHOWN = 3
+
+
+def _records(quarantined: tuple[str, ...]) -> Check:
+    """Unreadable claim records set aside: shown, never a reason to be unready (the agent serves every other
+    claim, and readiness failing would not bring the record back)."""
+    if not quarantined:
+        return Check("claim-records", True, "every claim record read is readable")
+    shown = ", ".join(quarantined[-QUARANTINED_SHOWN:]) + (" ..." if len(quarantined) > QUARANTINED_SHOWN else "")
+    return Check("claim-records", True, f"{len(quarantined)} unreadable claim records set aside since the start "
+                 f"(their claims are no longer prepared here; Events ClaimRecordQuarantined on the Node): {shown}")
 
 
 def metrics_state(agent: Observed) -> AgentState:
