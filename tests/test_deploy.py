@@ -368,7 +368,7 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
         http = _http_clients(tree)
         parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
 
-        def record(where: str, method: str, call: ast.Call) -> None:
+        def record(where: str, method: str, call: ast.Call, classes: dict[str, type] = classes) -> None:
             named: set[type] = set()
             for arg in [*call.args, *(k.value for k in call.keywords)]:
                 for sub in ast.walk(arg):
