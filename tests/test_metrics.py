@@ -123,6 +123,17 @@ async def test_metrics_after_prepare_and_probes(started, http):
     assert value(samples, "dra_agent_claim_operation_duration_seconds_count", operation="prepare") == 2
     assert value(samples, "dra_agent_claim_operations_in_flight", operation="prepare") == 0
     assert value(samples, "dra_agent_prepared_claims") == 1
+    assert value(samples, "dra_agent_prepared_devices") == 1
+    # The DRA socket's calls in go-grpc-prometheus's names: three prepare calls (/healthz's empty one, and two
+    # claims': a claim's error is in the answer, the call is OK), the health stream open.
+    dra = {"grpc_type": "unary", "grpc_service": "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin",
+           "grpc_method": "NodePrepareResources"}
+    assert value(samples, "grpc_server_started_total", **dra) == 3
+    assert value(samples, "grpc_server_handled_total", **dra, grpc_code="OK") == 3
+    assert value(samples, "grpc_server_handling_seconds_count", **dra) == 3
+    stream = {"grpc_type": "server_stream", "grpc_service": "v1.DRAResourceHealth", "grpc_method": "NodeWatchResources"}
+    assert value(samples, "grpc_server_started_total", **stream) == 1
+    assert ("grpc_server_handled_total", tuple(sorted({**stream, "grpc_code": "Canceled"}.items()))) not in samples
     assert value(samples, "dra_agent_devices", kind="gpu", health="HEALTHY") == 8
     assert value(samples, "dra_agent_devices", kind="gpu", health="UNHEALTHY") == 0
     assert value(samples, "dra_agent_discovery_scans_total", kind="gpu", result="success") >= 1
@@ -144,8 +155,11 @@ async def test_metrics_after_prepare_and_probes(started, http):
         await client.unprepare([ClaimRef("default", "one", UID1)])
     samples = await scrape(http, agent)
     assert value(samples, "dra_agent_claim_operations_total", operation="unprepare", result="success") == 1
-    assert value(samples, "dra_agent_prepared_claims") == 0
+    assert value(samples, "dra_agent_prepared_claims") == 0 and value(samples, "dra_agent_prepared_devices") == 0
     assert value(samples, "dra_agent_health_watchers") == 0
+    assert value(samples, "grpc_server_handled_total", **stream, grpc_code="Canceled") == 1  # the kubelet hung up
+    assert value(samples, "grpc_server_handled_total", grpc_type="unary", grpc_code="OK",
+                 grpc_service="k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin", grpc_method="NodeUnprepareResources") == 1
 
 
 async def test_recovery_counts_what_the_start_removed(started, http, short_tmp):

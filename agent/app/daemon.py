@@ -378,13 +378,14 @@ class Agent:
         from agent.app.probes import DevicesView
 
         snapshot = self.inventory.snapshot()
+        engine = self._running.engine if self._running is not None else None
         return DevicesView(health=tuple((h.device, h.status) for h in self.tracker.current()),
                            kinds={name: d.kind for name, d in snapshot.devices.items()},
                            failing_sources=tuple(f.kind for f in snapshot.failing_sources),
                            taints=self.health.conditions.taint_counts(),
-                           prepared_claims=len(self._running.engine.book) if self._running is not None else 0,
-                           health_watchers=self.tracker.watchers,
-                           quarantined=tuple(self._running.engine.quarantined) if self._running is not None else ())
+                           health_watchers=self.tracker.watchers, prepared_claims=len(engine.book) if engine else 0,
+                           prepared_devices=engine.book.device_count() if engine else 0,
+                           quarantined=tuple(engine.quarantined) if engine else ())
 
 
 async def open_registration(settings: Settings, servers: Servers | None = None) -> Servers:

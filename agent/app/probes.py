@@ -70,6 +70,7 @@ class DevicesView:
     taints: Mapping[tuple[str, str], int]  # (cause kind, effect) -> taints published now
     prepared_claims: int
     health_watchers: int
+    prepared_devices: int = 0  # the devices of the claims prepared, one per allocation result
     quarantined: tuple[str, ...] = ()  # unreadable claim records set aside since the start (their paths)
 
 
@@ -150,7 +151,8 @@ def metrics_state(agent: Observed) -> AgentState:
     # A device that failed is known by name only; the names start with the kind (gpu-3, nic-...).
     devices = collections.Counter((d.kinds.get(name) or name.split("-", 1)[0], status) for name, status in d.health)
     state = AgentState(devices=dict(devices), failing_sources=list(d.failing_sources), taints=dict(d.taints),
-                       prepared_claims=d.prepared_claims, health_watchers=d.health_watchers)
+                       prepared_claims=d.prepared_claims, prepared_devices=d.prepared_devices,
+                       health_watchers=d.health_watchers)
     state.registered = agent.sockets_view().registered
     if (publish := agent.publish_view()) is not None:
         state.publish_up_to_date = publish.up_to_date

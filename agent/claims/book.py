@@ -89,6 +89,7 @@ class ClaimBook:
         self._recent: collections.OrderedDict[str, tuple[ClaimRecord, RecordStamp]] = collections.OrderedDict()
         self._recent_max = recent
         self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
+        self._devices = 0  # the devices of every claim known, one per allocation result
 
     def records(self) -> dict[str, ClaimSummary]:
         """The prepared claims this agent has seen (a copy)."""
@@ -97,6 +98,10 @@ class ClaimBook:
 
     def __len__(self) -> int:
         return len(self._summaries)
+
+    def device_count(self) -> int:
+        """The devices of the claims known, one per allocation result (for the metrics)."""
+        return self._devices
 
     def record_of(self, uid: str) -> ClaimSummary | None:
         """The summary held for `uid` (no disk access)."""
@@ -174,8 +179,10 @@ class ClaimBook:
                 self._recent.popitem(last=False)
             for d in summary.devices:
                 self._device_claims.setdefault(d.device, set()).add(record.uid)
+            self._devices += len(summary.devices)
 
     def _unindex(self, summary: ClaimSummary) -> None:
+        self._devices -= len(summary.devices)
         for d in summary.devices:
             owners = self._device_claims.get(d.device)
             if owners is not None:
