@@ -147,6 +147,40 @@ def read_offline_node(directory: Path, name: str) -> NodeInfo:
                     declared_features=frozenset(str(f) for f in features))
 
 
+# -- requests outside lightkube's models --------------------------------------------------------------
+
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+_HTTP_METHODS = {"get": "GET", "replace": "PUT"}  # named as lightkube's client methods (and the RBAC test)
+
+
+async def raw_call(client: lightkube.AsyncClient, method: str, resource: type[Any], name: str, namespace: str, *,
+                   accept: str = "application/json", body: bytes | None = None) -> bytes:
+    """One request for a namespaced object of `resource` (a lightkube resource class, a subresource's
+    too) whose body is bytes, not a model: an answer in protobuf, a body whose raw fields must reach the
+    API server exactly as given. Through the client's own connection (its server, credentials, timeout).
+    Raises as the client's calls do: `ApiError` for a JSON error answer, `httpx2.HTTPStatusError` for any
+    other, `httpx2.TransportError` when no answer came."""
+    from lightkube.core.resource import api_info
+
+    info = api_info(resource)
+    base = info.parent or info.resource
+    prefix = f"/apis/{base.group}/{base.version}" if base.group else f"/api/{base.version}"
+    path = f"{prefix}/namespaces/{namespace}/{info.plural}/{name}" + (f"/{info.action}" if info.action else "")
+    headers = {"Accept": accept}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    # lightkube has no public call for a body that is not a model; its HTTP client is the one its calls use.
+    http: httpx2.AsyncClient = client._client._client
+    response = await http.request(_HTTP_METHODS[method], path, content=body, headers=headers)
+    try:
+        response.raise_for_status()
+    except httpx2.HTTPStatusError as exc:
+        if response.headers.get("Content-Type") == "application/json":  # a Status, as lightkube's calls read it
+            raise ApiError(request=exc.request, response=response) from exc
+        raise
+    return response.content
+
+
 # -- errors -------------------------------------------------------------------------------------
 
 def status_code(exc: BaseException) -> int | None:

@@ -50,6 +50,9 @@ class AllocatedDevice:
     made: DevicePartition | None = None
     # The CPUs a share of a CPU device got at prepare (`agent.claims.cpuset`); () for anything else.
     cpus: tuple[int, ...] = ()
+    # The result's `adminAccess`: the device as it is, shared with whoever holds it (monitoring), never
+    # reconfigured and never checked for exclusivity (`agent.engine.claimops`).
+    admin_access: bool = False
 
     @property
     def cpuset(self) -> tuple[int, ...]:

@@ -59,7 +59,7 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
             first_of_request.add(base)
             ids.append(cdispecs.metadata_device_id(vendor, ref.uid, base))
         devices.append(PreparedDevice(request=a.request, pool=a.pool, device=a.device.name,
-                                      cdi_device_ids=tuple(ids), share_id=a.share_id))
+                                      cdi_device_ids=tuple(ids), share_id=a.share_id, admin_access=a.admin_access))
     for base, allocs in metadata.group_by_base_request(alloc.devices).items():
         host = metadata.host_file(s.metadata_dir, ref.uid, base)
         content = metadata.render(driver=s.driver_name, namespace=ref.namespace, name=ref.name,

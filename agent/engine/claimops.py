@@ -16,6 +16,7 @@ Order of side effects, so that a crash at any point leaves all or nothing (start
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -120,7 +121,8 @@ def plan_claim(engine: ClaimEngine, alloc: Allocation, bindings: list[DeviceBind
     """Every file of the prepared claim with its content, and the kubelet response
     (`agent.claims.plan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
     in their facts (`Passthrough.devices`)."""
-    if unbound := {a.device.name for a in alloc.devices if a.device.kind.passthrough} - {b.device for b in bindings}:
+    if unbound := {a.device.name for a in alloc.devices if a.device.kind.passthrough and not a.admin_access} \
+            - {b.device for b in bindings}:
         raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
     return plan_record(engine.settings, engine.toolkit, alloc, 1, bindings)
 
@@ -131,14 +133,16 @@ def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
         # Published ahead of their prepare path: refused before any side effect.
         raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
                             f"(it prepares {', '.join(preparable_kinds())} devices)")
-    effects.check(alloc.ref.uid, alloc.devices)
+    # Admin access (monitoring) gets a device as it is, beside whoever holds it: no exclusivity check and no
+    # host side effect (no vfio-pci binding, MIG instance or mediated device made), as the API defines it.
+    effects.check(alloc.ref.uid, [a for a in alloc.devices if not a.admin_access])
     alloc.devices = _with_cpus(engine, alloc)
     for a in alloc.devices:
         for node in a.device.device_nodes:
             if not os.path.exists(node.host_path):
                 raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                     f"on the host ({node.host_path})")
-    intent = effects.intent(alloc)
+    intent = effects.intent(dataclasses.replace(alloc, devices=[a for a in alloc.devices if not a.admin_access]))
     if intent is not None:
         # The intent first: from here on a crash leaves a record that recovery rolls back.
         record = effects.make(alloc, intent, lambda a, b: plan_claim(engine, a, b), engine.files)

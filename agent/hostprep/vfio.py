@@ -133,7 +133,7 @@ class Passthrough:
             if same_claim:
                 raise FormConflict(f"devices {dev.name} and {', '.join(sorted(same_claim))} are two forms of PCI "
                                    f"function {bus}: a claim can have only one")
-            for other_uid in self.book.claims_holding(others):
+            for other_uid in self.book.claims_holding(others, exclusive=True):
                 if other_uid == uid:
                     continue
                 other = self.book.record_of(other_uid)
