@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NODE_ALLOCATABLE_FEATURE = "DRANodeAllocatableResources"
+# A 1.37 kubelet declares DRAOptionalNodeOperations (it can skip calls for the devices of a slice that says
+# so; the scheduler puts a claim of such devices only on a node that declares it). It does not declare
+# DRAListTypeAttributes, a gate of the API server and the scheduler alone: a Node lists it only where its
+# status was written so (`--numa-node-list true` is how a real cluster says it).
+LIST_ATTRIBUTES_FEATURE = "DRAListTypeAttributes"
+OPTIONAL_NODE_OPERATIONS_FEATURE = "DRAOptionalNodeOperations"
 FIELD_MANAGER = "dra-agent"
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"  # where a pod finds its service account
 
@@ -50,6 +56,16 @@ class NodeInfo:
     def node_allocatable(self) -> bool:
         """Whether the API server will accept node-allocatable fields in our slices."""
         return NODE_ALLOCATABLE_FEATURE in self.declared_features
+
+    @property
+    def list_attributes(self) -> bool:
+        """Whether the Node says list-valued attributes are taken (`--numa-node-list auto`)."""
+        return LIST_ATTRIBUTES_FEATURE in self.declared_features
+
+    @property
+    def optional_node_operations(self) -> bool:
+        """Whether the kubelet can skip prepare for the devices of a slice that says so."""
+        return OPTIONAL_NODE_OPERATIONS_FEATURE in self.declared_features
 
 
 # -- connecting ---------------------------------------------------------------------------------
@@ -148,6 +164,40 @@ def read_offline_node(directory: Path, name: str) -> NodeInfo:
                     declared_features=frozenset(str(f) for f in features))
 
 
+# -- requests outside lightkube's models --------------------------------------------------------------
+
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+_HTTP_METHODS = {"get": "GET", "replace": "PUT"}  # named as lightkube's client methods (and the RBAC test)
+
+
+async def raw_call(client: lightkube.AsyncClient, method: str, resource: type[Any], name: str, namespace: str, *,
+                   accept: str = "application/json", body: bytes | None = None) -> bytes:
+    """One request for a namespaced object of `resource` (a lightkube resource class, a subresource's
+    too) whose body is bytes, not a model: an answer in protobuf, a body whose raw fields must reach the
+    API server exactly as given. Through the client's own connection (its server, credentials, timeout).
+    Raises as the client's calls do: `ApiError` for a JSON error answer, `httpx2.HTTPStatusError` for any
+    other, `httpx2.TransportError` when no answer came."""
+    from lightkube.core.resource import api_info
+
+    info = api_info(resource)
+    base = info.parent or info.resource
+    prefix = f"/apis/{base.group}/{base.version}" if base.group else f"/api/{base.version}"
+    path = f"{prefix}/namespaces/{namespace}/{info.plural}/{name}" + (f"/{info.action}" if info.action else "")
+    headers = {"Accept": accept}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    # lightkube has no public call for a body that is not a model; its HTTP client is the one its calls use.
+    http: httpx2.AsyncClient = client._client._client
+    response = await http.request(_HTTP_METHODS[method], path, content=body, headers=headers)
+    try:
+        response.raise_for_status()
+    except httpx2.HTTPStatusError as exc:
+        if response.headers.get("Content-Type") == "application/json":  # a Status, as lightkube's calls read it
+            raise ApiError(request=exc.request, response=response) from exc
+        raise
+    return response.content
+
+
 # -- errors -------------------------------------------------------------------------------------
 
 def _loaded(module: str, name: str) -> type[BaseException] | tuple[()]:
@@ -166,6 +216,12 @@ def status_code(exc: BaseException) -> int | None:
     if isinstance(exc, _loaded("httpx2", "HTTPStatusError")):
         return cast("httpx2.HTTPStatusError", exc).response.status_code
     return None
+
+
+def status_cause_fields(exc: BaseException) -> list[str]:
+    """The fields the API server's answer blames (`status.details.causes[].field` of a 422)."""
+    details = exc.status.details if isinstance(exc, ApiError) and exc.status is not None else None
+    return [c.field for c in (details.causes or []) if c.field] if details is not None else []
 
 
 def is_retryable(exc: BaseException) -> bool:

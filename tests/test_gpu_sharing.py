@@ -18,7 +18,7 @@ from handshakes import paused
 from kubeapi import RESOURCE_SLICES, KubeApi
 
 from agent import apirules, failpoints, quantity
-from agent.app.assembly import set_node_allocatable
+from agent.app.assembly import set_node_features
 from agent.claims import metadata
 from agent.claims import plan as claimplan
 from agent.config import NvmlMode, Settings
@@ -86,9 +86,9 @@ def test_overhead_only_when_the_node_declares_the_feature(tmp_path: Path) -> Non
                        dynamic_mig=True, sharing=True, host_memory_overhead=300 * (1 << 20))
     inventory = Inventory([source])
     # The daemon's switch, as for CPU and memory devices: only a Node that declares the feature.
-    set_node_allocatable(inventory, NodeInfo(NODE, declared_features=frozenset({"SomethingElse"})))
+    set_node_features(inventory, NodeInfo(NODE, declared_features=frozenset({"SomethingElse"})))
     assert source.node_allocatable is False
-    set_node_allocatable(inventory, NodeInfo(NODE, declared_features=frozenset({NODE_ALLOCATABLE_FEATURE})))
+    set_node_features(inventory, NodeInfo(NODE, declared_features=frozenset({NODE_ALLOCATABLE_FEATURE})))
     source.open()
     try:
         devices = source.scan().devices

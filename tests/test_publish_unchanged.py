@@ -14,7 +14,7 @@ import pytest
 from agentkit import DRIVER, NODE, roots
 from kubeapi import RESOURCE_SLICES, KubeApi
 
-from agent.app.assembly import PublishedForm, build_sources, set_node_allocatable
+from agent.app.assembly import PublishedForm, build_sources, set_node_features
 from agent.inventory import Inventory
 from agent.inventory.nics import NicSource
 from agent.kinds import Kind
@@ -36,7 +36,7 @@ async def make_run_inventory(tmp: Path, node: NodeInfo) -> AsyncIterator[Invento
     inventory = Inventory(build_sources(settings), refine=PublishedForm())
     inventory.open()
     try:
-        set_node_allocatable(inventory, node)
+        set_node_features(inventory, node)
         await inventory.scan()
         yield inventory
     finally:

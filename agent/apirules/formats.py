@@ -99,7 +99,7 @@ def label_value_errors(value: str) -> list[str]:
 
 
 def attribute_value_errors(value: AttrValue) -> list[str]:
-    from agent.model import Version
+    from agent.model import IntList, Version
 
     if isinstance(value, bool):
         return []
@@ -109,6 +109,12 @@ def attribute_value_errors(value: AttrValue) -> list[str]:
         return []
     if isinstance(value, Version):
         return semver_errors(value.value)
+    if isinstance(value, IntList):
+        if not value.values:
+            return ["ints must not be empty"]
+        if not all(type(v) is int and -(2**63) <= v < 2**63 for v in value.values):
+            return ["ints must be 64-bit integers"]
+        return []
     if isinstance(value, str):
         if len(value) > MAX_VALUE_LENGTH:
             return [f"string must be no more than {MAX_VALUE_LENGTH} characters (is {len(value)})"]

@@ -10,6 +10,7 @@
     dra-agent taints [-o table|json]   the device taints the agent holds; `taints clear DEVICE`
     dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE   drive the simulated GPUs
     dra-agent vfio status              what the agent bound to vfio-pci
+    dra-agent pool status [-o text|json]   this node's pool as the cluster sees it, beside the node's view
     dra-agent help settings            every setting (flag and environment variable)
 
 Every command accepts the same settings as `run` (flags or environment variables); its `--help`
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 # Each command imports what it needs when it runs: `dra-agent kubelet info` and `dra-agent claims`
 # are commands a person waits for, and the agent's full set of modules takes most of a second
 # to import on a small node.
-_LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor", "vfio", "help"}
+_LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor", "vfio", "pool", "help"}
 
 SIGPIPE_STATUS = 128 + 13  # what a shell reports for a command killed by SIGPIPE
 
@@ -53,6 +54,7 @@ SHOWN: dict[str, Collection[str] | None] = {
     "kubelet unprepare": (*KUBELET, "offline", "kubeconfig", "state_dir"),
     "cdi validate": ("cdi_dir", "static_cdi_dir"),
     "doctor": ("kubelet_dir", "state_dir", "cdi_dir", "metrics_address", "offline", "kubeconfig"),
+    "pool status": (*DISCOVERY, "driver_name"),
     "taints": ("state_dir", "driver_name"),
     "taints clear": ("state_dir", "nvml", "node_name"),
     "sim": ("nvml", "state_dir"),
@@ -157,6 +159,15 @@ def parser(words: Sequence[str] | None = None) -> Parser:
               "with each function's driver now; exit 1 when one is not bound as its record says",
               _command("cmd_vfio"), "vfio status")
     sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
+
+    psub = sub.add_parser("pool", help="this node's pool").add_subparsers(dest="action", required=True,
+                                                                         metavar="ACTION")
+    sp = leaf(psub, "status", "this node's pool as the cluster sees it (a ResourcePoolStatusRequest) beside the "
+              "node's own view (prepared claims, taints, free devices); exit 1 without a cluster view",
+              _command("cmd_pool"), "pool status")
+    sp.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="how long to wait for the cluster's answer (default: 30)")
 
     ksub = sub.add_parser("kubelet", help="call the running agent like the kubelet does").add_subparsers(
         dest="action", required=True, metavar="ACTION")

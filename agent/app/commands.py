@@ -83,6 +83,14 @@ def cmd_vfio(args: argparse.Namespace, settings: config.Settings) -> int:
     return 1 if problems or not all(b.consistent for b in bound) else 0
 
 
+def cmd_pool(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent.app import poolstatus
+
+    text, status = poolstatus.run(settings, args.output, args.timeout)
+    print(text)
+    return status
+
+
 def cmd_slices(args: argparse.Namespace, settings: config.Settings) -> int:
     from agent.app import oneshot
 

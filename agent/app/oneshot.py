@@ -6,22 +6,22 @@ import asyncio
 import logging
 from typing import Any
 
-from agent.app.assembly import PublishedForm, build_sources, set_node_allocatable
+from agent.app.assembly import PublishedForm, build_sources, set_node_features
 from agent.app.connection import Connection, StartupError, connect
 from agent.config import Settings
 from agent.inventory import Inventory
 from agent.kube import NodeInfo
 from agent.model import Device
-from agent.publish import slices
+from agent.publish import dropped, slices
 
 log = logging.getLogger(__name__)
 
 
 async def _inventory_once(settings: Settings, node: NodeInfo | None) -> Inventory:
-    inventory = Inventory(build_sources(settings), refine=PublishedForm())
+    inventory = Inventory(build_sources(settings), refine=PublishedForm(settings))
     await asyncio.to_thread(inventory.open)
     try:
-        set_node_allocatable(inventory, node)
+        set_node_features(inventory, node, settings)
         await inventory.scan()
     finally:
         await asyncio.to_thread(inventory.close)
@@ -53,7 +53,8 @@ async def render_slices(settings: Settings) -> list[dict[str, Any]]:
     inventory = await _inventory_once(settings, node)
     owner = slices.NodeRef(name=node.name, uid=node.uid) if node.uid else None
     return slices.build_slices(inventory.devices(), driver=settings.driver_name, node=settings.node_name,
-                               owner=owner, compatibility_groups=settings.compatibility_groups)
+                               owner=owner, compatibility_groups=settings.compatibility_groups,
+                               layout=dropped.layout(settings, node))
 
 
 async def fetch_claim(settings: Settings, namespace: str, name: str) -> dict[str, Any]:

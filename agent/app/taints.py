@@ -2,8 +2,9 @@
 
 The agent saves its current causes to `<state dir>/health/causes.json` on every change
 (`agent.health.conditions`); listing reads that file, so it works without a socket and shows the
-cause and age of each taint. Clearing is a request the running agent applies
-(`agent.health.requests`).
+cause and age of each taint. Where a cluster is configured, the DeviceTaintRules that select this
+node's devices are listed too (`agent.health.taintrules`): an administrator's taints, which the agent
+does not clear. Clearing is a request the running agent applies (`agent.health.requests`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import difflib
 import logging
 import sys
@@ -18,10 +20,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agent import kube
 from agent.app.output import dump, table
 from agent.config import Settings
 from agent.health.conditions import Cause, read_saved
 from agent.health.requests import CLEAR_WAIT, health_dir, read_result, submit_clear
+from agent.health.taintrules import EVERY_DEVICE, RuleTaint, read_rule_taints
 from agent.names import InvalidName, check_device_name
 
 log = logging.getLogger(__name__)
@@ -36,12 +40,46 @@ def _age(seconds: float) -> str:
     return f"{whole}s"
 
 
-def _rows(settings: Settings, causes: list[Cause], now: float) -> list[dict[str, Any]]:
+def _rows(settings: Settings, causes: list[Cause], rules: list[RuleTaint], now: float) -> list[dict[str, Any]]:
     rows = []
     for c in causes:
         rows.append({"device": c.device, "key": f"{settings.driver_name}/{c.kind}", "value": c.value,
-                     "effect": c.effect, "cause": c.detail, "since": c.since, "age": _age(now - c.since)})
+                     "effect": c.effect, "cause": c.detail, "since": c.since, "age": _age(now - c.since),
+                     "source": "agent"})
+    for r in rules:
+        since = _seconds(r.time_added)
+        rows.append({"device": r.device, "key": r.key, "value": r.value, "effect": r.effect,
+                     "cause": _by_rule(r),
+                     "since": since, "age": "" if since is None else _age(now - since),
+                     "source": "DeviceTaintRule", "rule": r.rule})
     return rows
+
+
+def _by_rule(r: RuleTaint) -> str:
+    return f"DeviceTaintRule {r.rule} (an administrator's: the agent does not clear it)"
+
+
+def _seconds(rfc3339: str) -> float | None:
+    try:
+        return datetime.datetime.fromisoformat(rfc3339).timestamp()
+    except ValueError:
+        return None
+
+
+async def _rule_taints(settings: Settings) -> tuple[list[RuleTaint], str]:
+    """The DeviceTaintRules selecting this node's devices of our driver, and why they could not be
+    read ("" when they were). No cluster configured: none, and nothing to say."""
+    if settings.offline is not None:
+        return [], ""
+    client, _ = await kube.connect(settings)
+    if client is None:
+        return [], ""
+    try:
+        return await read_rule_taints(client, settings.driver_name, settings.node_name), ""
+    except Exception as exc:
+        return [], kube.describe(exc)
+    finally:
+        await client.close()
 
 
 def cmd_taints(args: argparse.Namespace, settings: Settings) -> int:
@@ -54,7 +92,10 @@ def cmd_taints(args: argparse.Namespace, settings: Settings) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"dra-agent: cannot read {health_dir(settings) / 'causes.json'}: {exc}", file=sys.stderr)
         return 1
-    rows = _rows(settings, causes, time.time())
+    rules, unread = asyncio.run(_rule_taints(settings))
+    if unread:
+        print(f"dra-agent: DeviceTaintRules not read: {unread}", file=sys.stderr)
+    rows = _rows(settings, causes, rules, time.time())
     if args.output == "json":
         print(dump(rows, "json"))
     else:
@@ -93,7 +134,10 @@ def _clear(settings: Settings, device: str) -> int:
         said = f"cleared the XID taints of {device}: {'; '.join(cleared)}"
     else:
         said = f"{device} had no XID taint: nothing cleared"
-    print(said + (f"; still tainted by: {'; '.join(c.detail for c in left)}" if left else ""))
+    still = [c.detail for c in left]
+    rules, _ = asyncio.run(_rule_taints(settings))
+    still += [_by_rule(r) for r in rules if r.device in (device, EVERY_DEVICE)]
+    print(said + (f"; still tainted by: {'; '.join(still)}" if still else ""))
     return 0
 
 

@@ -69,6 +69,15 @@ class PrepareResult:
     error: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """An unreadable claim record, set aside (`current_or_purge`)."""
+
+    uid: str
+    path: str  # where it lies now (`<uid>.rec.corrupt`)
+    reason: str  # why it could not be read
+
+
 class ClaimListener(Protocol):
     """Told, on the event loop, after a claim operation has succeeded (the record is durable).
     Listeners must not block or raise: they queue their own work (the claim status writer)."""
@@ -106,7 +115,9 @@ class PrepareEngine:
                            MigModeMarks(settings.state_dir / "mig-mode")),
             VgpuPartitioner(self.passthrough.host),
         ])
-        self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
+        self.quarantines: list[Quarantined] = []  # unreadable records set aside (`*.corrupt`), for reports
+        # Told of each, from the worker thread that set it aside (the daemon: an Event on the Node).
+        self.on_quarantine: Callable[[Quarantined], None] | None = None
         self.listeners: list[ClaimListener] = []
         # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is
         # answered once per claim source (tests and tools may swap the source).
@@ -115,6 +126,11 @@ class PrepareEngine:
         # Records listed at start-up but not yet checked (`agent.engine.recovery`): any operation on one of
         # these claims runs the check first, under the claim's lock, and never serves the record unchecked.
         self.deferred = DeferredChecks()
+
+    @property
+    def quarantined(self) -> list[str]:
+        """Where the records set aside since the start lie."""
+        return [q.path for q in self.quarantines]
 
     @property
     def records(self) -> dict[str, ClaimSummary]:
@@ -292,6 +308,13 @@ class PrepareEngine:
         except RecordError as exc:
             log.error("claim record of %s is unreadable (%s): setting it aside, removing its files", uid, exc)
             self.book.forget(uid)
-            self.quarantined.append(str(self.store.quarantine(self.store.path(uid).name)))
+            found = Quarantined(uid, str(self.store.quarantine(self.store.path(uid).name)), str(exc))
+            self.quarantines.append(found)
+            self.metrics.records_quarantined.inc()
             self.files.remove_claim_files(uid)
+            if (tell := self.on_quarantine) is not None:
+                try:
+                    tell(found)
+                except Exception:
+                    log.exception("reporting the unreadable record of claim %s failed", uid)
             return None

@@ -45,6 +45,7 @@ from agent.pb import (
 if TYPE_CHECKING:  # the registration server starts before the engine's modules are imported
     from agent.engine.prepare import PrepareEngine
     from agent.kubelet.health import HealthTracker
+    from agent.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,17 @@ class _DRA:
         self.engine = engine
         self.pb = pb
         self.with_share_id = with_share_id
+        self.service = pb.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
 
     async def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        with self.engine.metrics.grpc_call("unary", self.service, "NodePrepareResources"):
+            return await self._prepare(request)
+
+    async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        with self.engine.metrics.grpc_call("unary", self.service, "NodeUnprepareResources"):
+            return await self._unprepare(request)
+
+    async def _prepare(self, request: Any) -> Any:
         refs = _refs(request)
         response = self.pb.NodePrepareResourcesResponse()
         try:
@@ -82,7 +92,7 @@ class _DRA:
                     dev.share_id = d.share_id
         return response
 
-    async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+    async def _unprepare(self, request: Any) -> Any:
         refs = _refs(request)
         response = self.pb.NodeUnprepareResourcesResponse()
         try:
@@ -106,32 +116,35 @@ class DRAv1beta1(_DRA, dra_v1beta1_pb2_grpc.DRAPluginServicer):
 
 
 class _Health:
-    def __init__(self, tracker: HealthTracker, pb: Any) -> None:
+    def __init__(self, tracker: HealthTracker, pb: Any, metrics: Metrics) -> None:
         self.tracker = tracker
         self.pb = pb
+        self.metrics = metrics
+        self.service = pb.DESCRIPTOR.services_by_name["DRAResourceHealth"].full_name
 
     async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
         from agent.kubelet.health import HEALTHY, UNHEALTHY, UNKNOWN
 
         status = {HEALTHY: self.pb.HEALTHY, UNHEALTHY: self.pb.UNHEALTHY, UNKNOWN: self.pb.UNKNOWN}
-        async for devices in self.tracker.watch():
-            now = int(time.time())
-            yield self.pb.NodeWatchResourcesResponse(devices=[
-                self.pb.DeviceHealth(
-                    device=self.pb.DeviceIdentifier(pool_name=self.tracker.pool, device_name=d.device),
-                    health=status.get(d.status, self.pb.UNKNOWN), last_updated_time=now,
-                    health_check_timeout_seconds=self.tracker.timeout_seconds, message=d.message)
-                for d in devices])
+        with self.metrics.grpc_call("server_stream", self.service, "NodeWatchResources"):
+            async for devices in self.tracker.watch():
+                now = int(time.time())
+                yield self.pb.NodeWatchResourcesResponse(devices=[
+                    self.pb.DeviceHealth(
+                        device=self.pb.DeviceIdentifier(pool_name=self.tracker.pool, device_name=d.device),
+                        health=status.get(d.status, self.pb.UNKNOWN), last_updated_time=now,
+                        health_check_timeout_seconds=self.tracker.timeout_seconds, message=d.message)
+                    for d in devices])
 
 
 class Healthv1(_Health, health_v1_pb2_grpc.DRAResourceHealthServicer):
-    def __init__(self, tracker: HealthTracker) -> None:
-        super().__init__(tracker, health_v1_pb2)
+    def __init__(self, tracker: HealthTracker, metrics: Metrics) -> None:
+        super().__init__(tracker, health_v1_pb2, metrics)
 
 
 class Healthv1alpha1(_Health, health_v1alpha1_pb2_grpc.DRAResourceHealthServicer):
-    def __init__(self, tracker: HealthTracker) -> None:
-        super().__init__(tracker, health_v1alpha1_pb2)
+    def __init__(self, tracker: HealthTracker, metrics: Metrics) -> None:
+        super().__init__(tracker, health_v1alpha1_pb2, metrics)
 
 
 async def _start(server: grpc.aio.Server, path: Path) -> sockets.SocketIdentity:
@@ -183,7 +196,8 @@ class Servers:
             raise RuntimeError("registration lists the health service: it needs a health tracker" if self.health
                                else "registration does not list the health service: it must not be served")
         self._dra_servicers = (DRAv1(engine), DRAv1beta1(engine))
-        self._health_servicers = None if tracker is None else (Healthv1(tracker), Healthv1alpha1(tracker))
+        self._health_servicers = None if tracker is None else (Healthv1(tracker, engine.metrics),
+                                                               Healthv1alpha1(tracker, engine.metrics))
         self.dra = self._new_dra()
 
     @property

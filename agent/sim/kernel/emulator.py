@@ -41,6 +41,9 @@ devices. That last refusal is stricter than Linux, which
 lets the bind succeed and makes the group unusable (not viable) when QEMU opens it: the emulator
 surfaces the same mistake at the step that caused it.
 
+An unbind of a GPU from nvidia waits while the GPU is open, as the NVIDIA driver's does
+(`agent.sim.kernel.opengpus`).
+
 Every command file is emptied after its write is applied (the kernel's read back empty). Tests make
 it slow (`delay` seconds before each write) or make a given write fail (`fail`).
 """
@@ -58,6 +61,7 @@ from pathlib import Path
 from agent.inotify import IN_CLOSE_WRITE, Event, WatchThread
 from agent.sim.hardware import SimFunction, sim_functions, sync_net
 from agent.sim.kernel import mdev
+from agent.sim.kernel.opengpus import OpenGpus
 from agent.sim.kernel.tree import COMMAND_FILES, NO_OVERRIDE, VFIO_PCI, SimTree
 from agent.sim.profiles import SimProfile
 
@@ -121,6 +125,8 @@ class KernelEmulator:
         self._refusals: list[Refusal] = []
         self._lock = threading.Lock()  # one write at a time, as the kernel's device lock makes them
         self._watch: WatchThread | None = None
+        self._open_gpus = OpenGpus(self.tree, {g.bus_id: g.minor for g in profile.gpus}, self._lock,
+                                   lambda bdf: self._detach(bdf, mdev.NVIDIA_HOST_DRIVER))
 
     # -- control ---------------------------------------------------------------------------------
 
@@ -150,6 +156,7 @@ class KernelEmulator:
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.stop()
+        self._open_gpus.stop()
 
     def __enter__(self) -> KernelEmulator:
         self.start()
@@ -289,6 +296,11 @@ class KernelEmulator:
             # emulator shows the mistake at the write that makes it.
             self._refuse(WriteKind.UNBIND, bdf, driver, f"it has mediated devices {', '.join(sorted(children))}")
             return
+        if driver == mdev.NVIDIA_HOST_DRIVER and self._open_gpus.wait_for_close(bdf):
+            return  # carried out by the waiter, once the GPU is closed
+        self._detach(bdf, driver)
+
+    def _detach(self, bdf: str, driver: str) -> None:
         # The driver's remove runs before the link goes: once the agent sees the link gone, all is done.
         if driver == VFIO_PCI:
             self.tree.remove_vfio_nodes(bdf, self.tree.group_of(bdf))
