@@ -177,6 +177,8 @@ async def raw_call(client: lightkube.AsyncClient, method: str, resource: type[An
     API server exactly as given. Through the client's own connection (its server, credentials, timeout).
     Raises as the client's calls do: `ApiError` for a JSON error answer, `httpx2.HTTPStatusError` for any
     other, `httpx2.TransportError` when no answer came."""
+    import httpx2
+    from lightkube.core.exceptions import ApiError
     from lightkube.core.resource import api_info
 
     info = api_info(resource)
@@ -220,7 +222,9 @@ def status_code(exc: BaseException) -> int | None:
 
 def status_cause_fields(exc: BaseException) -> list[str]:
     """The fields the API server's answer blames (`status.details.causes[].field` of a 422)."""
-    details = exc.status.details if isinstance(exc, ApiError) and exc.status is not None else None
+    api_error = _loaded("lightkube.core.exceptions", "ApiError")
+    status = getattr(exc, "status", None) if isinstance(exc, api_error) else None
+    details = status.details if status is not None else None
     return [c.field for c in (details.causes or []) if c.field] if details is not None else []
 
 
