@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 RUN    ?= .run
 PB     := agent/pb/__init__.py
 
-.PHONY: all setup test test-cluster cluster-components lint run bench stress hw-check nvml-standin gocheck clean
+.PHONY: all setup test test-cluster test-kubelet cluster-components kubelet-components lint run bench stress hw-check nvml-standin gocheck clean
 
 all: setup
 
@@ -27,13 +27,14 @@ lint: setup
 	$(BIN)/mypy agent cdi
 	MYPYPATH=bench $(BIN)/mypy --explicit-package-bases bench/*.py
 
-test: lint nvml-standin gocheck cluster-components
+test: lint nvml-standin gocheck cluster-components kubelet-components
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The Go checker (tests/gocheck): the official CDI and device-metadata libraries read what the agent
-# writes (tests/test_official_readers.py). Built once into ~/.cache/dra-agent/gocheck-<hash>/, reused
+# writes (tests/test_official_readers.py), and the kubelet's registration calls over grpc-go
+# (kubeletreg, tests/test_registration.py). Built once into ~/.cache/dra-agent/gocheck-<hash>/, reused
 # while go.mod, go.sum, the sources and the Go toolchain stay the same. Without Go it only warns (the
-# test then skips), unless DRA_TEST_NO_SKIP is set.
+# tests then skip), unless DRA_TEST_NO_SKIP is set.
 gocheck:
 	$(PYTHON) tests/gocheck/build.py >/dev/null
 
@@ -44,29 +45,42 @@ gocheck:
 cluster-components: setup
 	$(BIN)/python tests/cluster/build.py >/dev/null
 
-test-cluster: cluster-components
+test-cluster: cluster-components kubelet-components
 	$(BIN)/python -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS)
+
+# A real node for the cluster tests (README "A real kubelet"): the kubelet of the same release, and
+# containerd, ctr and containerd-shim-runc-v2, built from tests/cluster/kubelet and
+# tests/cluster/containerd into ~/.cache/dra-agent/k8s-<version>/node/. `make test-kubelet` runs the
+# pod-through-the-kubelet test on the control plane (as root: containerd, runc, mounts).
+kubelet-components: setup
+	$(BIN)/python tests/cluster/build.py --node >/dev/null
+
+test-kubelet: cluster-components kubelet-components
+	$(BIN)/python -m pytest -q -m kubelet tests/cluster $(PYTEST_ARGS)
 
 # The stand-in libnvidia-ml.so.1 (tests/nvml_standin/): the real pynvml path without a GPU. Built
 # twice: the current driver's library, and an older driver's that lacks some functions.
 STANDIN_DIR    := tests/nvml_standin
 STANDIN        := $(STANDIN_DIR)/build
 STANDIN_CC     ?= gcc
-STANDIN_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden
+STANDIN_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden -Wl,-soname,libnvidia-ml.so.1
 
 nvml-standin: $(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1
 
-$(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1: $(STANDIN_DIR)/nvml_standin.c $(STANDIN_DIR)/machine.txt
+STANDIN_SRC    := $(STANDIN_DIR)/nvml_standin.c $(STANDIN_DIR)/nvml_standin_mig.c
+
+$(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1: $(STANDIN_SRC) $(STANDIN_DIR)/nvml_standin.h $(STANDIN_DIR)/machine.txt
 	mkdir -p $(@D)
-	$(STANDIN_CC) $(STANDIN_CFLAGS) $(if $(findstring /legacy/,$@),-DSTANDIN_LEGACY) -o $@ $< -ldl
+	$(STANDIN_CC) $(STANDIN_CFLAGS) $(if $(findstring /legacy/,$@),-DSTANDIN_LEGACY) -o $@ $(STANDIN_SRC) -ldl
 	cp $(STANDIN_DIR)/machine.txt $(@D)/machine.txt
 
 # Simulated GPUs unless the NVML library loads; the host's NICs; offline under $(RUN)/
 # unless a cluster is reachable and knows this node; everything else under $(RUN)/.
 # Metrics and probes on a free local port (logged); DRA_METRICS_ADDRESS picks one, empty turns them off.
+# The agent is make's own child (exec), and stops when make does, whatever signal stopped make.
 run: setup
 	$(BIN)/python examples/seed.py $(RUN)
-	$(BIN)/dra-agent run \
+	exec $(BIN)/dra-agent run --stop-with-parent true \
 	  --nvml "$${DRA_NVML:-$$($(BIN)/python -m agent.inventory.gpus --probe)}" \
 	  --offline-fallback $(RUN)/offline \
 	  --kubelet-dir $(RUN)/kubelet --cdi-dir $(RUN)/cdi --static-cdi-dir $(RUN)/cdi-static \

@@ -117,9 +117,11 @@ class NicFacts:
 
 @dataclass(frozen=True, slots=True)
 class CpuFacts:
-    """The CPUs of a NUMA node."""
+    """The online CPUs of a NUMA node, and the same CPUs by core (each core's hardware threads), which is
+    how prepare hands out a claim's share of them (`agent.claims.cpuset`)."""
 
     cpus: tuple[int, ...]
+    cores: tuple[tuple[int, ...], ...] = ()
 
     @property
     def kind(self) -> Kind:

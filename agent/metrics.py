@@ -1,29 +1,21 @@
-"""Prometheus metrics, and the HTTP server for `/metrics`, `/healthz` and `/readyz`.
+"""Prometheus metrics.
 
 Each `Agent` has its own `Metrics` and registry (tests run several agents in one
-process). Events are counted where they happen (`prepare.py`, `publish_loop.py`,
-`daemon.py`, the inventory's scans); what is a state rather than an event
+process). Events are counted where they happen (`engine/prepare.py`, `publish/loop.py`,
+`app/daemon.py`, the inventory's scans); what is a state rather than an event
 (prepared claims, devices by health, registration, what is published) is read
-from the running agent when scraped, through `Metrics.state`.
-
-The server runs on the agent's event loop (`asyncio.start_server`), so a probe
-that gets an answer has also shown that the loop is not stuck. It speaks just
-enough HTTP/1.1 for Prometheus and the kubelet's probes: GET and HEAD, one
-request per connection.
+from the running agent when scraped, through `Metrics.state`. The HTTP server that
+serves them with the probes is `agent.app.httpserver`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import functools
-import gzip
-import importlib.metadata
 import logging
 import platform
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -32,6 +24,8 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+
+from agent import __version__
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +43,7 @@ RESULTS = ("success", "error", "cancelled")
 SLICE_ACTIONS = ("create", "update", "delete")
 RECOVERY_ACTIONS = ("repaired", "removed", "quarantined")
 HEALTH_STATES = ("HEALTHY", "UNHEALTHY", "UNKNOWN")
-STATUS_WRITE_RESULTS = ("ok", "retry", "gave_up")
-
-
-@functools.cache
-def _version() -> str:
-    try:
-        return importlib.metadata.version("dra-agent")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+STATUS_WRITE_RESULTS = ("ok", "unchanged", "retry", "gave_up")
 
 
 @dataclass
@@ -67,6 +53,7 @@ class AgentState:
     devices: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, health) -> devices
     failing_sources: Sequence[str] = ()  # kinds whose latest scans failed
     prepared_claims: int = 0
+    prepared_devices: int = 0  # the devices of those claims, one per allocation result
     registered: bool | None = None  # what the kubelet last said (None: nothing yet)
     health_watchers: int = 0
     published_devices: int = 0
@@ -75,6 +62,10 @@ class AgentState:
     publish_up_to_date: bool = False
     publish_failures: int = 0  # in a row
     taints: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (cause kind, effect) -> devices
+
+
+# gRPC status codes as Go spells them (codes.Code.String()), the values of `grpc_code` wherever it is scraped.
+GRPC_OK, GRPC_CANCELED, GRPC_UNKNOWN = "OK", "Canceled", "Unknown"
 
 
 class ClaimOperation:
@@ -90,6 +81,8 @@ class ClaimOperation:
 _STATE_GAUGES: tuple[tuple[str, str, Callable[[AgentState], float]], ...] = (
     ("prepared_claims", "Claims prepared on this node (records in the state directory)",
      lambda s: s.prepared_claims),
+    ("prepared_devices", "Devices of the claims prepared on this node, one per allocation result (a device two "
+     "claims share counts twice)", lambda s: s.prepared_devices),
     ("kubelet_registered", "1 when the kubelet reported the plugin registered, 0 otherwise",
      lambda s: 1 if s.registered else 0),
     ("health_watchers", "Device health streams open (the kubelet holds one)", lambda s: s.health_watchers),
@@ -151,7 +144,7 @@ class Metrics:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
         info = Gauge(PREFIX + "build_info", "The agent's version (always 1)", ["version", "python"], registry=r)
-        info.labels(_version(), platform.python_version()).set(1)
+        info.labels(__version__, platform.python_version()).set(1)
         self.claim_operations = Counter(
             PREFIX + "claim_operations", "Prepare and unprepare operations on single claims (a kubelet call "
             "may carry several), by result: success, error (the claim's error went back to the kubelet) or "
@@ -196,6 +189,10 @@ class Metrics:
             "removed, unreadable records set aside", ["action"], registry=r)
         for action in RECOVERY_ACTIONS:
             self.recovery.labels(action)
+        self.records_quarantined = Counter(
+            PREFIX + "records_quarantined", "Unreadable claim records set aside as <uid>.rec.corrupt (the claim's "
+            "files removed, the claim no longer prepared), at start-up or while running; each is also a Warning "
+            "Event ClaimRecordQuarantined on the Node and a line of /readyz", registry=r)
         self.claims_garbage_collected = Counter(
             PREFIX + "claims_garbage_collected", "Prepared claims unprepared by garbage collection because "
             "their ResourceClaim was gone (deleted, or re-created with another UID) for longer than "
@@ -205,13 +202,27 @@ class Metrics:
             "prepared claim's ResourceClaim)", registry=r)
         self.claim_status_writes = Counter(
             PREFIX + "claim_status_writes", "Writes of this driver's ResourceClaim status.devices entries (server-side "
-            "apply, or the offline file), by result: ok, retry (failed, tried again after a backoff) or gave_up "
-            "(the claim is gone or was re-created, or the API server refused the write)", ["result"], registry=r)
+            "apply, or the offline file), by result: ok, unchanged (not sent: after a restart, the stored entries "
+            "were what it would send), retry (failed, tried again after a backoff) or gave_up (the claim is gone "
+            "or was re-created, or the API server refused the write)", ["result"], registry=r)
         for result in STATUS_WRITE_RESULTS:
             self.claim_status_writes.labels(result)
         self.claim_status_queue = Gauge(
             PREFIX + "claim_status_queue", "Claims whose status.devices write is waiting or in flight (coalesced: "
             "one per claim)", registry=r)
+        # The DRA socket's calls, named as go-grpc-prometheus's server metrics are, which Go DRA drivers expose
+        # through the kubelet plugin helper's gRPC interceptors: dashboards and alerts made for those read these.
+        grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.grpc_started = Counter(
+            "grpc_server_started_total", "gRPC calls started on the DRA socket (NodePrepareResources, "
+            "NodeUnprepareResources, NodeWatchResources)", grpc_labels, registry=r)
+        self.grpc_handled = Counter(
+            "grpc_server_handled_total", "gRPC calls finished on the DRA socket, by status code (a claim's error is "
+            "in its answer, which is OK; Canceled: the kubelet gave up waiting or closed its stream)",
+            [*grpc_labels, "grpc_code"], registry=r)
+        self.grpc_handling = Histogram(
+            "grpc_server_handling_seconds", "Time from the start of a gRPC call on the DRA socket to its answer (a "
+            "stream: to its end)", grpc_labels, buckets=CLAIM_BUCKETS, registry=r)
         r.register(_StateCollector(lambda: self.state()))
 
     # -- events -------------------------------------------------------------------------------------
@@ -234,6 +245,24 @@ class Metrics:
             in_flight.dec()
             duration.observe(time.monotonic() - started)
             results[result].inc()
+
+    @contextlib.contextmanager
+    def grpc_call(self, grpc_type: str, service: str, method: str) -> Iterator[None]:
+        """Count and time one call of the DRA socket (`grpc_type`: unary, server_stream); an exception out of
+        it is Unknown, a cancellation Canceled."""
+        labels = (grpc_type, service, method)
+        self.grpc_started.labels(*labels).inc()
+        started = time.monotonic()
+        code = GRPC_UNKNOWN
+        try:
+            yield
+            code = GRPC_OK
+        except (asyncio.CancelledError, GeneratorExit):  # a stream's generator is closed when its call ends
+            code = GRPC_CANCELED
+            raise
+        finally:
+            self.grpc_handling.labels(*labels).observe(time.monotonic() - started)
+            self.grpc_handled.labels(*labels, code).inc()
 
     def scanned(self, kind: str, ok: bool, seconds: float) -> None:
         """A discovery scan finished (called from the scan's worker thread)."""
@@ -261,148 +290,3 @@ class Metrics:
         """The registry in the format the scraper asked for, and its content type."""
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type
-
-
-# -- probes ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str = ""
-
-
-def probe_body(checks: Sequence[Check], what: str) -> tuple[int, bytes]:
-    """`[+]name ok: detail` lines, like the API server's verbose probes, and 200 or 503."""
-    lines = [f"[{'+' if c.ok else '-'}]{c.name} {'ok' if c.ok else 'failed'}" + (f": {c.detail}" if c.detail else "")
-             for c in checks]
-    ok = all(c.ok for c in checks)
-    lines.append(f"{what} check {'passed' if ok else 'failed'}")
-    return (200 if ok else 503), ("\n".join(lines) + "\n").encode()
-
-
-# -- the HTTP server ------------------------------------------------------------------------------
-
-ProbeFn = Callable[[], Awaitable[Sequence[Check]]]
-REQUEST_TIMEOUT = 10.0
-MAX_HEADER = 16 * 1024
-MAX_CONNECTIONS = 16
-REBIND_INTERVAL = 2.0
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
-
-
-class MetricsServer:
-    """`/metrics`, `/healthz` and `/readyz` on HOST:PORT, on the running event loop.
-
-    A port that is taken does not stop the agent: during a rolling update the agent being
-    replaced holds it until it exits, so the server tries again every `REBIND_INTERVAL`
-    seconds and logs once. Any other error binding (a bad address) fails `start`.
-    """
-
-    def __init__(self, metrics: Metrics, host: str | None, port: int, *, healthz: ProbeFn, readyz: ProbeFn) -> None:
-        self.metrics = metrics
-        self.host, self.port = host, port
-        self.healthz, self.readyz = healthz, readyz
-        self._server: asyncio.Server | None = None
-        self._retry: asyncio.Task[None] | None = None
-        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
-        self.bound = asyncio.Event()
-
-    @property
-    def addresses(self) -> list[tuple[str, int]]:
-        """(host, port) of every listening socket (port 0 resolved)."""
-        if self._server is None:
-            return []
-        return [(str(s.getsockname()[0]), int(s.getsockname()[1])) for s in self._server.sockets]
-
-    @property
-    def url(self) -> str:
-        """http://HOST:PORT of the first listening socket, for people and tests."""
-        host, port = self.addresses[0]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-    async def start(self) -> None:
-        if not await self._bind():
-            log.warning("metrics address %s:%d is in use (the agent this one replaces?): trying again every "
-                        "%.0fs", self.host or "", self.port, REBIND_INTERVAL)
-            self._retry = asyncio.create_task(self._rebind(), name="metrics-rebind")
-
-    async def _bind(self) -> bool:
-        try:
-            self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=MAX_HEADER,
-                                                      reuse_address=True)
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            return False
-        self.bound.set()
-        log.info("metrics and probes on %s (/metrics, /healthz, /readyz)",
-                 ", ".join(f"{h}:{p}" for h, p in self.addresses))
-        return True
-
-    async def _rebind(self) -> None:
-        while True:
-            await asyncio.sleep(REBIND_INTERVAL)
-            if await self._bind():
-                return
-
-    async def stop(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._retry
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with self._slots:
-                try:
-                    async with asyncio.timeout(REQUEST_TIMEOUT):
-                        head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-                    return
-                status, headers, body, head_only = await self._answer(head)
-                reason = _REASONS.get(status, "OK")
-                out = [f"HTTP/1.1 {status} {reason}", f"Content-Length: {len(body)}", "Connection: close",
-                       *(f"{k}: {v}" for k, v in headers.items())]
-                writer.write(("\r\n".join(out) + "\r\n\r\n").encode() + (b"" if head_only else body))
-                with contextlib.suppress(ConnectionError):
-                    await writer.drain()
-        except Exception:
-            log.exception("metrics server: answering a request failed")
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError, OSError):
-                await writer.wait_closed()
-
-    async def _answer(self, head: bytes) -> tuple[int, dict[str, str], bytes, bool]:
-        text = "text/plain; charset=utf-8"
-        try:
-            request_line, *header_lines = head.decode("latin-1").split("\r\n")
-            method, target, _version = request_line.split(" ")
-        except ValueError:
-            return 400, {"Content-Type": text}, b"bad request\n", False
-        headers = {}
-        for line in header_lines:
-            name, sep, value = line.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
-        if method not in ("GET", "HEAD"):
-            return 405, {"Content-Type": text, "Allow": "GET, HEAD"}, b"GET or HEAD only\n", False
-        head_only = method == "HEAD"
-        path = target.split("?", 1)[0]
-        if path == "/metrics":
-            body, content_type = self.metrics.render(headers.get("accept", ""))
-            out = {"Content-Type": content_type}
-            if "gzip" in headers.get("accept-encoding", ""):
-                body, out["Content-Encoding"] = gzip.compress(body), "gzip"
-            return 200, out, body, head_only
-        if path in ("/healthz", "/livez", "/readyz"):
-            what = "readyz" if path == "/readyz" else "healthz"
-            checks = await (self.readyz if what == "readyz" else self.healthz)()
-            status, body = probe_body(checks, what)
-            return status, {"Content-Type": text}, body, head_only
-        return 404, {"Content-Type": text}, b"not found: /metrics, /healthz and /readyz are served here\n", head_only

@@ -31,11 +31,29 @@ class Version:
         return self.value
 
 
-AttrValue = bool | int | str | Version
+@dataclass(frozen=True, slots=True)
+class IntList:
+    """A list-valued int attribute (published as `{"ints": [...]}`; the `DRAListTypeAttributes` gate).
+
+    `scalar` is the attribute's scalar form, published instead where the cluster does not take lists
+    (`agent.publish.dropped`): for the standard `numaNode` that is the device's own node, the first
+    element."""
+
+    values: tuple[int, ...]
+
+    @property
+    def scalar(self) -> int:
+        return self.values[0]
+
+
+AttrValue = bool | int | str | Version | IntList
 
 
 def attribute_wire(value: AttrValue) -> dict[str, Any]:
-    """The API's one-of form: `{"string": "x"}`, `{"int": 3}`, `{"bool": true}`, `{"version": "1.2.3"}`."""
+    """The API's one-of form: `{"string": "x"}`, `{"int": 3}`, `{"bool": true}`, `{"version": "1.2.3"}`,
+    `{"ints": [0, 1]}`."""
+    if isinstance(value, IntList):
+        return {"ints": list(value.values)}
     if isinstance(value, bool):
         return {"bool": value}
     if isinstance(value, int):
@@ -51,6 +69,8 @@ def attribute_from_wire(wire: Mapping[str, Any]) -> AttrValue:
     (key, value), = wire.items()
     if key == "version":
         return Version(value)
+    if key == "ints":
+        return IntList(tuple(int(v) for v in value))
     return value  # type: ignore[no-any-return]
 
 

@@ -119,10 +119,11 @@ class DirReport:
     missing: list[Path] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)  # problems: runtimes refuse these devices
     shadowed: list[str] = field(default_factory=list)  # notes: a later directory wins
+    unusable: list[str] = field(default_factory=list)  # problems: named paths that hold no CDI spec
 
     @property
     def ok(self) -> bool:
-        return not self.conflicts and all(f.ok for f in self.files)
+        return not self.conflicts and not self.unusable and all(f.ok for f in self.files)
 
     @property
     def devices(self) -> list[str]:
@@ -141,13 +142,33 @@ def spec_files(directory: Path) -> list[Path]:
 
 def validate_dirs(dirs: Iterable[Path]) -> DirReport:
     """Validate every spec file a runtime would read from `dirs`, lowest priority first."""
-    report = DirReport([Path(d) for d in dirs])
+    return _validate(dirs, named=False)
+
+
+def validate_paths(paths: Iterable[Path]) -> DirReport:
+    """Like `validate_dirs`, for paths a person named: a spec file is checked on its own (at its place in
+    the order), and a path that does not exist or is neither a directory nor a spec file is a problem (a
+    runtime's directory may be missing; a path named by hand that holds no spec is a mistake)."""
+    return _validate(paths, named=True)
+
+
+def _validate(targets: Iterable[Path], *, named: bool) -> DirReport:
+    report = DirReport([Path(d) for d in targets])
     defined: dict[str, list[tuple[int, Path]]] = {}
     for priority, directory in enumerate(report.dirs):
-        if not directory.is_dir():
+        if directory.is_dir():
+            files = spec_files(directory)
+        elif not named:
             report.missing.append(directory)
             continue
-        for path in spec_files(directory):
+        elif directory.is_file() and directory.name.endswith(SPEC_SUFFIXES):
+            files = [directory]
+        else:
+            report.unusable.append(f"{directory}: no such file or directory" if not directory.exists() else
+                                   f"{directory}: not a CDI spec directory or spec file "
+                                   f"({', '.join('*' + s for s in SPEC_SUFFIXES)})")
+            continue
+        for path in files:
             spec = inspect_file(path)
             report.files.append(spec)
             for device in spec.devices:
@@ -177,6 +198,7 @@ def format_report(report: DirReport) -> str:
     lines: list[str] = []
     for directory in report.missing:
         lines.append(f"{directory}: no such directory (runtimes skip it)")
+    lines.extend(report.unusable)
     for f in report.files:
         if f.ok:
             n = len(f.devices)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx2
 import kubernetes_validate
 import pytest
 import yaml
@@ -144,6 +145,23 @@ async def test_node_allocatable_fields_follow_the_nodes_declared_features(
             assert not any(policies), name
     # Only the NUMA devices are shared that way: a GPU stays one per claim.
     assert "allowMultipleAllocations" not in devices["gpu-0"]
+
+
+async def test_ready_only_once_the_kubelet_registered_the_plugin(kube_api: KubeApi, cluster_settings,
+                                                                 agents) -> None:
+    """In a cluster, /readyz waits for the kubelet's registration as well as the slices (offline it does
+    not: test_metrics.py)."""
+    kube_api.add_node(NODE, uid=NODE_UID)
+    agent = await start(agents, cluster_settings(metrics_address="127.0.0.1:0"))
+    await published(agent)
+    assert agent.http is not None
+    async with httpx2.AsyncClient(timeout=10, trust_env=False) as http:
+        ready = await http.get(f"{agent.http.url}/readyz")
+        assert ready.status_code == 503 and "[+]slices ok: " in ready.text
+        assert "[-]kubelet-registration failed: the kubelet has not registered the plugin yet" in ready.text
+        await kc.notify_registration(agent.settings.registration_socket, True)
+        ready = await http.get(f"{agent.http.url}/readyz")
+        assert ready.status_code == 200 and "[+]kubelet-registration ok: the kubelet registered" in ready.text
 
 
 # -- claims from the API server ------------------------------------------------------------------------

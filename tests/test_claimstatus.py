@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from lightkube.types import PatchType
 from agent.claims.sources import ApiClaimSource
 from agent.health.claimstatus import ClaimStatusWriter
 from agent.health.conditions import Readiness
+from agent.health.readytimes import ReadyTransitions
 from agent.health.statussinks import ApiStatusSink, DirectoryStatusSink
 from agent.kube import Backoff
 from agent.metrics import Metrics
@@ -279,6 +281,42 @@ async def test_resync_writes_every_prepared_claim(node, kube_api, online):
     assert ready(devices_of(kube_api)[DRIVER, "gpu-0"])["status"] == "True"
 
 
+async def test_a_restart_keeps_the_time_ready_last_changed_and_sends_what_is_stored_already(node, kube_api, online):
+    # Each writer after the first is a restarted agent; each one's clock runs later than the last one's,
+    # so that a time it dates cannot be mistaken for a stored one.
+    links = Links()
+    first = online(readiness=links, transitions=ReadyTransitions(clock=lambda: time.time() + 1800))
+    kube_api.add(claim("c", UID, [result(NIC, "net"), result("gpu-0", "gpu")]))
+    await prepare(node)
+    await settled(first)
+    prepared_at = ready(devices_of(kube_api)[DRIVER, NIC])["lastTransitionTime"]
+    links.down.add(NIC)
+    first.devices_changed([NIC])
+    await settled(first)
+    down = ready(devices_of(kube_api)[DRIVER, NIC])
+    await first.stop()
+
+    # Restarted while the link is still down: not ready since the same moment; nothing to send.
+    again = online(readiness=links, transitions=ReadyTransitions(clock=lambda: time.time() + 3600))
+    again.resync(node.engine.records.values())
+    await settled(again)
+    assert ready(devices_of(kube_api)[DRIVER, NIC]) == down
+    assert writes(again, "unchanged") == 1 and writes(again, "ok") == 0
+    links.down.clear()
+    again.devices_changed([NIC])
+    await settled(again)
+    up = ready(devices_of(kube_api)[DRIVER, NIC])
+    assert up["status"] == "True" and up["lastTransitionTime"] > down["lastTransitionTime"] > prepared_at
+    await again.stop()
+
+    # Restarted once it is up again: ready since it came up, not since the prepare.
+    third = online(readiness=links, transitions=ReadyTransitions(clock=lambda: time.time() + 7200))
+    third.resync(node.engine.records.values())
+    await settled(third)
+    assert ready(devices_of(kube_api)[DRIVER, NIC])["lastTransitionTime"] == up["lastTransitionTime"]
+    assert ready(devices_of(kube_api)[DRIVER, "gpu-0"])["lastTransitionTime"] == prepared_at
+
+
 async def test_what_the_api_would_refuse_is_clipped_before_sending(tmp_path, kube_api, writers, caplog):
     valid = [f"10.0.{i}.5/24" for i in range(20)]
     many = ("10.1.0.005/24", *valid)  # not canonical (and not even parsed by the API server), then 20
@@ -439,6 +477,9 @@ class _CountingSink:
         await asyncio.sleep(0.001)
         self.written.append(claim.uid)
 
+    async def read(self, claim: Any) -> list[dict[str, Any]]:
+        return []  # nothing written yet: each claim's status is written
+
 
 async def test_a_resync_of_many_claims_is_fed_a_window_at_a_time(node, writers) -> None:
     from agent.health.claimstatus import RESYNC_WINDOW
@@ -456,3 +497,33 @@ async def test_a_resync_of_many_claims_is_fed_a_window_at_a_time(node, writers) 
     await settled(writer)
     assert sorted(sink.written) == sorted(uids)
     assert 0 < sink.most_queued <= RESYNC_WINDOW
+
+
+def test_an_update_keeps_every_raw_field_as_stored_and_replaces_only_our_entries() -> None:
+    """The body of a status update (`agent.health.statusupdate`): the allocation's parameters and the kept
+    entries' data are the stored bytes, byte for byte (spaces, key order); ours are replaced; the managed
+    fields are left to the API server."""
+    from agent.health.statusupdate import StoredRaw, update_body
+
+    params = b'{"kind": "DeviceConfig", "apiVersion": "x/v1"}'
+    theirs = b'{"b": 1,  "a": 2}'
+    obj = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+           "metadata": {"name": "c", "namespace": "ns", "uid": "u", "resourceVersion": "7",
+                        "managedFields": [{"manager": "kube-scheduler"}]},
+           "status": {"allocation": {"devices": {"results": [], "config": [
+               {"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {"kind": "DeviceConfig"}}},
+               {"source": "FromClass"}]}},
+               "devices": [{"driver": DRIVER, "pool": NODE, "device": "gpu-0", "data": {"old": 1}},
+                           {"driver": "other.example.com", "pool": "p", "device": "x", "data": {"a": 2, "b": 1}}]}}
+    stored = StoredRaw("u", "7", (params, None), (b'{"old":1}', theirs))
+    ours = [{"driver": DRIVER, "pool": NODE, "device": "gpu-1"}]
+    body = update_body(obj, stored, DRIVER, ours)
+    assert params in body and theirs in body and b"managedFields" not in body and b'"resourceVersion":"7"' in body
+    assert b"gpu-0" not in body and b'"device":"gpu-1"' in body
+    removed = update_body(obj, stored, DRIVER, [])
+    assert b"gpu-" not in removed and theirs in removed
+    # No entries left at all: no status.devices either.
+    alone = {**obj, "status": {**obj["status"], "devices": obj["status"]["devices"][:1]}}
+    assert b'"devices":[{' not in update_body(alone, StoredRaw("u", "7", (params, None), (None,)), DRIVER, [])
+    with pytest.raises(ValueError, match="allocation config entries"):
+        update_body(obj, StoredRaw("u", "7", (params,), ()), DRIVER, ours)

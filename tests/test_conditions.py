@@ -95,6 +95,8 @@ def test_readme_states_the_default_policy() -> None:
             assert effect == p.gpu_lost.effect
         elif "link down" in cause:
             assert effect == p.link_down.effect
+        elif "left undone" in cause:
+            assert effect == p.undo_failed.effect
         else:
             raise AssertionError(f"README's taint table has a row this test does not know: {cause}")
     assert documented == set(p.xid)  # every XID with a rule of its own is in the table
@@ -377,6 +379,7 @@ def test_the_health_stream_names_the_cause(clock: Clock) -> None:
 
 def test_clear_requests_are_applied_in_order_and_bad_ones_set_aside(clock: Clock, tmp_path: Path) -> None:
     settings = roots(tmp_path)
+    clock.now = time.time()  # the wall clock the requests' names are written with, as the agent's conditions have
     c = conditions(clock, health_dir(settings))
     c.xid("gpu-6", 48)
     c.xid("gpu-7", 63)
@@ -390,6 +393,24 @@ def test_clear_requests_are_applied_in_order_and_bad_ones_set_aside(clock: Clock
     assert read_result(nine) == []
     left = sorted(p.name for p in requests_dir(settings).iterdir())
     assert left == ["00000000000000000001-zz.json.bad"]
+
+
+def test_a_clear_takes_the_xids_raised_before_it_was_asked_for(clock: Clock) -> None:
+    """An operator's clear, asked for at T: the XIDs raised until T go, also one reported only after the
+    clear was applied (the simulated machine applies a command written while no agent ran when one
+    starts); an XID raised after T stays."""
+    c = conditions(clock)
+    asked = clock.now
+    c.xid("gpu-1", 48, at=asked - 10)
+    clock.now += 1
+    c.xid("gpu-1", 79)  # raised after the operator asked: stays
+    assert [x.detail for x in c.clear("gpu-1", before=asked)] == ["XID 48 (double-bit ECC error)"]
+    assert [t.value for t in c.taints("gpu-1")] == ["79"]
+    assert not c.xid("gpu-1", 31, at=asked - 5)  # raised before the clear, reported after it: not taken
+    assert [t.value for t in c.taints("gpu-1")] == ["79"]
+    assert c.xid("gpu-1", 63, at=asked + 0.5)
+    assert {t.value for t in c.taints("gpu-1")} <= {"79", "63"} and len(c.causes("gpu-1")) == 2
+    assert c.clear("gpu-1") and c.taints("gpu-1") == []  # by hand with no time: every XID goes
 
 
 def test_results_no_cli_read_are_removed_after_a_while(clock: Clock, tmp_path: Path) -> None:

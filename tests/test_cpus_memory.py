@@ -114,11 +114,11 @@ def test_cpu_devices_per_numa_node(tmp_path: Path) -> None:
     got = {d.name: (d.kind, d.attributes, d.capacity, d.node) for d in result.devices}
     assert got == {
         "cpu-numa0": ("cpu", {"type": "cpu", NUMA_NODE: 0, "socket": 0, "smt": True},
-                      {"cpus": Capacity("3")}, CpuFacts(cpus=(0, 1, 8))),
+                      {"cpus": Capacity("3")}, CpuFacts(cpus=(0, 1, 8), cores=((0, 8), (1,)))),
         "cpu-numa1": ("cpu", {"type": "cpu", NUMA_NODE: 1, "socket": 0, "smt": True},
-                      {"cpus": Capacity("4")}, CpuFacts(cpus=(2, 3, 10, 11))),
+                      {"cpus": Capacity("4")}, CpuFacts(cpus=(2, 3, 10, 11), cores=((2, 10), (3, 11)))),
         "cpu-numa3": ("cpu", {"type": "cpu", NUMA_NODE: 3, "socket": 1, "smt": False},
-                      {"cpus": Capacity("2")}, CpuFacts(cpus=(6, 7))),
+                      {"cpus": Capacity("2")}, CpuFacts(cpus=(6, 7), cores=((6,), (7,)))),
     }
     for dev in result.devices:
         wire = dev.wire()

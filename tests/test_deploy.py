@@ -102,7 +102,8 @@ EVERY = kustomizations()
 
 
 def test_the_promised_overlays_exist() -> None:
-    assert {"base", "overlays/dev", "overlays/kubevirt", "overlays/node-allocatable"} <= set(EVERY)
+    assert {"base", "overlays/dev", "overlays/driver-container", "overlays/kubevirt",
+            "overlays/node-allocatable"} <= set(EVERY)
 
 
 @pytest.mark.parametrize("which", EVERY)
@@ -139,7 +140,8 @@ def driver_places(objs: list[dict[str, Any]]) -> dict[str, list[str]]:
         "plugin dir hostPath": [volume.removeprefix("/var/lib/kubelet/plugins/")],
         "ClusterRole resourceNames": [n for r in role["rules"] if "resourceclaims/driver" in r["resources"]
                                       for n in r.get("resourceNames", [])],
-        "DeviceClass names": [c["metadata"]["name"].partition(".")[2] for c in all_of(objs, "DeviceClass")],
+        "DeviceClass names": [c["metadata"]["name"].partition(".")[2] for c in all_of(objs, "DeviceClass")
+                              if c["metadata"]["name"] not in FIXED_NAMES],
     }
 
 
@@ -259,6 +261,29 @@ def test_every_directory_the_agent_uses_is_the_hosts_at_the_same_path(which: str
 
 
 @pytest.mark.parametrize("which", EVERY)
+def test_the_driver_root_is_the_host_s_driver_mounted_read_only(which: str) -> None:
+    # The agent loads libnvidia-ml.so.1 from below --driver-root: the host's / (a driver installed on the
+    # host), or the GPU Operator's driver container root, /run/nvidia/driver on the host.
+    objs = rendered(which)
+    s = effective_settings(objs)
+    mount, volume = mount_for(objs, s.driver_root)
+    assert mount["mountPath"] == str(s.driver_root) == "/driver-root"
+    assert mount["readOnly"] is True and mount["mountPropagation"] == "HostToContainer"
+    assert volume["hostPath"]["path"] == ("/run/nvidia/driver" if which == "overlays/driver-container" else "/")
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_the_agent_sees_the_host_s_processes(which: str) -> None:
+    # Before a GPU leaves the NVIDIA driver, every process holding it (on the host, in any pod) must be
+    # seen in the agent's /proc, which only the host's PID namespace shows (tests/test_vfio_holders.py).
+    objs = rendered(which)
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    s = effective_settings(objs)
+    assert s.sysfs_root.parent / "proc" == Path("/proc")  # the /proc the agent reads (agent.host.vfio.host)
+
+
+@pytest.mark.parametrize("which", EVERY)
 def test_daemonset_overlaps_safely_and_is_probed_on_the_metrics_port(which: str) -> None:
     objs = rendered(which)
     ds = one(objs, "DaemonSet")
@@ -303,12 +328,16 @@ CLIENT_VERBS = {"get": {"get"}, "list": {"list"}, "watch": {"watch"}, "wait": {"
                 "create": {"create"}, "replace": {"update"}, "patch": {"patch"}, "apply": {"patch"},
                 "delete": {"delete"}, "deletecollection": {"deletecollection"}}
 OTHER_CLIENT_CALLS = {"request", "log", "exec", "set"}  # not to be used without teaching this test
+# `agent.kube.raw_call(client, "<client method>", <resource class>, ...)`: a request whose body or answer is
+# not a lightkube model, named by the client method it stands for.
+RAW_CALL = "raw_call"
 
 # Granted though no code names them: since 1.36 a claim status write (status.devices, made by
 # agent/health/statussinks.py) is also authorized per driver on the resourceclaims/driver
 # subresource; `associated-node:` limits it to claims on the writer's node.
 UPCOMING = {
     ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),
+    ("resource.k8s.io", "resourceclaims/driver", "associated-node:update", DRIVER),
 }
 # What every authenticated user may do (the default system:basic-user role): a check of the
 # agent's own permissions (`dra-agent doctor`) needs nothing from the ClusterRole.
@@ -362,7 +391,37 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
         classes = _resource_classes(tree)
         http = _http_clients(tree)
         parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+
+        def record(where: str, method: str, call: ast.Call, classes: dict[str, type] = classes) -> None:
+            named: set[type] = set()
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                for sub in ast.walk(arg):
+                    if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
+                            and sub.value.id in classes and sub.attr[:1].isupper():
+                        named.add(getattr(classes[sub.value.id], sub.attr))  # ResourceClaim.Status
+                    elif isinstance(sub, ast.Name) and sub.id in classes:
+                        named.add(classes[sub.id])
+            named = {c for c in named if not any(c is not o and is_resource(o) and api_info(o).parent is not None
+                                                 and api_info(o).resource == api_info(c).resource for o in named)}
+            if len(named) != 1:
+                problems.append(f"{where}: client.{method} on {sorted(c.__name__ for c in named) or 'no'} "
+                                "resource class: name exactly one in the call")
+                return
+            info = api_info(next(iter(named)))
+            resource = info.plural + (f"/{info.action}" if info.action else "")
+            for verb in CLIENT_VERBS[method]:
+                calls.setdefault((info.resource.group, resource, verb), []).append(where)
+
         for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and RAW_CALL in (getattr(node.func, "id", None),
+                                                           getattr(node.func, "attr", None)):
+                where = f"{path.relative_to(package.parent)}:{node.lineno}"
+                method = next((a.value for a in node.args if isinstance(a, ast.Constant)), None)
+                if method not in CLIENT_VERBS:
+                    problems.append(f"{where}: {RAW_CALL} for {method!r}: name a client method as a literal")
+                    continue
+                record(where, str(method), node)
+                continue
             if not (isinstance(node, ast.Attribute) and _is_client(node.value)):
                 continue
             if isinstance(node.value, ast.Name) and any(
@@ -381,24 +440,7 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
             if call is None:
                 problems.append(f"{where}: client.{node.attr} outside a call")
                 continue
-            named: set[type] = set()
-            for arg in [*call.args, *(k.value for k in call.keywords)]:
-                for sub in ast.walk(arg):
-                    if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
-                            and sub.value.id in classes and sub.attr[:1].isupper():
-                        named.add(getattr(classes[sub.value.id], sub.attr))  # ResourceClaim.Status
-                    elif isinstance(sub, ast.Name) and sub.id in classes:
-                        named.add(classes[sub.id])
-            named = {c for c in named if not any(c is not o and is_resource(o) and api_info(o).parent is not None
-                                                 and api_info(o).resource == api_info(c).resource for o in named)}
-            if len(named) != 1:
-                problems.append(f"{where}: client.{node.attr} on {sorted(c.__name__ for c in named) or 'no'} "
-                                "resource class: name exactly one in the call")
-                continue
-            info = api_info(next(iter(named)))
-            resource = info.plural + (f"/{info.action}" if info.action else "")
-            for verb in CLIENT_VERBS[node.attr]:
-                calls.setdefault((info.resource.group, resource, verb), []).append(where)
+            record(where, node.attr, call)
     assert not problems, "\n".join(problems)
     return calls
 
@@ -423,6 +465,8 @@ def test_the_source_scan_finds_the_calls_it_must() -> None:
     assert any("agent/kube.py" in w for w in calls[("", "nodes", "get")])
     assert any("agent/publish/apiserver.py" in w for w in calls[("resource.k8s.io", "resourceslices", "update")])
     assert any("agent/claims/sources.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "get")])
+    assert any("agent/health/statusupdate.py" in w
+               for w in calls[("resource.k8s.io", "resourceclaims/status", "update")])
 
 
 def test_the_source_scan_sees_every_form_of_call(tmp_path: Path) -> None:
@@ -439,6 +483,7 @@ async def f(self, client, obj):
         pass
     await retry(self.client.replace, ResourceSlice.from_dict(obj))
     await conn.client.get(N, "n")
+    await kube.raw_call(client, "replace", ResourceClaim.Status, "x", "ns", body=b"{}")
     async with httpx2.AsyncClient() as client:
         await client.get("http://127.0.0.1:9477/healthz")
 """)
@@ -447,6 +492,7 @@ async def f(self, client, obj):
         ("resource.k8s.io", "resourceslices", "watch"): ["8"],
         ("resource.k8s.io", "resourceslices", "update"): ["10"],
         ("", "nodes", "get"): ["11"],
+        ("resource.k8s.io", "resourceclaims/status", "update"): ["12"],
     }
     (package / "b.py").write_text("async def g(client, kind):\n    await client.delete(kind, 'x')\n")
     with pytest.raises(AssertionError, match=r"pkg/b.py:2: client.delete on no resource class"):
@@ -566,12 +612,12 @@ def devices_of(slices: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]
 
 
 @functools.cache
-def _node_devices(node_allocatable: bool) -> tuple[tuple[str, dict[str, Any]], ...]:
+def _node_devices(node_allocatable: bool, kubevirt_cpu: bool) -> tuple[tuple[str, dict[str, Any]], ...]:
     """Simulated GPUs (`--nvml sim`), and this host's CPUs and memory per NUMA node."""
     root = Path(tempfile.mkdtemp(prefix="dra-deploy-"))
     try:
         settings = build_settings({"driver_name": DRIVER, "node_name": NODE, "nvml": "sim", "nic_exclude": "*",
-                                   "gpu_sharing": True, "compatibility_groups": True,
+                                   "gpu_sharing": True, "compatibility_groups": True, "kubevirt_cpu": kubevirt_cpu,
                                    "state_dir": str(root / "state"),
                                    "offline": str(_offline_dir(root, node_allocatable))})
         return tuple(devices_of(asyncio.run(render_slices(settings))))
@@ -579,8 +625,8 @@ def _node_devices(node_allocatable: bool) -> tuple[tuple[str, dict[str, Any]], .
         shutil.rmtree(root, ignore_errors=True)
 
 
-def node_devices(node_allocatable: bool) -> list[tuple[str, dict[str, Any]]]:
-    return copy.deepcopy(list(_node_devices(node_allocatable)))
+def node_devices(node_allocatable: bool, kubevirt_cpu: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    return copy.deepcopy(list(_node_devices(node_allocatable, kubevirt_cpu)))
 
 
 @pytest.fixture(scope="module")
@@ -631,7 +677,11 @@ MEANT: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool]]] = {
     "mig": ("mig", _kind("mig")),
     "gpu-shared": ("shared", _kind("shared")),
     "vgpu": ("vgpu", _kind("vgpu")),
+    # KubeVirt's CPUsWithDRA names this class itself: CPU devices counted in its capacity's name.
+    "dra.cpu": ("cpu", lambda d: _kind("cpu")(d) and "dra.cpu/cpu" in (d.get("capacity") or {})),
 }
+# Classes whose whole name another project fixes (no ".<driver>" appended).
+FIXED_NAMES = {"dra.cpu"}
 # The node-allocatable overlay's cpu and memory: only devices carrying node-allocatable mappings.
 MEANT_NODE_ALLOCATABLE = {
     "cpu": ("cpu", lambda d: _kind("cpu")(d) and d.get("allowMultipleAllocations") is True),
@@ -659,8 +709,10 @@ def check_classes(which: str, devices: list[tuple[str, dict[str, Any]]], kinds: 
     """Each class selects exactly the devices it is meant to, errs on none, and selects at least one
     when it is meant for one of `kinds` (the kinds these devices cover)."""
     for device_class in all_of(rendered(which), "DeviceClass"):
-        name, _, driver = device_class["metadata"]["name"].partition(".")
-        assert driver == DRIVER
+        name = device_class["metadata"]["name"]
+        if name not in FIXED_NAMES:
+            name, _, driver = name.partition(".")
+            assert driver == DRIVER
         kind, rule = meant(which, name)
         expected = {d["name"] for drv, d in devices if drv == DRIVER and rule(d)}
         got = {d["name"] for drv, d in devices if selects(device_class, drv, d)}
@@ -673,7 +725,8 @@ def check_classes(which: str, devices: list[tuple[str, dict[str, Any]]], kinds: 
 
 @pytest.mark.parametrize("which", EVERY)
 def test_device_classes_select_the_gpus_cpus_and_memory_the_agent_publishes(which: str) -> None:
-    devices = node_devices(node_allocatable=which == "overlays/node-allocatable")
+    devices = node_devices(node_allocatable=which == "overlays/node-allocatable",
+                           kubevirt_cpu=effective_settings(rendered(which)).kubevirt_cpu)
     assert {_attr(d, "type") for _, d in devices} == {"gpu", "vfio", "mig", "vgpu", "shared", "cpu", "memory"}
     check_classes(which, devices, {"gpu", "vfio-gpu", "mig", "vgpu", "shared", "cpu", "memory"})
 
@@ -702,6 +755,8 @@ def test_the_gpu_class_serves_unchanged_pods_asking_for_example_com_gpu() -> Non
 # -- the ValidatingAdmissionPolicy ------------------------------------------------------------------
 
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+SLICE_POLICY = "dra-agent-resourceslices"
+POOL_POLICY = "dra-agent-resourcepoolstatusrequests"
 
 
 def admission(policy: Mapping[str, Any], *, operation: str, username: str, extra: Mapping[str, list[str]] | None,
@@ -750,9 +805,12 @@ def slice_on(node: str | None) -> dict[str, Any]:
 @pytest.mark.parametrize("which", EVERY)
 def test_admission_policy_applies_to_the_agents_service_account_and_slice_writes(which: str) -> None:
     objs = rendered(which)
-    policy = one(objs, "ValidatingAdmissionPolicy")
-    binding = one(objs, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert {p["metadata"]["name"] for p in all_of(objs, "ValidatingAdmissionPolicy")} == {SLICE_POLICY, POOL_POLICY}
+    for name in (SLICE_POLICY, POOL_POLICY):
+        binding = one(objs, "ValidatingAdmissionPolicyBinding", name)
+        assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
+        assert one(objs, "ValidatingAdmissionPolicy", name)["spec"]["failurePolicy"] == "Fail"
+    policy = one(objs, "ValidatingAdmissionPolicy", SLICE_POLICY)
     assert policy["spec"]["failurePolicy"] == "Fail"
     [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
     assert (rule["apiGroups"], rule["resources"]) == (["resource.k8s.io"], ["resourceslices"])
@@ -766,7 +824,7 @@ def test_admission_policy_applies_to_the_agents_service_account_and_slice_writes
 
 def test_admission_policy_limits_the_agent_to_its_own_nodes_slices(tmp_path: Path) -> None:
     objs = rendered("base")
-    policy = one(objs, "ValidatingAdmissionPolicy")
+    policy = one(objs, "ValidatingAdmissionPolicy", SLICE_POLICY)
     sa = one(objs, "ServiceAccount")["metadata"]
     agent = f"system:serviceaccount:{sa['namespace']}:{sa['name']}"
     on = {NODE_NAME_EXTRA: [NODE]}
@@ -818,3 +876,39 @@ def test_admission_policy_limits_the_agent_to_its_own_nodes_slices(tmp_path: Pat
     for user in ("system:serviceaccount:kube-system:generic-garbage-collector", "kubernetes-admin",
                  f"system:serviceaccount:{sa['namespace']}:other"):
         assert decide("DELETE", None, theirs, user=user, extra=None) == (True, "not matched")
+
+
+def pool_request(pool: str | None, driver: str = DRIVER) -> dict[str, Any]:
+    spec: dict[str, Any] = {"driver": driver}
+    if pool is not None:
+        spec["poolName"] = pool
+    return {"apiVersion": "resource.k8s.io/v1alpha3", "kind": "ResourcePoolStatusRequest",
+            "metadata": {"name": "dra-agent-x"}, "spec": spec}
+
+
+def test_admission_policy_limits_the_agents_pool_status_requests_to_its_own_pool() -> None:
+    objs = rendered("base")
+    policy = one(objs, "ValidatingAdmissionPolicy", POOL_POLICY)
+    [rule] = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert (rule["apiGroups"], rule["apiVersions"], rule["resources"], set(rule["operations"])) == (
+        ["resource.k8s.io"], ["v1alpha3"], ["resourcepoolstatusrequests"], {"CREATE", "DELETE"})
+    sa = one(objs, "ServiceAccount")["metadata"]
+    agent = f"system:serviceaccount:{sa['namespace']}:{sa['name']}"
+    on = {NODE_NAME_EXTRA: [NODE]}
+
+    def decide(operation: str, obj: Any, *, user: str = agent, extra: Any = on) -> tuple[bool, str]:
+        new, old = (None, obj) if operation == "DELETE" else (obj, None)
+        return admission(policy, operation=operation, username=user, extra=extra, obj=new, old=old)
+
+    mine = pool_request(NODE)
+    assert decide("CREATE", mine) == (True, "") and decide("DELETE", mine) == (True, "")
+    allowed, message = decide("CREATE", pool_request("node-b"))
+    assert not allowed and message == (f"the dra-agent on node {NODE} may ask only for the status of its own pool of "
+                                       f"driver {DRIVER}, not of pool node-b of driver {DRIVER}")
+    assert not decide("CREATE", pool_request(None))[0]  # every pool of the driver
+    assert not decide("CREATE", pool_request(NODE, "gpu.other.example.com"))[0]
+    assert not decide("DELETE", pool_request("node-b"))[0]
+    for extra in (None, {}, {NODE_NAME_EXTRA: []}):
+        allowed, message = decide("CREATE", mine, extra=extra)
+        assert not allowed and "bound to a node" in message
+    assert decide("CREATE", pool_request(None), user="kubernetes-admin", extra=None) == (True, "not matched")

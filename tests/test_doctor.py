@@ -271,3 +271,61 @@ async def test_api_server_unreachable_with_offline_fallback(cluster_settings, ku
     api = by_check(results)["Kubernetes API"]
     assert not api.ok and not api.blocking  # the agent runs offline instead
     assert api.detail.endswith(f"the agent runs offline in {short_tmp / 'fallback'} (--offline-fallback)")
+
+
+def test_the_toolkit_spec_gpu_claims_need(short_tmp: Path) -> None:
+    # A node with NVIDIA GPUs (its sysfs and /dev, as the driver shows them) and the real NVML.
+    from agent.sim.hardware import materialize
+    from agent.sim.profiles import load_profile
+
+    materialize(load_profile("dgx-h100"), short_tmp / "host")
+    s = roots(short_tmp, nvml="real", sysfs_root=short_tmp / "host" / "sys", dev_root=short_tmp / "host" / "dev")
+    s.static_cdi_dir.mkdir(parents=True, exist_ok=True)
+    (result_,) = doctor.Doctor(s).toolkit()
+    assert not result_.ok and result_.blocking
+    assert result_.detail.startswith(f"no nvidia.com/gpu CDI spec in {s.static_cdi_dir} or {s.cdi_dir}")
+    assert result_.fix.startswith(f"on the node: nvidia-ctk cdi generate --output={s.static_cdi_dir}/nvidia.yaml")
+    (s.static_cdi_dir / "nvidia.yaml").write_text(
+        "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n- name: '0'\n  containerEdits: {}\n"
+        "- name: GPU-1\n  containerEdits: {}\n- name: all\n  containerEdits: {}\n")
+    (found,) = doctor.Doctor(s).toolkit()
+    assert found.ok and found.detail == "nvidia.com/gpu: 2 GPUs (0, GPU-1); GPU claims get its devices"
+    # Simulated GPUs, or none: nothing to give.
+    assert doctor.Doctor(roots(short_tmp, nvml="sim")).toolkit()[0].ok
+    bare = roots(short_tmp, nvml="real", sysfs_root=short_tmp / "nosys", dev_root=short_tmp / "nodev")
+    assert doctor.Doctor(bare).toolkit()[0].ok
+
+
+async def test_the_probe_check_knows_another_process_on_the_port(short_tmp, agents):
+    """What answers on --metrics-address must be the agent doctor was given the settings of: another
+    program that answers 200 there (an exporter, another driver's agent) is not taken for it."""
+    import asyncio
+
+    async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        body = b"[+]event-loop ok\n[+]kubelet-registration ok: registered\nhealthz check passed\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        settings = roots(short_tmp, metrics_address=f"127.0.0.1:{port}")
+        (probes,) = [r for r in await doctor.Doctor(settings).probes()]
+        assert not probes.ok and probes.blocking
+        assert "does not name itself a dra-agent" in probes.detail and "another program" in probes.fix
+    finally:
+        server.close()
+        await server.wait_closed()
+
+    # An agent of another node (doctor given the wrong --node-name) is not this node's either.
+    agent = Agent(roots(short_tmp, metrics_address="127.0.0.1:0", rescan_interval=3600.0))
+    agents.append(agent)
+    await agent.start()
+    assert agent.http is not None
+    port = agent.http.addresses[0][1]
+    (probes,) = await doctor.Doctor(roots(short_tmp, metrics_address=f"127.0.0.1:{port}",
+                                          node_name="node-b")).probes()
+    assert not probes.ok and probes.blocking
+    assert f"the agent of driver {DRIVER} on node {NODE}, not node-b" in probes.detail, probes.detail

@@ -14,7 +14,7 @@ import pytest
 from agentkit import DRIVER, NODE, roots
 from kubeapi import RESOURCE_SLICES, KubeApi
 
-from agent.app.assembly import PublishedForm, build_sources, set_node_allocatable
+from agent.app.assembly import PublishedForm, build_sources, set_node_features
 from agent.inventory import Inventory
 from agent.inventory.nics import NicSource
 from agent.kinds import Kind
@@ -36,7 +36,7 @@ async def make_run_inventory(tmp: Path, node: NodeInfo) -> AsyncIterator[Invento
     inventory = Inventory(build_sources(settings), refine=PublishedForm())
     inventory.open()
     try:
-        set_node_allocatable(inventory, node)
+        set_node_features(inventory, node)
         await inventory.scan()
         yield inventory
     finally:
@@ -109,7 +109,7 @@ async def test_directory_make_run_inventory_rescanned_writes_nothing(tmp_path: P
         assert {"gpu", "cpu", "memory"} <= kinds
         # The NICs are this host's.
         host = NicSource(roots(tmp_path / "host", sysfs_root=Path("/sys")))
-        host_nics = (await asyncio.to_thread(host.scan)).devices  # pyroute2 runs a loop of its own
+        host_nics = (await asyncio.to_thread(host.scan)).devices  # a scan blocks (netlink, sysfs)
         assert sorted(d.name for d in inventory.devices() if d.kind == "nic") == sorted(d.name for d in host_nics)
         await check_directory(tmp_path, inventory, [], node)
 

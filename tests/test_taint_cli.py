@@ -8,14 +8,18 @@ import asyncio
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from agentkit import DRIVER, roots
 
+from agent.app import simctl
+from agent.app.daemon import Agent
 from agent.config import Settings
-from agent.health.conditions import DeviceConditions
+from agent.health.conditions import DeviceConditions, read_saved
 from agent.health.policy import TaintPolicy
-from agent.health.requests import RequestWatcher, health_dir, requests_dir
+from agent.health.requests import RequestWatcher, health_dir, requests_dir, submit_clear
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,3 +95,68 @@ async def test_clear_says_what_it_cleared_and_when_there_was_nothing(tmp_path: P
         assert rc == 2 and "dra-agent:" in err
     finally:
         await watcher.stop()
+
+
+async def agent_cli(settings: Settings, *args: str) -> tuple[int, str, str]:
+    """`dra-agent ARGS` in a second process."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "agent", *args, cwd=ROOT, env=env_of(settings),
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def until(check: Callable[[], object], what: str, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {limit:g} s"
+        await asyncio.sleep(0.05)
+
+
+async def test_clear_refuses_a_device_this_node_does_not_have(tmp_path: Path) -> None:
+    settings = roots(tmp_path)
+    held(settings)
+    rc, out, err = await taints_cli(settings, "clear", "gpu-99")
+    assert rc == 2 and out == "" and "no device gpu-99 on this node" in err, err
+    assert not list(requests_dir(settings).glob("*.json"))  # nothing queued for an agent
+    # One the saved conditions name is known even when discovery would not find it (a lost GPU).
+    rc, out, _ = await taints_cli(settings, "clear", "gpu-4")
+    assert rc == 0 and "queued" in out
+
+
+async def test_commands_queued_while_no_agent_ran_apply_in_the_order_written(short_tmp: Path, agents) -> None:
+    """An XID for the simulated machine and a clear, both written while no agent runs: the clear written
+    after the XID clears it, the one written before it does not."""
+    settings = roots(short_tmp, rescan_interval=3600.0)
+    simctl.submit(settings, simctl.make_command(settings, "xid", "gpu-1", 48))
+    submit_clear(settings, "gpu-1")
+    submit_clear(settings, "gpu-2")
+    simctl.submit(settings, simctl.make_command(settings, "xid", "gpu-2", 48))
+    agent = Agent(settings)
+    agents.append(agent)
+    await agent.start()
+    conditions = agent.health.conditions
+    # The machine applies its commands in the order written, so gpu-1's XID came before gpu-2's.
+    await until(lambda: not list(simctl.control_dir(settings).glob("*.json"))
+                and not list(requests_dir(settings).glob("*.json")) and conditions.taints("gpu-2"),
+                "both commands and both requests applied")
+    assert conditions.taints("gpu-1") == []
+    assert [t.value for t in conditions.taints("gpu-2")] == ["48"]
+
+
+async def test_sim_says_applied_once_the_taints_follow(short_tmp: Path, agents) -> None:
+    """`sim xid` and `sim recover` answer "applied" when `taints` shows what they did, not before (the
+    agent sees a GPU answer again at its next probe)."""
+    settings = roots(short_tmp, rescan_interval=3600.0, gpu_probe_interval=2.0)
+    agent = Agent(settings)
+    agents.append(agent)
+    await agent.start()
+    rc, out, _ = await agent_cli(settings, "sim", "xid", "gpu-3", "48", "--wait", "20")
+    assert rc == 0 and "applied" in out, out
+    assert [c.value for c in read_saved(health_dir(settings))[0] if c.device == "gpu-3"] == ["48"]
+    rc, out, _ = await agent_cli(settings, "sim", "recover", "gpu-3", "--wait", "20")
+    assert rc == 0 and "applied" in out, out
+    assert [c for c in read_saved(health_dir(settings))[0] if c.device == "gpu-3"] == []
+    rc, out, _ = await agent_cli(settings, "sim", "lose", "gpu-5", "--wait", "20")
+    assert rc == 0 and "applied" in out, out
+    assert [c.kind for c in read_saved(health_dir(settings))[0] if c.device == "gpu-5"] == ["gpu-lost"]

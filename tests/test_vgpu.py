@@ -36,8 +36,6 @@ from agent.sim.kernel.emulator import KernelEmulator, WriteKind
 from agent.sim.kernel.tree import SimTree
 from agent.sim.profiles import load_profile
 
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
-
 DRIVER = "dra.example.com"
 NODE = "node-a"
 GPU = "0000:18:00.0"
@@ -99,17 +97,17 @@ def test_types_read_and_devices_made_and_removed(machine: Machine) -> None:
     assert {k: t.max_instances for k, t in types.items()} == LIMITS
     assert types["nvidia-1023"] == mdev.MdevType("nvidia-1023", "GRID H100-10C", "vfio-pci", 8, 10 << 30, 8)
     u = "0f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"
-    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=5)
+    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=30)
     assert mdev.exists(sysfs, u) and mdev.parent_of(sysfs, u) == GPU and mdev.type_of(sysfs, u) == "nvidia-1023"
     assert mdev.mdevs_of(sysfs, GPU) == {u: "nvidia-1023"}
-    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=5)  # there already: nothing written
+    mdev.create(sysfs, GPU, "nvidia-1023", u, timeout=30)  # there already: nothing written
     assert len(machine.kernel.refusals) == 0
     group = mdev.iommu_group(sysfs, u)
     assert [n.path for n in mdev.vfio_nodes(sysfs, machine.host.dev, u)] == ["/dev/vfio/vfio", f"/dev/vfio/{group}"]
     with pytest.raises(MdevStepFailed, match="available_instances is 0"):
         mdev.create(sysfs, GPU, "nvidia-1021", "1f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01", timeout=0.5)
-    mdev.remove(sysfs, u, timeout=5)
-    mdev.remove(sysfs, u, timeout=5)  # gone already: nothing to do
+    mdev.remove(sysfs, u, timeout=30)
+    mdev.remove(sysfs, u, timeout=30)  # gone already: nothing to do
     assert not mdev.exists(sysfs, u) and mdev.read_type(sysfs, GPU, "nvidia-1021") is not None
     machine.kernel.fail(WriteKind.MDEV_CREATE, GPU, reason="the GPU is resetting")
     with pytest.raises(MdevStepFailed, match="did not appear"):
@@ -199,7 +197,7 @@ DEVICE = "gpu-0-vgpu-nvidia-1024-1"
 
 
 def test_plan_checks_without_a_side_effect(machine: Machine) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     part = p.plan("uid-1", alloc(machine.devices, DEVICE))
     assert part == DevicePartition(DEVICE, PartitionKind.MDEV, GPU, "nvidia-1024", boot_id=machine.host.boot_id())
     assert mdev.mdevs_of(machine.host.sysfs, GPU) == {}
@@ -223,7 +221,7 @@ def test_plan_checks_without_a_side_effect(machine: Machine) -> None:
 
 
 def test_create_records_the_uuid_first_then_destroy(machine: Machine) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     allocated = alloc(machine.devices, DEVICE)
     written: list[DevicePartition] = []
 
@@ -246,7 +244,7 @@ def test_create_records_the_uuid_first_then_destroy(machine: Machine) -> None:
 
 
 def test_a_reboot_forgets_the_device_and_create_makes_it_again_under_its_uuid(machine: Machine) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     done = p.create(p.plan("uid-1", alloc(machine.devices, DEVICE)), lambda _: None)
     root = machine.tree.root
     materialize(load_profile("dgx-h100"), root, boot=True)
@@ -262,7 +260,7 @@ class Crash(Exception):
 
 @pytest.mark.parametrize("where", ["write", "mdev-before-create", "mdev-after-create"])
 def test_destroy_converges_after_a_crash_at_any_step_of_create(machine: Machine, where: str) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     last: list[DevicePartition] = []
 
     def write(part: DevicePartition) -> None:
@@ -286,7 +284,7 @@ def test_destroy_converges_after_a_crash_at_any_step_of_create(machine: Machine,
 
 
 def test_destroy_converges_after_a_crash_in_destroy_and_waits_out_a_pending_create(machine: Machine) -> None:
-    p = VgpuPartitioner(machine.host, timeout=5)
+    p = VgpuPartitioner(machine.host, timeout=30)
     done = p.create(p.plan("uid-1", alloc(machine.devices, DEVICE)), lambda _: None)
     failpoints.configure("mdev-before-remove=raise")
     try:

@@ -122,6 +122,11 @@ def device_wire_errors(dev: Mapping[str, Any]) -> list[str]:
             continue
         (kind, value), = wire.items()
         if kind in ("ints", "bools", "strings", "versions"):
+            if not isinstance(value, list) or not value:
+                errs.append(f"attribute {key!r} {kind} must be a list that is not empty")
+                continue
+            if kind == "ints" and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                errs.append(f"attribute {key!r} ints must be integers")
             n_values += len(value)
             continue
         n_values += 1

@@ -5,8 +5,10 @@ attribute values and pool names. The building blocks of the slice, device and st
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from agent.model import AttrValue, Version
+if TYPE_CHECKING:  # the value formats load without the device model (`dra-agent run` checks its
+    from agent.model import AttrValue  # driver name before anything heavy is imported)
 
 MAX_VALUE_LENGTH = 64
 MAX_POOL_NAME = 253
@@ -97,6 +99,8 @@ def label_value_errors(value: str) -> list[str]:
 
 
 def attribute_value_errors(value: AttrValue) -> list[str]:
+    from agent.model import IntList, Version
+
     if isinstance(value, bool):
         return []
     if isinstance(value, int):
@@ -105,6 +109,12 @@ def attribute_value_errors(value: AttrValue) -> list[str]:
         return []
     if isinstance(value, Version):
         return semver_errors(value.value)
+    if isinstance(value, IntList):
+        if not value.values:
+            return ["ints must not be empty"]
+        if not all(type(v) is int and -(2**63) <= v < 2**63 for v in value.values):
+            return ["ints must be 64-bit integers"]
+        return []
     if isinstance(value, str):
         if len(value) > MAX_VALUE_LENGTH:
             return [f"string must be no more than {MAX_VALUE_LENGTH} characters (is {len(value)})"]

@@ -10,7 +10,13 @@ from typing import Any
 
 from agent.apirules.countersets import shared_counters_errors
 from agent.apirules.devices import device_wire_errors
-from agent.apirules.formats import MAX_DRIVER_NAME, dns_label_errors, dns_subdomain_errors, pool_name_errors
+from agent.apirules.formats import (
+    MAX_DRIVER_NAME,
+    dns_label_errors,
+    dns_subdomain_errors,
+    pool_name_errors,
+    qualified_name_errors,
+)
 
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_PER_SLICE_RESTRICTED = 64  # any taint, counter consumption or list attribute in the slice
@@ -87,4 +93,35 @@ def slice_errors(obj: Mapping[str, Any]) -> list[str]:
         seen.add(name)
         errs += [f"{where}.name {e}" for e in dns_label_errors(name)]
         errs += [f"{where}: {e}" for e in device_wire_errors(dev)]
+    errs += _partition_type_errors(spec)
+    skip = spec.get("skipNodeOperations") or []
+    if not set(skip) <= SKIP_OPERATIONS:
+        errs.append(f"spec.skipNodeOperations may hold only {sorted(SKIP_OPERATIONS)}")
+    if "NodePrepareResources" in skip and not {"NodeUnprepareResources", "*"} & set(skip):
+        errs.append("spec.skipNodeOperations: NodePrepareResources cannot be skipped unless NodeUnprepareResources is")
+    return errs
+
+
+SKIP_OPERATIONS = frozenset({"NodePrepareResources", "NodeUnprepareResources", "*"})
+
+
+def _partition_type_errors(spec: Mapping[str, Any]) -> list[str]:
+    """`partitionTypeAttribute`: a fully qualified name, on a slice of devices some of which consume
+    counters, each of those carrying it as a string (a name in the driver's domain may be bare)."""
+    name = spec.get("partitionTypeAttribute")
+    if name is None:
+        return []
+    domain, sep, bare = str(name).partition("/")
+    if not sep or qualified_name_errors(str(name)):
+        return [f"spec.partitionTypeAttribute {name!r} must be a fully qualified attribute name"]
+    consumers = [d for d in spec.get("devices") or [] if d.get("consumesCounters")]
+    if not consumers:
+        return ["spec.partitionTypeAttribute may only be set on a slice of devices that consume counters"]
+    errs = []
+    for dev in consumers:
+        attrs = dev.get("attributes") or {}
+        value = attrs.get(name) or (attrs.get(bare) if domain == spec.get("driver") else None)
+        if not isinstance(value, Mapping) or "string" not in value:
+            errs.append(f"device {dev.get('name')!r} consumes counters and lacks the string attribute {name!r} "
+                        "the slice's partitionTypeAttribute names")
     return errs

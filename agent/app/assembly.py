@@ -1,6 +1,7 @@
 """What the running agent is put together from, shared with the one-shot CLI commands (`agent.app.oneshot`):
 the discovery sources, the simulated machine's kernel, the form a device is published in, the
-agent's root directories, and the node-allocatable switch.
+agent's root directories, and the switches the Node's declared features set (node-allocatable CPU,
+memory and GPU fields; the list form of `numaNode`).
 
 Imported light, like `agent.app.daemon`: every heavy module is imported where it is first used.
 """
@@ -16,6 +17,7 @@ from agent.fsutil import UnsafeRoot, check_root, makedirs
 
 if TYPE_CHECKING:
     from agent.inventory import Inventory, Source
+    from agent.inventory.numa import NumaForm
     from agent.kube import NodeInfo
     from agent.model import Device
     from agent.sim.kernel.emulator import KernelEmulator
@@ -60,12 +62,21 @@ def start_sim_kernel(settings: Settings) -> KernelEmulator | None:
 
 class PublishedForm:
     """Reduces a scanned device to what the API server accepts, so slices, metadata files and the
-    CLI all show the same device. Each problem is logged once, not on every rescan."""
+    CLI all show the same device. Each problem is logged once, not on every rescan. With `settings`,
+    the standard `numaNode` attribute first takes the form the Node's features ask for (`NumaForm`,
+    switched by `set_node_features`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings | None = None) -> None:
         self._reported: set[str] = set()
+        self.numa: NumaForm | None = None
+        if settings is not None:
+            from agent.inventory.numa import NumaForm
+
+            self.numa = NumaForm(settings.sysfs_root)
 
     def __call__(self, device: Device) -> Device | None:
+        if self.numa is not None:
+            device = self.numa(device)
         out, problems = published_form(device)
         for message in problems:
             if message not in self._reported:
@@ -111,8 +122,26 @@ def prepare_roots(settings: Settings) -> None:
             log.warning("%s (allowed by --allow-unsafe-roots)", exc)
 
 
-def set_node_allocatable(inventory: Inventory, node: NodeInfo | None) -> None:
+def numa_lists(settings: Settings, node: NodeInfo | None) -> bool:
+    """Whether `numaNode` is published as a list: `--numa-node-list`, and for `auto` whether the Node
+    declares DRAListTypeAttributes (an API server with the gate off refuses a slice with a list
+    attribute, `agent.publish.dropped`)."""
+    if settings.numa_node_list == "auto":
+        return bool(node and node.list_attributes)
+    return settings.numa_node_list == "true"
+
+
+def set_node_features(inventory: Inventory, node: NodeInfo | None, settings: Settings | None = None) -> None:
+    """Set what the Node's declared features switch: node-allocatable fields on every source that has
+    them, and (with `settings`) the form of `numaNode`. The sources must scan again for it to show."""
     enabled = bool(node and node.node_allocatable)
     for source in inventory.sources:
         if hasattr(source, "node_allocatable"):
             source.node_allocatable = enabled
+    form = inventory.refine
+    if settings is not None and isinstance(form, PublishedForm) and form.numa is not None:
+        lists = numa_lists(settings, node)
+        if lists != form.numa.lists:
+            log.info("resource.kubernetes.io/numaNode is published as %s", "a list (the node, then its socket's "
+                     "nearest nodes)" if lists else "the device's node")
+        form.numa.set_lists(lists)

@@ -5,273 +5,177 @@
     dra-agent slices [-o yaml|json]    the exact ResourceSlices that would be published
     dra-agent claims [-o table|json]   claims prepared on this node (from the state dir)
     dra-agent kubelet info|prepare|unprepare|health
-    dra-agent cdi validate [DIR...]
+    dra-agent cdi validate [PATH...]
     dra-agent doctor [-o text|json]    check this node the way a person would when a pod is stuck
     dra-agent taints [-o table|json]   the device taints the agent holds; `taints clear DEVICE`
     dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE   drive the simulated GPUs
+    dra-agent vfio status              what the agent bound to vfio-pci
+    dra-agent pool status [-o text|json]   this node's pool as the cluster sees it, beside the node's view
+    dra-agent help settings            every setting (flag and environment variable)
 
-Every command accepts the same settings as `run` (flags or environment variables).
+Every command accepts the same settings as `run` (flags or environment variables); its `--help`
+lists its own options and the settings that matter to it, `dra-agent help settings` all of them.
+A usage error is one line and a pointer to `--help`, exit status 2; a reader that goes away (`| head`)
+ends a command quietly, with the status a shell gives a command killed by SIGPIPE (141).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import os
 import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from agent import config
-from agent.app.output import dump, table
+from agent import __version__, config
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 # Each command imports what it needs when it runs: `dra-agent kubelet info` and `dra-agent claims`
 # are commands a person waits for, and the agent's full set of modules takes most of a second
 # to import on a small node.
-_LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor", "vfio"}
+_LIGHT_COMMANDS = {"run", "devices", "slices", "claims", "kubelet", "cdi", "doctor", "vfio", "pool", "help"}
+
+SIGPIPE_STATUS = 128 + 13  # what a shell reports for a command killed by SIGPIPE
+
+# The settings each command's --help lists (it takes all of them; `dra-agent help settings` lists all).
+DISCOVERY = ("nvml", "node_name", "state_dir", "offline", "kubeconfig", "nic_include", "nic_exclude")
+KUBELET = ("kubelet_dir", "driver_name", "rolling_update_pod_uid")
+SHOWN: dict[str, Collection[str] | None] = {
+    "run": None,  # all: they are run's own options
+    "devices": DISCOVERY,
+    "slices": (*DISCOVERY, "driver_name"),
+    "claims": ("state_dir",),
+    "vfio status": ("state_dir", "nvml"),
+    "kubelet info": KUBELET,
+    "kubelet health": KUBELET,
+    "kubelet prepare": (*KUBELET, "offline", "kubeconfig", "state_dir"),
+    "kubelet unprepare": (*KUBELET, "offline", "kubeconfig", "state_dir"),
+    "cdi validate": ("cdi_dir", "static_cdi_dir"),
+    "doctor": ("kubelet_dir", "state_dir", "cdi_dir", "metrics_address", "offline", "kubeconfig"),
+    "pool status": (*DISCOVERY, "driver_name"),
+    "taints": ("state_dir", "driver_name"),
+    "taints clear": ("state_dir", "nvml", "node_name"),
+    "sim": ("nvml", "state_dir"),
+}
 
 
 # -- commands ---------------------------------------------------------------------------------------
 
 def cmd_run(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent.app import daemon
+    from agent.app import process
 
-    return asyncio.run(daemon.run(settings))
-
-
-def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent.app import oneshot
-
-    devices, not_published = asyncio.run(oneshot.discover_once(settings))
-    functions = _pci_functions(settings, devices)
-    if args.output == "table":
-        rows = []
-        for d in devices:
-            attrs = d.attributes
-            summary = ", ".join(f"{k}={attrs[k]}" for k in ("productName", "ifName", "ipv4", "socket")
-                                if k in attrs)
-            driver, group = functions.get(d.name, ("", None))
-            rows.append((d.name, d.kind, ",".join(f"{k}={c.value}" for k, c in sorted(d.capacity.items())),
-                         str(attrs.get("resource.kubernetes.io/pciBusID", "")), driver,
-                         "" if group is None else str(group),
-                         str(attrs.get("resource.kubernetes.io/numaNode", "")), summary))
-        print(table(rows, ("NAME", "KIND", "CAPACITY", "PCI BUS ID", "DRIVER", "IOMMU", "NUMA", "DETAILS")))
-        for line in not_published:
-            print(f"not published: {line}", file=sys.stderr)
-    else:
-        out = []
-        for d in devices:
-            shown = d.summary()
-            if d.name in functions:
-                shown["pciFunction"] = {"driver": functions[d.name][0], "iommuGroup": functions[d.name][1]}
-            out.append(shown)
-        print(dump(out, args.output))
-    return 0
+    return process.main(settings)
 
 
-def _pci_functions(settings: config.Settings, devices: Sequence[Any]) -> dict[str, tuple[str, int | None]]:
-    """Device name -> (the driver its PCI function is bound to now, its IOMMU group), read from sysfs (the
-    simulated machine's with --nvml sim, which holds its GPUs and NIC; the host's for the rest)."""
-    from agent.host.vfio.host import VfioHost
-    from agent.host.vfio.pci import current_driver, function_dir, iommu_group
+def _command(name: str) -> Callable[[argparse.Namespace, config.Settings], int]:
+    """A command of `agent.app.commands`, imported when it runs."""
+    def run(args: argparse.Namespace, settings: config.Settings) -> int:
+        from agent.app import commands
 
-    roots = [VfioHost.of(settings).sysfs, settings.sysfs_root]
-    out: dict[str, tuple[str, int | None]] = {}
-    for d in devices:
-        bus = d.pci_bus_id
-        if not bus:
-            continue
-        sysfs = next((r for r in roots if function_dir(r, bus).exists()), None)
-        if sysfs is not None:
-            out[d.name] = (current_driver(sysfs, bus) or "none", iommu_group(sysfs, bus))
-    return out
+        return int(getattr(commands, name)(args, settings))
+
+    return run
 
 
-def cmd_vfio(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent.app.vfiostatus import bound_functions, left_undone
-    from agent.claims.leftovers import Leftovers, leftovers_dir
-    from agent.claims.store import ClaimStore
-    from agent.host.vfio.host import VfioHost
-
-    records, problems = ClaimStore(settings.claims_state_dir).load_all()
-    sysfs = VfioHost.of(settings).sysfs
-    bound = bound_functions(sysfs, list(records.values()))
-    left = left_undone(sysfs, Leftovers(leftovers_dir(settings.state_dir)).all())
-    if args.output == "json":
-        print(dump([b.wire() for b in bound] + [lo.wire() for lo in left], "json"))
-    else:
-        rows = [(b.claim, str(b.state), b.device, b.function, b.role, "" if b.group is None else str(b.group),
-                 b.iommu, b.original, b.now + ("" if b.consistent else f" (record says {b.expected})")) for b in bound]
-        rows += [(lo.claim, "left undone", lo.device, lo.function, lo.role, "", "", lo.original, lo.now)
-                 for lo in left]
-        print(table(rows, ("CLAIM", "STATE", "DEVICE", "FUNCTION", "ROLE", "IOMMU GROUP", "INTERFACE",
-                            "HOST DRIVER", "DRIVER NOW")))
-        for lo in left:
-            print(f"left undone: {lo.why}", file=sys.stderr)
-    for name, why in problems:
-        print(f"unreadable record {name}: {why}", file=sys.stderr)
-    return 1 if problems or left or not all(b.consistent for b in bound) else 0
-
-
-def cmd_slices(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent.app import oneshot
-
-    print(dump(asyncio.run(oneshot.render_slices(settings)), args.output))
-    return 0
-
-
-def cmd_claims(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent.claims.store import ClaimStore
-
-    records, problems = ClaimStore(settings.claims_state_dir).load_all()
-    ordered = sorted(records.values(), key=lambda r: (r.namespace, r.name))
-    if args.output == "json":
-        print(dump([{
-            "namespace": r.namespace, "name": r.name, "uid": r.uid, "podClaimName": r.pod_claim_name,
-            "devices": [d.to_json() for d in r.devices], "files": [f.path for f in r.files],
-            "preparedAt": r.prepared_at,
-        } for r in ordered], "json"))
-    else:
-        rows = [(f"{r.namespace}/{r.name}", r.uid, ",".join(d.device for d in r.devices),
-                 " ".join(i for d in r.devices for i in d.cdi_device_ids)) for r in ordered]
-        print(table(rows, ("CLAIM", "UID", "DEVICES", "CDI DEVICE IDS")))
-        if args.files:
-            for r in ordered:
-                print(f"\n{r.namespace}/{r.name}:")
-                for f in r.files:
-                    print(f"  {f.path}")
-    for name, why in problems:
-        print(f"unreadable record {name}: {why}", file=sys.stderr)
-    return 1 if problems else 0
-
-
-class _NoClaim(Exception):
-    """The claim's UID could not be read from the claim source."""
-
-
-def cmd_kubelet(args: argparse.Namespace, settings: config.Settings) -> int:
-    import grpc
-
-    from agent.kubelet import client as kc
-
-    try:
-        return asyncio.run(_kubelet(args, settings, kc))
-    except grpc.aio.AioRpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 2
-    except _NoClaim as exc:
-        print(f"error: {exc} (give --uid, or the agent's --offline DIR / cluster settings)", file=sys.stderr)
-        return 2
-
-
-async def _kubelet(args: argparse.Namespace, settings: config.Settings, kc: Any) -> int:
-    if args.action == "info":
-        info = await kc.get_info(settings.registration_socket)
-        print(f"type:      {info.type}\nname:      {info.name}\nendpoint:  {info.endpoint}\n"
-              f"versions:  {', '.join(info.supported_versions)}")
+def cmd_help(args: argparse.Namespace, settings: config.Settings) -> int:
+    if args.topic == "settings":
+        p = argparse.ArgumentParser(prog="dra-agent", usage=argparse.SUPPRESS, add_help=False,
+                                    description="Every command takes these settings, each as a flag or an "
+                                                "environment variable (the flag wins). Give a command the "
+                                                "agent's own, so that it finds what the agent made.")
+        config.add_arguments(p)
+        print(p.format_help(), end="")
         return 0
-    if args.action == "health":
-        async for response in kc.watch_health(settings.dra_socket, args.api or "v1"):
-            print(dump(kc.to_dict(response), "json"), flush=True)
-            if args.once:
-                break
-        return 0
-    ref = await _claim_ref(args, settings)
-    async with kc.DRAClient(settings.dra_socket, args.api or "v1") as client:
-        call = client.prepare if args.action == "prepare" else client.unprepare
-        response = await call([ref])
-    out = kc.to_dict(response)
-    print(dump(out, "json"))
-    return 1 if any(c.get("error") for c in out.get("claims", {}).values()) else 0
-
-
-async def _claim_ref(args: argparse.Namespace, settings: config.Settings) -> Any:
-    from agent.names import ClaimRef
-
-    namespace, sep, name = args.claim.partition("/")
-    if not sep:
-        raise SystemExit("claim must be NAMESPACE/NAME")
-    uid = args.uid
-    if not uid:
-        from agent.app import oneshot
-        from agent.app.connection import StartupError
-        from agent.claims.sources import ClaimNotFound, ClaimSourceError
-
-        try:
-            claim = await oneshot.fetch_claim(settings, namespace, name)
-        except (ClaimNotFound, ClaimSourceError, StartupError) as exc:
-            raise _NoClaim(str(exc)) from exc
-        uid = (claim.get("metadata") or {}).get("uid", "")
-    return ClaimRef(namespace, name, uid)
-
-
-def cmd_cdi(args: argparse.Namespace, settings: config.Settings) -> int:
-    from cdi.validate import format_report, validate_dirs
-
-    dirs = [Path(d) for d in args.dirs] or [settings.static_cdi_dir, settings.cdi_dir]
-    report = validate_dirs(dirs)
-    print(format_report(report))
-    return 0 if report.ok else 1
-
-
-def cmd_doctor(args: argparse.Namespace, settings: config.Settings) -> int:
-    from agent.app import doctor
-
-    results = asyncio.run(doctor.run(settings, host_root=Path(args.host_root)))
-    if args.output == "json":
-        print(dump([r.to_json() for r in results], "json"))
-    else:
-        encoding = sys.stdout.encoding or "ascii"
-        try:
-            "✓✗".encode(encoding)
-            ascii_only = False
-        except UnicodeEncodeError:
-            ascii_only = True
-        print(doctor.format_text(results, ascii_only=ascii_only))
-    return doctor.exit_status(results)
+    print(args.topics[args.topic].format_help(), end="")
+    return 0
 
 
 # -- parser -----------------------------------------------------------------------------------------
 
-def parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The full parser; with `only` one of `_LIGHT_COMMANDS`, the commands defined in other
-    modules (taints, sim) are left out, so their imports are not paid for."""
-    p = argparse.ArgumentParser(prog="dra-agent", description="Kubernetes DRA node agent")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage error is one line and a pointer to `--help` (argparse prints the
+    whole usage, which for the agent's commands is a page)."""
 
-    def command(name: str, help: str, fn: Any) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
-        sp.set_defaults(fn=fn)
-        config.add_arguments(sp)
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nSee '{self.prog} --help'.\n")
+
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
+        # Written here, not by argparse, which swallows the error of a reader that went away.
+        (file or sys.stdout).write(self.format_help())
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> NoReturn:
+        print(f"dra-agent {__version__}")
+        parser.exit()
+
+
+def parser(words: Sequence[str] | None = None) -> Parser:
+    """The full parser; for `words` whose command is one of `_LIGHT_COMMANDS`, the commands defined
+    in other modules (taints, sim) are left out, so their imports are not paid for, and only the
+    command being run takes the settings as options (argparse spends most of a CLI call's start on
+    them: every command takes all of them)."""
+    only = words[0] if words else None
+    p = Parser(prog="dra-agent", description="Kubernetes DRA node agent",
+               epilog=f"Every command takes the agent's settings, as flags or environment variables: "
+                      f"{config.SETTINGS_HELP} lists them. COMMAND --help shows a command's own options.")
+    p.add_argument("--version", action=_Version)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    topics: dict[str, argparse.ArgumentParser] = {"": p}
+
+    def wanted(path: str) -> bool:
+        if words is None or only == "help" or only not in _LIGHT_COMMANDS:
+            return True
+        return list(words[:len(path.split())]) == path.split()
+
+    def leaf(where: Any, name: str, help: str, fn: Callable[..., int], path: str | None = None) -> Parser:
+        path = path or name
+        sp: Parser = where.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn, parser=sp)
+        if wanted(path):
+            config.add_arguments(sp, SHOWN.get(path, SHOWN.get(path.split()[0])))
+        topics[path] = sp
         return sp
 
-    command("run", "run the agent", cmd_run)
-    sp = command("devices", "discover and show this node's devices", cmd_devices)
+    leaf(sub, "run", "run the agent", cmd_run)
+    sp = leaf(sub, "devices", "discover and show this node's devices", _command("cmd_devices"))
     sp.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
-    sp = command("slices", "show the ResourceSlices that would be published", cmd_slices)
+    sp = leaf(sub, "slices", "show the ResourceSlices that would be published", _command("cmd_slices"))
     sp.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
-    sp = command("claims", "show the claims prepared on this node", cmd_claims)
+    sp = leaf(sub, "claims", "show the claims prepared on this node", _command("cmd_claims"))
     sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
     sp.add_argument("--files", action="store_true", help="also list each claim's files")
 
-    vfp = sub.add_parser("vfio", help="PCI functions this agent has bound to vfio-pci")
-    vsub = vfp.add_subparsers(dest="action", required=True, metavar="ACTION")
-    sp = vsub.add_parser("status", help="what the agent has bound to vfio-pci and for which claim (from the claim "
-                         "records), with each function's driver now; exit 1 when one is not bound as its record says",
-                         description="what the agent has bound to vfio-pci, from the claim records")
-    sp.set_defaults(fn=cmd_vfio)
-    config.add_arguments(sp)
+    vsub = sub.add_parser("vfio", help="PCI functions this agent has bound to vfio-pci").add_subparsers(
+        dest="action", required=True, metavar="ACTION")
+    sp = leaf(vsub, "status", "what the agent has bound to vfio-pci and for which claim (from the claim records), "
+              "with each function's driver now; exit 1 when one is not bound as its record says",
+              _command("cmd_vfio"), "vfio status")
     sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
 
-    kp = sub.add_parser("kubelet", help="call the running agent like the kubelet does")
-    ksub = kp.add_subparsers(dest="action", required=True, metavar="ACTION")
+    psub = sub.add_parser("pool", help="this node's pool").add_subparsers(dest="action", required=True,
+                                                                         metavar="ACTION")
+    sp = leaf(psub, "status", "this node's pool as the cluster sees it (a ResourcePoolStatusRequest) beside the "
+              "node's own view (prepared claims, taints, free devices); exit 1 without a cluster view",
+              _command("cmd_pool"), "pool status")
+    sp.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="how long to wait for the cluster's answer (default: 30)")
+
+    ksub = sub.add_parser("kubelet", help="call the running agent like the kubelet does").add_subparsers(
+        dest="action", required=True, metavar="ACTION")
     for action, help in (("info", "GetInfo on the registration socket (1 s timeout)"),
                          ("prepare", "NodePrepareResources for one claim"),
                          ("unprepare", "NodeUnprepareResources for one claim"),
                          ("health", "follow the device health stream")):
-        ap = ksub.add_parser(action, help=help, description=help)
-        ap.set_defaults(fn=cmd_kubelet)
-        config.add_arguments(ap)
+        ap = leaf(ksub, action, help, _command("cmd_kubelet"), f"kubelet {action}")
         if action in ("prepare", "unprepare"):
             ap.add_argument("claim", metavar="NAMESPACE/NAME")
             ap.add_argument("--uid", default="", help="claim UID (default: read from the claim source)")
@@ -280,32 +184,74 @@ def parser(only: str | None = None) -> argparse.ArgumentParser:
             ap.add_argument("--api", choices=("v1", "v1alpha1"), default="v1")
             ap.add_argument("--once", action="store_true", help="print the first list and exit")
 
-    cp = sub.add_parser("cdi", help="CDI spec tools")
-    csub = cp.add_subparsers(dest="action", required=True, metavar="ACTION")
-    vp = csub.add_parser("validate", help="strictly check the CDI specs in DIRs (default: the CDI dirs)")
-    vp.set_defaults(fn=cmd_cdi)
-    vp.add_argument("dirs", nargs="*", metavar="DIR")
-    config.add_arguments(vp)
+    csub = sub.add_parser("cdi", help="CDI spec tools").add_subparsers(dest="action", required=True,
+                                                                        metavar="ACTION")
+    vp = leaf(csub, "validate", "strictly check CDI specs: the spec files in each directory PATH, or a spec file "
+              "PATH (default: the CDI directories); exit 1 on any problem, and for a PATH that holds no spec",
+              _command("cmd_cdi"), "cdi validate")
+    vp.add_argument("paths", nargs="*", metavar="PATH")
 
-    sp = command("doctor", "check this node: kubelet, sockets, runtime CDI support, CDI dirs, NVML, IOMMU and "
-                 "vfio-pci, state, the API server and RBAC; exit 1 when something blocks the agent", cmd_doctor)
+    sp = leaf(sub, "doctor", "check this node: kubelet, sockets, runtime CDI support, CDI dirs, NVML, IOMMU and "
+              "vfio-pci, state, the API server and RBAC; exit 1 when something blocks the agent",
+              _command("cmd_doctor"))
     sp.add_argument("-o", "--output", choices=("text", "json"), default="text")
     sp.add_argument("--host-root", default="/", metavar="DIR",
                     help="the host's / (its /etc holds the container runtime's configuration), when doctor runs "
                          "in a container with it mounted (default: /)")
-    if only in _LIGHT_COMMANDS:
+
+    hp = sub.add_parser("help", help=f"show the help of a command, or every setting ({config.SETTINGS_HELP})",
+                        description="show the help of a command, or every setting")
+    hp.set_defaults(fn=cmd_help, parser=hp, topics=topics)
+    hp.add_argument("topic", nargs="?", default="", metavar="TOPIC", help="settings, or a command (`kubelet "
+                    "prepare`, `taints clear`)")
+    if only in _LIGHT_COMMANDS and only != "help":
         return p
     from agent.app import simctl
     from agent.app import taints as taintctl
 
-    taintctl.add_parser(sub, config.add_arguments)
-    simctl.add_sim_parser(sub, config.add_arguments)
+    def settings_of(group: str) -> Callable[[argparse.ArgumentParser], None]:
+        def add(parser: argparse.ArgumentParser) -> None:
+            path = parser.prog.removeprefix("dra-agent ")
+            parser.set_defaults(parser=parser)
+            config.add_arguments(parser, SHOWN.get(path, SHOWN[group]))
+            topics[path] = parser
+        return add
+
+    taintctl.add_parser(sub, settings_of("taints"))
+    simctl.add_sim_parser(sub, settings_of("sim"))
     return p
 
 
+def _parse(words: list[str]) -> argparse.Namespace:
+    p = parser(words)
+    if words[:1] == ["help"] and len(words) > 2:  # `dra-agent help kubelet prepare`
+        words = ["help", " ".join(words[1:])]
+    args, extra = p.parse_known_args(words)
+    if args.command == "help" and args.topic not in ("settings", *args.topics):
+        args.parser.error(f"no help on {args.topic!r}: settings, or a command "
+                          f"({', '.join(t for t in args.topics if t)})")
+    if extra:  # said by the command's own parser, so that the pointer is to its --help
+        getattr(args, "parser", p).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
-    args = parser(words[0] if words else None).parse_args(words)
+    try:
+        try:
+            return _main(list(sys.argv[1:] if argv is None else argv))
+        finally:
+            sys.stdout.flush()  # here, where a reader that went away is still an exception to catch
+    except BrokenPipeError:
+        # The reader went away (`dra-agent claims -o json | head -1`): stop quietly, as a Unix tool
+        # does. What is still buffered goes nowhere, so that the interpreter's exit does not complain.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return SIGPIPE_STATUS
+
+
+def _main(words: list[str]) -> int:
+    args = _parse(words)
     try:
         settings = config.settings_from(args)
     except config.ConfigError as exc:

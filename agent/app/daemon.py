@@ -12,37 +12,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
-import signal
 import time
 from collections.abc import AsyncIterator, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from agent import config as config_mod
 from agent.app.assembly import (
     PublishedForm,
     build_sources,
     prepare_roots,
-    set_node_allocatable,
+    set_node_features,
     start_sim_kernel,
 )
 from agent.config import Settings
 from agent.kubelet.server import Servers
 
-# This module is imported light (issue 11): the registration socket opens before discovery, the
-# engine, the API client and their dependencies are imported. They are imported where first used.
+# This module is imported light: the registration socket opens before discovery, the engine, the
+# API client and their dependencies are imported. They are imported where first used.
 if TYPE_CHECKING:
     from agent.app.connection import Connection
+    from agent.app.httpserver import Check
+    from agent.app.probes import DevicesView, PublishView, SocketsView
+    from agent.app.quarantine import QuarantineReporter
     from agent.engine.prepare import PrepareEngine
     from agent.engine.recovery import RecoveryReport
     from agent.engine.selfheal import SelfHealer
     from agent.health.claimstatus import ClaimStatusWriter
     from agent.inventory.netwatch import NetEvent
-    from agent.metrics import AgentState, Check, MetricsServer
+    from agent.metrics import AgentState
     from agent.model import Device
-    from agent.publish.apiserver import PublishLoop
+    from agent.publish.loop import PublishLoop
     from agent.sim.kernel.emulator import KernelEmulator
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,24 @@ log = logging.getLogger(__name__)
 RECOVERY_BATCH = 64  # records checked per worker-thread call in the background start-up check
 
 
+@dataclass(eq=False)
+class Running:
+    """The parts that start with the agent's connection (to the cluster, or its offline directory),
+    made by `Agent.start` once every one of them has started."""
+
+    conn: Connection
+    engine: PrepareEngine
+    claim_status: ClaimStatusWriter
+    kernel: KernelEmulator | None  # the simulated machine's kernel (--nvml sim)
+    selfheal: SelfHealer | None  # None: self-healing is off (no inotify instance or watch to be had)
+    quarantines: QuarantineReporter  # unreadable records set aside, reported (an Event on the Node)
+    publish: PublishLoop | None = None  # from when the Node is known
+
+
 class Agent:
     def __init__(self, settings: Settings, servers: Servers | None = None) -> None:
+        """`servers`: with the registration server listening already (`open_registration`)."""
+        from agent.app.httpserver import MetricsServer, identity_headers
         from agent.claims.store import ClaimStore
         from agent.health.service import DeviceHealthService
         from agent.inventory import Inventory
@@ -59,31 +75,51 @@ class Agent:
         from agent.metrics import Metrics
 
         self.settings = settings
-        self.inventory = Inventory(build_sources(settings), refine=PublishedForm())
+        self.inventory = Inventory(build_sources(settings), refine=PublishedForm(settings))
         self.store = ClaimStore(settings.claims_state_dir)
         self.tracker = HealthTracker(pool=settings.node_name)
-        self.conn: Connection | None = None
-        self.engine: PrepareEngine | None = None
-        self.servers = servers  # with the registration server started already (`open_registration`)
-        self.selfheal: SelfHealer | None = None
-        self.publish: PublishLoop | None = None
+        self.servers = servers if servers is not None else Servers(settings)
         self.health = DeviceHealthService(settings, self.inventory, self._conditions_changed)
-        self.claim_status: ClaimStatusWriter | None = None
         self.metrics = Metrics()
         self.metrics.state = self.metrics_state
         self.inventory.on_scan = self.metrics.scanned
-        self.http: MetricsServer | None = None
-        self.kernel: KernelEmulator | None = None  # the simulated machine's kernel (--nvml sim)
+        endpoint = settings.metrics_endpoint
+        self.http = None if endpoint is None else MetricsServer(
+            self.metrics, *endpoint, healthz=self.healthz, readyz=self.readyz, identity=identity_headers(settings))
+        self._running: Running | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._devices: dict[str, Device] = {}
         self.recovered = asyncio.Event()  # every record listed at start-up is checked, orphans removed
         self.refreshed = asyncio.Event()  # the start-up refresh of prepared claims is done
 
+    @property
+    def running(self) -> Running:
+        if self._running is None:
+            raise RuntimeError("the agent has not started")
+        return self._running
+
+    # The running parts by name (for tests and tools that drive an agent in-process).
+    @property
+    def conn(self) -> Connection:
+        return self.running.conn
+
+    @property
+    def engine(self) -> PrepareEngine:
+        return self.running.engine
+
+    @property
+    def selfheal(self) -> SelfHealer | None:
+        return self._running.selfheal if self._running is not None else None
+
+    @property
+    def publish(self) -> PublishLoop | None:
+        return self._running.publish if self._running is not None else None
+
     async def start(self) -> None:
         """Registration first (unless `run` opened it already), then the rest; a start that fails
         closes the sockets before the error goes on."""
-        if self.servers is None:
-            self.servers = await open_registration(self.settings)
+        if not self.servers.registration_started:
+            await open_registration(self.settings, self.servers)
         try:
             await self._start(self.servers)
         except BaseException:
@@ -92,93 +128,100 @@ class Agent:
 
     async def _start(self, servers: Servers) -> None:
         from agent.app.connection import connect
+        from agent.app.quarantine import QuarantineReporter
         from agent.engine.gc import ClaimCollector, collection_off
         from agent.engine.prepare import PrepareEngine
         from agent.engine.recovery import begin_recovery
-        from agent.engine.selfheal import SelfHealer
         from agent.health.claimstatus import ClaimStatusWriter
         from agent.health.statussinks import sink_for
         from agent.inventory.gpus import GpuSource
-        from agent.metrics import MetricsServer
 
         s = self.settings
         started = time.monotonic()
-        if s.metrics_endpoint is not None:
-            host, port = s.metrics_endpoint
-            self.http = MetricsServer(self.metrics, host, port, healthz=self.healthz, readyz=self.readyz)
+        if self.http is not None:
             await self.http.start()
-        self.conn = await connect(s)
-        log.info("mode: %s (%s)", self.conn.mode, self.conn.reason)
-        await asyncio.to_thread(prepare_roots, s)  # again: checked before the engine writes below them
-        await asyncio.to_thread(self.inventory.open)
-        self.kernel = await asyncio.to_thread(start_sim_kernel, s)
-        set_node_allocatable(self.inventory, self.conn.node)
-        self.engine = PrepareEngine(s, self.inventory, self.conn.claim_source(s), self.store, metrics=self.metrics)
-        loop = asyncio.get_running_loop()
-
-        def leftovers_changed() -> None:  # host changes an unprepare left: the devices' undo-failed taint follows
-            loop.call_soon_threadsafe(self.health.note_leftovers)
-        self.engine.leftovers.on_change = leftovers_changed
-        # Records are only listed here; each is checked in the background or by the first operation
-        # on its claim, whichever comes first (agent.engine.recovery).
-        _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(begin_recovery, self.engine))
-        await self.health.start()
-        for source in self.inventory.sources:
-            if isinstance(source, GpuSource):
-                self.health.watch_gpus(source)
-        snapshot = self.inventory.snapshot()
-        self._devices = snapshot.devices
-        self.health.observe(snapshot)
-        await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
-        self.claim_status = ClaimStatusWriter(
-            s.driver_name, sink_for(self.conn.client, self.conn.offline, s.driver_name), self.health,
-            self.engine.book, readiness=self.health, metrics=self.metrics)
-        self.engine.listeners.append(self.claim_status)
-        servers.attach(self.engine, self.tracker)
-        await servers.start_dra()
-        self.selfheal = SelfHealer(s, self.engine, servers)
-        try:
-            await self.selfheal.start()
-        except OSError as exc:  # out of inotify instances or watches: the agent still serves
-            log.warning("self-healing is off: %s", exc)
-            await self.selfheal.stop()
-            self.selfheal = None
+        async with contextlib.AsyncExitStack() as undo:  # a start that fails stops what started below
+            conn = await connect(s)
+            undo.push_async_callback(conn.close)
+            log.info("mode: %s (%s)", conn.mode, conn.reason)
+            await asyncio.to_thread(prepare_roots, s)  # again: checked before the engine writes below them
+            await asyncio.to_thread(self.inventory.open)
+            kernel = await asyncio.to_thread(start_sim_kernel, s)
+            if kernel is not None:
+                undo.push_async_callback(asyncio.to_thread, kernel.stop)
+            set_node_features(self.inventory, conn.node, s)
+            engine = PrepareEngine(s, self.inventory, conn.claim_source(s), self.store, metrics=self.metrics)
+            engine.on_quarantine = reporter = QuarantineReporter(asyncio.get_running_loop(), conn, s)
+            undo.push_async_callback(reporter.stop)
+            self.health.follow(engine.leftovers)  # what unprepares left undone: the devices' undo-failed taints
+            # Records are only listed here; each is checked in the background or by the first operation
+            # on its claim, whichever comes first (agent.engine.recovery).
+            _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(begin_recovery, engine))
+            await self.health.start()
+            for source in self.inventory.sources:
+                if isinstance(source, GpuSource):
+                    self.health.watch_gpus(source)
+            snapshot = self.inventory.snapshot()
+            self._devices = snapshot.devices
+            self.health.observe(snapshot)
+            await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
+            claim_status = ClaimStatusWriter(
+                s.driver_name, sink_for(conn.client, conn.offline, s.driver_name, engine.claims), self.health,
+                engine.book, readiness=self.health, metrics=self.metrics)
+            undo.push_async_callback(claim_status.stop)
+            engine.listeners.append(claim_status)
+            servers.attach(engine, self.tracker)
+            await servers.start_dra()
+            running = Running(conn, engine, claim_status, kernel, await self._self_healing(engine), reporter)
+            self._running = running
+            undo.pop_all()
         log.info("ready in %.2fs: %d devices, %d claim records (checked in the background)",
-                 time.monotonic() - started, len(self._devices), len(self.engine.unverified()))
-        self._spawn(self._recover(report), "recover")
-        self._spawn(self._publishing(), "publish")
+                 time.monotonic() - started, len(self._devices), len(engine.unverified()))
+        self._spawn(self._recover(running, report), "recover")
+        self._spawn(self._publishing(running), "publish")
         self._spawn(self._rescans(), "rescan")
         self._spawn(self._netlink_events(), "netlink")
-        if (off := collection_off(s, self.conn.offline)) is None:
-            self._spawn(ClaimCollector(self.engine, s.gc_grace_period, metrics=self.metrics).run(), "gc")
+        if (off := collection_off(s, conn.offline)) is None:
+            self._spawn(ClaimCollector(engine, s.gc_grace_period, metrics=self.metrics).run(), "gc")
         else:
             log.info("garbage collection is off: %s", off)
 
-    async def _recover(self, report: RecoveryReport) -> None:
+    async def _self_healing(self, engine: PrepareEngine) -> SelfHealer | None:
+        from agent.engine.selfheal import SelfHealer
+
+        selfheal = SelfHealer(self.settings, engine, self.servers)
+        try:
+            await selfheal.start()
+        except OSError as exc:  # out of inotify instances or watches: the agent still serves
+            log.warning("self-healing is off: %s", exc)
+            await selfheal.stop()
+            return None
+        return selfheal
+
+    async def _recover(self, running: Running, report: RecoveryReport) -> None:
         """Check every record listed at start-up, a batch per worker-thread call with the event loop
         free in between (prepares keep being answered meanwhile), then remove orphaned files and bring
         the claims' status and metadata up to date."""
         from agent.engine.recovery import check_records, finish_recovery
 
-        assert self.engine is not None and self.claim_status is not None
-        pending = self.engine.unverified()
+        engine = running.engine
+        pending = engine.unverified()
         for i in range(0, len(pending), RECOVERY_BATCH):
-            await asyncio.to_thread(check_records, self.engine, pending[i:i + RECOVERY_BATCH])
-        await asyncio.to_thread(finish_recovery, self.engine, report)
+            await asyncio.to_thread(check_records, engine, pending[i:i + RECOVERY_BATCH])
+        await asyncio.to_thread(finish_recovery, engine, report)
         log.info("state: %s", report.summary())
         self.metrics.recovered(len(report.repaired), len(report.removed), len(report.quarantined))
         report.records.clear()  # every record, whole: the book keeps what is needed, and far less
         # The API may have missed writes while no agent ran (or they were queued when it stopped).
-        self.claim_status.resync(self.engine.records.values())
+        running.claim_status.resync(engine.records.values())
         self.recovered.set()
-        await self._refresh_prepared()
+        await self._refresh_prepared(engine)
 
-    async def _refresh_prepared(self) -> None:
+    async def _refresh_prepared(self, engine: PrepareEngine) -> None:
         """Devices may have changed while no agent was running (a NIC got its IP): bring every
         prepared claim's metadata up to date with the first scan. In the background, so the
         kubelet is served at once; each claim is refreshed under its own lock."""
-        assert self.engine is not None
-        updated = await self.engine.refresh_claims(sorted(self.engine.records))
+        updated = await engine.refresh_claims(sorted(engine.records))
         if updated:
             log.info("metadata of %d prepared claims brought up to date after the start", updated)
         self.refreshed.set()
@@ -193,21 +236,22 @@ class Agent:
         if not task.cancelled() and task.exception() is not None:
             log.error("background task %s died", task.get_name(), exc_info=task.exception())
 
-    async def _publishing(self) -> None:
+    async def _publishing(self, running: Running) -> None:
         from agent.app.connection import wait_for_node
-        from agent.publish.apiserver import PublishLoop
+        from agent.publish.loop import PublishLoop
 
-        assert self.conn is not None
-        node = self.conn.node
+        conn = running.conn
+        node = conn.node
         if node is None:
-            node = await wait_for_node(self.conn, self.settings.node_name)
-            set_node_allocatable(self.inventory, node)
-            await self.rescan(["cpu", "memory", "gpu"])
-        self.publish = PublishLoop(self.conn.publisher(self.settings, node),
-                                   verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
-        self.publish.on_published = lambda devices: self.tracker.pool_published([d.name for d in devices])
-        self.publish.update(self.health.published(self.inventory.snapshot()))
-        await self.publish.run()
+            node = await wait_for_node(conn, self.settings.node_name)
+            set_node_features(self.inventory, node, self.settings)
+            await self.rescan()  # every source: node-allocatable fields, the form of numaNode
+        publish = PublishLoop(conn.publisher(self.settings, node),
+                              verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
+        publish.on_published = lambda devices: self.tracker.pool_published([d.name for d in devices])
+        running.publish = publish
+        publish.update(self.health.published(self.inventory.snapshot()))
+        await publish.run()
 
     async def _rescans(self) -> None:
         while True:
@@ -256,13 +300,12 @@ class Agent:
         changed |= set(self._devices) - set(snapshot.devices)  # gone: its claims say DeviceMissing now
         self._devices = snapshot.devices
         self.health.observe(snapshot)
-        if self.publish is not None:
-            self.publish.update(self.health.published(snapshot))
+        if (publish := self.publish) is not None:
+            publish.update(self.health.published(snapshot))
         await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
-        if changed and self.engine is not None:
-            await self.engine.refresh_devices(changed)
-        if changed and self.claim_status is not None:
-            self.claim_status.devices_changed(changed)  # a device gone or back: its Ready condition
+        if changed and (running := self._running) is not None:
+            await running.engine.refresh_devices(changed)
+            running.claim_status.devices_changed(changed)  # a device gone or back: its Ready condition
 
     async def _conditions_changed(self, devices: set[str], rescan: set[str]) -> None:
         """Device conditions changed (an XID, a link down or up again, a taint cleared): the
@@ -270,35 +313,35 @@ class Agent:
         if rescan:
             await self.rescan(sorted(rescan))
         snapshot = self.inventory.snapshot()
-        if self.publish is not None:
-            self.publish.update(self.health.published(snapshot))
+        if (publish := self.publish) is not None:
+            publish.update(self.health.published(snapshot))
         await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
-        if self.claim_status is not None:
-            self.claim_status.devices_changed(devices)
+        if (running := self._running) is not None:
+            running.claim_status.devices_changed(devices)
 
     async def stop(self) -> None:
-        if self.selfheal is not None:  # first: the sockets removed below must not come back
-            await self.selfheal.stop()
+        running = self._running
+        if running is not None and running.selfheal is not None:  # first: the sockets removed below stay gone
+            await running.selfheal.stop()
         await self.health.stop()  # first its GPU watcher: NVML is shut down below
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self.servers is not None:
-            await self.servers.stop()
+        await self.servers.stop()
         if self.http is not None:
             await self.http.stop()
-        if self.claim_status is not None:  # what is still queued is written again by the next start's resync
-            await self.claim_status.stop()
+        if running is not None:  # what is still queued is written again by the next start's resync
+            await running.claim_status.stop()
+            await running.quarantines.stop()
         await asyncio.to_thread(self.inventory.close)
-        if self.kernel is not None:
-            await asyncio.to_thread(self.kernel.stop)
-        if self.conn is not None:
-            await self.conn.close()
+        if running is not None:
+            if running.kernel is not None:
+                await asyncio.to_thread(running.kernel.stop)
+            await running.conn.close()
 
-
-    # -- probes and metrics (agent.metrics serves them; `agent.app.probes` works them out) ------------
+    # -- what the probes and the metrics read (`agent.app.probes.Observed`) --------------------------
 
     async def healthz(self) -> list[Check]:
         from agent.app import probes
@@ -315,88 +358,42 @@ class Agent:
 
         return probes.metrics_state(self)
 
+    def sockets_view(self) -> SocketsView:
+        from agent.app.probes import SocketsView
 
-_MODULES = (
-    "agent.engine.prepare",
-    "agent.engine.recovery",
-    "agent.app.connection",
-    "agent.health.service",
-    "agent.health.claimstatus",
-    "agent.health.statussinks",
-    "agent.engine.selfheal",
-    "agent.engine.gc",
-    "agent.publish.apiserver",
-    "agent.metrics",
-    "agent.inventory.gpus",
-    "agent.inventory.nics",
-    "agent.inventory.cpus",
-    "agent.inventory.memory",
-    "agent.inventory.netwatch",
-)
+        s, state = self.settings, self.servers.registration_state
+        return SocketsView(registration=s.registration_socket if self.servers.registration_started else None,
+                           dra=s.dra_socket if self.servers.dra_started else None, registry_dir=s.registry_dir,
+                           registered=state.registered, rejection=state.error)
+
+    def publish_view(self) -> PublishView | None:
+        from agent.app.probes import PublishedView, PublishView
+
+        if (loop := self.publish) is None:
+            return None
+        r = loop.last_result
+        last = None if r is None else PublishedView(r.devices, r.slices, r.generation, len(r.dropped))
+        return PublishView(last, loop.up_to_date, loop.failures, loop.last_error, offline=self.conn.offline is not None)
+
+    def devices_view(self) -> DevicesView:
+        from agent.app.probes import DevicesView
+
+        snapshot = self.inventory.snapshot()
+        engine = self._running.engine if self._running is not None else None
+        return DevicesView(health=tuple((h.device, h.status) for h in self.tracker.current()),
+                           kinds={name: d.kind for name, d in snapshot.devices.items()},
+                           failing_sources=tuple(f.kind for f in snapshot.failing_sources),
+                           taints=self.health.conditions.taint_counts(),
+                           health_watchers=self.tracker.watchers, prepared_claims=len(engine.book) if engine else 0,
+                           prepared_devices=engine.book.device_count() if engine else 0,
+                           quarantined=tuple(engine.quarantined) if engine else ())
 
 
-def _import_modules() -> None:
-    for name in _MODULES:
-        importlib.import_module(name)
-
-
-async def open_registration(settings: Settings) -> Servers:
+async def open_registration(settings: Settings, servers: Servers | None = None) -> Servers:
     """The agent's roots checked and its registration server listening: the kubelet's GetInfo is
     answered while discovery and the engine start (the kubelet retries its calls to the DRA socket,
     GetInfo's endpoint, until that socket answers)."""
     await asyncio.to_thread(prepare_roots, settings)
-    servers = Servers(settings)
+    servers = servers if servers is not None else Servers(settings)
     await servers.start_registration()
     return servers
-
-
-async def run(settings: Settings) -> int:
-    from agent.health.policy import PolicyError, load_policy
-
-    for flag, value in config_mod.describe(settings):
-        log.debug("setting %s = %s", flag, value)
-    log.info("dra-agent starting: driver %s, node %s, nvml %s", settings.driver_name, settings.node_name,
-             settings.nvml)
-    try:
-        load_policy(settings.taint_policy)  # a configuration error stops the agent before any socket opens
-    except PolicyError as exc:
-        log.error("cannot start: %s", exc)
-        return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    # Worker threads mostly wait on the disk: enough of them that 16+ claims in flight are not
-    # queued behind the default pool's handful (cores + 4).
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=32, thread_name_prefix="dra-io"))
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    agent: Agent | None = None
-    try:
-        servers = await open_registration(settings)
-    except Exception as exc:
-        from agent.app.connection import StartupError  # (imported on this path only: it pulls in the API client)
-
-        if not isinstance(exc, (StartupError, OSError, RuntimeError)):
-            raise
-        log.error("cannot start: %s", exc)
-        return 1
-    # The rest of the agent's modules are imported in a worker thread: the event loop keeps
-    # answering GetInfo meanwhile (an import holds the interpreter only in short slices).
-    await asyncio.to_thread(_import_modules)
-    from agent.app.connection import StartupError
-    from agent.inventory import DiscoveryError
-
-    try:
-        agent = Agent(settings, servers)
-        await agent.start()
-    except (DiscoveryError, StartupError, OSError, RuntimeError, PolicyError) as exc:
-        log.error("cannot start: %s", exc)
-        await (agent.stop() if agent is not None else servers.stop())
-        return 1
-    except BaseException:
-        # The registration socket is open already: it goes before the error does.
-        await (agent.stop() if agent is not None else servers.stop())
-        raise
-    await stop.wait()
-    log.info("stopping")
-    await agent.stop()
-    return 0

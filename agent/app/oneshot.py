@@ -6,22 +6,22 @@ import asyncio
 import logging
 from typing import Any
 
-from agent.app.assembly import PublishedForm, build_sources, set_node_allocatable
+from agent.app.assembly import PublishedForm, build_sources, set_node_features
 from agent.app.connection import Connection, StartupError, connect
 from agent.config import Settings
 from agent.inventory import Inventory
 from agent.kube import NodeInfo
 from agent.model import Device
-from agent.publish import slices
+from agent.publish import dropped, slices
 
 log = logging.getLogger(__name__)
 
 
 async def _inventory_once(settings: Settings, node: NodeInfo | None) -> Inventory:
-    inventory = Inventory(build_sources(settings), refine=PublishedForm())
+    inventory = Inventory(build_sources(settings), refine=PublishedForm(settings))
     await asyncio.to_thread(inventory.open)
     try:
-        set_node_allocatable(inventory, node)
+        set_node_features(inventory, node, settings)
         await inventory.scan()
     finally:
         await asyncio.to_thread(inventory.close)
@@ -53,7 +53,8 @@ async def render_slices(settings: Settings) -> list[dict[str, Any]]:
     inventory = await _inventory_once(settings, node)
     owner = slices.NodeRef(name=node.name, uid=node.uid) if node.uid else None
     return slices.build_slices(inventory.devices(), driver=settings.driver_name, node=settings.node_name,
-                               owner=owner, compatibility_groups=settings.compatibility_groups)
+                               owner=owner, compatibility_groups=settings.compatibility_groups,
+                               layout=dropped.layout(settings, node))
 
 
 async def fetch_claim(settings: Settings, namespace: str, name: str) -> dict[str, Any]:
@@ -62,3 +63,26 @@ async def fetch_claim(settings: Settings, namespace: str, name: str) -> dict[str
         return dict(await conn.claim_source(settings).get(namespace, name))
     finally:
         await conn.close()
+
+
+async def claim_names(settings: Settings, namespace: str) -> list[str]:
+    """The claims of `namespace` an offline claim directory holds and those prepared on this node: what a
+    name that was not found is compared with. (The API server is not asked: the agent's role may get a
+    claim, not list them.)"""
+    from agent.claims.store import ClaimStore
+
+    records, _ = await asyncio.to_thread(ClaimStore(settings.claims_state_dir).load_all)
+    names = {r.name for r in records.values() if r.namespace == namespace}
+    offline = settings.offline or settings.offline_fallback
+    if offline is not None:
+        directory = offline / "resourceclaims" / namespace
+        names |= {p.stem for p in await asyncio.to_thread(lambda: list(directory.glob("*.yaml")))}
+    return sorted(names)
+
+
+async def device_names(settings: Settings) -> set[str]:
+    """The devices discovery finds with these settings (those it names but cannot read too), without
+    asking a cluster: whether a device an operator names is this node's."""
+    inventory = await _inventory_once(settings, NodeInfo(name=settings.node_name))
+    snapshot = inventory.snapshot()
+    return set(snapshot.devices) | {f.device for f in snapshot.failed_devices}

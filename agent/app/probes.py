@@ -1,110 +1,165 @@
-"""The agent's probes and the state its metrics report (`agent.metrics` serves them): alive when the
-event loop and both gRPC servers answer, ready when the kubelet registered the plugin and the node's
-slices are published."""
+"""The agent's probes and the state its metrics report (`agent.app.httpserver` serves them): alive when
+the event loop and both gRPC servers answer, ready when the kubelet registered the plugin and the
+node's slices are published.
+
+Offline (`--offline`, or gone offline by `--offline-fallback`) the agent is ready once its slices are
+written: there is no cluster whose rollout or endpoints wait on its readiness, and offline is how it
+runs where no kubelet watches the registration directory (`make run`, a workstation). The kubelet's
+registration is still reported, and a kubelet that rejected the plugin still makes it not ready.
+
+The probes read the running agent through `Observed`: three frozen views, each taken when asked,
+so nothing here reaches into the agent's parts or knows how they work out what they report.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import grpc
 
+from agent.app.httpserver import Check
 from agent.kubelet import client as kubelet_client
-from agent.metrics import AgentState, Check
-
-if TYPE_CHECKING:
-    from agent.config import Settings
-    from agent.engine.prepare import PrepareEngine
-    from agent.health.service import DeviceHealthService
-    from agent.inventory import Inventory
-    from agent.kubelet.health import HealthTracker
-    from agent.kubelet.server import Servers
-    from agent.publish.loop import PublishLoop
+from agent.metrics import AgentState
 
 
-class Agent(Protocol):
-    """What the probes read of the running agent (`agent.app.daemon.Agent`)."""
+@dataclass(frozen=True, slots=True)
+class SocketsView:
+    """The kubelet's side of the agent: its sockets and what the kubelet said of the plugin."""
 
-    settings: Settings
-    servers: Servers | None
-    publish: PublishLoop | None
-    inventory: Inventory
-    tracker: HealthTracker
-    health: DeviceHealthService
-    engine: PrepareEngine | None
+    registration: Path | None  # the registration socket, once it listens
+    dra: Path | None  # the DRA socket, once it listens
+    registry_dir: Path  # where the kubelet looks for plugins
+    registered: bool | None = None  # what the kubelet last said (None: nothing yet)
+    rejection: str = ""  # the kubelet's error when it rejected the plugin
 
 
-async def healthz(agent: Agent) -> list[Check]:
+@dataclass(frozen=True, slots=True)
+class PublishedView:
+    """The last publish that succeeded."""
+
+    devices: int
+    slices: int
+    generation: int
+    dropped: int  # attribute and capacity values left out
+
+
+@dataclass(frozen=True, slots=True)
+class PublishView:
+    """The publish loop, once it runs (it starts when the Node is known)."""
+
+    last: PublishedView | None  # None: nothing published yet
+    up_to_date: bool
+    failures: int  # attempts failed in a row
+    last_error: str
+    offline: bool = False  # the slices go to a directory (no API server)
+
+
+@dataclass(frozen=True, slots=True)
+class DevicesView:
+    """The devices as the health stream and the taints have them, and the claims prepared."""
+
+    health: tuple[tuple[str, str], ...]  # (device, status) as on the health stream
+    kinds: Mapping[str, str]  # device -> kind, for the devices discovery has now
+    failing_sources: tuple[str, ...]  # kinds whose latest scans failed
+    taints: Mapping[tuple[str, str], int]  # (cause kind, effect) -> taints published now
+    prepared_claims: int
+    health_watchers: int
+    prepared_devices: int = 0  # the devices of the claims prepared, one per allocation result
+    quarantined: tuple[str, ...] = ()  # unreadable claim records set aside since the start (their paths)
+
+
+class Observed(Protocol):
+    """What the probes and the metrics read of the running agent (`agent.app.daemon.Agent`)."""
+
+    def sockets_view(self) -> SocketsView: ...
+
+    def publish_view(self) -> PublishView | None: ...
+
+    def devices_view(self) -> DevicesView: ...
+
+
+async def healthz(agent: Observed) -> list[Check]:
     """Alive: this answer comes from the event loop, and both gRPC servers answer a call."""
     checks = [Check("event-loop", True)]
-    if agent.servers is None:
+    sockets = agent.sockets_view()
+    if sockets.registration is None:
         why = "starting: recovering state and scanning devices before the sockets open"
         return [*checks, Check("registration-server", False, why), Check("dra-server", False, why)]
-    s = agent.settings
-    registration = _answers("registration-server", lambda: kubelet_client.get_info(s.registration_socket))
-    if not agent.servers.dra_started:
+    registration_socket, dra_socket = sockets.registration, sockets.dra
+    registration = _answers("registration-server", lambda: kubelet_client.get_info(registration_socket))
+    if dra_socket is None:
         why = "starting: scanning devices and listing claim records before the DRA socket opens"
         return [*checks, await registration, Check("dra-server", False, why)]
-    return [*checks, *await asyncio.gather(
-        registration, _answers("dra-server", lambda: kubelet_client.empty_prepare(s.dra_socket)))]
+    dra = _answers("dra-server", lambda: kubelet_client.empty_prepare(dra_socket))
+    return [*checks, *await asyncio.gather(registration, dra)]
 
 
-async def readyz(agent: Agent) -> list[Check]:
+async def readyz(agent: Observed) -> list[Check]:
     """Ready: the kubelet registered the plugin, and this node's slices have been published."""
-    if agent.servers is None:
+    sockets = agent.sockets_view()
+    if sockets.registration is None:
         registration = Check("kubelet-registration", False, "starting: the sockets are not open yet")
+    elif sockets.registered:
+        registration = Check("kubelet-registration", True, "the kubelet registered the plugin")
+    elif sockets.registered is False:
+        registration = Check("kubelet-registration", False,
+                             f"the kubelet rejected the plugin: {sockets.rejection or '(no reason given)'}")
+    elif (publish := agent.publish_view()) is not None and publish.offline:
+        registration = Check("kubelet-registration", True, "offline: no kubelet has registered the plugin, and "
+                             f"readiness does not wait for one (a kubelet finds it in {sockets.registry_dir})")
     else:
-        state = agent.servers.registration_state
-        if state.registered:
-            registration = Check("kubelet-registration", True, "the kubelet registered the plugin")
-        elif state.registered is False:
-            registration = Check("kubelet-registration", False,
-                                 f"the kubelet rejected the plugin: {state.error or '(no reason given)'}")
-        else:
-            registration = Check("kubelet-registration", False, "the kubelet has not registered the plugin "
-                                 f"yet (it watches {agent.settings.registry_dir})")
-    loop = agent.publish
-    if loop is None:
+        registration = Check("kubelet-registration", False, "the kubelet has not registered the plugin "
+                             f"yet (it watches {sockets.registry_dir})")
+    publish = agent.publish_view()
+    if publish is None:
         slices_check = Check("slices", False, "not publishing yet (waiting for the Node)")
-    elif loop.last_result is None:
-        why = f": {loop.failures} failed attempts, the last: {loop.last_error}" if loop.failures else ""
+    elif publish.last is None:
+        why = f": {publish.failures} failed attempts, the last: {publish.last_error}" if publish.failures else ""
         slices_check = Check("slices", False, "not published yet" + why)
     else:
-        r = loop.last_result
+        r = publish.last
         detail = f"{r.devices} devices in {r.slices} slices, generation {r.generation}"
-        if not loop.up_to_date:
+        if not publish.up_to_date:
             detail += " (a newer inventory is being published" + (
-                f": {loop.failures} failed attempts, the last: {loop.last_error})" if loop.failures else ")")
+                f": {publish.failures} failed attempts, the last: {publish.last_error})" if publish.failures
+                else ")")
         slices_check = Check("slices", True, detail)
-    return [registration, slices_check]
+    return [registration, slices_check, _records(agent.devices_view().quarantined)]
 
 
-def metrics_state(agent: Agent) -> AgentState:
-    snapshot = agent.inventory.snapshot()
-    kinds = {name: d.kind for name, d in snapshot.devices.items()}
+QUARANTINED_SHOWN = 3
+
+
+def _records(quarantined: tuple[str, ...]) -> Check:
+    """Unreadable claim records set aside: shown, never a reason to be unready (the agent serves every other
+    claim, and readiness failing would not bring the record back)."""
+    if not quarantined:
+        return Check("claim-records", True, "every claim record read is readable")
+    shown = ", ".join(quarantined[-QUARANTINED_SHOWN:]) + (" ..." if len(quarantined) > QUARANTINED_SHOWN else "")
+    return Check("claim-records", True, f"{len(quarantined)} unreadable claim records set aside since the start "
+                 f"(their claims are no longer prepared here; Events ClaimRecordQuarantined on the Node): {shown}")
+
+
+def metrics_state(agent: Observed) -> AgentState:
+    d = agent.devices_view()
     # A device that failed is known by name only; the names start with the kind (gpu-3, nic-...).
-    devices = collections.Counter((kinds.get(h.device) or h.device.split("-", 1)[0], h.status)
-                                  for h in agent.tracker.current())
-    # One per published taint: a device's XIDs make one taint (agent.health.conditions).
-    taints = collections.Counter((c.kind, c.effect) for c in agent.health.conditions.causes()
-                                 if c.kind != "xid")
-    taints.update(("xid", t.effect) for name in agent.health.conditions.tainted()
-                  for t in agent.health.conditions.taints(name) if t.key.endswith("/xid"))
-    state = AgentState(devices=dict(devices), failing_sources=[f.kind for f in snapshot.failing_sources],
-                       taints=dict(taints),
-                       prepared_claims=len(agent.engine.book) if agent.engine else 0,
-                       health_watchers=agent.tracker.watchers)
-    if agent.servers is not None:
-        state.registered = agent.servers.registration_state.registered
-    if agent.publish is not None:
-        state.publish_up_to_date = agent.publish.up_to_date
-        state.publish_failures = agent.publish.failures
-        if (r := agent.publish.last_result) is not None:
+    devices = collections.Counter((d.kinds.get(name) or name.split("-", 1)[0], status) for name, status in d.health)
+    state = AgentState(devices=dict(devices), failing_sources=list(d.failing_sources), taints=dict(d.taints),
+                       prepared_claims=d.prepared_claims, prepared_devices=d.prepared_devices,
+                       health_watchers=d.health_watchers)
+    state.registered = agent.sockets_view().registered
+    if (publish := agent.publish_view()) is not None:
+        state.publish_up_to_date = publish.up_to_date
+        state.publish_failures = publish.failures
+        if (r := publish.last) is not None:
             state.published_devices, state.published_slices = r.devices, r.slices
-            state.dropped_values = len(r.dropped)
+            state.dropped_values = r.dropped
     return state
 
 

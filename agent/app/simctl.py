@@ -5,7 +5,8 @@ The command is a file in the simulated machine's control directory
 (`<state dir>/nvml-sim/control/`, see `agent.sim.control`), written atomically and
 named `<nanoseconds>-<pid>-<n>.json` so names sort in the order commands were written. An agent
 running with `--nvml sim` applies it within moments and deletes the file; the CLI waits a few
-seconds for that and says "applied", else that it is queued for the next agent to start.
+seconds for that, then for the agent's saved device conditions to show it (`dra-agent taints`), and
+says "applied" (or that the taints do not show it yet), else that it is queued for the next agent.
 The same settings as `run` (`--state-dir`, `--nvml`) locate the machine.
 """
 
@@ -18,10 +19,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from agent.config import Settings
 from agent.fsutil import atomic_write, makedirs
+from agent.health.conditions import GPU_LOST, XID, read_saved
+from agent.health.policy import PolicyError, load_policy
+from agent.health.requests import health_dir
 from agent.sim.control import (
     BAD_SUFFIX,
     XID_RANGE,
@@ -37,7 +41,7 @@ WAIT = 3.0  # seconds the CLI waits for a running agent to apply the command
 _sequence = itertools.count()
 
 __all__ = ["SimCommand", "SimctlError", "add_sim_parser", "cmd_sim", "control_dir", "make_command", "submit",
-           "wait_applied"]
+           "wait_applied", "wait_taints"]
 
 
 class SimctlError(Exception):
@@ -76,6 +80,7 @@ def submit(settings: Settings, command: SimCommand) -> Path:
         raise SimctlError(f"dra-agent sim drives the simulated NVML, but --nvml is {settings.nvml} (DRA_NVML)")
     directory = control_dir(settings)
     try:
+        makedirs(settings.sim_root, 0o700)  # as the machine itself makes it, if no agent has yet
         makedirs(directory)
         path = directory / f"{time.time_ns():020d}-{os.getpid()}-{next(_sequence):04d}.json"
         atomic_write(path, command.encode())
@@ -100,6 +105,40 @@ def wait_applied(path: Path, timeout: float = WAIT, poll: float = 0.05) -> bool 
         time.sleep(poll)
 
 
+def wait_taints(settings: Settings, command: SimCommand, timeout: float = WAIT, poll: float = 0.05) -> bool:
+    """Whether, within `timeout` seconds, the device conditions the agent saves show what an applied
+    command does (an XID taint, a lost GPU, or neither after a reset), as `dra-agent taints` lists them.
+    The agent takes in an XID when its event arrives, a lost or reset GPU at its next probe."""
+    try:
+        policy = load_policy(settings.taint_policy)
+    except PolicyError:
+        return True  # what the agent makes of it is not known here: nothing to wait for
+    if command.command == "xid" and command.xid is not None and not policy.for_xid(command.xid).taints:
+        return True
+    if command.command == "lose" and not policy.gpu_lost.taints:
+        return True
+
+    def shown() -> bool:
+        try:
+            causes = [c for c in read_saved(health_dir(settings))[0] if c.device == command.device]
+        except FileNotFoundError:  # what applied it keeps no device conditions here (a bare simulated NVML)
+            return True
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if command.command == "xid":
+            return any(c.kind == XID and c.value == str(command.xid) for c in causes)
+        if command.command == "lose":
+            return any(c.kind == GPU_LOST for c in causes)
+        return not any(c.kind in (XID, GPU_LOST) for c in causes)
+
+    deadline = time.monotonic() + timeout
+    while not shown():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
 def cmd_sim(args: argparse.Namespace, settings: Settings) -> int:
     try:
         command = make_command(settings, args.action, args.device, getattr(args, "xid", None))
@@ -110,7 +149,11 @@ def cmd_sim(args: argparse.Namespace, settings: Settings) -> int:
     what = f"{command.command} {command.device}" + (f" XID {command.xid}" if command.xid is not None else "")
     applied = wait_applied(path, float(args.wait))
     if applied:
-        print(f"{what}: applied")
+        if wait_taints(settings, command, float(args.wait)):
+            print(f"{what}: applied")
+        else:
+            print(f"{what}: applied; `dra-agent taints` does not show it yet (the agent sees a GPU answer again "
+                  "at its next probe, every --gpu-probe-interval)")
         return 0
     if applied is False:
         print(f"{what}: rejected by the simulated NVML (see the agent's log; the command is in "
@@ -120,12 +163,13 @@ def cmd_sim(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def add_sim_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+def add_sim_parser(subparsers: argparse._SubParsersAction[Any],
                    add_arguments: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
     """`dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE`; each takes the run settings."""
-    sp = subparsers.add_parser("sim", help="drive the simulated NVML: raise an XID, lose or reset a GPU",
-                               description="Tell the simulated machine (--nvml sim) to raise an XID on a GPU, "
-                                           "lose it, or reset it. DEVICE is the published name (gpu-3).")
+    sp: argparse.ArgumentParser = subparsers.add_parser(
+        "sim", help="drive the simulated NVML: raise an XID, lose or reset a GPU",
+        description="Tell the simulated machine (--nvml sim) to raise an XID on a GPU, lose it, or reset it. "
+                    "DEVICE is the published name (gpu-3).")
     actions = sp.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, help in (("xid", "raise XID on DEVICE (13, 31, 43, 45, 68, 109 are application errors)"),
                          ("lose", "DEVICE falls off the bus: every NVML call about it fails (GPU_IS_LOST)"),

@@ -24,7 +24,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from agent.claims.records import ClaimRecord, PreparedDevice, RecordError, RecordState
+from agent.claims.records import ClaimRecord, PreparedDevice, RecordError, RecordState, partition_attributes
 from agent.claims.store import ClaimStore, RecordStamp
 from agent.names import InvalidName
 
@@ -33,16 +33,27 @@ RECENT = 64  # whole records kept (the claims operated on last)
 
 @dataclass(frozen=True, slots=True)
 class DeviceSummary:
-    """What the book keeps of a prepared device: which device of which pool, and its share."""
+    """What the book keeps of a prepared device: which device of which pool, and its share; and what
+    the claim made of it that the inventory does not know: the attributes of a partition made for the
+    claim (a MIG device's own `uuid`, a mediated device's `mdevUUID`), and the MAC the claim set on a
+    passthrough VF."""
 
     pool: str
     device: str
     share_id: str = ""
+    made: tuple[tuple[str, str], ...] = ()
+    mac: str = ""
+    admin_access: bool = False  # held with admin access: it excludes no other claim
 
     @classmethod
-    def of(cls, d: PreparedDevice) -> DeviceSummary:
+    def of(cls, d: PreparedDevice, record: ClaimRecord) -> DeviceSummary:
+        # Only a claim with side effects on the host has either (partitions, bindings): empty for the rest.
+        made = tuple((k, str(v)) for p in record.partitions if p.device == d.device
+                     for k, v in sorted(partition_attributes(p).items()))
+        mac = next((b.mac for b in record.bindings if b.device == d.device and b.mac), "")
         # A node has a few pools and devices, held by thousands of claims: one string each.
-        return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "")
+        return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "", made, mac,
+                   d.admin_access)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +74,7 @@ class ClaimSummary:
     @classmethod
     def of(cls, record: ClaimRecord) -> ClaimSummary:
         return cls(record.uid, sys.intern(record.namespace), record.name, sys.intern(record.pod_claim_name),
-                   tuple(DeviceSummary.of(d) for d in record.devices), tuple(record.dirs), record.prepared_at,
+                   tuple(DeviceSummary.of(d, record) for d in record.devices), tuple(record.dirs), record.prepared_at,
                    record.generation, record.state)
 
     @property
@@ -79,6 +90,7 @@ class ClaimBook:
         self._recent: collections.OrderedDict[str, tuple[ClaimRecord, RecordStamp]] = collections.OrderedDict()
         self._recent_max = recent
         self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
+        self._devices = 0  # the devices of every claim known, one per allocation result
 
     def records(self) -> dict[str, ClaimSummary]:
         """The prepared claims this agent has seen (a copy)."""
@@ -88,14 +100,24 @@ class ClaimBook:
     def __len__(self) -> int:
         return len(self._summaries)
 
+    def device_count(self) -> int:
+        """The devices of the claims known, one per allocation result (for the metrics)."""
+        return self._devices
+
     def record_of(self, uid: str) -> ClaimSummary | None:
         """The summary held for `uid` (no disk access)."""
         with self._guard:
             return self._summaries.get(uid)
 
-    def claims_holding(self, devices: set[str]) -> list[str]:
+    def claims_holding(self, devices: set[str], *, exclusive: bool = False) -> list[str]:
+        """The claims holding any of these devices; with `exclusive`, only those holding one of them other
+        than with admin access (those a prepare of another form of the device must not run beside)."""
         with self._guard:
-            return sorted({uid for n in devices for uid in self._device_claims.get(n, ())})
+            uids = {uid for n in devices for uid in self._device_claims.get(n, ())}
+            if exclusive:
+                uids = {uid for uid in uids if any(d.device in devices and not d.admin_access
+                                                   for d in self._summaries[uid].devices)}
+            return sorted(uids)
 
     def current(self, uid: str) -> ClaimRecord | None:
         """The claim's whole record as it is on disk now; RecordError when it is unreadable."""
@@ -181,8 +203,10 @@ class ClaimBook:
                 self._recent.popitem(last=False)
             for d in summary.devices:
                 self._device_claims.setdefault(d.device, set()).add(record.uid)
+            self._devices += len(summary.devices)
 
     def _unindex(self, summary: ClaimSummary) -> None:
+        self._devices -= len(summary.devices)
         for d in summary.devices:
             owners = self._device_claims.get(d.device)
             if owners is not None:

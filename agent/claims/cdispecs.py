@@ -8,6 +8,7 @@ from typing import Any
 from agent.claims.filenames import CLAIM_CLASS, METADATA_CLASS
 from agent.claims.metadata import AllocatedDevice
 from agent.facts import CpuFacts, NicFacts
+from agent.inventory.numa import format_cpulist
 from cdi.names import qualified_name
 from cdi.spec import minimum_version
 
@@ -30,34 +31,19 @@ def env_prefix(device_name: str) -> str:
     return "DRA_" + device_name.upper().replace("-", "_")
 
 
-def cpuset(cpus: Sequence[int]) -> str:
-    """`[0, 1, 2, 5]` -> `0-2,5` (the kernel's list format)."""
-    out: list[str] = []
-    ids = sorted(set(cpus))
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 def device_env(alloc: AllocatedDevice) -> list[str]:
     dev = alloc.device
     prefix = env_prefix(dev.name)
     env = [f"{prefix}_NAME={dev.name}"]
     facts = dev.node
     if dev.kind.cuda_uuid:  # the GPU's, or the MIG device's that prepare made (agent.hostprep.mig)
-        uuid = alloc.made.uuid if alloc.made is not None else dev.gpu.uuid if dev.gpu is not None else ""
-        env.append(f"{prefix}_UUID={uuid}")
+        env.append(f"{prefix}_UUID={alloc.cuda_uuid}")
     elif isinstance(facts, NicFacts):
         env.append(f"{prefix}_INTERFACE={facts.interface}")
         if facts.mac:
             env.append(f"{prefix}_MAC={facts.mac}")
     elif isinstance(facts, CpuFacts):
-        env.append(f"{prefix}_CPUS={cpuset(facts.cpus)}")
+        env.append(f"{prefix}_CPUS={format_cpulist(alloc.cpuset)}")
     if dev.pci_bus_id:
         env.append(f"{prefix}_PCI_BUS_ID={dev.pci_bus_id}")
     if alloc.share_id:

@@ -11,7 +11,9 @@ repair or cleanup) runs in one worker thread and holds, in this order:
    every form of a GPU, `device/<name>` for others), in sorted order, each in this process and
    then across processes (`KeyFileLock` on `<state>/devices.lock`): two agents never prepare two
    forms of one GPU at once, and each judges the other forms against the records on disk while
-   it holds the GPU's lock.
+   it holds the GPU's lock. A device handed out in shares (`Kind.shared`) is held shared by its
+   claims, in this process and across processes (a read lock on its byte): they exclude nothing
+   among themselves (each claim's files are its own), only whoever takes the device alone.
 A claim lock is never requested while a device lock is held, and device locks
 are always taken in one global order, so there is no deadlock, within an agent or between two.
 """
@@ -24,16 +26,18 @@ import hashlib
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
+
+from agent.sharedlock import SharedLock
 
 
 class LockTable:
-    """Thread locks by key, created on first use and dropped when nobody holds or waits for them."""
+    """Locks by key, created on first use and dropped when nobody holds or waits for them."""
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+        self._locks: dict[str, tuple[SharedLock, int]] = {}  # key -> (lock, holders and waiters)
 
     def __len__(self) -> int:
         return len(self._locks)
@@ -45,23 +49,24 @@ class LockTable:
         return found[1] if found else 0
 
     @contextlib.contextmanager
-    def hold(self, keys: Iterable[str]) -> Iterator[None]:
+    def hold(self, keys: Iterable[str], shared: Collection[str] = ()) -> Iterator[None]:
+        """Hold every key, those in `shared` in shared mode, the others alone."""
         ordered = sorted(set(keys))  # one global order: no deadlock between holders of several keys
         with self._guard:
             locks = []
             for key in ordered:
-                lock, users = self._locks.get(key) or (threading.Lock(), 0)
+                lock, users = self._locks.get(key) or (SharedLock(), 0)
                 self._locks[key] = (lock, users + 1)
-                locks.append(lock)
-        acquired: list[threading.Lock] = []
+                locks.append((lock, key in shared))
+        acquired: list[tuple[SharedLock, bool]] = []
         try:
-            for lock in locks:
-                lock.acquire()
-                acquired.append(lock)
+            for lock, mode in locks:
+                lock.acquire(mode)
+                acquired.append((lock, mode))
             yield
         finally:
-            for lock in reversed(acquired):
-                lock.release()
+            for lock, mode in reversed(acquired):
+                lock.release(mode)
             with self._guard:
                 for key in ordered:
                     lock, users = self._locks[key]
@@ -92,6 +97,8 @@ class KeyFileLock:
         self.path = path
         self._fd: int | None = None
         self._open_guard = threading.Lock()
+        # key -> (its gate, how many threads of this process hold it shared); kept once made (one per device)
+        self._shared: dict[str, tuple[threading.Lock, list[int]]] = {}
 
     def open(self) -> None:
         self._descriptor()
@@ -109,21 +116,46 @@ class KeyFileLock:
         return int.from_bytes(digest, "big") >> (64 - _OFFSET_BITS)
 
     @contextlib.contextmanager
-    def hold(self, key: str) -> Iterator[None]:
+    def hold(self, key: str, shared: bool = False) -> Iterator[None]:
+        """The key's byte, alone (a write lock) or `shared` (a read lock). Threads of this process holding
+        one key shared (the `LockTable` lets them in together) share its one lock, as a descriptor has one
+        lock per byte however often it is set: the first takes it, the last releases it."""
         fd = self._descriptor()
         start = self.offset(key)
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0))
+        if not shared:
+            self._set(fd, fcntl.F_WRLCK, start, wait=True)
+            try:
+                yield
+            finally:
+                self._set(fd, fcntl.F_UNLCK, start, wait=False)
+            return
+        with self._open_guard:
+            gate, _ = self._shared.setdefault(key, (threading.Lock(), [0]))
+        with gate:  # the count and the lock move together
+            count = self._shared[key][1]
+            if count[0] == 0:
+                self._set(fd, fcntl.F_RDLCK, start, wait=True)
+            count[0] += 1
         try:
             yield
         finally:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, start, 1, 0))
+            with gate:
+                count[0] -= 1
+                if count[0] == 0:
+                    self._set(fd, fcntl.F_UNLCK, start, wait=False)
+
+    @staticmethod
+    def _set(fd: int, kind: int, start: int, *, wait: bool) -> None:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK,
+                    struct.pack(_FLOCK, kind, os.SEEK_SET, start, 1, 0))
 
     @contextlib.contextmanager
-    def hold_all(self, keys: Iterable[str]) -> Iterator[None]:
-        """Every key, taken in sorted order (the one order every agent takes them in)."""
+    def hold_all(self, keys: Iterable[str], shared: Collection[str] = ()) -> Iterator[None]:
+        """Every key, taken in sorted order (the one order every agent takes them in), those in `shared`
+        shared."""
         with contextlib.ExitStack() as stack:
             for key in sorted(set(keys)):
-                stack.enter_context(self.hold(key))
+                stack.enter_context(self.hold(key, key in shared))
             yield
 
     def close(self) -> None:

@@ -6,9 +6,11 @@ apiVersion it knows (KubeVirt 1.9 reads v1alpha1).
 
 A device held as a share (a result with a `shareID`, consumable capacity) also
 carries `shareID` and `consumedCapacity` ({"memory": "4Gi"}), named as in the
-allocation result. These two fields are the agent's addition: no source here
-confirms that the upstream DeviceMetadata type has them (readers that ignore
-unknown fields, as Go's encoding/json does by default, are unaffected).
+allocation result, and a CPU device `cpuset`, the CPUs the claim got in the
+kernel's list form (`agent.claims.cpuset`). These fields are the agent's
+addition: no source here confirms that the upstream DeviceMetadata type has them
+(readers that ignore unknown fields, as Go's encoding/json does by default, are
+unaffected).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import orjson
 from agent import apirules
 from agent.claims.filenames import METADATA_FILE_NAME
 from agent.claims.records import DevicePartition, partition_attributes
-from agent.facts import NicFacts, PassthroughFacts
-from agent.kinds import Kind
+from agent.facts import CpuFacts, NicFacts, PassthroughFacts
+from agent.inventory.numa import format_cpulist
+from agent.kinds import Kind, PartitionKind
 from agent.model import AttrValue, Device, attribute_wire
 
 API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
@@ -45,6 +48,18 @@ class AllocatedDevice:
     consumed: Mapping[str, str] = field(default_factory=dict, hash=False)
     # The partition prepare made for the device (a MIG instance, a mediated device), once made.
     made: DevicePartition | None = None
+    # The CPUs a share of a CPU device got at prepare (`agent.claims.cpuset`); () for anything else.
+    cpus: tuple[int, ...] = ()
+    # The result's `adminAccess`: the device as it is, shared with whoever holds it (monitoring), never
+    # reconfigured and never checked for exclusivity (`agent.engine.claimops`).
+    admin_access: bool = False
+
+    @property
+    def cpuset(self) -> tuple[int, ...]:
+        """The CPUs the result gives the claim: its share's, or a whole CPU device's; () for other devices."""
+        if self.cpus:
+            return self.cpus
+        return self.device.node.cpus if isinstance(self.device.node, CpuFacts) else ()
 
     @property
     def attributes(self) -> dict[str, AttrValue]:
@@ -52,6 +67,14 @@ class AllocatedDevice:
         if self.made is None:
             return self.device.attributes
         return {**self.device.attributes, **partition_attributes(self.made)}
+
+    @property
+    def cuda_uuid(self) -> str:
+        """The UUID CUDA knows the device by: the MIG device's that prepare made (`agent.hostprep.mig`),
+        else its GPU's ("" for a device of no GPU)."""
+        if self.made is not None and self.made.kind is PartitionKind.MIG:
+            return self.made.uuid
+        return self.device.gpu.uuid if self.device.gpu is not None else ""
 
 
 def host_dir(metadata_root: Path, uid: str) -> Path:
@@ -72,13 +95,13 @@ def container_file(driver: str, claim_name: str, base_request: str, pod_claim_na
     return f"{parent}/{base_request}/{driver}-metadata.json"
 
 
-def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
+def device_network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
     """A NIC's interface, IPs and MAC; a passthrough NIC function only its MAC (`mac` when the claim
-    set one), which is what a VM's SR-IOV network matches (it has no interface on the host).
+    set one), which is what a VM's SR-IOV network matches (it has no interface on the host). What the
+    metadata file says and the claim's status reports; None for a device with no network data.
 
-    Cut to what the API type allows (at most 16 IPs, each valid and once; a bounded interface name and
-    address), as the claim's status is, so a reader that validates the file accepts it. The status
-    writer logs what it cuts from the same device facts."""
+    Not cut to the API's limits: `network_data` cuts it for the file, the status writer logs what
+    `apirules.clip_device_status` cuts from it."""
     facts = device.node
     if isinstance(facts, PassthroughFacts):
         if facts.native is not Kind.NIC:
@@ -88,7 +111,15 @@ def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
         return None
     else:
         out = {"interfaceName": facts.interface, "ips": list(facts.ips), "hardwareAddress": facts.mac}
-    out = {k: v for k, v in apirules.clip_network_data(out)[0].items() if v}
+    return {k: v for k, v in out.items() if v} or None
+
+
+def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
+    """`device_network_data` cut to what the API type allows (at most 16 IPs, each valid and once; a
+    bounded interface name and address), as the claim's status is, so a reader that validates the
+    file accepts it."""
+    raw = device_network_data(device, mac)
+    out = {k: v for k, v in apirules.clip_network_data(raw)[0].items() if v} if raw is not None else {}
     return out or None
 
 
@@ -111,6 +142,8 @@ def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: 
             entry["shareID"] = alloc.share_id
         if alloc.consumed:
             entry["consumedCapacity"] = dict(sorted(alloc.consumed.items()))
+        if alloc.cpuset:
+            entry["cpuset"] = format_cpulist(alloc.cpuset)
         requests.setdefault(alloc.request, []).append(entry)
     body: dict[str, Any] = {
         "kind": "DeviceMetadata",

@@ -7,9 +7,15 @@ For each prepared claim it keeps this driver's entries current, one per prepared
 - a `Ready` condition: True (reason `Prepared`) unless the `DeviceReadiness` given by
   the integrator says otherwise (False with its reason, e.g. `LinkDown`); a device gone
   from the inventory is `Ready` False, `DeviceMissing`. `lastTransitionTime` moves only
-  when the status does (the first one is the time of the prepare);
-- GPUs: `data` {uuid, productName}; NICs: `networkData` {interfaceName, ips (CIDR),
-  hardwareAddress} (`agent.health.statusentry`).
+  when the status does, also across restarts (`agent.health.readytimes`: the conditions of
+  a claim prepared before the start are read back before its first write, and that write is
+  left out when the stored entries are what it would send);
+- GPUs: `data` {uuid, productName}; a partition made for the claim adds its own identity as its
+  metadata file gives it: a MIG device's `uuid` is its own (MIG-...), not its GPU's, a mediated
+  device's `mdevUUID` is added;
+- NICs: `networkData` {interfaceName, ips (CIDR), hardwareAddress}, and a passthrough VF its
+  hardwareAddress (the MAC its claim set, else its own): what its metadata file says
+  (`agent.claims.metadata.device_network_data`).
 
 Entries are built from the prepared claim's record, whose devices prepare took from
 this very claim's `status.allocation.devices.results` (this driver, this node's pool).
@@ -40,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -48,25 +53,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent import apirules
-from agent.claims.book import ClaimBook, ClaimSummary
+from agent.claims.book import ClaimBook, ClaimSummary, DeviceSummary
 from agent.claims.records import ClaimRecord
 from agent.health.conditions import Readiness
-from agent.health.statusentry import (
-    AlwaysReady,
-    ClaimView,
-    DeviceLookup,
-    DeviceReadiness,
-    DeviceView,
-    device_data,
-)
-from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed
+from agent.health.readytimes import ReadyTransitions
+from agent.health.statusentry import AlwaysReady, DeviceLookup, DeviceReadiness, device_data
+from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed, same_entries
 from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.names import ClaimRef
 
 log = logging.getLogger(__name__)
 
-READY = "Ready"
+
+# What a claim's status is built from: a whole record (from an operation) or the book's summary of one
+# (what the writer keeps: `_summary`).
+ClaimView = ClaimRecord | ClaimSummary
+
 DEFAULT_CONCURRENCY = 4
 RESYNC_WINDOW = 16  # claims a resync keeps queued at most; it feeds more as writes finish
 
@@ -76,23 +79,19 @@ class _Pending:
     target: ClaimRef
     # What to write: the claim's entries, built from this record when the write is started (so the
     # prepare that queued it never waits for them); None removes this driver's entries.
-    record: ClaimView | None
+    record: ClaimSummary | None
     failures: int = 0
     due: float = 0.0  # monotonic time before which it is not sent
 
 
-@dataclass(frozen=True, slots=True)
-class _Transition:
-    status: str
-    time: str
-
-
-def _rfc3339(seconds: float) -> str:
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _target(record: ClaimView) -> ClaimRef:
     return ClaimRef(record.namespace, record.name, record.uid)
+
+
+def _summary(record: ClaimView) -> ClaimSummary:
+    # A whole record holds its files' contents: a queue of thousands (a resync, a burst of prepares)
+    # keeps only the book's summary of each.
+    return ClaimSummary.of(record) if isinstance(record, ClaimRecord) else record
 
 
 @dataclass
@@ -106,6 +105,7 @@ class ClaimStatusWriter:
     backoff: Backoff = field(default_factory=lambda: Backoff(initial=0.5, maximum=30.0))
     concurrency: int = DEFAULT_CONCURRENCY
     clock: Callable[[], float] = time.monotonic
+    transitions: ReadyTransitions = field(default_factory=ReadyTransitions)
 
     def __post_init__(self) -> None:
         # Claims whose latest record was told since the start (prepared, refreshed, or re-written for a
@@ -113,9 +113,6 @@ class ClaimStatusWriter:
         self._told: set[str] = set()
         self._pending: dict[str, _Pending] = {}  # waiting to be written (the latest state per claim)
         self._in_flight: dict[str, asyncio.Task[None]] = {}
-        # (uid, device, share) -> its Ready condition since the last change; a first True dated from the
-        # prepare is not kept (`_condition`).
-        self._transitions: dict[tuple[str, str, str], _Transition] = {}
         # Claims found gone or re-created: a UID never comes back, so they are not written again.
         self._gone: set[str] = set()
         self._wake = asyncio.Event()
@@ -138,9 +135,7 @@ class ClaimStatusWriter:
     def claim_unprepared(self, record: ClaimView) -> None:
         self._told.discard(record.uid)
         self._gone.discard(record.uid)
-        # The keys are the record's devices (`_condition`): O(devices), not a scan of every claim's.
-        for d in record.devices:
-            self._transitions.pop((record.uid, d.device, d.share_id), None)
+        self.transitions.forget(_summary(record))
         self._submit(_target(record), None)
 
     # -- the integrator's calls ---------------------------------------------------------------------
@@ -211,8 +206,9 @@ class ClaimStatusWriter:
 
     # -- entries ------------------------------------------------------------------------------------
 
-    def entries(self, record: ClaimView) -> list[dict[str, Any]]:
+    def entries(self, claim: ClaimView) -> list[dict[str, Any]]:
         """This driver's entries for the claim, as the API accepts them."""
+        record = _summary(claim)
         allocated = {(self.driver, d.pool, d.device, d.share_id) for d in record.devices}
         out = []
         for d in record.devices:
@@ -224,7 +220,7 @@ class ClaimStatusWriter:
                 out.append(entry)
         return out
 
-    def _entry(self, record: ClaimView, d: DeviceView) -> dict[str, Any]:
+    def _entry(self, record: ClaimSummary, d: DeviceSummary) -> dict[str, Any]:
         entry: dict[str, Any] = {"driver": self.driver, "pool": d.pool, "device": d.device}
         if d.share_id:
             entry["shareID"] = d.share_id
@@ -237,36 +233,19 @@ class ClaimStatusWriter:
             except Exception as exc:  # a readiness source's bug must not cost the whole status
                 log.exception("readiness of %s could not be read", d.device)
                 ready = Readiness(False, "ReadinessUnknown", f"readiness could not be read: {exc!r}")
-        entry["conditions"] = [self._condition(record, d, ready)]
+        entry["conditions"] = [self.transitions.condition(record, d, ready)]
         if device is not None:
-            entry |= device_data(device)
+            # The inventory's device is the published one: a partition made for the claim has its own
+            # identity, and a passthrough VF the MAC its claim set.
+            entry |= device_data(device, dict(d.made), d.mac)
         return entry
-
-    def _condition(self, record: ClaimView, d: DeviceView, ready: Readiness) -> dict[str, Any]:
-        status = "True" if ready.ready else "False"
-        key = (record.uid, d.device, d.share_id)
-        last = self._transitions.get(key)
-        if last is None and ready.ready and record.prepared_at:
-            # The first Ready=True dates from the prepare. Not kept: it is the same on every write
-            # until a change, and 10,000 prepared claims would hold 10,000 of them.
-            when = _rfc3339(record.prepared_at)
-        elif last is None or last.status != status:
-            # Any later change (or a first False) dates from now.
-            last = self._transitions[key] = _Transition(status, _rfc3339(time.time()))
-            when = last.time
-        else:
-            when = last.time
-        return {"type": READY, "status": status, "reason": ready.reason, "message": ready.message,
-                "lastTransitionTime": when}
 
     # -- the queue ----------------------------------------------------------------------------------
 
     def _enqueue(self, record: ClaimView) -> None:
-        # A whole record holds its files' contents: a queue of thousands (a resync, a burst of
-        # prepares) keeps only the book's summary of each.
-        self._submit(_target(record), ClaimSummary.of(record) if isinstance(record, ClaimRecord) else record)
+        self._submit(_target(record), _summary(record))
 
-    def _submit(self, target: ClaimRef, record: ClaimView | None) -> None:
+    def _submit(self, target: ClaimRef, record: ClaimSummary | None) -> None:
         if self._closed or (record is not None and target.uid in self._gone):
             return
         old = self._pending.get(target.uid)
@@ -302,9 +281,11 @@ class ClaimStatusWriter:
                     break
                 del self._pending[uid]
                 # The entries are built here, at once, like an unprepare's clean-up of the claim's
-                # transitions: both run on the event loop, so neither sees the other half done.
+                # transitions: both run on the event loop, so neither sees the other half done. Those of a
+                # claim whose stored conditions are to be read first are built by its write, after the read.
+                unread = item.record is not None and self.transitions.unread(item.record)
                 try:
-                    entries = [] if item.record is None else self.entries(item.record)
+                    entries = None if unread else [] if item.record is None else self.entries(item.record)
                 except Exception as exc:
                     log.exception("building the status of %s failed", item.target)
                     self._gave_up(item, repr(exc))
@@ -316,12 +297,17 @@ class ClaimStatusWriter:
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
 
-    async def _write(self, item: _Pending, entries: list[dict[str, Any]]) -> None:
+    async def _write(self, item: _Pending, entries: list[dict[str, Any]] | None) -> None:
         uid = item.target.uid
         try:
+            if entries is None:
+                entries = await self._after_reading(item)
+                if entries is None:
+                    self._count("unchanged")
+                    return
             await self.sink.write(item.target, entries)
         except ClaimGone as exc:
-            if entries:
+            if entries is None or entries:
                 self._gone.add(uid)
                 self._gave_up(item, str(exc))
             else:
@@ -343,6 +329,25 @@ class ClaimStatusWriter:
             self._in_flight.pop(uid, None)
             self._update_queue()
             self._wake.set()
+
+    async def _after_reading(self, item: _Pending) -> list[dict[str, Any]] | None:
+        """The entries of a claim prepared before the start, built once the stored ones are read
+        (`ReadyTransitions.learn`); None when there is nothing to write: the API server holds them
+        already, or the claim was unprepared meanwhile (its removal follows)."""
+        record = item.record
+        assert record is not None
+        try:
+            stored = [e for e in await self.sink.read(item.target) if e.get("driver") == self.driver]
+        except StatusWriteFailed as exc:
+            if exc.retryable or isinstance(exc, ClaimGone):
+                raise
+            log.warning("status of %s not read back (%s): its conditions are dated anew", item.target, exc)
+            stored = []
+        if self.book.record_of(record.uid) is None:
+            return None
+        self.transitions.learn(record, stored)
+        entries = self.entries(record)
+        return None if same_entries(entries, stored) else entries
 
     def _retry(self, item: _Pending, why: str) -> None:
         self._count("retry")

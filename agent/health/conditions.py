@@ -35,22 +35,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agent.fsutil import atomic_write, makedirs
-from agent.health.causes import (
-    CAUSES_FILE,
-    GPU_LOST,
-    KINDS,
-    LINK_DOWN,
-    UNDO_FAILED,
-    XID,
-    Cause,
-    encode,
-    read_saved,
-    rfc3339,
-)
+from agent.health.causes import CAUSES_FILE, GPU_LOST, LINK_DOWN, UNDO_FAILED, XID, Cause, encode, read_saved, rfc3339
 from agent.health.policy import EFFECT_RANK, IGNORE, TaintPolicy, xid_meaning
 from agent.model import Taint
 
-__all__ = ["CAUSES_FILE", "GPU_LOST", "KINDS", "LINK_DOWN", "NONE", "READY", "UNDO_FAILED", "UNKNOWN_ACTION", "XID",
+__all__ = ["CAUSES_FILE", "GPU_LOST", "LINK_DOWN", "NONE", "READY", "UNDO_FAILED", "UNKNOWN_ACTION", "XID",
            "Cause", "DeviceConditions", "Readiness", "read_saved", "rfc3339"]
 
 log = logging.getLogger(__name__)
@@ -99,6 +88,9 @@ class DeviceConditions:
         self.clock = clock
         self.boot_id = ""  # this kernel boot's ID, given to `load` ("": unknown)
         self._devices: dict[str, _Device] = {}
+        # Device -> until when an operator cleared its XIDs (unix seconds): an XID raised before then and
+        # reported only after (a command the simulated machine had queued) is not taken.
+        self._cleared: dict[str, float] = {}
         self._uuids: dict[str, str] = {}  # GPU name -> UUID, from each GPU's first answer
         self._restored: set[str] = set()  # devices with restored XID causes their GPU has not confirmed
         self.version = 0  # moves on every change
@@ -107,17 +99,22 @@ class DeviceConditions:
 
     # -- events -----------------------------------------------------------------------------------
 
-    def xid(self, device: str, xid: int, action: str = UNKNOWN_ACTION) -> bool:
+    def xid(self, device: str, xid: int, action: str = UNKNOWN_ACTION, *, at: float | None = None) -> bool:
+        """An XID on `device`; `at`: when it was raised (unix seconds; default now)."""
         rule = self.policy.for_xid(xid)
         what = f"XID {xid} ({xid_meaning(xid)})"
         if not rule.taints:
             log.info("%s on %s: not tainted (policy: ignore)", what, device)
             return False
         now = self.clock()
+        raised = now if at is None else min(at, now)
+        if raised <= self._cleared.get(device, float("-inf")):
+            log.info("%s on %s: raised before an operator cleared its XID taints: not tainted", what, device)
+            return False
         detail = what if action in (NONE, UNKNOWN_ACTION) else f"{what}, recovery action {action}"
         state = self._devices.setdefault(device, _Device())
         old = state.xids.get(xid)
-        state.xids[xid] = Cause(device, XID, rule.effect, str(xid), detail, old.since if old else now,
+        state.xids[xid] = Cause(device, XID, rule.effect, str(xid), detail, old.since if old else raised,
                                 now + rule.clear_after if rule.clear_after else None,
                                 self.boot_id, self._uuids.get(device, ""))
         log.warning("%s on %s: taint %s/xid=%d:%s", what, device, self.driver, xid, rule.effect,
@@ -200,14 +197,12 @@ class DeviceConditions:
         return self._release_link(device, state, now) and self._changed({device})
 
     def undo_failed(self, leftovers: dict[str, str]) -> bool:
-        """The devices with host changes a gone claim's unprepare could not undo now, each with why (device
-        -> detail); the causes of devices not named go (undone, or cleared)."""
-        rule = self.policy.undo_failed
-        changed = set()
-        for name, state in self._devices.items():
-            if state.undone is not None and name not in leftovers:
-                state.undone = None
-                changed.add(name)
+        """The devices with host changes a gone claim's unprepare could not undo now (device -> why); the
+        causes of devices not named go (undone, or cleared)."""
+        rule, changed = self.policy.undo_failed, set()
+        for name in [n for n, state in self._devices.items() if state.undone is not None and n not in leftovers]:
+            self._devices[name].undone = None
+            changed.add(name)
         for name, detail in leftovers.items() if rule.taints else ():
             state = self._devices.setdefault(name, _Device())
             if state.undone is None or state.undone.detail != detail:
@@ -218,16 +213,25 @@ class DeviceConditions:
                 changed.add(name)
         return bool(changed) and self._changed(changed)
 
-    def clear(self, device: str) -> list[Cause]:
-        """An operator clears the device's XID and undo-failed causes (`dra-agent taints clear`); the
-        causes cleared (`on_cleared` is told, to drop what the undo-failed one stood for). Lost-GPU and
-        link causes are observations: they go when the hardware says so."""
+    def clear(self, device: str, before: float | None = None) -> list[Cause]:
+        """An operator clears the device's XID causes and its undo-failed cause (`dra-agent taints clear`);
+        the causes cleared (`on_cleared` is told, to drop what the undo-failed one stood for). `before`:
+        when the operator asked (unix seconds): an XID raised later stays, and one raised earlier but
+        reported later is not taken. Lost-GPU and link causes are observations: they go when the
+        hardware says so."""
+        if before is not None:
+            self._cleared[device] = max(before, self._cleared.get(device, float("-inf")))
         state = self._devices.get(device)
         if state is None or not (state.xids or state.undone):
             return []
-        gone = [*state.xids.values(), *([state.undone] if state.undone else [])]
-        state.xids.clear()
-        state.undone = None
+        gone = [c for c in state.xids.values() if before is None or c.since <= before]
+        for cause in gone:
+            del state.xids[int(cause.value)]
+        if state.undone is not None and (before is None or state.undone.since <= before):
+            gone.append(state.undone)
+            state.undone = None
+        if not gone:
+            return []
         if self.on_cleared is not None:
             self.on_cleared(device, gone)
         log.info("%s: taints cleared by an operator: %s", device, "; ".join(c.detail for c in gone),
@@ -309,6 +313,16 @@ class DeviceConditions:
         if state.undone is not None:
             out.append(Taint(f"{self.driver}/undo-failed", state.undone.effect, "", rfc3339(state.undone.since)))
         return out
+
+    def taint_counts(self) -> dict[tuple[str, str], int]:
+        """(cause kind, effect) -> how many taints are published now, counted as `taints` makes them
+        (a device's XIDs are one taint)."""
+        counts: dict[tuple[str, str], int] = {}
+        for name in self._devices:
+            for t in self.taints(name):
+                key = (t.key.rsplit("/", 1)[-1], t.effect)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def health(self, device: str) -> tuple[bool, str] | None:
         """(healthy, message) when the device has causes, else None. Informational causes

@@ -117,7 +117,7 @@ class DeviceHealthService:
 
         self.gpu_events = GpuEventWatcher(source.nvml, hand_over, probe_interval=self.settings.gpu_probe_interval,
                                           control_dir=control_dir(self.settings), name_hint=source.device_name,
-                                          baseline=True)
+                                          baseline=True, gate=source.gate)
         self.gpu_events.start()
 
     async def stop_gpus(self) -> None:
@@ -164,6 +164,15 @@ class DeviceHealthService:
         self._bus_native = self._natives()
         self._fold_leftovers()  # (their hardware's native devices as this snapshot names them)
 
+    def follow(self, leftovers: Leftovers) -> None:
+        """Read the ledger again whenever `leftovers` (the engine's) keeps or removes an entry: told from
+        the engine's worker threads, handed to the loop (call from the loop)."""
+        loop = asyncio.get_running_loop()
+
+        def changed() -> None:
+            loop.call_soon_threadsafe(self.note_leftovers)
+        leftovers.on_change = changed
+
     def note_leftovers(self) -> None:
         """The leftovers changed (the engine kept or undid one): read again by the loop."""
         self._leftovers_due = True
@@ -204,9 +213,10 @@ class DeviceHealthService:
 
     def gpu_event(self, event: GpuEvent) -> None:
         if isinstance(event, XidError):
-            self.conditions.xid(event.device, event.xid, event.recovery_action.value)
+            self.conditions.xid(event.device, event.xid, event.recovery_action.value, at=event.at.timestamp())
         elif isinstance(event, DoubleBitEcc):
-            self.conditions.xid(event.device, DOUBLE_BIT_ECC_XID, event.recovery_action.value)
+            self.conditions.xid(event.device, DOUBLE_BIT_ECC_XID, event.recovery_action.value,
+                                at=event.at.timestamp())
         elif isinstance(event, GpuLost):
             self._rescan.add("gpu")
             self.conditions.gpu_lost(event.device, event.reason)

@@ -17,13 +17,16 @@ memory-block interface (`devices/system/memory`, a kernel without memory hotplug
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config import Settings
 from agent.host.pci import read_text
+from agent.model import NUMA_NODE, Device, IntList
 
 _NODE_DIR = re.compile(r"^node(\d+)$")
 _CPU_DIR = re.compile(r"^cpu(\d+)$")
@@ -47,6 +50,20 @@ def parse_cpulist(text: str) -> list[int]:
             raise ValueError(f"not a CPU list: {text!r}")
         out.update(range(lo, hi + 1))
     return sorted(out)
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """[0, 1, 2, 5] -> `0-2,5`, the form `parse_cpulist` reads."""
+    ids = sorted(set(cpus))
+    out: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _cpu_dir(sysfs_root: Path) -> Path:
@@ -193,3 +210,78 @@ class NodeResourceSource:
 
     def close(self) -> None:
         pass
+
+
+@dataclass(frozen=True, slots=True)
+class NumaTopology:
+    """The NUMA nodes' distances (the firmware's SLIT, `node<N>/distance`) and the socket of each node
+    that has CPUs (`physical_package_id` of its first CPU that says one)."""
+
+    distances: dict[int, tuple[int, ...]]
+    sockets: dict[int, int]
+
+    def numa_list(self, node: int) -> tuple[int, ...]:
+        """The list form of the standard `numaNode` attribute of a device on `node`: the node itself,
+        then the other nodes at the smallest distance any other node has from it that are on its socket
+        (a node whose socket is unknown, a CPU-less memory node, counts as on it), in order. Just the node
+        when its distances are unknown. Every driver on the node must derive the same list for a
+        `matchAttribute` constraint across drivers to mean one thing, hence exactly this rule."""
+        row = self.distances.get(node)
+        if row is None or node >= len(row):
+            return (node,)
+        others = [d for i, d in enumerate(row) if i != node]
+        if not others:
+            return (node,)
+        nearest = min(others)
+        socket = self.sockets.get(node)
+        near = [i for i, d in enumerate(row) if i != node and d == nearest
+                and (socket is None or self.sockets.get(i, socket) == socket)]
+        return (node, *sorted(near))
+
+
+def numa_topology(sysfs_root: Path) -> NumaTopology:
+    """The topology as sysfs shows it; nodes whose distance row is unreadable are left out."""
+    distances: dict[int, tuple[int, ...]] = {}
+    sockets: dict[int, int] = {}
+    for node in numa_nodes(sysfs_root) or []:
+        text = read_text(sysfs_root / "devices" / "system" / "node" / f"node{node}" / "distance")
+        try:
+            row = tuple(int(f) for f in (text or "").split())
+        except ValueError:
+            row = ()
+        if row:
+            distances[node] = row
+        try:
+            cpus = node_cpus(sysfs_root, node)
+        except ValueError:
+            cpus = []
+        # An offline CPU has no topology: the first CPU that says its package.
+        if (package := next((p for c in cpus if (p := cpu_package(sysfs_root, c)) is not None), None)) is not None:
+            sockets[node] = package
+    return NumaTopology(distances, sockets)
+
+
+class NumaForm:
+    """The form the standard `numaNode` attribute of every device is published in: the scalar node (any
+    cluster), or with `lists` on (the `DRAListTypeAttributes` gate) the list `NumaTopology.numa_list`
+    gives, so a `matchAttribute` constraint also matches devices on nearby nodes of one socket. Applied to
+    every scanned device (`agent.app.assembly.PublishedForm`): slices, metadata files and the CLI agree."""
+
+    def __init__(self, sysfs_root: Path) -> None:
+        self.sysfs_root = sysfs_root
+        self._topology: NumaTopology | None = None
+
+    @property
+    def lists(self) -> bool:
+        return self._topology is not None
+
+    def set_lists(self, on: bool) -> None:
+        """Lists on (the topology read now: it changes only when NUMA nodes are hot-plugged) or off."""
+        self._topology = numa_topology(self.sysfs_root) if on else None
+
+    def __call__(self, device: Device) -> Device:
+        value = device.attributes.get(NUMA_NODE)
+        if self._topology is None or type(value) is not int:
+            return device
+        return dataclasses.replace(device, attributes={
+            **device.attributes, NUMA_NODE: IntList(self._topology.numa_list(value))})

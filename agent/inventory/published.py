@@ -10,11 +10,13 @@ agent never reads these attributes back: prepare, health and the claim status ta
 - a passthrough variant: `type=vfio`, `nativeType` (`gpu` | `nic`), `iommuGroup`, and a NIC
   function's `macAddress`;
 - a NIC: `type=nic`, `ifName`, `macAddress`, `linkUp`, `ipv4` and `ipv6` (the first of each);
-- CPUs: `type=cpu`; memory: `type=memory` and the NUMA node.
+- CPUs: `type=cpu`; memory: `type=memory` and the NUMA node;
+- with `--partition-type-attribute`, a MIG placement or a vGPU: `partitionType` (`with_partition_type`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from agent.facts import (
@@ -28,7 +30,7 @@ from agent.facts import (
     PassthroughFacts,
     VgpuType,
 )
-from agent.model import NUMA_NODE, AttrValue
+from agent.model import NUMA_NODE, AttrValue, Device
 
 TYPE = "type"
 MDEV_TYPE = "mdevType"
@@ -37,6 +39,8 @@ IOMMU_GROUP = "iommuGroup"
 MAC_ADDRESS = "macAddress"
 MIG_CAPABLE = "migCapable"
 MIG_ENABLED = "migEnabled"
+# A partition's type for ResourcePoolStatusRequest summaries (the slice's `partitionTypeAttribute`).
+PARTITION_TYPE = "partitionType"
 # What a whole GPU publishes of itself alone: its identity and its MIG mode. A shared GPU is the whole
 # GPU and carries them too; a MIG placement or a vGPU is a part of it and carries every other attribute
 # of its GPU (product, brand, architecture, versions, PCI attributes), by default any new one as well.
@@ -84,3 +88,27 @@ def form_attributes(gpu_attributes: Mapping[str, AttrValue], facts: GpuFacts) ->
     else:
         carried = {k: v for k, v in gpu_attributes.items() if k not in WHOLE_GPU_ONLY}
     return carried | attributes(facts)
+
+
+def partition_type(facts: GpuFacts) -> str | None:
+    """The partition type of a MIG placement or a vGPU: devices with one value take the same counters.
+
+    So it names the GPU (each GPU has a counter set of its own), and for a MIG placement also where it
+    starts (the memory slices it covers are counters: two placements of a profile never cost the same),
+    which makes each placement a type of its own: `gpu-0 1g.10gb@3`. The instances of one vGPU type on
+    one GPU take the same share of its memory: `gpu-0 GRID H100-8C`."""
+    target, minor = facts.target, facts.gpu.minor
+    if isinstance(target, MigPlacement):
+        return f"gpu-{minor} {target.profile}@{target.start}"
+    if isinstance(target, VgpuType):
+        return f"gpu-{minor} {target.name}"
+    return None
+
+
+def with_partition_type(device: Device) -> Device:
+    """The device with its `partitionType` attribute, when it is a partition (MIG placement, vGPU)."""
+    facts = device.node
+    value = partition_type(facts) if isinstance(facts, GpuFacts) else None
+    if value is None:
+        return device
+    return dataclasses.replace(device, attributes={**device.attributes, PARTITION_TYPE: value})

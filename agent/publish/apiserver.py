@@ -76,6 +76,7 @@ class ApiPublisher:
     def __init__(self, client: lightkube.AsyncClient, settings: Settings, node: NodeInfo, *,
                  backoff: Backoff | None = None) -> None:
         self.client = client
+        self.settings = settings
         self.driver = settings.driver_name
         self.groups = settings.compatibility_groups  # the cluster runs DRADeviceCompatibilityGroups
         self.vgpu_types = settings.vgpu_types
@@ -87,6 +88,7 @@ class ApiPublisher:
         # Slice name -> what was last sent and what the server stored of it (`slices.comparable`).
         self._stored_as: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._said: set[str] = set()
+        self._lists: set[str] = set()  # the attributes the pool sends as lists
 
     async def sync(self, devices: Sequence[Device]) -> SyncResult:
         conflicts = 0
@@ -113,7 +115,10 @@ class ApiPublisher:
         groups = self.groups and dropped.COMPATIBILITY_GROUPS not in self.dropped
         if self.groups and not groups:
             devices = dropped.exact_without_groups(devices, self.vgpu_types)
-        chunks = slices.chunk_devices(devices, reported=self._reported, compatibility_groups=groups)
+        chunks = slices.chunk_devices(devices, reported=self._reported, compatibility_groups=groups,
+                                      layout=dropped.layout(self.settings, self.node, self.dropped))
+        self._lists = {name for chunk in chunks.slices if not isinstance(chunk, slices.CounterChunk)
+                       for name in dropped.list_attributes({"devices": list(chunk)})}
         for chunk in chunks.slices if self.dropped else ():
             if isinstance(chunk, slices.CounterChunk):
                 dropped.strip_counter_sets(chunk.sets, self.dropped)
@@ -178,7 +183,14 @@ class ApiPublisher:
                 await self._pause(what, exc, failures)
 
     async def _pause(self, what: str, exc: Exception, failures: int) -> None:
-        """Wait before the next try after a transient failure; PublishError for any other."""
+        """Wait before the next try after a transient failure; PublishError for any other, and _NewDrops
+        for the refusal of list attributes (`dropped.refuses_lists`)."""
+        if dropped.refuses_lists(exc, self._lists):
+            log.warning("the API server refused list values of %s in %s (is its %s feature gate off?): "
+                        "publishing them in their scalar form", ", ".join(sorted(self._lists)), what,
+                        dropped.gate_of(dropped.LIST_VALUES))
+            self.dropped.add(dropped.LIST_VALUES)
+            raise _NewDrops()
         if not kube.is_retryable(exc):
             raise self._failed(f"{what}: {kube.describe(exc)}") from exc
         if failures >= self.backoff.attempts:

@@ -24,7 +24,7 @@ from agent.config import Settings
 from agent.fsutil import atomic_write, is_temp_name, makedirs, unlink_quiet
 from agent.kube import NodeInfo
 from agent.model import Device
-from agent.publish import slices
+from agent.publish import dropped, slices
 from agent.publish.loop import PublishError, SyncResult, log_result, owner_ref
 
 # The one logger of publishing, as before the publishers had modules of their own.
@@ -54,6 +54,7 @@ class DirectoryPublisher:
 
     def __init__(self, directory: Path, settings: Settings, node: NodeInfo) -> None:
         self.dir = Path(directory) / "resourceslices"
+        self.settings = settings
         self.driver = settings.driver_name
         self.groups = settings.compatibility_groups  # the cluster runs DRADeviceCompatibilityGroups
         self.node = node
@@ -62,8 +63,8 @@ class DirectoryPublisher:
         self._reported: set[str] = set()
 
     async def sync(self, devices: Sequence[Device]) -> SyncResult:
-        chunks = slices.chunk_devices(devices, reported=self._reported,
-                                      compatibility_groups=self.groups)
+        chunks = slices.chunk_devices(devices, reported=self._reported, compatibility_groups=self.groups,
+                                      layout=dropped.layout(self.settings, self.node))
         if chunks.errors:  # what the API server would refuse is not written either: the files stay
             msg = f"not writing ResourceSlices to {self.dir}: the pool's slices break API rules: " + \
                 "; ".join(chunks.errors)

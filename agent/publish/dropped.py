@@ -13,21 +13,36 @@ Compatibility groups are what keeps a MIG device and a vGPU of one GPU apart (`a
 without them the published vGPU devices must follow the policy for a cluster without groups
 (`exact_without_groups`), or the scheduler could hand out both forms of one GPU.
 
+A list-valued attribute is the exception: without `DRAListTypeAttributes` the API server drops the
+list from the attribute and then refuses the slice, whose attribute has no value left (422). So a
+refusal of that shape (`refuses_lists`) counts as the list values dropped (`LIST_VALUES`): the agent
+publishes each list attribute in its scalar form from then on (`slices.SliceLayout.list_attributes`).
+The slice-level fields (`partitionTypeAttribute`, `skipNodeOperations`) are not stripped but not made:
+the layout of the pool's slices follows what the server keeps (`layout`).
+
 Field paths are relative to `spec`: `devices[].consumesCounters[].compatibilityGroups`; a key of a
 map whose keys are names (attributes, capacities, counters, node-allocatable resources) is `*`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from agent import kube
+from agent.config import Settings
 from agent.facts import GpuFacts, VgpuType
+from agent.inventory.published import PARTITION_TYPE
 from agent.kinds import Kind
 from agent.model import Device
+from agent.publish.slices import SliceLayout
 from agent.vgpupolicy import VgpuPolicy
 
 COMPATIBILITY_GROUPS = "devices[].consumesCounters[].compatibilityGroups"
+LIST_VALUES = "devices[].attributes.*.ints"
+PARTITION_TYPE_ATTRIBUTE = "partitionTypeAttribute"
+SKIP_NODE_OPERATIONS = "skipNodeOperations"
 # The gate that, switched off, makes the API server drop a field (pkg/features of 1.37).
 GATES: Mapping[str, str] = {
     COMPATIBILITY_GROUPS: "DRADeviceCompatibilityGroups",
@@ -37,16 +52,53 @@ GATES: Mapping[str, str] = {
     "devices[].taints": "DRADeviceTaints",
     "devices[].consumesCounters": "DRAPartitionableDevices",
     "sharedCounters": "DRAPartitionableDevices",
+    LIST_VALUES: "DRAListTypeAttributes",
+    PARTITION_TYPE_ATTRIBUTE: "DRAPartitionableDevicesType",
+    SKIP_NODE_OPERATIONS: "DRAOptionalNodeOperations",
 }
 # The fields of gates that are off by default in 1.37 (alpha): a cluster without them is common, so
 # a pool that carries one is tried in a dry run before its first write (`ApiPublisher`).
-OFF_BY_DEFAULT = frozenset({COMPATIBILITY_GROUPS, "devices[].nodeAllocatableResources"})
+OFF_BY_DEFAULT = frozenset({COMPATIBILITY_GROUPS, "devices[].nodeAllocatableResources", LIST_VALUES,
+                            PARTITION_TYPE_ATTRIBUTE, SKIP_NODE_OPERATIONS})
+# Where a refusal of one device attribute points: `spec.devices[3].attributes[<name>]` and below.
+_ATTRIBUTE_FIELD = re.compile(r"^spec\.devices\[\d+\]\.attributes\[(?P<name>[^\]]+)\]")
 # Fields whose value is a map keyed by names the agent chose.
 _NAMED_MAPS = frozenset({"attributes", "capacity", "counters", "nodeAllocatableResources"})
 
 
 def gate_of(path: str) -> str:
     return GATES.get(path, "a feature gate of the API server")
+
+
+def layout(settings: Settings, node: kube.NodeInfo, dropped: Iterable[str] = ()) -> SliceLayout:
+    """What the pool's device slices say (`slices.SliceLayout`) for these settings and this Node, without
+    what the API server is known to drop: partition types with `--partition-type-attribute`; skipped
+    node operations for `--skip-node-operations` kinds where the Node declares DRAOptionalNodeOperations
+    (the scheduler puts a claim whose devices skip them only on such a node: declared elsewhere, the
+    devices could not be allocated at all); list attributes unless refused."""
+    gone = set(dropped)
+    partition = f"{settings.driver_name}/{PARTITION_TYPE}" if settings.partition_type_attribute and \
+        PARTITION_TYPE_ATTRIBUTE not in gone else ""
+    skip = frozenset(Kind(k) for k in settings.skip_node_operations) if node.optional_node_operations and \
+        SKIP_NODE_OPERATIONS not in gone else frozenset()
+    return SliceLayout(partition_type_attribute=partition, skip_kinds=skip, list_attributes=LIST_VALUES not in gone)
+
+
+def list_attributes(spec: Mapping[str, Any]) -> set[str]:
+    """The names of the attributes a slice's spec sends as lists."""
+    return {name for dev in spec.get("devices") or [] for name, value in (dev.get("attributes") or {}).items()
+            if isinstance(value, Mapping) and {"ints", "bools", "strings", "versions"} & set(value)}
+
+
+def refuses_lists(exc: BaseException, lists: set[str]) -> bool:
+    """Whether the API server refused a slice (422) for nothing but attributes the agent sent as lists
+    (`lists`): what a list comes to where `DRAListTypeAttributes` is off (the server drops the list,
+    then finds the attribute without a value)."""
+    if not lists or kube.status_code(exc) != 422:
+        return False
+    fields = kube.status_cause_fields(exc)
+    return bool(fields) and all((m := _ATTRIBUTE_FIELD.match(f)) is not None and m["name"] in lists
+                                for f in fields)
 
 
 def dropped_fields(sent: Mapping[str, Any], stored: Mapping[str, Any]) -> set[str]:

@@ -1,13 +1,14 @@
-"""Slices as API objects: what one slice carries (devices or counter sets), its owner, its name
-(`generateName`, or one drawn here the same way) and the rendered ResourceSlice. Pure."""
+"""Slices as API objects: what one slice carries (devices or counter sets, and what a device slice
+says of its devices), its owner, its name (`generateName`, or one drawn here the same way) and the
+rendered ResourceSlice. Pure."""
 
 from __future__ import annotations
 
 import copy
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceSlice"
@@ -32,6 +33,32 @@ class CounterChunk:
     `spec.devices`, never both."""
 
     sets: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceChunk(Sequence[Mapping[str, Any]]):
+    """One slice's worth of devices (API form) with what the slice says of all of them: the attribute
+    that names their partition type (`spec.partitionTypeAttribute`), and the kubelet calls their claims
+    do without (`spec.skipNodeOperations`). A plain sequence of devices is a chunk that says neither."""
+
+    devices: tuple[Mapping[str, Any], ...]
+    partition_type_attribute: str = ""
+    skip_node_operations: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    @overload
+    def __getitem__(self, i: int) -> Mapping[str, Any]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Mapping[str, Any]]: ...
+
+    def __getitem__(self, i: int | slice) -> Mapping[str, Any] | Sequence[Mapping[str, Any]]:
+        return self.devices[i]
+
+    def __iter__(self) -> Iterator[Mapping[str, Any]]:
+        return iter(self.devices)
 
 
 # What one slice carries: devices (API form), or counter sets.
@@ -71,4 +98,8 @@ def render_slice(chunk: Chunk, *, driver: str, node: str, owner: NodeRef | None,
         spec["sharedCounters"] = copy.deepcopy(list(chunk.sets))
     else:
         spec["devices"] = copy.deepcopy(list(chunk))
+        if isinstance(chunk, DeviceChunk) and chunk.partition_type_attribute:
+            spec["partitionTypeAttribute"] = chunk.partition_type_attribute
+        if isinstance(chunk, DeviceChunk) and chunk.skip_node_operations:
+            spec["skipNodeOperations"] = list(chunk.skip_node_operations)
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}

@@ -17,13 +17,17 @@ the other roles have their own modules, re-exported here under the names callers
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent import apirules, counters
-from agent.model import Device
+from agent.inventory.published import PARTITION_TYPE
+from agent.kinds import Kind
+from agent.model import Device, IntList
 from agent.publish.plan import (
     PoolPlan,
     SliceWrite,
@@ -41,6 +45,7 @@ from agent.publish.render import (
     NAME_SUFFIX,
     Chunk,
     CounterChunk,
+    DeviceChunk,
     NodeRef,
     generate_name,
     new_slice_name,
@@ -50,13 +55,36 @@ from agent.publish.render import (
 from agent.publish.sanitize import STANDARD_DOMAIN, sanitize_device
 
 __all__ = [
-    "API_VERSION", "KIND", "MAX_GENERATE_NAME", "NAME_ALPHABET", "NAME_SUFFIX", "STANDARD_DOMAIN", "Chunk",
-    "Chunks", "CounterChunk", "NodeRef", "PoolPlan", "SliceWrite", "build_slices", "chunk_devices", "comparable",
-    "generate_name", "is_ours", "new_slice_name", "owner_references", "plan_pool", "pool_generation",
-    "pool_rule_errors", "render_slice", "same_slice", "sanitize_device",
+    "API_VERSION", "KIND", "MAX_GENERATE_NAME", "NAME_ALPHABET", "NAME_SUFFIX", "SKIP_NODE_OPERATIONS",
+    "STANDARD_DOMAIN", "Chunk", "Chunks", "CounterChunk", "DeviceChunk", "NodeRef", "PoolPlan", "SliceLayout",
+    "SliceWrite", "build_slices", "chunk_devices", "comparable", "generate_name", "is_ours", "new_slice_name",
+    "owner_references", "plan_pool", "pool_generation", "pool_rule_errors", "render_slice", "same_slice",
+    "sanitize_device",
 ]
 
 log = logging.getLogger(__name__)
+
+# What a slice of devices whose claims need no node work says: both calls (the API refuses a skipped
+# prepare with an unprepare still due), named rather than "*", which would also skip calls added later.
+SKIP_NODE_OPERATIONS = ("NodePrepareResources", "NodeUnprepareResources")
+# A ResourcePoolStatusRequest summarises at most 32 partition types per pool (the status list's limit):
+# a pool with more gets no summary but an error, so the agent names no partition type attribute then.
+MAX_PARTITION_TYPES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SliceLayout:
+    """What the pool's device slices say beyond their devices, and the value forms the cluster takes.
+
+    `partition_type_attribute` (the fully qualified name of `partitionType`; "" for none): MIG and vGPU
+    devices go into slices of their own that name it. `skip_kinds`: devices of these kinds go into
+    slices of their own whose claims skip the kubelet's prepare and unprepare. `list_attributes` False:
+    a list attribute is published in its scalar form (the API server refuses lists without
+    DRAListTypeAttributes)."""
+
+    partition_type_attribute: str = ""
+    skip_kinds: frozenset[Kind] = frozenset()
+    list_attributes: bool = True
 
 
 @dataclass(slots=True)
@@ -78,7 +106,7 @@ class Chunks:
 
 
 def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None,
-                  compatibility_groups: bool = False) -> Chunks:
+                  compatibility_groups: bool = False, layout: SliceLayout | None = None) -> Chunks:
     """The pool's slices: the counter sets the devices consume (at most 8 per slice, `counters.pack`),
     then the validated devices sorted by name and packed greedily into as few slices as the limits
     allow (64 per slice once one of them consumes counters or has taints).
@@ -87,9 +115,13 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
     consumption then carries the groups of its kind (`counters.with_compatibility_groups`). Off, none
     is sent: the API server would drop them, and the stored slices would never match what is sent.
 
+    `layout` says what the device slices say of their devices (`SliceLayout`): devices of each kind of
+    slice are packed on their own, plain ones first.
+
     Every problem is logged; pass `reported` (kept by the caller between calls) to log only the
     ones that are new since the last call, so a periodic republish does not repeat itself.
     """
+    layout = layout or SliceLayout()
     out = Chunks()
     seen: set[str] = set()
     valid: list[tuple[Device, dict[str, Any]]] = []
@@ -100,6 +132,8 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
         seen.add(dev.name)
         if compatibility_groups:
             dev = counters.with_compatibility_groups(dev)
+        if not layout.list_attributes:
+            dev = scalar_attributes(dev)
         wire, problems = sanitize_device(dev)
         out.dropped += problems
         if wire is not None:
@@ -107,14 +141,16 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
     packed = counters.pack(valid)
     out.dropped += packed.dropped
     out.slices += [CounterChunk(tuple(sets)) for sets in packed.slices]
-    current: list[dict[str, Any]] = []
-    for _, wire in packed.devices:
-        if current and len(current) + 1 > apirules.device_limit([*current, wire]):
-            out.slices.append(current)
-            current = []
-        current.append(wire)
-    if current:
-        out.slices.append(current)
+    groups = _groups(packed.devices, layout, out.dropped)
+    for (partition_attr, skip), wires in groups.items():
+        current: list[dict[str, Any]] = []
+        for wire in wires:
+            if current and len(current) + 1 > apirules.device_limit([*current, wire]):
+                out.slices.append(_chunk(current, partition_attr, skip))
+                current = []
+            current.append(wire)
+        if current:
+            out.slices.append(_chunk(current, partition_attr, skip))
     out.errors = pool_rule_errors(out.slices)
     for message in out.dropped:
         if reported is None or message not in reported:
@@ -126,6 +162,57 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
         reported.clear()
         reported.update(out.dropped, out.errors)
     return out
+
+
+def _chunk(wires: list[dict[str, Any]], partition_attr: str, skip: tuple[str, ...]) -> Chunk:
+    return DeviceChunk(tuple(wires), partition_attr, skip) if partition_attr or skip else wires
+
+
+def scalar_attributes(dev: Device) -> Device:
+    """The device with each list attribute in its scalar form (`IntList.scalar`)."""
+    if not any(isinstance(v, IntList) for v in dev.attributes.values()):
+        return dev
+    return dataclasses.replace(dev, attributes={k: v.scalar if isinstance(v, IntList) else v
+                                                for k, v in dev.attributes.items()})
+
+
+def _cost(wire: dict[str, Any]) -> str:
+    return json.dumps(wire.get("consumesCounters") or [], sort_keys=True)
+
+
+def _groups(packed: list[tuple[Device, dict[str, Any]]], layout: SliceLayout,
+            dropped: list[str]) -> dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]]:
+    """The devices by what their slice says (partition type attribute, skipped calls), plain first, each
+    group in the order given."""
+    skip_kinds, partition_attr = layout.skip_kinds, layout.partition_type_attribute
+    groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {("", ()): []}
+    partitions: list[dict[str, Any]] = []
+    for dev, wire in packed:
+        if dev.kind in skip_kinds:
+            groups.setdefault(("", SKIP_NODE_OPERATIONS), []).append(wire)
+        elif partition_attr and wire.get("consumesCounters") and \
+                "string" in ((wire.get("attributes") or {}).get(PARTITION_TYPE) or {}):
+            partitions.append(wire)
+        else:
+            groups[("", ())].append(wire)
+    if partitions:
+        costs: dict[str, set[str]] = {}
+        for wire in partitions:
+            costs.setdefault(wire["attributes"][PARTITION_TYPE]["string"], set()).add(_cost(wire))
+        mixed = sorted(t for t, c in costs.items() if len(c) > 1)
+        if mixed or len(costs) > MAX_PARTITION_TYPES:
+            why = (f"devices of partition type {mixed[0]!r} take different counters" if mixed else
+                   f"{len(costs)} partition types, more than the {MAX_PARTITION_TYPES} a pool status summarises")
+            dropped.append(f"partitionTypeAttribute {partition_attr!r} of the MIG and vGPU slices: {why}")
+            groups[("", ())] += partitions
+        else:
+            groups[(partition_attr, ())] = partitions
+    skipped = groups.pop(("", SKIP_NODE_OPERATIONS), None)
+    if skipped:
+        groups[("", SKIP_NODE_OPERATIONS)] = skipped
+    if not groups[("", ())]:
+        del groups[("", ())]
+    return groups
 
 
 # Placeholders for the rendering that `pool_rule_errors` checks: the split does not depend on them,
@@ -141,13 +228,17 @@ def pool_rule_errors(chunks: Sequence[Chunk]) -> list[str]:
     every counter a device consumes published by a set of the pool. The split is built to keep them;
     this checks it rather than trusting the construction."""
     count = len(chunks)
-    return apirules.pool_errors([render_slice(c, driver=_CHECK_DRIVER, node=_CHECK_NODE, owner=None, generation=1,
+    # A partition type attribute in the driver's domain is found bare on the devices: that driver, then.
+    driver = next((c.partition_type_attribute.partition("/")[0] for c in chunks
+                   if isinstance(c, DeviceChunk) and c.partition_type_attribute), _CHECK_DRIVER)
+    return apirules.pool_errors([render_slice(c, driver=driver, node=_CHECK_NODE, owner=None, generation=1,
                                               count=count) for c in chunks])
 
 
 def build_slices(devices: Iterable[Device], *, driver: str, node: str, owner: NodeRef | None = None,
-                 generation: int = 1, compatibility_groups: bool = False) -> list[dict[str, Any]]:
+                 generation: int = 1, compatibility_groups: bool = False,
+                 layout: SliceLayout | None = None) -> list[dict[str, Any]]:
     """The slices for `devices` as one fresh pool (what `dra-agent slices` shows)."""
-    chunks = chunk_devices(devices, compatibility_groups=compatibility_groups).slices
+    chunks = chunk_devices(devices, compatibility_groups=compatibility_groups, layout=layout).slices
     return [render_slice(c, driver=driver, node=node, owner=owner, generation=generation, count=len(chunks))
             for c in chunks]

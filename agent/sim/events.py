@@ -50,6 +50,7 @@ class SimEvent:
     index: int  # NVML index of the GPU
     event_type: int  # one nvmlEventType* bit
     data: int  # the XID for nvmlEventTypeXidCriticalError, else 0
+    raised_at: float | None = None  # unix seconds, when the command that raised it was written (else now)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class SimEvents:
         self._actions: list[int] = [pynvml.NVML_GPU_RECOVERY_ACTION_NONE] * gpu_count
         self._closed = False  # the library was shut down: waiters give up
         self._kept: tuple[Path, Callable[[], str]] | None = None  # (file, boot ID) once `keep_actions`
+        self._waiting = 0  # threads blocked in wait() now
 
     def keep_actions(self, path: Path, boot_id: Callable[[], str]) -> None:
         """Keep the recovery actions in `path` from now on; those saved there in this boot are loaded."""
@@ -94,7 +96,6 @@ class SimEvents:
         with self._cond:
             actions = list(self._actions)
         atomic_write(path, orjson.dumps({"bootId": boot_id(), "actions": actions}), mode=0o644)
-        self._waiting = 0  # threads blocked in wait() now
 
     # Event sets.
     def create(self) -> Any:
@@ -215,6 +216,10 @@ def event_data(handle: Any, event: SimEvent) -> Any:
     # Not a MIG instance's event: NVML says 0xFFFFFFFF for "no instance".
     data.gpuInstanceId = 0xFFFFFFFF
     data.computeInstanceId = 0xFFFFFFFF
+    if event.raised_at is not None:
+        # Not NVML's: an XID a command written while no agent ran raised when the machine applied it is as
+        # old as the command (agent.inventory.gpu_events reads it where it is there).
+        data.raised_at = event.raised_at
     return data
 
 

@@ -17,7 +17,8 @@ import pynvml
 from agent.sim.control import ControlWatcher, SimCommand, device_index
 from agent.sim.events import APPLICATION_XIDS, SimEvent, SimEvents, event_data, field_values
 from agent.sim.machine import SimGpu, SimProfile
-from agent.sim.mighandles import gpu_handle
+from agent.sim.mighandles import address, gpu_handle
+from agent.sim.nvmlview import NvmlView
 
 # The event and field-value calls, which faults may name too (`inject_error`).
 EVENT_DEVICE_FUNCTIONS = frozenset({"nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",
@@ -35,6 +36,7 @@ class _Nvml(Protocol):
     _resets: list[int]
     _events: SimEvents
     _control: ControlWatcher | None
+    _view: NvmlView
 
     def _checked_index(self, index: int) -> int: ...
 
@@ -44,7 +46,7 @@ class _Nvml(Protocol):
 
     def lose(self, index: int) -> None: ...
 
-    def raise_xid(self, index: int, xid: int) -> int: ...
+    def raise_xid(self, index: int, xid: int, *, raised_at: float | None = None) -> int: ...
 
     def recover(self, index: int) -> None: ...
 
@@ -65,7 +67,7 @@ class SimHealth:
             self._lost[self._checked_index(index)] = True
         self._events.forget(index)
 
-    def raise_xid(self: _Nvml, index: int, xid: int) -> int:
+    def raise_xid(self: _Nvml, index: int, xid: int, *, raised_at: float | None = None) -> int:
         """An XID on GPU `index`: queued to every event set registered for it and for XID critical
         errors, and the GPU's recovery action set (NONE for an application XID, else GPU_RESET).
         Returns how many event sets received it."""
@@ -73,7 +75,7 @@ class SimHealth:
             raise ValueError(f"XID must be an integer 1..999, not {xid!r}")
         action = (pynvml.NVML_GPU_RECOVERY_ACTION_NONE if xid in APPLICATION_XIDS
                   else pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
-        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeXidCriticalError, xid)
+        event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeXidCriticalError, xid, raised_at)
         return self._events.queue(event, action)
 
     def raise_double_bit_ecc(self: _Nvml, index: int) -> int:
@@ -89,10 +91,11 @@ class SimHealth:
         self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
 
     def reset_count(self: _Nvml, index: int) -> int:
-        """How many resets (`recover`) GPU `index` has had: not an NVML call, but the one way a
-        reset that changed nothing NVML shows (after an application XID) can be seen."""
+        """How many resets (`recover`) the GPU at NVML index `index` has had: not an NVML call, but the one
+        way a reset that changed nothing NVML shows (after an application XID) can be seen."""
+        slot = self._view.slot(index)
         with self._lock:
-            return self._resets[self._checked_index(index)]
+            return self._resets[self._checked_index(index if slot is None else slot)]
 
     def wait_for_waiters(self: _Nvml, count: int = 1, timeout: float = 30.0) -> None:
         """Block until `count` threads wait in nvmlEventSetWait(_v2) (TimeoutError if they do not
@@ -109,7 +112,7 @@ class SimHealth:
         index = device_index(self.profile, command.device)
         if command.command == "xid":
             assert command.xid is not None  # SimCommand checks it
-            self.raise_xid(index, command.xid)
+            self.raise_xid(index, command.xid, raised_at=command.written)
         elif command.command == "lose":
             self.lose(index)
         else:
@@ -140,6 +143,7 @@ class SimHealth:
     def nvmlDeviceRegisterEvents(self: _Nvml, handle: Any, eventTypes: int, eventSet: Any) -> None:
         index = self._device("nvmlDeviceRegisterEvents", handle)[0]
         self._events.register(index, int(eventTypes), eventSet)
+        self._view.register(address(eventSet), index)
 
     def nvmlEventSetWait_v2(self: _Nvml, eventSet: Any, timeoutms: int) -> Any:
         self._system("nvmlEventSetWait_v2")
@@ -153,6 +157,7 @@ class SimHealth:
     def nvmlEventSetFree(self: _Nvml, eventSet: Any) -> None:
         self._system("nvmlEventSetFree")
         self._events.free(eventSet)
+        self._view.free_set(address(eventSet))
 
     def nvmlDeviceGetFieldValues(self: _Nvml, handle: Any, fieldIds: list[int] | list[tuple[int, int]]) -> Any:
         index = self._device("nvmlDeviceGetFieldValues", handle)[0]

@@ -22,9 +22,11 @@ from types import ModuleType
 
 import pytest
 
-from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster
+from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster, eventually
 from .controlplane import ControlPlaneError, start_plane, tail
+from .nodekit import Node
 from .pki import Pki
+from .workloads import Namespace, NodeAgent, node_agent
 
 DEPLOY = REPO / "deploy"
 OVERLAYS = sorted(p for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
@@ -50,6 +52,18 @@ def components() -> Path:
     build = _build_module()
     try:
         return Path(build.ensure(build_missing=False).bin)
+    except build.BuildError as exc:
+        if _strict():
+            pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def node_components() -> Path:
+    """The bin directory of the built kubelet and containerd (`make kubelet-components`)."""
+    build = _build_module()
+    try:
+        return Path(build.ensure(build_missing=False, node_set=True).bin)
     except build.BuildError as exc:
         if _strict():
             pytest.fail(str(exc), pytrace=False)
@@ -108,6 +122,43 @@ def agent_kubeconfig(cluster: Cluster) -> Path:
     return cluster.agent_kubeconfig(NODE)
 
 
+# The node of `scheduled` (dgx-h100: 8 GPUs) and its agent's flags: MIG placements, shared GPUs, and
+# garbage collection after a second (tests delete claims the kubelet would have unprepared). No GPU
+# host-memory overhead: kube-scheduler 1.37.2 cannot bind a pod asking for `example.com/gpu` when the
+# device it gets has nodeAllocatableResources (README "Unchanged pods"), and such a pod is among the tests.
+SCHEDULED_NODE = "dra-scheduled"
+SCHEDULED_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gc-grace-period=1", "--gpu-host-memory-overhead=0")
+
+
+@pytest.fixture(scope="session")
+def scheduled_agent(cluster: Cluster, cluster_root: Path) -> Iterator[NodeAgent]:
+    with node_agent(cluster, SCHEDULED_NODE, cluster_root / "scheduled", *SCHEDULED_FLAGS,
+                    declared=[NODE_ALLOCATABLE]) as running:
+        yield running
+
+
+@pytest.fixture
+def scheduled(scheduled_agent: NodeAgent) -> Iterator[NodeAgent]:
+    """One agent for the tests of what the real scheduler allocates, started once for them all, on a
+    Node that declares DRANodeAllocatableResources (running again if a test stopped it and failed).
+    After a test, until it holds no prepared claim: those a test left are garbage-collected once the
+    test's namespace is gone (`ns`, torn down first), so the next test finds every device free."""
+    if scheduled_agent.proc is None:
+        scheduled_agent.start()
+    yield scheduled_agent
+    if scheduled_agent.proc is None:
+        scheduled_agent.start()
+    eventually(lambda: not scheduled_agent.prepared(), "the agent unprepares what the test left")
+
+
+@pytest.fixture
+def ns(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Namespace]:
+    """A namespace of the test's own, emptied at its end (so that every device is free again)."""
+    space = Namespace(cluster, request.node.name.replace("_", "-")[:50].rstrip("-").lower()).create()
+    yield space
+    space.clean()
+
+
 @pytest.fixture
 def agent_runs(cluster_root: Path, request: pytest.FixtureRequest) -> Iterator[AgentRuns]:
     base = Path(tempfile.mkdtemp(prefix="agent-", dir=cluster_root))
@@ -127,7 +178,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     cluster = getattr(item, "funcargs", {}).get("cluster")
     if isinstance(cluster, Cluster):
         report.sections.append(("control plane logs", cluster.plane.logs()))
-    runs = getattr(item, "agent_runs", None)
-    if isinstance(runs, AgentRuns):
-        for proc in runs.started:
-            report.sections.append((f"agent log {proc.log}", tail(proc.log, 80)))
+    node = getattr(item, "real_node", None)
+    if isinstance(node, Node):
+        report.sections.append((f"node {node.name}", node.logs()))
+    runs = [getattr(item, "agent_runs", None)]
+    runs += [a.runs for a in getattr(item, "funcargs", {}).values() if isinstance(a, NodeAgent)]
+    # A shared agent may be in more than one fixture, and a restarted one appends to the same log.
+    logs = {p.log for r in runs if isinstance(r, AgentRuns) for p in r.started}
+    for log in sorted(logs):
+        report.sections.append((f"agent log {log}", tail(log, 80)))

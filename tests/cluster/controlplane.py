@@ -127,6 +127,7 @@ class ControlPlane:
     pki: Pki
     gates: Mapping[str, bool] = field(default_factory=dict)  # over DRA_GATES (all on)
     full: bool = True
+    runtime_config: str = RUNTIME_CONFIG
     components: list[Component] = field(default_factory=list)
     server: str = ""
     admin: Pair | None = None
@@ -173,7 +174,7 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=Node,RBAC", "--allow-privileged=true",
             "--enable-admission-plugins=NodeRestriction",
-            f"--feature-gates={self.feature_gates()}", f"--runtime-config={RUNTIME_CONFIG}",
+            f"--feature-gates={self.feature_gates()}", f"--runtime-config={self.runtime_config}",
             # The endpoint reconciler refuses a loopback advertise address; nothing here dials the
             # `kubernetes` Service anyway.
             "--endpoint-reconciler-type=none", "--profiling=false", "--v=1"])
@@ -215,9 +216,11 @@ class ControlPlane:
             # Each controller as its own service account: the bootstrap RBAC policy grants the
             # controllers' permissions to those, not to the controller-manager's own user.
             "--use-service-account-credentials=true", f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # No kubelet renews the test Node's lease: the node lifecycle controller would mark it
+            # No kubelet renews the test Nodes' leases: the node lifecycle controller would mark them
             # unreachable and evict the pod the agent's token is bound to (the token would die with it).
-            "--controllers=*,-node-lifecycle-controller",
+            # The agent runs as a process of the test, not as the DaemonSet's pod: a real kubelet
+            # (test_cluster_kubelet.py) given that pod would make its host paths on this machine.
+            "--controllers=*,-node-lifecycle-controller,-daemonset-controller",
             f"--feature-gates={self.feature_gates()}"])
         c.start()
         self.controller_manager_health = f"https://127.0.0.1:{port}/healthz"

@@ -48,7 +48,12 @@ def test_every_dra_feature_gate_of_the_release_is_on(cluster: Cluster) -> None:
 def test_every_kustomization_was_stored_as_rendered(cluster: Cluster) -> None:
     # The fixture applied each overlay and then the base with --server-side --validate=strict (an
     # unknown or duplicate field, a CEL selector that does not compile, a bad value: kubectl fails).
-    assert set(cluster.applied) == {"base", "dev", "kubevirt", "node-allocatable"}
+    assert set(cluster.applied) == {"base", "dev", "driver-container", "kubevirt", "node-allocatable"}
+    # The driver-container overlay, taken by the server: the driver root is the GPU Operator's.
+    (daemonset,) = [o for o in cluster.applied["driver-container"] if o["kind"] == "DaemonSet"]
+    roots = {v["name"]: v["hostPath"]["path"] for v in daemonset["spec"]["template"]["spec"]["volumes"]
+             if "hostPath" in v}
+    assert roots["driver-root"] == "/run/nvidia/driver"
     kinds = set()
     for objs in cluster.applied.values():
         for obj in objs:
@@ -68,7 +73,7 @@ def test_every_kustomization_was_stored_as_rendered(cluster: Cluster) -> None:
 
 def test_device_class_selectors_are_compiled_by_the_server(cluster: Cluster) -> None:
     classes = [o for objs in cluster.applied.values() for o in objs if o["kind"] == "DeviceClass"]
-    assert len({c["metadata"]["name"] for c in classes}) == 9
+    assert len({c["metadata"]["name"] for c in classes}) == 10  # dra.cpu: KubeVirt's, in the kubevirt overlay
     for cls in classes:
         # A server-side dry run of each class as rendered: accepted.
         probe = copy.deepcopy(cls)
@@ -94,9 +99,12 @@ def _type_checked(cluster: Cluster, name: str) -> dict[str, Any]:
 
 
 def test_admission_policy_type_checks_without_warnings(cluster: Cluster) -> None:
-    (policy,) = [o for o in cluster.applied["base"] if o["kind"] == "ValidatingAdmissionPolicy"]
-    status = _type_checked(cluster, policy["metadata"]["name"])
-    assert (status.get("typeChecking") or {}).get("expressionWarnings") in (None, [])
+    policies = [o for o in cluster.applied["base"] if o["kind"] == "ValidatingAdmissionPolicy"]
+    assert len(policies) == 2  # ResourceSlices, ResourcePoolStatusRequests
+    for each in policies:
+        status = _type_checked(cluster, each["metadata"]["name"])
+        assert (status.get("typeChecking") or {}).get("expressionWarnings") in (None, []), each["metadata"]["name"]
+    policy = next(p for p in policies if p["metadata"]["name"] == "dra-agent-resourceslices")
     # A copy with a misspelt field gets a warning from the same checker.
     probe = copy.deepcopy(policy)
     probe["metadata"] = {"name": "probe-type-checking"}

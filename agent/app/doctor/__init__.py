@@ -15,16 +15,18 @@ ownership and permission checks are made as the user that runs doctor.
 
 The checks live by subject: `plugin` (the kubelet's directories, the agent's
 sockets and probes), `runtime` (the container runtime's CDI configuration, the CDI
-directory), `node` (NVML, IOMMU, vfio-pci, claim records, free space), `cluster`
+directory, the NVIDIA toolkit's CDI spec), `node` (NVML, IOMMU, vfio-pci, claim records, free space), `cluster`
 (the API server, the Node, RBAC); `results` has the result type and the report.
 """
 
 from __future__ import annotations
 
 import asyncio
+import platform
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from agent import __version__
 from agent.app.doctor.cluster import PERMISSIONS, ClusterChecks, Permission
 from agent.app.doctor.node import LOW_FREE_BYTES, MIN_FREE_BYTES, MIN_FREE_INODES, NodeChecks
 from agent.app.doctor.plugin import PluginChecks
@@ -65,6 +67,7 @@ class Doctor(PluginChecks, RuntimeChecks, NodeChecks, ClusterChecks):
             ("probes (/healthz, /readyz)", self.probes),
             ("container runtime CDI", thread(self.runtime_cdi)),
             ("CDI directory", thread(self.cdi_dirs)),
+            ("NVIDIA toolkit CDI", thread(self.toolkit)),
             ("NVML", thread(self.nvml)),
             ("IOMMU", thread(self.iommu)),
             ("vfio-pci", thread(self.vfio)),
@@ -72,7 +75,11 @@ class Doctor(PluginChecks, RuntimeChecks, NodeChecks, ClusterChecks):
             ("free space", thread(self.free_space)),
             ("Kubernetes API", self.cluster),
         ]
-        results: list[Result] = []
+        s = self.s
+        # Which doctor this is, and for which agent: a report read later says so (the agent's own version is
+        # in its first log line and in its probes' answers).
+        results = [passed("dra-agent", f"version {__version__} (Python {platform.python_version()}), driver "
+                          f"{s.driver_name}, node {s.node_name}")]
         for name, step in steps:
             try:
                 results += await step()

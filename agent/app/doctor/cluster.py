@@ -21,13 +21,16 @@ class Permission:
     why: str
     namespaced: bool = False
     named: str = ""  # the object the permission is for: "node" (this Node), "driver" (the driver's name)
+    blocking: bool = True  # False: only a command a person runs needs it, not the agent
 
     def __str__(self) -> str:
         return f"{self.verb} {self.resource}{'.' + self.group if self.group else ''}"
 
 
 # Every API call the agent makes: agent/kube.py (the Node), agent/claims/sources.py (claims), agent/publish/apiserver.py
-# (slices), agent/health/statussinks.py (claim status). A permission the agent does not use is not asked for.
+# (slices), agent/health/statussinks.py and statusupdate.py (claim status), agent/health/taintrules.py (`dra-agent
+# taints`), agent/events.py (Events). A
+# permission the agent does not use is not asked for.
 PERMISSIONS: tuple[Permission, ...] = (
     Permission("get", "", "nodes", "read this Node: its UID (slice owner) and declared features", named="node"),
     Permission("get", "resource.k8s.io", "resourceclaims", "read a claim the kubelet asks to prepare",
@@ -44,6 +47,27 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("associated-node:patch", "resource.k8s.io", "resourceclaims/driver",
                "write status.devices entries of this driver for claims on this node", namespaced=True,
                named="driver"),
+    # The same write as an update, for a claim whose opaque parameters the API server refuses every apply of
+    # (agent/health/statusupdate.py).
+    Permission("update", "resource.k8s.io", "resourceclaims/status",
+               "report the status.devices entries of a claim no server-side apply can change (update)",
+               namespaced=True),
+    Permission("associated-node:update", "resource.k8s.io", "resourceclaims/driver",
+               "write status.devices entries of this driver for claims on this node (update)", namespaced=True,
+               named="driver"),
+    # agent/events.py: Events on the Node (an unreadable claim record set aside). Best effort: the log, the metric
+    # and /readyz say it too, so the agent works without it.
+    Permission("create", "events.k8s.io", "events", "post Events about this node (an unreadable claim record set "
+               "aside)", namespaced=True, blocking=False),
+    Permission("list", "resource.k8s.io", "devicetaintrules",
+               "list the DeviceTaintRules an administrator made for this node's devices (dra-agent taints)"),
+    # `dra-agent pool status` (agent/app/poolstatus.py): the agent itself never asks.
+    Permission("create", "resource.k8s.io", "resourcepoolstatusrequests",
+               "ask for this node's pool status (dra-agent pool status)", blocking=False),
+    Permission("get", "resource.k8s.io", "resourcepoolstatusrequests",
+               "read the pool status asked for (dra-agent pool status)", blocking=False),
+    Permission("delete", "resource.k8s.io", "resourcepoolstatusrequests",
+               "remove the pool status request once read (dra-agent pool status)", blocking=False),
 )
 
 
@@ -131,7 +155,8 @@ class ClusterChecks(Checks):
         if denied:
             return [failed("RBAC", "denied: " + "; ".join(f"{p} ({p.why})" for p in denied),
                            "grant them to the agent's service account (deploy/base has the ClusterRole): "
-                           "kubectl auth can-i --as=system:serviceaccount:<namespace>:<account> ...")]
+                           "kubectl auth can-i --as=system:serviceaccount:<namespace>:<account> ...",
+                           blocking=any(p.blocking for p in denied))]
         return [passed("RBAC", f"all {len(PERMISSIONS)} permissions the agent uses are granted: "
                        + ", ".join(map(str, PERMISSIONS)))]
 

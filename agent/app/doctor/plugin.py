@@ -13,6 +13,7 @@ import httpx2
 
 from agent.app.doctor.base import Checks
 from agent.app.doctor.results import Result, failed, passed, skipped
+from agent.app.httpserver import DRIVER_HEADER, NODE_HEADER, POD_UID_HEADER, VERSION_HEADER
 from agent.fsutil import UnsafeRoot, check_root
 from agent.kubelet import client as kc
 
@@ -137,12 +138,39 @@ class PluginChecks(Checks):
         except httpx2.HTTPError as exc:
             return [failed(name, f"{base}: {exc or type(exc).__name__}", "is the agent running, with this "
                            "--metrics-address? (its first log lines say where it serves)", blocking=False)]
+        if (stranger := self._stranger(base, answers["/healthz"])) is not None:
+            return [stranger]
         bad = [line[3:] for r in answers.values() for line in r.text.splitlines() if line.startswith("[-]")]
         if bad:
             return [failed(name, "; ".join(bad), "see the failing checks: the kubelet registers the plugin when "
                            "it sees the registration socket; slices are published once the Node is read")]
-        return [passed(name, "; ".join(line[3:] for r in answers.values() for line in r.text.splitlines()
-                                       if line.startswith("[+]") and "event-loop" not in line))]
+        version = answers["/healthz"].headers.get(VERSION_HEADER, "?")
+        return [passed(name, f"dra-agent {version}: " + "; ".join(
+            line[3:] for r in answers.values() for line in r.text.splitlines()
+            if line.startswith("[+]") and "event-loop" not in line))]
+
+
+    def _stranger(self, base: str, answer: httpx2.Response) -> Result | None:
+        """A failure when what answered is not the agent of these settings (its identity headers), else None."""
+        s = self.s
+        name = "probes (/healthz, /readyz)"
+        driver, node = answer.headers.get(DRIVER_HEADER), answer.headers.get(NODE_HEADER)
+        if driver is None or node is None:
+            return failed(name, f"{base} answers, but does not name itself a dra-agent (no {DRIVER_HEADER} and "
+                          f"{NODE_HEADER} headers)", "another program holds the port, so the kubelet's probes "
+                          "reach it and not the agent: give doctor the agent's --metrics-address, or move one of them")
+        if (driver, node) != (s.driver_name, s.node_name):
+            return failed(name, f"{base} is the agent of driver {driver} on node {node}, not {s.node_name}"
+                          if driver == s.driver_name else f"{base} is the agent of driver {driver} on node {node}, "
+                          f"not of {s.driver_name}", "give doctor the agent's settings (--driver-name, --node-name, "
+                          "--metrics-address)")
+        pod = answer.headers.get(POD_UID_HEADER, "")
+        if s.rolling_update_pod_uid and pod != s.rolling_update_pod_uid:
+            return failed(name, f"{base} is answered by another agent of {driver} on {node} (pod {pod or 'unnamed'}, "
+                          f"not {s.rolling_update_pod_uid})", "during a rolling update the agent being replaced "
+                          "holds the port until it exits; else give doctor the agent's --rolling-update-pod-uid",
+                          blocking=False)
+        return None
 
 
 def _is_socket(path: Path) -> bool:

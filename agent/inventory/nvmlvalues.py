@@ -1,0 +1,39 @@
+"""Reading what NVML answers: an error by name, a handle by address, a field value as the integer
+it holds."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import pynvml
+
+from agent.sim.profiles import error_name
+
+
+def describe_error(exc: BaseException) -> str:
+    """An NVML error with its name (`GPU_IS_LOST`), or any other exception with its type."""
+    if isinstance(exc, pynvml.NVMLError):
+        return f"{exc} ({error_name(exc.value)})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def handle_address(handle: Any) -> int:
+    """The address a pynvml handle points at: what identifies a GPU in an event's data."""
+    return ctypes.cast(handle, ctypes.c_void_p).value or 0
+
+
+def field_int(value: Any) -> int:
+    """The integer in a c_nvmlFieldValue_t, read as its valueType says."""
+    kind = value.valueType
+    if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
+        return int(value.value.ulVal)
+    if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
+        return int(value.value.ullVal)
+    if kind == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
+        return int(value.value.sllVal)
+    if kind == pynvml.NVML_VALUE_TYPE_SIGNED_INT:
+        return int(value.value.siVal)
+    if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
+        return int(value.value.usVal)
+    return int(value.value.uiVal)

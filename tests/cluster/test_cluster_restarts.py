@@ -1,0 +1,153 @@
+"""What must hold across agent restarts and claim deletions, against the real API server and scheduler.
+
+- A claim's `Ready` condition changes its `lastTransitionTime` only when its status changes: an XID
+  that makes the GPU not ready, a restart while it is not ready, the GPU reset, a restart after it.
+- Garbage collection: a prepared claim deleted in the API is unprepared once `--gc-grace-period` is
+  over; one deleted and re-created under the same name while the agent was down is unprepared, and
+  the new claim of that name, prepared since, stays prepared.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from .clusterkit import DRIVER, eventually
+from .workloads import (
+    BUS,
+    Namespace,
+    NodeAgent,
+    allocated,
+    claim_spec,
+    our_status,
+    prepared,
+    published,
+    ref_of,
+    request,
+    string,
+)
+
+pytestmark = pytest.mark.cluster
+
+GPU = "gpu-5"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def later_than(stamp: str) -> None:
+    """Until the wall clock's second is past `stamp` (RFC 3339 times have whole seconds): so that a
+    transition dated from now can be told from one dated `stamp`."""
+    eventually(lambda: now() > stamp, f"a second after {stamp}")
+
+
+def ready(ns: Namespace, name: str, status: str) -> dict[str, Any]:
+    """The claim's one Ready condition of ours, once it has `status`."""
+    def probe() -> dict[str, Any] | None:
+        entries = our_status(ns.get("resourceclaims", name))
+        conds = [c for e in entries for c in e.get("conditions") or [] if c["type"] == "Ready"]
+        return conds[0] if len(conds) == 1 and conds[0]["status"] == status else None
+
+    try:
+        found: dict[str, Any] = eventually(probe, f"Ready={status} on claim {name}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {our_status(ns.get('resourceclaims', name))}") from None
+    return found
+
+
+def restarted(agent: NodeAgent) -> None:
+    """The agent restarted, and its start-up write of the claims' status done (written or found current)."""
+    proc = agent.restart()
+    eventually(lambda: sum(proc.metric(f'dra_agent_claim_status_writes_total{{result="{r}"}}')
+                           for r in ("ok", "unchanged", "gave_up")) >= 1, "the status written after the restart")
+
+
+def gpu_claim(ns: Namespace, agent: NodeAgent, name: str, selectors: Sequence[str] = (),
+              tolerations: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """A claim for one GPU, allocated by the scheduler for a pod on the agent's node."""
+    ns.claim(name, claim_spec(request("gpu", "gpu", selectors=selectors, tolerations=tolerations)))
+    ns.pod(name, agent.node, claims={"gpu": name})
+    ns.scheduled(name)
+    (claim,) = ns.claims_of(name).values()
+    return claim
+
+
+def prepare(agent: NodeAgent, claim: dict[str, Any]) -> str:
+    """The claim prepared as allocated; its UID."""
+    uid = str(claim["metadata"]["uid"])
+    assert prepared(agent.prepare(claim)[uid]) == allocated(claim)
+    return uid
+
+
+def test_ready_changes_its_time_only_when_its_status_changes(scheduled: NodeAgent, ns: Namespace) -> None:
+    bus = string(published(scheduled)[GPU], "resource.kubernetes.io/pciBusID")
+    # Tolerating the XID taint: else the eviction controller deletes the pod and its claim is deallocated.
+    tolerate = {"key": f"{DRIVER}/xid", "operator": "Exists", "effect": "NoExecute"}
+    claim = gpu_claim(ns, scheduled, "ready", [f"{BUS} == '{bus}'"], [tolerate])
+    prepare(scheduled, claim)
+    prepared_at = ready(ns, "ready", "True")["lastTransitionTime"]
+
+    later_than(prepared_at)
+    scheduled.cli("sim", "xid", GPU, "79")  # off the bus: NoExecute, not ready
+    lost = ready(ns, "ready", "False")
+    assert lost["reason"] == "XidError" and lost["lastTransitionTime"] > prepared_at
+
+    # A restart while the XID taint stands (it is saved): still not ready, since the same moment.
+    later_than(lost["lastTransitionTime"])
+    restarted(scheduled)
+    assert ready(ns, "ready", "False")["lastTransitionTime"] == lost["lastTransitionTime"]
+
+    later_than(lost["lastTransitionTime"])
+    scheduled.cli("sim", "recover", GPU)  # a GPU reset clears the XID taint
+    back = ready(ns, "ready", "True")
+    assert back["lastTransitionTime"] > lost["lastTransitionTime"]
+
+    # A restart now: ready since the reset, not since the prepare.
+    later_than(back["lastTransitionTime"])
+    restarted(scheduled)
+    assert ready(ns, "ready", "True")["lastTransitionTime"] == back["lastTransitionTime"]
+    assert not any(t for t in published(scheduled)[GPU].get("taints") or [])
+    assert scheduled.unprepare(claim)[claim["metadata"]["uid"]].get("error", "") == ""
+
+
+def test_claims_gone_from_the_api_are_unprepared_after_the_grace_period(scheduled: NodeAgent,
+                                                                         ns: Namespace) -> None:
+    old = gpu_claim(ns, scheduled, "renamed")
+    old_uid = prepare(scheduled, old)
+
+    # Deleted and re-created under the same name (and allocated again) while the agent is down; once it
+    # runs again the kubelet prepares the new one.
+    scheduled.stop()
+    ns.remove_pod("renamed")
+    ns.cluster.admin.delete(ns.path("resourceclaims", "renamed"))
+    eventually(lambda: not ns.exists("resourceclaims", "renamed"), "the claim's deletion")
+    new = gpu_claim(ns, scheduled, "renamed")
+    assert ref_of(new).name == ref_of(old).name and ref_of(new).uid != old_uid
+    assert old_uid in scheduled.prepared()
+    scheduled.start()
+    new_uid = prepare(scheduled, new)
+    eventually(lambda: old_uid not in scheduled.prepared(), "the old claim's garbage collection")
+    assert new_uid in scheduled.prepared()
+    assert log_has(scheduled, f"garbage-collected claim {ns.name}/renamed ({old_uid})", f"now has UID {new_uid}")
+
+    # A claim deleted while the agent runs: unprepared once the grace period is over. Meanwhile the
+    # re-created claim is looked up by every sweep, and stays.
+    uid = prepare(scheduled, gpu_claim(ns, scheduled, "deleted"))
+    ns.remove_pod("deleted")
+    ns.cluster.admin.delete(ns.path("resourceclaims", "deleted"))
+    gone_at = time.monotonic()
+    eventually(lambda: uid not in scheduled.prepared(), "the deleted claim's garbage collection")
+    assert time.monotonic() - gone_at >= 1.0  # --gc-grace-period=1 (conftest)
+    assert new_uid in scheduled.prepared()
+    assert log_has(scheduled, f"garbage-collected claim {ns.name}/deleted ({uid})")
+    assert scheduled.unprepare(new)[new_uid].get("error", "") == ""
+
+
+def log_has(agent: NodeAgent, *texts: str) -> bool:
+    """Whether one line of the running agent's log holds every one of `texts`."""
+    return agent.proc is not None and any(all(t in m for t in texts) for m in agent.proc.messages())

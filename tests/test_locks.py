@@ -1,0 +1,91 @@
+"""The in-process lock table (agent/claims/locks.py): keys held alone, or shared by the claims of a
+device handed out in shares; one holding a key alone excludes every other holder. And the byte lock
+that extends a key to the other agents of the node, shared too."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from agent.claims.locks import KeyFileLock, LockTable
+
+WAIT = 30.0
+
+
+def in_thread(fn: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+def holder(table: LockTable, key: str, shared: bool, inside: threading.Event, leave: threading.Event,
+           log: list[str], name: str) -> threading.Thread:
+    def run() -> None:
+        with table.hold([key], shared=[key] if shared else []):
+            log.append(f"{name} in")
+            inside.set()
+            assert leave.wait(WAIT)
+            log.append(f"{name} out")
+    return in_thread(run)
+
+
+def test_sharers_hold_a_key_at_once_and_one_alone_waits_for_them_all() -> None:
+    table, log = LockTable(), []
+    inside = [threading.Event() for _ in range(3)]
+    leave = [threading.Event() for _ in range(3)]
+    a = holder(table, "device/gpu-0-shared", True, inside[0], leave[0], log, "a")
+    b = holder(table, "device/gpu-0-shared", True, inside[1], leave[1], log, "b")
+    assert inside[0].wait(WAIT) and inside[1].wait(WAIT)  # both hold it
+    alone = holder(table, "device/gpu-0-shared", False, inside[2], leave[2], log, "alone")
+    leave[0].set()
+    a.join(WAIT)
+    assert not inside[2].is_set()  # b still shares it
+    leave[1].set()
+    b.join(WAIT)
+    assert inside[2].wait(WAIT)
+    leave[2].set()
+    alone.join(WAIT)
+    assert log == ["a in", "b in", "a out", "b out", "alone in", "alone out"]
+    assert len(table) == 0  # dropped once nobody holds or waits for it
+
+
+def test_different_keys_never_wait_for_each_other() -> None:
+    table = LockTable()
+    barrier = threading.Barrier(2, timeout=WAIT)
+
+    def hold(key: str) -> None:
+        with table.hold([key]):
+            barrier.wait()  # both inside at once, or the barrier breaks
+
+    threads = [in_thread(lambda k=k: hold(k)) for k in ("claim/a", "claim/b")]
+    for t in threads:
+        t.join(WAIT)
+    assert not barrier.broken
+
+
+def test_a_device_held_shared_by_two_claims_stays_held_for_other_agents_until_the_last_lets_go(
+        tmp_path: Path) -> None:
+    path, key = tmp_path / "devices.lock", "pci/0000:2a:00.0"
+    agent = KeyFileLock(path)
+
+    def another_agent_would_wait() -> bool:  # a write lock from another open file description, as another agent's
+        fd = os.open(path, os.O_RDWR)
+        try:
+            probe = struct.pack("@hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, KeyFileLock.offset(key), 1, 0)
+            return struct.unpack("@hhqqi4x", fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe))[0] != fcntl.F_UNLCK
+        finally:
+            os.close(fd)
+
+    first, second = agent.hold(key, shared=True), agent.hold(key, shared=True)
+    first.__enter__()
+    second.__enter__()  # the second claim of the shared GPU, in another worker thread of the same agent
+    assert another_agent_would_wait()
+    first.__exit__(None, None, None)
+    assert another_agent_would_wait()  # the second claim still holds it
+    second.__exit__(None, None, None)
+    assert not another_agent_would_wait()
+    agent.close()
