@@ -1,7 +1,8 @@
 """One frozen settings object, built from command-line flags and environment variables.
 
 Every setting is a flag and an environment variable (the flag wins). The table
-`OPTIONS` is the single source: argparse, `--help` and README are made from it.
+`OPTIONS` is the single source: argparse and `--help` are made from it, and the settings table of
+docs/configuration.md is checked against it (tests/test_cli.py).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ OPTIONS: tuple[Option, ...] = (
            kind=float, metavar="SECONDS"),
     Option("taint_policy", "--taint-policy", "DRA_TAINT_POLICY", None,
            "YAML file laid over the default taint policy (XID -> effect, lost GPU, link down and its "
-           "hold time; README: Device health and taints)", metavar="FILE"),
+           "hold time; docs/health.md)", metavar="FILE"),
     Option("metrics_address", "--metrics-address", "DRA_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS,
            "HOST:PORT for /metrics, /healthz and /readyz (HTTP; no HOST: every interface; "
            "empty: off)", metavar="HOST:PORT", empty=True),

@@ -1,4 +1,4 @@
-"""The CLI as a person at the node uses it, and README's quickstart: the agent as a process,
+"""The CLI as a person at the node uses it, and README's walk-through: the agent as a process,
 seeded from examples/, driven with `dra-agent kubelet ...` from a second process."""
 
 from __future__ import annotations
@@ -138,10 +138,10 @@ def test_bad_settings_are_refused_before_anything_starts(run_env):
     assert proc.returncode == 2 and "--nvml" in proc.stderr
 
 
-def test_readme_documents_every_setting_with_its_environment_variable():
-    readme = (ROOT / "README.md").read_text()
+def test_docs_document_every_setting_with_its_environment_variable():
+    page = (ROOT / "docs" / "configuration.md").read_text()
     for opt in OPTIONS:
-        assert re.search(rf"\| `{re.escape(opt.flag)}` \| `{re.escape(opt.env)}` \|", readme), opt.flag
+        assert re.search(rf"\| `{re.escape(opt.flag)}` \| `{re.escape(opt.env)}` \|", page), opt.flag
     help_text = cli("run", "--help").stdout
     for opt in OPTIONS:
         assert opt.flag in help_text and f"${opt.env}" in help_text

@@ -117,7 +117,7 @@ class ApiStatusSink:
             if kube.status_code(exc) is None and not kube.is_retryable(exc):
                 raise  # not an API answer nor a connection failure: a bug, not a status to report
             if kube.status_code(exc) == 422 and "status.allocation" in why:
-                # Seen on 1.37.2 (README "The real control plane"): nothing of ours changes the allocation.
+                # Seen on 1.37.2 (docs/tests.md, "What the real components do"): nothing of ours changes the allocation.
                 why += (" (the API server compares the claim's opaque parameters with its own encoding of them, "
                         "byte for byte: sent other than as compact JSON with sorted keys, as kubectl sends them, "
                         "they refuse every status apply)")

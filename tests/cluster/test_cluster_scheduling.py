@@ -196,7 +196,7 @@ def test_a_claim_whose_parameters_the_server_encodes_otherwise_gets_no_status(sc
                                                                               ns: Namespace) -> None:
     # The API server 1.37.2 compares the opaque parameters the scheduler copied into the allocation byte for
     # byte after decoding a status apply, against its own encoding of them (keys sorted): parameters sent with
-    # their keys in another order make every status apply of the claim fail (README "The real control plane").
+    # their keys in another order make every status apply of the claim fail (docs/tests.md).
     # The claim is prepared all the same; its status is given up, and the log says why.
     params = {"kind": "DeviceConfig", "apiVersion": config_api_version(DRIVER), "env": {"MODE": "fast"}}
     spec = claim_spec(request("cpu", "cpu", capacity={"cpus": "1"}),
