@@ -12,6 +12,9 @@
 //
 // cdiDirs in the runtime's order, lowest priority first (the static directory, then the dynamic
 // one); claims maps each claim to the CDI device IDs the kubelet got for it.
+//
+// gocheck kubevirt MANIFEST.yaml prints, as JSON, each object of the manifest, every
+// VirtualMachine decoded strictly into KubeVirt's API types (kubevirt.go).
 package main
 
 import (
@@ -94,8 +97,12 @@ type metadataObject struct {
 }
 
 func main() {
+	if len(os.Args) == 3 && os.Args[1] == "kubevirt" {
+		emit(checkKubeVirt(os.Args[2]))
+		return
+	}
 	if len(os.Args) != 2 {
-		fmt.Fprintln(os.Stderr, "usage: gocheck REQUEST.json")
+		fmt.Fprintln(os.Stderr, "usage: gocheck REQUEST.json | gocheck kubevirt MANIFEST.yaml")
 		os.Exit(2)
 	}
 	raw, err := os.ReadFile(os.Args[1])
@@ -110,6 +117,10 @@ func main() {
 	for _, path := range req.MetadataFiles {
 		out.Metadata[path] = checkMetadata(path)
 	}
+	emit(out)
+}
+
+func emit(out any) {
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetIndent("", " ")
 	if err := enc.Encode(out); err != nil {
