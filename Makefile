@@ -31,9 +31,10 @@ test: lint nvml-standin gocheck cluster-components kubelet-components
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The Go checker (tests/gocheck): the official CDI and device-metadata libraries read what the agent
-# writes (tests/test_official_readers.py). Built once into ~/.cache/dra-agent/gocheck-<hash>/, reused
+# writes (tests/test_official_readers.py), and the kubelet's registration calls over grpc-go
+# (kubeletreg, tests/test_registration.py). Built once into ~/.cache/dra-agent/gocheck-<hash>/, reused
 # while go.mod, go.sum, the sources and the Go toolchain stay the same. Without Go it only warns (the
-# test then skips), unless DRA_TEST_NO_SKIP is set.
+# tests then skip), unless DRA_TEST_NO_SKIP is set.
 gocheck:
 	$(PYTHON) tests/gocheck/build.py >/dev/null
 
@@ -62,13 +63,15 @@ test-kubelet: cluster-components kubelet-components
 STANDIN_DIR    := tests/nvml_standin
 STANDIN        := $(STANDIN_DIR)/build
 STANDIN_CC     ?= gcc
-STANDIN_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden
+STANDIN_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden -Wl,-soname,libnvidia-ml.so.1
 
 nvml-standin: $(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1
 
-$(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1: $(STANDIN_DIR)/nvml_standin.c $(STANDIN_DIR)/machine.txt
+STANDIN_SRC    := $(STANDIN_DIR)/nvml_standin.c $(STANDIN_DIR)/nvml_standin_mig.c
+
+$(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1: $(STANDIN_SRC) $(STANDIN_DIR)/nvml_standin.h $(STANDIN_DIR)/machine.txt
 	mkdir -p $(@D)
-	$(STANDIN_CC) $(STANDIN_CFLAGS) $(if $(findstring /legacy/,$@),-DSTANDIN_LEGACY) -o $@ $< -ldl
+	$(STANDIN_CC) $(STANDIN_CFLAGS) $(if $(findstring /legacy/,$@),-DSTANDIN_LEGACY) -o $@ $(STANDIN_SRC) -ldl
 	cp $(STANDIN_DIR)/machine.txt $(@D)/machine.txt
 
 # Simulated GPUs unless the NVML library loads; the host's NICs; offline under $(RUN)/

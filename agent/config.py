@@ -1,8 +1,8 @@
 """One frozen settings object, built from command-line flags and environment variables.
 
 Every setting is a flag and an environment variable (the flag wins). The table
-`OPTIONS` is the single source: argparse and `--help` are made from it, and the settings table of
-docs/configuration.md is checked against it (tests/test_cli.py).
+`OPTIONS` (`agent.options`) is the single source: argparse and `--help` are made from it, and the
+settings table of docs/configuration.md is checked against it (tests/test_cli.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,15 @@ import functools
 import hashlib
 import os
 import socket
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agent.options import DEFAULT_METRICS_ADDRESS as DEFAULT_METRICS_ADDRESS  # re-exported
+from agent.options import OPTIONS as OPTIONS  # re-exported: callers read the table through Settings' module
+from agent.options import Option as Option
+from agent.options import default_state_dir
 
 UNIX_PATH_MAX = 108  # sun_path, including the terminating NUL
 # Device kinds whose claims may skip the kubelet's prepare and unprepare (`--skip-node-operations`): what
@@ -26,139 +31,6 @@ SKIPPABLE_KINDS = ("cpu", "memory")
 
 class ConfigError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class Option:
-    dest: str
-    flag: str
-    env: str
-    default: Any
-    help: str
-    kind: Callable[[str], Any] = str  # a type, or a parser whose __name__ reads as one (`quantity`)
-    metavar: str | None = None
-    empty: bool = False  # an empty value (flag or environment) is a value, not "unset"
-
-
-def quantity(text: str) -> int:
-    """A byte count as a Kubernetes quantity (`256Mi`, `1G`, `1048576`)."""
-    from agent.quantity import parse_int
-
-    return parse_int(text)
-
-
-def _default_state_dir() -> str:
-    if os.geteuid() == 0:
-        return "/var/lib/dra-agent"
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "dra-agent")
-
-
-# Clear of Prometheus (9090), node-exporter (9100), DCGM exporter (9400) and the kubelet (10248, 10250).
-# The agent runs with hostNetwork, so the port is taken on the node itself; deploy/ probes it.
-DEFAULT_METRICS_ADDRESS = ":9477"
-
-OPTIONS: tuple[Option, ...] = (
-    Option("driver_name", "--driver-name", "DRA_DRIVER_NAME", "dra.example.com",
-           "DRA driver name (a DNS subdomain); also the CDI vendor"),
-    Option("node_name", "--node-name", "NODE_NAME", None,
-           "this node's name (default: the host name)"),
-    Option("nvml", "--nvml", "DRA_NVML", "auto",
-           "GPU discovery: auto (real NVML if it loads), real, or sim[:PROFILE]", metavar="MODE"),
-    Option("kubelet_dir", "--kubelet-dir", "DRA_KUBELET_DIR", "/var/lib/kubelet",
-           "kubelet root: sockets under plugins/ and plugins_registry/", metavar="DIR"),
-    Option("cdi_dir", "--cdi-dir", "DRA_CDI_DIR", "/var/run/cdi",
-           "directory for the per-claim CDI specs (dynamic CDI dir)", metavar="DIR"),
-    Option("static_cdi_dir", "--static-cdi-dir", "DRA_STATIC_CDI_DIR", "/etc/cdi",
-           "static CDI dir, searched (with --cdi-dir) for the NVIDIA toolkit's GPU specs", metavar="DIR"),
-    Option("state_dir", "--state-dir", "DRA_STATE_DIR", None,
-           "durable per-claim records (default /var/lib/dra-agent as root, else ~/.local/state/dra-agent)",
-           metavar="DIR"),
-    Option("sysfs_root", "--sysfs-root", "DRA_SYSFS_ROOT", "/sys", "sysfs mount point", metavar="DIR"),
-    Option("dev_root", "--dev-root", "DRA_DEV_ROOT", "/dev",
-           "host directory holding the device nodes (nvidia*, vfio)", metavar="DIR"),
-    Option("kubeconfig", "--kubeconfig", "KUBECONFIG", None,
-           "kubeconfig file; wins over the in-cluster config (default: in-cluster, then ~/.kube/config)",
-           metavar="FILE"),
-    Option("offline", "--offline", "DRA_OFFLINE", None,
-           "talk to no API server: slices to DIR/resourceslices, claims from DIR/resourceclaims",
-           metavar="DIR"),
-    Option("offline_fallback", "--offline-fallback", "DRA_OFFLINE_FALLBACK", None,
-           "like --offline DIR, but only when no cluster is configured, reachable and knows this node",
-           metavar="DIR"),
-    Option("nic_include", "--nic-include", "DRA_NIC_INCLUDE", "",
-           "comma-separated interface-name globs to publish even if virtual", metavar="GLOBS"),
-    Option("nic_exclude", "--nic-exclude", "DRA_NIC_EXCLUDE", "",
-           "comma-separated interface-name globs never to publish", metavar="GLOBS"),
-    Option("nic_passthrough", "--nic-passthrough", "DRA_NIC_PASSTHROUGH", "",
-           "comma-separated interface-name globs: PFs without SR-IOV VFs that also get a passthrough (VFIO) "
-           "variant (every VF gets one anyway; --nic-exclude wins)", metavar="GLOBS"),
-    Option("rescan_interval", "--rescan-interval", "DRA_RESCAN_INTERVAL", 60.0,
-           "seconds between NVML and sysfs rescans", kind=float, metavar="SECONDS"),
-    Option("netlink_debounce", "--netlink-debounce", "DRA_NETLINK_DEBOUNCE", 0.5,
-           "seconds to wait after a netlink event before rescanning NICs", kind=float, metavar="SECONDS"),
-    Option("rolling_update_pod_uid", "--rolling-update-pod-uid", "DRA_ROLLING_UPDATE_POD_UID", "",
-           "this agent pod's UID: use per-pod socket names so two agents can overlap", metavar="UID"),
-    Option("allow_unsafe_roots", "--allow-unsafe-roots", "DRA_ALLOW_UNSAFE_ROOTS", False,
-           "start even when a directory the agent writes below is writable by others or owned by "
-           "another user (true/false)", kind=bool, metavar="BOOL"),
-    Option("claim_fetch_concurrency", "--claim-fetch-concurrency", "DRA_CLAIM_FETCH_CONCURRENCY", 16,
-           "ResourceClaim GETs in flight at once", kind=int, metavar="N"),
-    Option("api_timeout", "--api-timeout", "DRA_API_TIMEOUT", 10.0,
-           "seconds for one API server request", kind=float, metavar="SECONDS"),
-    Option("gc_grace_period", "--gc-grace-period", "DRA_GC_GRACE_PERIOD", 600.0,
-           "seconds a prepared claim's ResourceClaim must stay gone (deleted, or re-created with another "
-           "UID) before the claim is unprepared here; checked at start and every min(grace/4, 60) s",
-           kind=float, metavar="SECONDS"),
-    Option("dynamic_mig", "--dynamic-mig", "DRA_DYNAMIC_MIG", True,
-           "publish every MIG placement of MIG-capable GPUs as a device on the GPU's counter set; prepare "
-           "creates the GPU and compute instance (true/false)", kind=bool, metavar="BOOL"),
-    Option("vgpu_types", "--vgpu-types", "DRA_VGPU_TYPES", "auto",
-           "vGPU (mediated device) types to publish where a GPU's host driver offers them, one device per "
-           "instance: auto (every type with --compatibility-groups, none without), none, or a comma list of "
-           "type ids or names (one type without --compatibility-groups)", metavar="TYPES"),
-    Option("gpu_sharing", "--gpu-sharing", "DRA_GPU_SHARING", False,
-           "also publish each GPU as gpu-<minor>-shared, a memory capacity several claims take shares of "
-           "(DRAConsumableCapacity; true/false)", kind=bool, metavar="BOOL"),
-    Option("compatibility_groups", "--compatibility-groups", "DRA_COMPATIBILITY_GROUPS", False,
-           "publish compatibility groups (mig, vgpu) on counter consumptions; only for clusters with the "
-           "DRADeviceCompatibilityGroups gate on (true/false)", kind=bool, metavar="BOOL"),
-    Option("kubevirt_cpu", "--kubevirt-cpu", "DRA_KUBEVIRT_CPU", False,
-           "publish CPU devices as KubeVirt's CPUsWithDRA asks for them: capacity dra.cpu/cpu (instead of "
-           "cpus), attribute dra.cpu/socketID, shared by claims whatever the Node declares (true/false)",
-           kind=bool, metavar="BOOL"),
-    Option("numa_node_list", "--numa-node-list", "DRA_NUMA_NODE_LIST", "auto",
-           "publish resource.kubernetes.io/numaNode as a list (the node, then its socket's nearest nodes; "
-           "DRAListTypeAttributes): auto (where the Node declares DRAListTypeAttributes), true or false",
-           metavar="MODE"),
-    Option("partition_type_attribute", "--partition-type-attribute", "DRA_PARTITION_TYPE_ATTRIBUTE", False,
-           "put MIG and vGPU devices in slices of their own that name their partitionType attribute "
-           "(partitionTypeAttribute, for ResourcePoolStatusRequest summaries; DRAPartitionableDevicesType; "
-           "true/false)", kind=bool, metavar="BOOL"),
-    Option("skip_node_operations", "--skip-node-operations", "DRA_SKIP_NODE_OPERATIONS", "",
-           "comma list of device kinds (cpu, memory) whose claims need no prepare on the node: their slices "
-           "say skipNodeOperations where the Node declares DRAOptionalNodeOperations", metavar="KINDS"),
-    Option("gpu_host_memory_overhead", "--gpu-host-memory-overhead", "DRA_GPU_HOST_MEMORY_OVERHEAD", 256 * 2**20,
-           "host memory a container using a GPU device costs, published as nodeAllocatableResources "
-           "memory overhead when the Node declares DRANodeAllocatableResources (a quantity: 256Mi)",
-           kind=quantity, metavar="QUANTITY"),
-    Option("gpu_probe_interval", "--gpu-probe-interval", "DRA_GPU_PROBE_INTERVAL", 1.0,
-           "seconds between probes of every GPU for a lost, recovered or reset GPU (two NVML calls each)",
-           kind=float, metavar="SECONDS"),
-    Option("taint_policy", "--taint-policy", "DRA_TAINT_POLICY", None,
-           "YAML file laid over the default taint policy (XID -> effect, lost GPU, link down and its "
-           "hold time; docs/health.md)", metavar="FILE"),
-    Option("metrics_address", "--metrics-address", "DRA_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS,
-           "HOST:PORT for /metrics, /healthz and /readyz (HTTP; no HOST: every interface; "
-           "empty: off)", metavar="HOST:PORT", empty=True),
-    Option("stop_with_parent", "--stop-with-parent", "DRA_STOP_WITH_PARENT", False,
-           "run: stop, as on SIGTERM, when the process that started the agent exits (`make run` sets it) "
-           "(true/false)", kind=bool, metavar="BOOL"),
-    Option("log_format", "--log-format", "DRA_LOG_FORMAT", "auto",
-           "auto (text on a terminal, else JSON), json or text", metavar="FORMAT"),
-    Option("log_level", "--log-level", "DRA_LOG_LEVEL", "info", "debug, info, warning or error",
-           metavar="LEVEL"),
-)
 
 
 @dataclass(frozen=True)
@@ -188,10 +60,11 @@ class Settings:
     driver_name: str = "dra.example.com"
     node_name: str = field(default_factory=socket.gethostname)
     nvml: NvmlMode = NvmlMode("auto")
+    driver_root: Path = Path("/")
     kubelet_dir: Path = Path("/var/lib/kubelet")
     cdi_dir: Path = Path("/var/run/cdi")
     static_cdi_dir: Path = Path("/etc/cdi")
-    state_dir: Path = field(default_factory=lambda: Path(_default_state_dir()))
+    state_dir: Path = field(default_factory=lambda: Path(default_state_dir()))
     sysfs_root: Path = Path("/sys")
     dev_root: Path = Path("/dev")
     kubeconfig: Path | None = None
@@ -388,8 +261,9 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
         elif key in ("nic_include", "nic_exclude", "nic_passthrough", "skip_node_operations") \
                 and isinstance(value, str):
             value = _globs(value)
-        elif key in ("kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root", "dev_root",
-                     "kubeconfig", "offline", "offline_fallback", "taint_policy") and not isinstance(value, Path):
+        elif key in ("driver_root", "kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root",
+                     "dev_root", "kubeconfig", "offline", "offline_fallback", "taint_policy") \
+                and not isinstance(value, Path):
             value = Path(os.path.abspath(os.path.expanduser(str(value))))
         kw[key] = value
     return Settings(**kw)

@@ -28,8 +28,9 @@ The traits:
   where it has one ("" for none).
 - `cuda_uuid`: its CDI device tells the container the UUID CUDA knows it by (`DRA_<DEVICE>_UUID`; a
   shared GPU's is set with its memory limit, `agent.claims.plan`).
-- `toolkit`: the container gets the whole GPU's nodes, so the NVIDIA Container Toolkit's own CDI
-  device for that GPU is added (`agent.claims.toolkit`).
+- `toolkit`: a container's CUDA uses it (a whole or shared GPU, a MIG device): the NVIDIA Container
+  Toolkit's own CDI device for its GPU is added for the driver's libraries (a MIG device's parent GPU's;
+  `agent.claims.toolkit`), and `CUDA_VISIBLE_DEVICES` names it (`agent.claims.plan`).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ TRAITS: Mapping[Kind, Traits] = {
     Kind.VFIO: Traits("vfio", function=True, form=True, gpu_form=GpuForm.WHOLE, passthrough=True),
     Kind.GPUSHARE: Traits("shared", form=True, gpu_form=GpuForm.SHARED, shared=True, toolkit=True),
     Kind.MIG: Traits("mig", form=True, gpu_form=GpuForm.MIG, partition_kind=PartitionKind.MIG,
-                     compatibility_group="mig", cuda_uuid=True),
+                     compatibility_group="mig", cuda_uuid=True, toolkit=True),
     Kind.VGPU: Traits("vgpu", form=True, gpu_form=GpuForm.VGPU, partition_kind=PartitionKind.MDEV,
                       compatibility_group="vgpu"),
 }

@@ -53,6 +53,7 @@ class AgentState:
     devices: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (kind, health) -> devices
     failing_sources: Sequence[str] = ()  # kinds whose latest scans failed
     prepared_claims: int = 0
+    prepared_devices: int = 0  # the devices of those claims, one per allocation result
     registered: bool | None = None  # what the kubelet last said (None: nothing yet)
     health_watchers: int = 0
     published_devices: int = 0
@@ -61,6 +62,10 @@ class AgentState:
     publish_up_to_date: bool = False
     publish_failures: int = 0  # in a row
     taints: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (cause kind, effect) -> devices
+
+
+# gRPC status codes as Go spells them (codes.Code.String()), the values of `grpc_code` wherever it is scraped.
+GRPC_OK, GRPC_CANCELED, GRPC_UNKNOWN = "OK", "Canceled", "Unknown"
 
 
 class ClaimOperation:
@@ -76,6 +81,8 @@ class ClaimOperation:
 _STATE_GAUGES: tuple[tuple[str, str, Callable[[AgentState], float]], ...] = (
     ("prepared_claims", "Claims prepared on this node (records in the state directory)",
      lambda s: s.prepared_claims),
+    ("prepared_devices", "Devices of the claims prepared on this node, one per allocation result (a device two "
+     "claims share counts twice)", lambda s: s.prepared_devices),
     ("kubelet_registered", "1 when the kubelet reported the plugin registered, 0 otherwise",
      lambda s: 1 if s.registered else 0),
     ("health_watchers", "Device health streams open (the kubelet holds one)", lambda s: s.health_watchers),
@@ -182,6 +189,10 @@ class Metrics:
             "removed, unreadable records set aside", ["action"], registry=r)
         for action in RECOVERY_ACTIONS:
             self.recovery.labels(action)
+        self.records_quarantined = Counter(
+            PREFIX + "records_quarantined", "Unreadable claim records set aside as <uid>.rec.corrupt (the claim's "
+            "files removed, the claim no longer prepared), at start-up or while running; each is also a Warning "
+            "Event ClaimRecordQuarantined on the Node and a line of /readyz", registry=r)
         self.claims_garbage_collected = Counter(
             PREFIX + "claims_garbage_collected", "Prepared claims unprepared by garbage collection because "
             "their ResourceClaim was gone (deleted, or re-created with another UID) for longer than "
@@ -199,6 +210,19 @@ class Metrics:
         self.claim_status_queue = Gauge(
             PREFIX + "claim_status_queue", "Claims whose status.devices write is waiting or in flight (coalesced: "
             "one per claim)", registry=r)
+        # The DRA socket's calls, named as go-grpc-prometheus's server metrics are, which Go DRA drivers expose
+        # through the kubelet plugin helper's gRPC interceptors: dashboards and alerts made for those read these.
+        grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.grpc_started = Counter(
+            "grpc_server_started_total", "gRPC calls started on the DRA socket (NodePrepareResources, "
+            "NodeUnprepareResources, NodeWatchResources)", grpc_labels, registry=r)
+        self.grpc_handled = Counter(
+            "grpc_server_handled_total", "gRPC calls finished on the DRA socket, by status code (a claim's error is "
+            "in its answer, which is OK; Canceled: the kubelet gave up waiting or closed its stream)",
+            [*grpc_labels, "grpc_code"], registry=r)
+        self.grpc_handling = Histogram(
+            "grpc_server_handling_seconds", "Time from the start of a gRPC call on the DRA socket to its answer (a "
+            "stream: to its end)", grpc_labels, buckets=CLAIM_BUCKETS, registry=r)
         r.register(_StateCollector(lambda: self.state()))
 
     # -- events -------------------------------------------------------------------------------------
@@ -221,6 +245,24 @@ class Metrics:
             in_flight.dec()
             duration.observe(time.monotonic() - started)
             results[result].inc()
+
+    @contextlib.contextmanager
+    def grpc_call(self, grpc_type: str, service: str, method: str) -> Iterator[None]:
+        """Count and time one call of the DRA socket (`grpc_type`: unary, server_stream); an exception out of
+        it is Unknown, a cancellation Canceled."""
+        labels = (grpc_type, service, method)
+        self.grpc_started.labels(*labels).inc()
+        started = time.monotonic()
+        code = GRPC_UNKNOWN
+        try:
+            yield
+            code = GRPC_OK
+        except (asyncio.CancelledError, GeneratorExit):  # a stream's generator is closed when its call ends
+            code = GRPC_CANCELED
+            raise
+        finally:
+            self.grpc_handling.labels(*labels).observe(time.monotonic() - started)
+            self.grpc_handled.labels(*labels, code).inc()
 
     def scanned(self, kind: str, ok: bool, seconds: float) -> None:
         """A discovery scan finished (called from the scan's worker thread)."""

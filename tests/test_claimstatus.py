@@ -497,3 +497,33 @@ async def test_a_resync_of_many_claims_is_fed_a_window_at_a_time(node, writers) 
     await settled(writer)
     assert sorted(sink.written) == sorted(uids)
     assert 0 < sink.most_queued <= RESYNC_WINDOW
+
+
+def test_an_update_keeps_every_raw_field_as_stored_and_replaces_only_our_entries() -> None:
+    """The body of a status update (`agent.health.statusupdate`): the allocation's parameters and the kept
+    entries' data are the stored bytes, byte for byte (spaces, key order); ours are replaced; the managed
+    fields are left to the API server."""
+    from agent.health.statusupdate import StoredRaw, update_body
+
+    params = b'{"kind": "DeviceConfig", "apiVersion": "x/v1"}'
+    theirs = b'{"b": 1,  "a": 2}'
+    obj = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+           "metadata": {"name": "c", "namespace": "ns", "uid": "u", "resourceVersion": "7",
+                        "managedFields": [{"manager": "kube-scheduler"}]},
+           "status": {"allocation": {"devices": {"results": [], "config": [
+               {"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {"kind": "DeviceConfig"}}},
+               {"source": "FromClass"}]}},
+               "devices": [{"driver": DRIVER, "pool": NODE, "device": "gpu-0", "data": {"old": 1}},
+                           {"driver": "other.example.com", "pool": "p", "device": "x", "data": {"a": 2, "b": 1}}]}}
+    stored = StoredRaw("u", "7", (params, None), (b'{"old":1}', theirs))
+    ours = [{"driver": DRIVER, "pool": NODE, "device": "gpu-1"}]
+    body = update_body(obj, stored, DRIVER, ours)
+    assert params in body and theirs in body and b"managedFields" not in body and b'"resourceVersion":"7"' in body
+    assert b"gpu-0" not in body and b'"device":"gpu-1"' in body
+    removed = update_body(obj, stored, DRIVER, [])
+    assert b"gpu-" not in removed and theirs in removed
+    # No entries left at all: no status.devices either.
+    alone = {**obj, "status": {**obj["status"], "devices": obj["status"]["devices"][:1]}}
+    assert b'"devices":[{' not in update_body(alone, StoredRaw("u", "7", (params, None), (None,)), DRIVER, [])
+    with pytest.raises(ValueError, match="allocation config entries"):
+        update_body(obj, StoredRaw("u", "7", (params,), ()), DRIVER, ours)

@@ -104,7 +104,8 @@ EVERY = kustomizations()
 
 
 def test_the_promised_overlays_exist() -> None:
-    assert {"base", "overlays/dev", "overlays/kubevirt", "overlays/node-allocatable"} <= set(EVERY)
+    assert {"base", "overlays/dev", "overlays/driver-container", "overlays/kubevirt",
+            "overlays/node-allocatable"} <= set(EVERY)
 
 
 @pytest.mark.parametrize("which", EVERY)
@@ -278,6 +279,29 @@ def test_every_directory_the_agent_uses_is_the_hosts_at_the_same_path(which: str
 
 
 @pytest.mark.parametrize("which", EVERY)
+def test_the_driver_root_is_the_host_s_driver_mounted_read_only(which: str) -> None:
+    # The agent loads libnvidia-ml.so.1 from below --driver-root: the host's / (a driver installed on the
+    # host), or the GPU Operator's driver container root, /run/nvidia/driver on the host.
+    objs = rendered(which)
+    s = effective_settings(objs)
+    mount, volume = mount_for(objs, s.driver_root)
+    assert mount["mountPath"] == str(s.driver_root) == "/driver-root"
+    assert mount["readOnly"] is True and mount["mountPropagation"] == "HostToContainer"
+    assert volume["hostPath"]["path"] == ("/run/nvidia/driver" if which == "overlays/driver-container" else "/")
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_the_agent_sees_the_host_s_processes(which: str) -> None:
+    # Before a GPU leaves the NVIDIA driver, every process holding it (on the host, in any pod) must be
+    # seen in the agent's /proc, which only the host's PID namespace shows (tests/test_vfio_holders.py).
+    objs = rendered(which)
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    s = effective_settings(objs)
+    assert s.sysfs_root.parent / "proc" == Path("/proc")  # the /proc the agent reads (agent.host.vfio.host)
+
+
+@pytest.mark.parametrize("which", EVERY)
 def test_daemonset_overlaps_safely_and_is_probed_on_the_metrics_port(which: str) -> None:
     objs = rendered(which)
     ds = one(objs, "DaemonSet")
@@ -322,12 +346,16 @@ CLIENT_VERBS = {"get": {"get"}, "list": {"list"}, "watch": {"watch"}, "wait": {"
                 "create": {"create"}, "replace": {"update"}, "patch": {"patch"}, "apply": {"patch"},
                 "delete": {"delete"}, "deletecollection": {"deletecollection"}}
 OTHER_CLIENT_CALLS = {"request", "log", "exec", "set"}  # not to be used without teaching this test
+# `agent.kube.raw_call(client, "<client method>", <resource class>, ...)`: a request whose body or answer is
+# not a lightkube model, named by the client method it stands for.
+RAW_CALL = "raw_call"
 
 # Granted though no code names them: since 1.36 a claim status write (status.devices, made by
 # agent/health/statussinks.py) is also authorized per driver on the resourceclaims/driver
 # subresource; `associated-node:` limits it to claims on the writer's node.
 UPCOMING = {
     ("resource.k8s.io", "resourceclaims/driver", "associated-node:patch", DRIVER),
+    ("resource.k8s.io", "resourceclaims/driver", "associated-node:update", DRIVER),
 }
 # What every authenticated user may do (the default system:basic-user role): a check of the
 # agent's own permissions (`dra-agent doctor`) needs nothing from the ClusterRole.
@@ -381,7 +409,37 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
         classes = _resource_classes(tree)
         http = _http_clients(tree)
         parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+
+        def record(where: str, method: str, call: ast.Call, classes: dict[str, type] = classes) -> None:
+            named: set[type] = set()
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                for sub in ast.walk(arg):
+                    if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
+                            and sub.value.id in classes and sub.attr[:1].isupper():
+                        named.add(getattr(classes[sub.value.id], sub.attr))  # ResourceClaim.Status
+                    elif isinstance(sub, ast.Name) and sub.id in classes:
+                        named.add(classes[sub.id])
+            named = {c for c in named if not any(c is not o and is_resource(o) and api_info(o).parent is not None
+                                                 and api_info(o).resource == api_info(c).resource for o in named)}
+            if len(named) != 1:
+                problems.append(f"{where}: client.{method} on {sorted(c.__name__ for c in named) or 'no'} "
+                                "resource class: name exactly one in the call")
+                return
+            info = api_info(next(iter(named)))
+            resource = info.plural + (f"/{info.action}" if info.action else "")
+            for verb in CLIENT_VERBS[method]:
+                calls.setdefault((info.resource.group, resource, verb), []).append(where)
+
         for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and RAW_CALL in (getattr(node.func, "id", None),
+                                                           getattr(node.func, "attr", None)):
+                where = f"{path.relative_to(package.parent)}:{node.lineno}"
+                method = next((a.value for a in node.args if isinstance(a, ast.Constant)), None)
+                if method not in CLIENT_VERBS:
+                    problems.append(f"{where}: {RAW_CALL} for {method!r}: name a client method as a literal")
+                    continue
+                record(where, str(method), node)
+                continue
             if not (isinstance(node, ast.Attribute) and _is_client(node.value)):
                 continue
             if isinstance(node.value, ast.Name) and any(
@@ -400,24 +458,7 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
             if call is None:
                 problems.append(f"{where}: client.{node.attr} outside a call")
                 continue
-            named: set[type] = set()
-            for arg in [*call.args, *(k.value for k in call.keywords)]:
-                for sub in ast.walk(arg):
-                    if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
-                            and sub.value.id in classes and sub.attr[:1].isupper():
-                        named.add(getattr(classes[sub.value.id], sub.attr))  # ResourceClaim.Status
-                    elif isinstance(sub, ast.Name) and sub.id in classes:
-                        named.add(classes[sub.id])
-            named = {c for c in named if not any(c is not o and is_resource(o) and api_info(o).parent is not None
-                                                 and api_info(o).resource == api_info(c).resource for o in named)}
-            if len(named) != 1:
-                problems.append(f"{where}: client.{node.attr} on {sorted(c.__name__ for c in named) or 'no'} "
-                                "resource class: name exactly one in the call")
-                continue
-            info = api_info(next(iter(named)))
-            resource = info.plural + (f"/{info.action}" if info.action else "")
-            for verb in CLIENT_VERBS[node.attr]:
-                calls.setdefault((info.resource.group, resource, verb), []).append(where)
+            record(where, node.attr, call)
     assert not problems, "\n".join(problems)
     return calls
 
@@ -442,6 +483,8 @@ def test_the_source_scan_finds_the_calls_it_must() -> None:
     assert any("agent/kube.py" in w for w in calls[("", "nodes", "get")])
     assert any("agent/publish/apiserver.py" in w for w in calls[("resource.k8s.io", "resourceslices", "update")])
     assert any("agent/claims/sources.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "get")])
+    assert any("agent/health/statusupdate.py" in w
+               for w in calls[("resource.k8s.io", "resourceclaims/status", "update")])
 
 
 def test_the_source_scan_sees_every_form_of_call(tmp_path: Path) -> None:
@@ -458,6 +501,7 @@ async def f(self, client, obj):
         pass
     await retry(self.client.replace, ResourceSlice.from_dict(obj))
     await conn.client.get(N, "n")
+    await kube.raw_call(client, "replace", ResourceClaim.Status, "x", "ns", body=b"{}")
     async with httpx2.AsyncClient() as client:
         await client.get("http://127.0.0.1:9477/healthz")
 """)
@@ -466,6 +510,7 @@ async def f(self, client, obj):
         ("resource.k8s.io", "resourceslices", "watch"): ["8"],
         ("resource.k8s.io", "resourceslices", "update"): ["10"],
         ("", "nodes", "get"): ["11"],
+        ("resource.k8s.io", "resourceclaims/status", "update"): ["12"],
     }
     (package / "b.py").write_text("async def g(client, kind):\n    await client.delete(kind, 'x')\n")
     with pytest.raises(AssertionError, match=r"pkg/b.py:2: client.delete on no resource class"):

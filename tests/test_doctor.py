@@ -273,6 +273,29 @@ async def test_api_server_unreachable_with_offline_fallback(cluster_settings, ku
     assert api.detail.endswith(f"the agent runs offline in {short_tmp / 'fallback'} (--offline-fallback)")
 
 
+def test_the_toolkit_spec_gpu_claims_need(short_tmp: Path) -> None:
+    # A node with NVIDIA GPUs (its sysfs and /dev, as the driver shows them) and the real NVML.
+    from agent.sim.hardware import materialize
+    from agent.sim.profiles import load_profile
+
+    materialize(load_profile("dgx-h100"), short_tmp / "host")
+    s = roots(short_tmp, nvml="real", sysfs_root=short_tmp / "host" / "sys", dev_root=short_tmp / "host" / "dev")
+    s.static_cdi_dir.mkdir(parents=True, exist_ok=True)
+    (result_,) = doctor.Doctor(s).toolkit()
+    assert not result_.ok and result_.blocking
+    assert result_.detail.startswith(f"no nvidia.com/gpu CDI spec in {s.static_cdi_dir} or {s.cdi_dir}")
+    assert result_.fix.startswith(f"on the node: nvidia-ctk cdi generate --output={s.static_cdi_dir}/nvidia.yaml")
+    (s.static_cdi_dir / "nvidia.yaml").write_text(
+        "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n- name: '0'\n  containerEdits: {}\n"
+        "- name: GPU-1\n  containerEdits: {}\n- name: all\n  containerEdits: {}\n")
+    (found,) = doctor.Doctor(s).toolkit()
+    assert found.ok and found.detail == "nvidia.com/gpu: 2 GPUs (0, GPU-1); GPU claims get its devices"
+    # Simulated GPUs, or none: nothing to give.
+    assert doctor.Doctor(roots(short_tmp, nvml="sim")).toolkit()[0].ok
+    bare = roots(short_tmp, nvml="real", sysfs_root=short_tmp / "nosys", dev_root=short_tmp / "nodev")
+    assert doctor.Doctor(bare).toolkit()[0].ok
+
+
 async def test_the_probe_check_knows_another_process_on_the_port(short_tmp, agents):
     """What answers on --metrics-address must be the agent doctor was given the settings of: another
     program that answers 200 there (an exporter, another driver's agent) is not taken for it."""

@@ -18,6 +18,7 @@ from agent.health.policy import TaintPolicy
 from agent.inventory import Snapshot
 from agent.kubelet.health import GONE, HEALTH_TIMEOUT, HEALTHY, UNHEALTHY, HealthTracker
 from agent.kubelet.server import _Health
+from agent.metrics import Metrics
 from agent.model import Device
 from agent.pb import health_v1_pb2 as pb
 
@@ -118,7 +119,7 @@ class Feed:
         self._task = asyncio.create_task(self._read(tracker))
 
     async def _read(self, tracker: HealthTracker) -> None:
-        async for response in _Health(tracker, pb).NodeWatchResources(None, None):
+        async for response in _Health(tracker, pb, Metrics(process=False)).NodeWatchResources(None, None):
             self.cache.receive(response)
             self.responses.append((self._loop.time(), response))
             self.arrived.set()

@@ -33,6 +33,7 @@ import pytest
 import runtime
 import yaml
 from conftest import need_command, need_root
+from driverroots import make_driver_root
 
 ROOT = Path(__file__).resolve().parent.parent
 STANDIN = ROOT / "tests" / "nvml_standin" / "build"  # `make nvml-standin`, a stand-in libnvidia-ml.so.1
@@ -121,12 +122,21 @@ def test_without_a_driver_library_there_are_no_gpus(image):
     assert {d["kind"] for d in inside.values()} >= {"cpu", "memory"}
 
 
-def test_nvml_from_a_host_library_directory_mounted_at_run_time(image):
+@pytest.mark.parametrize("how", ["library directory", "driver root"])
+def test_nvml_from_the_host_mounted_at_run_time(image, short_tmp, how):
+    # The library's directory in LD_LIBRARY_PATH (the agent's own root searched as its linker would), or
+    # the DaemonSet's way: the driver's root mounted at /driver-root and named by DRA_DRIVER_ROOT.
     library = STANDIN / "libnvidia-ml.so.1"
     if not library.is_file():
         pytest.skip(f"needs {library.relative_to(ROOT)} (make nvml-standin)")
-    options = ["--network", "none", "--volume", f"{STANDIN}:/usr/local/nvidia/lib64:ro",
-               "--env", "LD_LIBRARY_PATH=/usr/local/nvidia/lib64"]
+    if how == "library directory":
+        options = ["--network", "none", "--volume", f"{STANDIN}:/usr/local/nvidia/lib64:ro",
+                   "--env", "LD_LIBRARY_PATH=/usr/local/nvidia/lib64"]
+    else:
+        make_driver_root(short_tmp / "driver", STANDIN, "debian")
+        options = ["--network", "none", "--volume", f"{short_tmp / 'driver'}:/driver-root:ro",
+                   "--volume", f"{STANDIN / 'machine.txt'}:/machine.txt:ro",
+                   "--env", "NVML_STANDIN_MACHINE=/machine.txt", "--env", "DRA_DRIVER_ROOT=/driver-root"]
     rc, out, err = in_container(image, ["devices", "--nvml", "real", "-o", "json", "--node-name", NODE], options)
     assert rc == 0, err
     gpus = [d for d in devices(out).values() if d["kind"] == "gpu"]

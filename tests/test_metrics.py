@@ -123,6 +123,17 @@ async def test_metrics_after_prepare_and_probes(started, http):
     assert value(samples, "dra_agent_claim_operation_duration_seconds_count", operation="prepare") == 2
     assert value(samples, "dra_agent_claim_operations_in_flight", operation="prepare") == 0
     assert value(samples, "dra_agent_prepared_claims") == 1
+    assert value(samples, "dra_agent_prepared_devices") == 1
+    # The DRA socket's calls in go-grpc-prometheus's names: three prepare calls (/healthz's empty one, and two
+    # claims': a claim's error is in the answer, the call is OK), the health stream open.
+    dra = {"grpc_type": "unary", "grpc_service": "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin",
+           "grpc_method": "NodePrepareResources"}
+    assert value(samples, "grpc_server_started_total", **dra) == 3
+    assert value(samples, "grpc_server_handled_total", **dra, grpc_code="OK") == 3
+    assert value(samples, "grpc_server_handling_seconds_count", **dra) == 3
+    stream = {"grpc_type": "server_stream", "grpc_service": "v1.DRAResourceHealth", "grpc_method": "NodeWatchResources"}
+    assert value(samples, "grpc_server_started_total", **stream) == 1
+    assert ("grpc_server_handled_total", tuple(sorted({**stream, "grpc_code": "Canceled"}.items()))) not in samples
     assert value(samples, "dra_agent_devices", kind="gpu", health="HEALTHY") == 8
     assert value(samples, "dra_agent_devices", kind="gpu", health="UNHEALTHY") == 0
     assert value(samples, "dra_agent_discovery_scans_total", kind="gpu", result="success") >= 1
@@ -144,8 +155,11 @@ async def test_metrics_after_prepare_and_probes(started, http):
         await client.unprepare([ClaimRef("default", "one", UID1)])
     samples = await scrape(http, agent)
     assert value(samples, "dra_agent_claim_operations_total", operation="unprepare", result="success") == 1
-    assert value(samples, "dra_agent_prepared_claims") == 0
+    assert value(samples, "dra_agent_prepared_claims") == 0 and value(samples, "dra_agent_prepared_devices") == 0
     assert value(samples, "dra_agent_health_watchers") == 0
+    assert value(samples, "grpc_server_handled_total", **stream, grpc_code="Canceled") == 1  # the kubelet hung up
+    assert value(samples, "grpc_server_handled_total", grpc_type="unary", grpc_code="OK",
+                 grpc_service="k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin", grpc_method="NodeUnprepareResources") == 1
 
 
 async def test_recovery_counts_what_the_start_removed(started, http, short_tmp):
@@ -251,3 +265,43 @@ def test_metrics_address_setting():
     for bad in ("9477", "host:port", ":70000", "::1:9477"):
         with pytest.raises(ConfigError, match="--metrics-address"):
             build_settings({"metrics_address": bad})
+
+
+async def test_an_unreadable_record_is_counted_and_shown_by_readyz_offline(started, http, short_tmp, caplog):
+    """Set aside at start-up and while running: counted each time, named on /readyz (which stays ready),
+    and offline the log says that no Event is posted (there is no API server to hold one)."""
+    write_claim(roots(short_tmp).offline / "resourceclaims", claim("one", UID1, [result("gpu-0")]))
+    write_claim(roots(short_tmp).offline / "resourceclaims", claim("two", UID2, [result("gpu-1")]))
+    first = await started()
+    async with kc.DRAClient(first.settings.dra_socket) as client:
+        answer = await client.prepare([ClaimRef("default", "one", UID1), ClaimRef("default", "two", UID2)])
+    assert not answer.claims[UID1].error and not answer.claims[UID2].error
+    await first.stop()
+    records = first.settings.claims_state_dir
+    for uid in (UID1, UID2):
+        path = records / f"{uid}.rec"
+        path.write_bytes(path.read_bytes()[:-10])  # torn: the checksum no longer matches
+
+    agent = await started()
+    await asyncio.wait_for(agent.recovered.wait(), WAIT)
+    assert agent.http is not None
+    samples = await scrape(http, agent)
+    assert value(samples, "dra_agent_records_quarantined_total") == 2
+    assert value(samples, "dra_agent_recovery_actions_total", action="quarantined") == 2
+    ready = await http.get(f"{agent.http.url}/readyz")
+    line = next(x for x in ready.text.splitlines() if "claim-records" in x)
+    assert line.startswith("[+]claim-records ok: 2 unreadable claim records set aside since the start"), line
+    assert f"{records / UID1}.rec.corrupt" in line and f"{records / UID2}.rec.corrupt" in line
+    offline = [r.getMessage() for r in caplog.records if "no Event is posted" in r.getMessage()]
+    assert len(offline) == 2 and all("offline" in m for m in offline), offline
+
+    # While running: prepared again, its record torn, the next operation on it sets it aside.
+    async with kc.DRAClient(agent.settings.dra_socket) as client:
+        assert not (await client.prepare([ClaimRef("default", "one", UID1)])).claims[UID1].error
+        path = records / f"{UID1}.rec"
+        path.write_bytes(b"DRAREC 1 0 0\n")
+        assert (await client.unprepare([ClaimRef("default", "one", UID1)])).claims[UID1].error == ""
+    samples = await scrape(http, agent)
+    assert value(samples, "dra_agent_records_quarantined_total") == 3
+    assert value(samples, "dra_agent_recovery_actions_total", action="quarantined") == 2  # start-up only
+    assert "3 unreadable claim records" in (await http.get(f"{agent.http.url}/readyz")).text

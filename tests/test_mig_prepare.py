@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -17,11 +18,13 @@ from typing import Any
 import orjson
 import pytest
 from agentkit import Node, claim, make_node, restarted, result, write_claim
+from conftest import need_root
 
 from agent import failpoints
 from agent.claims import metadata
 from agent.claims.records import PartitionKind, RecordState
 from agent.engine.recovery import recover
+from agent.host.nvcaps import caps_dir, char_major, read_access
 from agent.hostprep.mig import nvml_of
 from agent.names import ClaimRef
 from agent.sim.hardware import materialize
@@ -96,6 +99,50 @@ async def test_mig_device_is_created_given_to_the_container_and_destroyed(node: 
     assert gpu0(node) == {"mode": 0, "gis": []}
     assert node.engine.whole_record(UID) is None
     assert await prepare(node, "full", UID2, "gpu-0") == ""
+
+
+def caps_nodes(node: Node, uid: str) -> dict[str, Path]:
+    """Container path -> host path of the claim's /dev/nvidia-caps nodes."""
+    spec = json.loads((node.settings.cdi_dir / f"{DRIVER}-claim_{uid}.json").read_text())
+    return {n["path"]: Path(n["hostPath"]) for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]
+            if n["path"].startswith("/dev/nvidia-caps/")}
+
+
+async def test_the_caps_nodes_the_driver_does_not_make_are_made_as_nvidia_modprobe_makes_them(node: Node) -> None:
+    # The driver (and the simulated machine) only publishes the capability's access file and the
+    # nvidia-caps major in /proc/devices; the node is the agent's to make.
+    need_root()  # mknod
+    sim = node.settings.state_dir / "nvml-sim"
+    assert not (sim / "dev" / "nvidia-caps").exists()
+    major = char_major(sim / "proc")
+    assert major is not None
+    assert char_major(Path("/proc"), "mem") == 1  # the kernel's own /proc/devices reads the same way
+    assert await prepare(node, "m", UID, MIG) == ""
+    (part,) = node.engine.whole_record(UID).partitions  # type: ignore[union-attr]
+    where = caps_dir(sim / "proc", 0) / f"gi{part.gpu_instance}"
+    minors = [read_access(where / "access").minor, read_access(where / f"ci{part.compute_instance}" / "access").minor]
+    nodes = caps_nodes(node, UID)
+    assert sorted(nodes) == sorted(f"/dev/nvidia-caps/nvidia-cap{m}" for m in minors)
+    for minor in minors:
+        st = os.lstat(sim / "dev" / "nvidia-caps" / f"nvidia-cap{minor}")
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(major, minor)
+        assert stat.S_IMODE(st.st_mode) == 0o444  # DeviceFileMode: 292
+    assert await unprepare(node, "m", UID) == ""
+    # A node left with other numbers (from before a driver reload) is made again.
+    stale = sim / "dev" / "nvidia-caps" / f"nvidia-cap{minors[0]}"
+    stale.unlink()
+    os.mknod(stale, stat.S_IFCHR | 0o600, os.makedev(major + 1, minors[0]))
+    assert await prepare(node, "m", UID, MIG) == ""
+    assert os.lstat(stale).st_rdev == os.makedev(major, minors[0])
+    assert await unprepare(node, "m", UID) == ""
+
+
+async def test_without_the_nvidia_caps_device_mig_prepare_fails_and_says_why(node: Node) -> None:
+    proc = node.settings.state_dir / "nvml-sim" / "proc"
+    (proc / "devices").write_text("Character devices:\n195 nvidia-frontend\n\nBlock devices:\n  7 loop\n")
+    error = await prepare(node, "m", UID, MIG)
+    assert f"device {MIG}: the NVIDIA driver has no nvidia-caps character device in {proc / 'devices'}" in error
+    assert node.engine.whole_record(UID) is None and gpu0(node) == {"mode": 0, "gis": []}  # rolled back
 
 
 async def test_two_placements_share_a_gpu_and_mig_mode_stays_on_while_one_is_left(node: Node) -> None:

@@ -1,13 +1,16 @@
-"""The real NVML code path without a GPU: the unpatched `pynvml` loads the stand-in libnvidia-ml.so.1
-(tests/nvml_standin/, built by `make nvml-standin`) through LD_LIBRARY_PATH, exactly as it loads the
-driver's library, so library loading, handles, structure layouts, versioned functions, byte strings
-and NVML return codes are all exercised. The library is chosen when a process starts, so everything
-here runs the agent in a subprocess.
+"""The real NVML code path without a GPU: the agent finds the stand-in libnvidia-ml.so.1
+(tests/nvml_standin/, built by `make nvml-standin`) below a driver root laid out as Debian installs the
+driver (`--driver-root`, tests/driverroots.py) and hands it to the unpatched `pynvml`, exactly as it does
+the driver's library, so library loading, handles, structure layouts, versioned functions, byte strings
+and NVML return codes are all exercised. A process loads one library, so everything here runs the agent
+in a subprocess.
 
 The machine is tests/nvml_standin/machine.txt: three GPUs (Hopper, MIG capable; Ada, without a NUMA
 node in NVML; a GPU newer than the agent, MIG on, minor 3 at index 2). The `legacy` build lacks
 nvmlDeviceGetNumaNodeId and nvmlDeviceGetMemoryInfo_v2, as an older driver's library does. Faults
-come from a control file the library reads on every call (see nvml_standin.c).
+come from a control file the library reads on every call (see nvml_standin.c). The library also holds
+each GPU it hands out a handle of open, lists only the GPUs the host tree shows on nvidia, and does MIG
+(nvml_standin_mig.c): MIG prepare and a GPU's passthrough run here on the real path too.
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ import orjson
 import pytest
 import yaml
 from agentkit import DRIVER, NODE, claim, make_node, result, write_claim
-from conftest import need_command
+from conftest import need_command, need_root
+from driverroots import make_driver_root
 
+from agent.host.driverroot import library_dirs
 from agent.inventory.gpus import probe
 from agent.sim.hardware import materialize
+from agent.sim.kernel.emulator import KernelEmulator
+from agent.sim.kernel.tree import SimTree
 from agent.sim.profiles import parse_profile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,26 +101,34 @@ def standin() -> Path:
     return STANDIN
 
 
+HOST_PROFILE: dict[str, Any] = {"gpus": [
+    {"name": "NVIDIA H100 80GB HBM3", "uuid": H100_UUID, "busId": "0000:18:00.0", "memoryTotal": 1,
+     "minor": 0, "numaNode": 0, "pciDeviceId": "0x233010de"},
+    {"name": "NVIDIA L40S", "uuid": L40S_UUID, "busId": "0000:3b:00.0", "memoryTotal": 1, "minor": 1,
+     "inSysfs": False},
+    {"name": "NVIDIA Next-Gen GPU", "uuid": NEXT_UUID, "busId": "0000:af:00.0", "memoryTotal": 1, "minor": 3,
+     "inSysfs": False},
+]}
+
+
 def host_tree(top: Path) -> None:
     """The host as the driver shows it: gpu-0's PCI function in sysfs, every GPU in the driver's
     procfs list and in /dev."""
-    profile = parse_profile("standin", {"gpus": [
-        {"name": "NVIDIA H100 80GB HBM3", "uuid": H100_UUID, "busId": "0000:18:00.0", "memoryTotal": 1,
-         "minor": 0, "numaNode": 0, "pciDeviceId": "0x233010de"},
-        {"name": "NVIDIA L40S", "uuid": L40S_UUID, "busId": "0000:3b:00.0", "memoryTotal": 1, "minor": 1,
-         "inSysfs": False},
-        {"name": "NVIDIA Next-Gen GPU", "uuid": NEXT_UUID, "busId": "0000:af:00.0", "memoryTotal": 1, "minor": 3,
-         "inSysfs": False},
-    ]})
-    materialize(profile, top)
+    materialize(parse_profile("standin", HOST_PROFILE), top)
 
 
 @pytest.fixture
 def env(standin: Path, short_tmp: Path) -> dict[str, str]:
     host_tree(short_tmp / "host")
+    make_driver_root(short_tmp / "driver", standin, "debian")
     return {
-        "LD_LIBRARY_PATH": str(standin), "NVML_STANDIN_CONTROL": str(short_tmp / "control"),
-        "DRA_NVML": "real", "NODE_NAME": NODE, "DRA_DRIVER_NAME": DRIVER,
+        "DRA_DRIVER_ROOT": str(short_tmp / "driver"), "NVML_STANDIN_MACHINE": str(standin / "machine.txt"),
+        "NVML_STANDIN_CONTROL": str(short_tmp / "control"), "DRA_NVML": "real", "NODE_NAME": NODE,
+        # The host as the library sees it: which GPUs the NVIDIA driver drives, their nodes (a handle
+        # holds one open), the driver's MIG capability files.
+        "NVML_STANDIN_SYSFS": str(short_tmp / "host" / "sys"), "NVML_STANDIN_DEV": str(short_tmp / "host" / "dev"),
+        "NVML_STANDIN_PROC": str(short_tmp / "host" / "proc"),
+        "DRA_DRIVER_NAME": DRIVER,
         "DRA_SYSFS_ROOT": str(short_tmp / "host" / "sys"), "DRA_DEV_ROOT": str(short_tmp / "host" / "dev"),
         "DRA_STATE_DIR": str(short_tmp / "state"), "DRA_OFFLINE": str(short_tmp / "offline"),
         "DRA_KUBELET_DIR": str(short_tmp / "kubelet"), "DRA_CDI_DIR": str(short_tmp / "cdi"),
@@ -183,7 +198,7 @@ def test_pynvml_reads_the_standin_like_the_driver_library(env: dict[str, str]) -
         print(json.dumps(out))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env}, cwd=ROOT)
+                          env={**os.environ, **env, "LD_LIBRARY_PATH": str(STANDIN)}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {
         "before init": "NVMLError_Uninitialized",
@@ -218,16 +233,20 @@ def test_slices_from_the_real_path_are_valid(env: dict[str, str]) -> None:
     for d in docs:
         kubernetes_validate.validate(d, "1.37.0", strict=True)
     names = [dev["name"] for d in docs for dev in d["spec"].get("devices", [])]
-    assert sorted(n for n in names if not n.endswith("-vfio")) == sorted(EXPECTED)
+    assert sorted(n for n in names if not n.endswith("-vfio") and "-mig-" not in n) == sorted(EXPECTED)
+    # gpu-0's MIG placements, from the library's MIG profiles (the H100 80GB's: 25 placements).
+    assert len([n for n in names if n.startswith("gpu-0-mig-")]) == 25
     # Each GPU has one counter set; the one in sysfs (with its IOMMU group) has a passthrough variant.
     assert [n for n in names if n.endswith("-vfio")] == ["gpu-0000-18-00-0-vfio"]
     assert sum(len(d["spec"].get("sharedCounters", [])) for d in docs) == len(EXPECTED)
 
 
-def test_an_older_driver_library_lacks_functions_and_discovery_falls_back(env: dict[str, str]) -> None:
+def test_an_older_driver_library_lacks_functions_and_discovery_falls_back(env: dict[str, str],
+                                                                         short_tmp: Path) -> None:
     # nvmlDeviceGetNumaNodeId is not in the library: pynvml answers FUNCTION_NOT_FOUND, and the GPU
     # is published without the attribute, like a GPU whose NVML says NOT_SUPPORTED.
-    found, problems = gpus({**env, "LD_LIBRARY_PATH": str(LEGACY)})
+    make_driver_root(short_tmp / "legacy-driver", LEGACY, "rhel")
+    found, problems = gpus({**env, "DRA_DRIVER_ROOT": str(short_tmp / "legacy-driver")})
     expected = json.loads(json.dumps(EXPECTED))
     del expected["gpu-3"]["attributes"]["resource.kubernetes.io/numaNode"]
     assert found == expected
@@ -272,22 +291,24 @@ def test_a_gpu_lost_from_the_start_is_named_by_its_device(env: dict[str, str]) -
 
 
 def test_without_the_library(env: dict[str, str], short_tmp: Path) -> None:
-    if probe() == "real":
-        pytest.skip("the driver's NVML loads on this machine; this checks one where it does not")
-    empty = short_tmp / "no-nvml"
-    empty.mkdir()
-    missing = {**env, "LD_LIBRARY_PATH": str(empty)}
+    # A driver root with no driver in it (a wrong --driver-root, or a mount that is missing).
+    empty = short_tmp / "no-driver"
+    (empty / "etc").mkdir(parents=True)
+    missing = {**env, "DRA_DRIVER_ROOT": str(empty)}
+    tried = ", ".join(["/etc/ld.so.cache (No such file or directory)",
+                       *(f"/{d}/libnvidia-ml.so.1" for d in library_dirs())])
     for command in ("devices", "slices"):
         proc = cli(missing, command)
         assert proc.returncode == 1, proc.stdout
         assert proc.stderr.splitlines() == [
-            "dra-agent: --nvml real: NVML did not initialize: NVML Shared Library Not Found "
-            "(NVML_ERROR_LIBRARY_NOT_FOUND); is the NVIDIA driver installed, with libnvidia-ml.so.1 on the "
-            "library path?"], proc.stderr
-    # auto on a node with NVIDIA hardware (the host tree has /dev/nvidiactl): an error too.
+            f"dra-agent: --nvml real: no libnvidia-ml.so.1 under the driver root {empty} (tried {tried}); set "
+            "--driver-root to where the NVIDIA driver is installed (mounted)"], proc.stderr
+    # auto on a node with NVIDIA hardware (the host tree has /dev/nvidiactl and NVIDIA display functions):
+    # an error too, naming the hardware, the root and the paths tried.
     proc = cli({**missing, "DRA_NVML": "auto"}, "devices")
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert "NVIDIA hardware is present" in proc.stderr and "Traceback" not in proc.stderr
+    assert "NVIDIA hardware is present" in proc.stderr and f"under the driver root {empty} (tried {tried})" \
+        in proc.stderr and "Traceback" not in proc.stderr
     # auto on a node without: no GPUs, and a warning that says why; never simulated ones.
     bare = short_tmp / "bare"
     (bare / "sys").mkdir(parents=True)
@@ -296,9 +317,18 @@ def test_without_the_library(env: dict[str, str], short_tmp: Path) -> None:
                "devices", "-o", "json")
     assert proc.returncode == 0, proc.stderr
     assert [d for d in json.loads(proc.stdout) if d["kind"] == "gpu"] == []
-    assert "WARNING agent.inventory.gpus: no NVIDIA GPUs on this node (NVML: NVML Shared Library Not Found" \
-        in proc.stderr
+    assert f"WARNING agent.inventory.nvmlopen: no NVIDIA GPUs on this node (no libnvidia-ml.so.1 under the " \
+        f"driver root {empty}" in proc.stderr
     assert not (Path(env["DRA_STATE_DIR"]) / "nvml-sim").exists()
+
+
+def test_the_agent_s_own_root_is_searched_as_its_linker_would(env: dict[str, str]) -> None:
+    # --driver-root / (the default: the agent on the host itself, or a container given the library by
+    # the NVIDIA runtime): LD_LIBRARY_PATH, then the machine's ld.so.cache and directories.
+    if probe() == "real":
+        pytest.skip("the driver's NVML loads on this machine; this checks one where it does not")
+    found, problems = gpus({**env, "DRA_DRIVER_ROOT": "/", "LD_LIBRARY_PATH": str(STANDIN)})
+    assert found == EXPECTED and problems == []
 
 
 # The agent as a process on the real path: prepare, and a GPU lost while it runs.
@@ -410,3 +440,120 @@ def test_a_gpu_lost_while_the_agent_runs_is_unhealthy_under_its_name(
     while published_taints(env).get("gpu-1"):
         assert time.monotonic() < deadline, "the gpu-lost taint of gpu-1 stays after it answers again"
         time.sleep(0.2)
+
+
+# The library's facts the agent relies on: a handle holds the GPU open, a GPU on vfio-pci is not listed,
+# MIG instances are made and destroyed, each MIG device with a UUID of its own.
+
+def test_the_standin_holds_what_it_hands_out_and_lists_what_the_driver_drives(env: dict[str, str]) -> None:
+    host = Path(env["DRA_SYSFS_ROOT"]).parent
+    script = textwrap.dedent("""
+        import json, os, sys, pynvml as n
+        node = sys.argv[1]
+        def held():
+            return sum(os.readlink(f"/proc/self/fd/{fd}") == node for fd in os.listdir("/proc/self/fd")
+                       if os.path.islink(f"/proc/self/fd/{fd}"))
+        out = {}
+        n.nvmlInit()
+        out["initialized"] = held()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        out["a handle"] = held()
+        s = n.nvmlEventSetCreate()
+        n.nvmlDeviceRegisterEvents(h, n.nvmlEventTypeXidCriticalError, s)
+        out["registered"] = held()
+        n.nvmlEventSetFree(s)
+        n.nvmlShutdown()
+        out["shut down"] = held()
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(host / "dev" / "nvidia0")], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **env, "LD_LIBRARY_PATH": str(STANDIN)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"initialized": 0, "a handle": 1, "registered": 2, "shut down": 0}
+    # gpu-0 on vfio-pci: the next initialization lists the other two, one index down.
+    tree = SimTree(host)
+    tree.unbind("0000:18:00.0")
+    tree.bind("0000:18:00.0", "vfio-pci")
+    listing = textwrap.dedent("""
+        import json, pynvml as n
+        n.nvmlInit()
+        minors = [n.nvmlDeviceGetMinorNumber(n.nvmlDeviceGetHandleByIndex(i)) for i in range(n.nvmlDeviceGetCount())]
+        try:
+            n.nvmlDeviceGetHandleByPciBusId("0000:18:00.0")
+            gone = "found"
+        except n.NVMLError as e:
+            gone = type(e).__name__
+        print(json.dumps([minors, gone]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env, "LD_LIBRARY_PATH": str(STANDIN)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [[1, 3], "NVMLError_NotFound"]
+
+
+MIG_UID = "5a7e1d00-0000-4000-8000-000000000002"
+MIG = "gpu-0-mig-1g10gb-3"
+
+
+def test_mig_on_the_real_path_makes_a_new_mig_device_each_time(agent: subprocess.Popen[str],
+                                                                env: dict[str, str]) -> None:
+    need_root()  # the agent makes the /dev/nvidia-caps nodes (mknod)
+    write_claim(Path(env["DRA_OFFLINE"]) / "resourceclaims", claim("mig", MIG_UID, [result(MIG, "gpu")]))
+    host = Path(env["DRA_SYSFS_ROOT"]).parent
+    caps = host / "proc" / "driver" / "nvidia" / "capabilities" / "gpu0" / "mig"
+    uuids = []
+    for _ in range(2):
+        proc = cli(env, "kubelet", "prepare", "default/mig", "--uid", MIG_UID)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        spec = orjson.loads((Path(env["DRA_CDI_DIR"]) / f"{DRIVER}-claim_{MIG_UID}.json").read_bytes())
+        edits = spec["devices"][0]["containerEdits"]
+        (uuid,) = [e.split("=", 1)[1] for e in edits["env"] if e.startswith("DRA_GPU_0_MIG_1G10GB_3_UUID=")]
+        assert re.fullmatch(r"MIG-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", uuid), uuid
+        nodes = [n["hostPath"] for n in edits["deviceNodes"] if n["path"].startswith("/dev/nvidia-caps/")]
+        assert len(nodes) == 2
+        for node in nodes:  # made by the agent, with the nvidia-caps major of the host's /proc/devices
+            assert os.major(os.stat(node).st_rdev) == 508
+        # The driver's capability files of the GPU instance and its compute instance.
+        assert len(list(caps.glob("gi*/**/access"))) == 2
+        uuids.append(uuid)
+        proc = cli(env, "kubelet", "unprepare", "default/mig", "--uid", MIG_UID)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert not list(caps.glob("gi*"))
+    assert uuids[0] != uuids[1]  # made again at the same place: another MIG device
+
+
+VFIO_UID = "5a7e1d00-0000-4000-8000-000000000003"
+
+
+def test_passthrough_on_the_real_path_lets_go_of_the_library(agent: subprocess.Popen[str], env: dict[str, str]) -> None:
+    # The agent holds gpu-0 open through the library (its handles); the simulated kernel's NVIDIA unbind
+    # waits for every holder. The agent lets go of NVML around the bind (pynvml's nvmlShutdown, then
+    # nvmlInit on the library it loaded from the driver root), and the next initialization no longer
+    # lists gpu-0, which stays published.
+    host = Path(env["DRA_SYSFS_ROOT"]).parent
+    write_claim(Path(env["DRA_OFFLINE"]) / "resourceclaims",
+                claim("vm", VFIO_UID, [result("gpu-0000-18-00-0-vfio", "vm")]))
+    profile = parse_profile("standin", HOST_PROFILE)
+    with KernelEmulator(profile, host):
+        proc = cli(env, "kubelet", "prepare", "default/vm", "--uid", VFIO_UID)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert SimTree(host).driver_of("0000:18:00.0") == "vfio-pci"
+        deadline = time.monotonic() + 30
+        while (index := _published_index("gpu-3", env)) != 1:
+            assert time.monotonic() < deadline, f"gpu-3 still at NVML index {index}"
+            time.sleep(0.2)
+        assert "gpu-0" in published(env) and not published_taints(env).get("gpu-0")
+        proc = cli(env, "kubelet", "unprepare", "default/vm", "--uid", VFIO_UID)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert SimTree(host).driver_of("0000:18:00.0") == "nvidia"
+
+
+def _published_index(device: str, env: dict[str, str]) -> int | None:
+    for path in (Path(env["DRA_OFFLINE"]) / "resourceslices").glob("*.yaml"):
+        try:
+            for dev in yaml.safe_load(path.read_text())["spec"].get("devices", []):
+                if dev["name"] == device:
+                    return int(dev["attributes"]["index"]["int"])
+        except (FileNotFoundError, TypeError):
+            continue
+    return None

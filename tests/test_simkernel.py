@@ -1,9 +1,11 @@
 """The simulated machine's PCI tree (IOMMU groups, drivers, SR-IOV) and its kernel emulator, through real
-files and the real watchdog thread: what a write to sysfs does, as the agent would see it on a host."""
+files and the emulator's real inotify thread: what a write to sysfs does, as the agent would see it on a host."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,8 +28,6 @@ SHARED = ("0000:3a:00.0", "0000:3b:00.0")
 BRIDGED_GPU = "0000:5d:00.0"
 PF = "0000:4b:00.0"
 
-# watchdog warns when it meets a new directory (vfio-dev/vfioN) twice; the watch is kept.
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
 TEST_MACHINE: dict[str, Any] = {
     "defaults": {"name": "NVIDIA H100 80GB HBM3", "memoryTotal": 85520809984, "pciDeviceId": "0x233010de"},
@@ -44,8 +44,6 @@ TEST_MACHINE: dict[str, Any] = {
 
 def machine_profile() -> SimProfile:
     return parse_profile("test", TEST_MACHINE)
-
-
 
 
 def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -276,6 +274,30 @@ def test_slow_and_failing_writes(machine: tuple[SimTree, KernelEmulator]) -> Non
     (tree.devices / GPU / "driver_override").write_text("vfio-pci")
     wait_for(lambda: len(kernel.refusals) == 2)
     wait_for(lambda: text(tree.devices / GPU / "driver_override") == "(null)\n")
+
+
+def test_an_nvidia_unbind_waits_while_the_gpu_is_open(machine: tuple[SimTree, KernelEmulator]) -> None:
+    tree, kernel = machine
+    # Another process holds the GPU's node (O_PATH: the simulated node has no driver behind it).
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys; fd = os.open(sys.argv[1], os.O_PATH); "
+                               "print('holding', flush=True); sys.stdin.read()", str(tree.dev / "nvidia0")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        (tree.drivers / "nvidia" / "unbind").write_text(GPU)
+        wait_for(lambda: tree.kernel_log.is_file() and "waits until the GPU is closed" in text(tree.kernel_log))
+        assert f"pid {holder.pid} (python" in text(tree.kernel_log)
+        assert tree.driver_of(GPU) == "nvidia" and kernel.refusals == []
+        # Other functions' writes go on meanwhile.
+        (tree.drivers / "nvidia" / "unbind").write_text(AUDIO_GPU)
+        wait_for(lambda: tree.driver_of(AUDIO_GPU) is None)
+        assert tree.driver_of(GPU) == "nvidia"
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(30)
+    wait_for(lambda: tree.driver_of(GPU) is None)  # carried out once the last holder is gone
+    assert f"unbind nvidia {GPU}: done, the GPU was closed" in text(tree.kernel_log)
 
 
 def test_writes_made_while_the_emulator_was_down_apply_at_start(tmp_path: Path) -> None:

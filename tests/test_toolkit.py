@@ -164,3 +164,72 @@ def test_our_own_specs_are_never_read(tmp_path: Path, caplog: pytest.LogCaptureF
     specs = ToolkitSpecs([tmp_path], skip_prefixes=(DRIVER,), min_interval=0)
     assert specs.device_id("GPU-x", 0) is None
     assert not caplog.records
+
+
+# -- every GPU form gets the toolkit's device -----------------------------------------------------
+
+FORMS_UID = {"whole": "7d1e0c4a-0000-4000-8000-0000000000f1", "mig": "7d1e0c4a-0000-4000-8000-0000000000f2",
+             "shared": "7d1e0c4a-0000-4000-8000-0000000000f3"}
+FORMS: dict[str, tuple[str, dict[str, object]]] = {
+    "whole": ("gpu-0", {}), "mig": ("gpu-1-mig-1g10gb-0", {}),
+    "shared": ("gpu-2-shared", {"shareID": "3f1c0000-0000-4000-8000-000000000001",
+                                "consumedCapacity": {"memory": "4Gi"}})}
+
+
+def toolkit_spec(uuids: list[str], library: Path | None = None) -> bytes:
+    """A toolkit spec as `nvidia-ctk cdi generate --device-name-strategy=uuid` shapes it: a device per GPU,
+    and common edits that bring the driver's libraries (here one file standing in for them)."""
+    spec: dict[str, object] = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [
+        {"name": u, "containerEdits": {"env": [f"TOOLKIT_GPU={u}"]}} for u in uuids]}
+    if library is not None:
+        spec["containerEdits"] = {"mounts": [{"hostPath": str(library), "containerPath": "/usr/lib/libcuda.so.1",
+                                              "options": ["ro", "nosuid", "nodev", "bind"]}]}
+    return orjson.dumps(spec)
+
+
+async def prepare_forms(node: Node) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Each form's claim prepared: its CDI IDs, and its GPU device's variables in the claim's spec."""
+    out = {}
+    for form, (device, extra) in FORMS.items():
+        uid = FORMS_UID[form]
+        write_claim(node.claims_dir, claim(form, uid, [result(device, "gpu", driver=node.settings.driver_name,
+                                                              **extra)]))
+        prepared = (await node.engine.prepare([ClaimRef("default", form, uid)]))[uid]
+        assert prepared.error == "", prepared.error
+        spec = orjson.loads((node.settings.cdi_dir / f"{node.settings.cdi_vendor}-claim_{uid}.json").read_bytes())
+        (dev,) = spec["devices"]
+        env = dict(e.split("=", 1) for e in dev["containerEdits"]["env"])
+        out[form] = (list(prepared.devices[0].cdi_device_ids), env)
+    return out
+
+
+def gpu_uuids(node: Node) -> dict[str, str]:
+    return {name: dev.gpu.uuid for name in ("gpu-0", "gpu-1", "gpu-2")
+            if (dev := node.inventory.get(name)) is not None and dev.gpu is not None}
+
+
+async def test_every_gpu_form_gets_the_toolkit_device_and_names_exactly_its_device(tmp_path: Path) -> None:
+    node = await make_node(tmp_path, dynamic_mig=True, gpu_sharing=True)
+    uuids = gpu_uuids(node)
+    node.settings.static_cdi_dir.mkdir(parents=True, exist_ok=True)
+    (node.settings.static_cdi_dir / "nvidia.json").write_bytes(toolkit_spec(list(uuids.values())))
+    node.engine.toolkit.min_interval = 0
+    prepared = await prepare_forms(node)
+    ids, env = prepared["whole"]
+    assert f"nvidia.com/gpu={uuids['gpu-0']}" in ids and env["CUDA_VISIBLE_DEVICES"] == uuids["gpu-0"]
+    # A MIG device: its parent GPU's toolkit device (the libraries), and CUDA told its MIG device.
+    ids, env = prepared["mig"]
+    mig_uuid = env["DRA_GPU_1_MIG_1G10GB_0_UUID"]
+    assert f"nvidia.com/gpu={uuids['gpu-1']}" in ids and env["CUDA_VISIBLE_DEVICES"] == mig_uuid
+    assert mig_uuid.startswith("MIG-")
+    ids, env = prepared["shared"]
+    assert f"nvidia.com/gpu={uuids['gpu-2']}" in ids and env["CUDA_VISIBLE_DEVICES"] == uuids["gpu-2"]
+    # The MPS limit names the same device as CUDA_VISIBLE_DEVICES does (a UUID: what MPS applies, see
+    # agent/claims/plan.py), with the share's memory.
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuids['gpu-2']}=4096M"
+
+
+async def test_without_a_toolkit_spec_the_claims_still_name_their_device(tmp_path: Path) -> None:
+    node = await make_node(tmp_path, dynamic_mig=True, gpu_sharing=True)
+    for ids, env in (await prepare_forms(node)).values():
+        assert not [i for i in ids if i.startswith("nvidia.com/gpu=")] and env["CUDA_VISIBLE_DEVICES"]

@@ -16,18 +16,16 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
-import pytest
 from agentkit import claim, make_node, restarted, result, write_claim, written_files
 
 from agent.claims.records import RecordState
 from agent.claims.store import ClaimStore
 from agent.engine.recovery import recover
 from agent.host.vfio.pci import current_driver, current_override
+from agent.hostprep.mig import nvml_of
 from agent.names import ClaimRef
 from agent.sim.kernel.emulator import KernelEmulator
 from agent.sim.profiles import load_profile
-
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
 TESTS = Path(__file__).resolve().parent
 UID = "2f1a0000-0000-4000-8000-000000000001"
@@ -78,7 +76,12 @@ async def _kill_at_every_point(tmp_path: Path, op: str) -> Counter[str]:
             with KernelEmulator(load_profile(PROFILE), root):
                 (res,) = (await node.engine.prepare([ClaimRef("default", "vm-gpu", UID)])).values()
                 assert res.error == ""
-        status, point, output = _in_child(tmp_path / f"kill-{kill_at}", op, kill_at)
+        # The test's own agent lets go of NVML while the child agent runs: its handles hold every GPU open,
+        # and the child's unbind would wait for them (as a new agent's does for an old one's that still runs).
+        access = nvml_of(node.inventory)()
+        assert access is not None and access.gate is not None
+        with access.gate.released("another agent process runs"):
+            status, point, output = _in_child(tmp_path / f"kill-{kill_at}", op, kill_at)
         where = f"{op} killed at failpoint {kill_at} ({point or 'none: it finished'})"
         with KernelEmulator(load_profile(PROFILE), root) as kernel:
             report = recover(restarted(node))

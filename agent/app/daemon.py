@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from agent.app.connection import Connection
     from agent.app.httpserver import Check
     from agent.app.probes import DevicesView, PublishView, SocketsView
+    from agent.app.quarantine import QuarantineReporter
     from agent.engine.prepare import PrepareEngine
     from agent.engine.recovery import RecoveryReport
     from agent.engine.selfheal import SelfHealer
@@ -59,6 +60,7 @@ class Running:
     claim_status: ClaimStatusWriter
     kernel: KernelEmulator | None  # the simulated machine's kernel (--nvml sim)
     selfheal: SelfHealer | None  # None: self-healing is off (no inotify instance or watch to be had)
+    quarantines: QuarantineReporter  # unreadable records set aside, reported (an Event on the Node)
     publish: PublishLoop | None = None  # from when the Node is known
 
 
@@ -126,6 +128,7 @@ class Agent:
 
     async def _start(self, servers: Servers) -> None:
         from agent.app.connection import connect
+        from agent.app.quarantine import QuarantineReporter
         from agent.engine.gc import ClaimCollector, collection_off
         from agent.engine.prepare import PrepareEngine
         from agent.engine.recovery import begin_recovery
@@ -148,6 +151,8 @@ class Agent:
                 undo.push_async_callback(asyncio.to_thread, kernel.stop)
             set_node_features(self.inventory, conn.node, s)
             engine = PrepareEngine(s, self.inventory, conn.claim_source(s), self.store, metrics=self.metrics)
+            engine.on_quarantine = reporter = QuarantineReporter(asyncio.get_running_loop(), conn, s)
+            undo.push_async_callback(reporter.stop)
             # Records are only listed here; each is checked in the background or by the first operation
             # on its claim, whichever comes first (agent.engine.recovery).
             _, report = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(begin_recovery, engine))
@@ -160,13 +165,13 @@ class Agent:
             self.health.observe(snapshot)
             await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
             claim_status = ClaimStatusWriter(
-                s.driver_name, sink_for(conn.client, conn.offline, s.driver_name), self.health,
+                s.driver_name, sink_for(conn.client, conn.offline, s.driver_name, engine.claims), self.health,
                 engine.book, readiness=self.health, metrics=self.metrics)
             undo.push_async_callback(claim_status.stop)
             engine.listeners.append(claim_status)
             servers.attach(engine, self.tracker)
             await servers.start_dra()
-            running = Running(conn, engine, claim_status, kernel, await self._self_healing(engine))
+            running = Running(conn, engine, claim_status, kernel, await self._self_healing(engine), reporter)
             self._running = running
             undo.pop_all()
         log.info("ready in %.2fs: %d devices, %d claim records (checked in the background)",
@@ -328,6 +333,7 @@ class Agent:
             await self.http.stop()
         if running is not None:  # what is still queued is written again by the next start's resync
             await running.claim_status.stop()
+            await running.quarantines.stop()
         await asyncio.to_thread(self.inventory.close)
         if running is not None:
             if running.kernel is not None:
@@ -372,12 +378,14 @@ class Agent:
         from agent.app.probes import DevicesView
 
         snapshot = self.inventory.snapshot()
+        engine = self._running.engine if self._running is not None else None
         return DevicesView(health=tuple((h.device, h.status) for h in self.tracker.current()),
                            kinds={name: d.kind for name, d in snapshot.devices.items()},
                            failing_sources=tuple(f.kind for f in snapshot.failing_sources),
                            taints=self.health.conditions.taint_counts(),
-                           prepared_claims=len(self._running.engine.book) if self._running is not None else 0,
-                           health_watchers=self.tracker.watchers)
+                           health_watchers=self.tracker.watchers, prepared_claims=len(engine.book) if engine else 0,
+                           prepared_devices=engine.book.device_count() if engine else 0,
+                           quarantined=tuple(engine.quarantined) if engine else ())
 
 
 async def open_registration(settings: Settings, servers: Servers | None = None) -> Servers:

@@ -70,6 +70,8 @@ class DevicesView:
     taints: Mapping[tuple[str, str], int]  # (cause kind, effect) -> taints published now
     prepared_claims: int
     health_watchers: int
+    prepared_devices: int = 0  # the devices of the claims prepared, one per allocation result
+    quarantined: tuple[str, ...] = ()  # unreadable claim records set aside since the start (their paths)
 
 
 class Observed(Protocol):
@@ -128,7 +130,20 @@ async def readyz(agent: Observed) -> list[Check]:
                 f": {publish.failures} failed attempts, the last: {publish.last_error})" if publish.failures
                 else ")")
         slices_check = Check("slices", True, detail)
-    return [registration, slices_check]
+    return [registration, slices_check, _records(agent.devices_view().quarantined)]
+
+
+QUARANTINED_SHOWN = 3
+
+
+def _records(quarantined: tuple[str, ...]) -> Check:
+    """Unreadable claim records set aside: shown, never a reason to be unready (the agent serves every other
+    claim, and readiness failing would not bring the record back)."""
+    if not quarantined:
+        return Check("claim-records", True, "every claim record read is readable")
+    shown = ", ".join(quarantined[-QUARANTINED_SHOWN:]) + (" ..." if len(quarantined) > QUARANTINED_SHOWN else "")
+    return Check("claim-records", True, f"{len(quarantined)} unreadable claim records set aside since the start "
+                 f"(their claims are no longer prepared here; Events ClaimRecordQuarantined on the Node): {shown}")
 
 
 def metrics_state(agent: Observed) -> AgentState:
@@ -136,7 +151,8 @@ def metrics_state(agent: Observed) -> AgentState:
     # A device that failed is known by name only; the names start with the kind (gpu-3, nic-...).
     devices = collections.Counter((d.kinds.get(name) or name.split("-", 1)[0], status) for name, status in d.health)
     state = AgentState(devices=dict(devices), failing_sources=list(d.failing_sources), taints=dict(d.taints),
-                       prepared_claims=d.prepared_claims, health_watchers=d.health_watchers)
+                       prepared_claims=d.prepared_claims, prepared_devices=d.prepared_devices,
+                       health_watchers=d.health_watchers)
     state.registered = agent.sockets_view().registered
     if (publish := agent.publish_view()) is not None:
         state.publish_up_to_date = publish.up_to_date

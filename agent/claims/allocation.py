@@ -165,6 +165,9 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
         result_pool = _string(result, "pool", path)
         share_id = _string(result, "shareID", path, default="")
         consumed = _consumed(result.get("consumedCapacity"), f"{path}.consumedCapacity")
+        admin_access = result.get("adminAccess")
+        if admin_access is not None and not isinstance(admin_access, bool):
+            raise ClaimError(f"{path}.adminAccess must be a bool, not {_kind(admin_access)}")
         try:
             check_request(request)
         except InvalidName as exc:
@@ -175,12 +178,14 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
         device = lookup(device_name)
         if device is None:
             raise ClaimError(f"device {device_name} is not on this node")
-        if device.kind.shared:
+        if admin_access:
+            pass  # the device as it is, beside whoever holds it: what it consumes is not checked, nor given
+        elif device.kind.shared:
             _check_share(device, share_id, consumed, path)
         elif device.kind is Kind.CPU and share_id:
             _check_cpu_share(device, consumed, path)
         out.devices.append(AllocatedDevice(request=request, pool=pool, device=device, share_id=share_id,
-                                           consumed=consumed))
+                                           consumed=consumed, admin_access=bool(admin_access)))
     _apply_configs(out, _list(device_alloc.get("config"), _CONFIG), driver)
     return out
 
@@ -275,6 +280,10 @@ def _apply_configs(out: Allocation, configs: list[Any], driver: str) -> None:
             if not dev.kind.passthrough:
                 raise ClaimError(f"{where}: a {VFIO_KIND} applies to passthrough (VFIO) devices only; "
                                  f"device {dev.name} of request {alloc.request!r} is a {dev.kind} device")
+            if alloc.admin_access:
+                raise ClaimError(f"{where}: a {VFIO_KIND} configures the device it binds to vfio-pci; device "
+                                 f"{dev.name} of request {alloc.request!r} is allocated with adminAccess, which "
+                                 "gets a device as it is, never reconfigured (leave this request out of the config)")
             if decoded.fields & {"mac", "vlan"} and not (isinstance(dev.node, PassthroughFacts)
                                                          and dev.node.native is Kind.NIC):
                 raise ClaimError(f"{where}.{'mac' if 'mac' in decoded.fields else 'vlan'}: only a NIC "

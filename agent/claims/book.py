@@ -42,6 +42,7 @@ class DeviceSummary:
     share_id: str = ""
     made: tuple[tuple[str, str], ...] = ()
     mac: str = ""
+    admin_access: bool = False  # held with admin access: it excludes no other claim
 
     @classmethod
     def of(cls, d: PreparedDevice, record: ClaimRecord) -> DeviceSummary:
@@ -50,7 +51,8 @@ class DeviceSummary:
                      for k, v in sorted(partition_attributes(p).items()))
         mac = next((b.mac for b in record.bindings if b.device == d.device and b.mac), "")
         # A node has a few pools and devices, held by thousands of claims: one string each.
-        return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "", made, mac)
+        return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "", made, mac,
+                   d.admin_access)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,7 @@ class ClaimBook:
         self._recent: collections.OrderedDict[str, tuple[ClaimRecord, RecordStamp]] = collections.OrderedDict()
         self._recent_max = recent
         self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
+        self._devices = 0  # the devices of every claim known, one per allocation result
 
     def records(self) -> dict[str, ClaimSummary]:
         """The prepared claims this agent has seen (a copy)."""
@@ -96,14 +99,24 @@ class ClaimBook:
     def __len__(self) -> int:
         return len(self._summaries)
 
+    def device_count(self) -> int:
+        """The devices of the claims known, one per allocation result (for the metrics)."""
+        return self._devices
+
     def record_of(self, uid: str) -> ClaimSummary | None:
         """The summary held for `uid` (no disk access)."""
         with self._guard:
             return self._summaries.get(uid)
 
-    def claims_holding(self, devices: set[str]) -> list[str]:
+    def claims_holding(self, devices: set[str], *, exclusive: bool = False) -> list[str]:
+        """The claims holding any of these devices; with `exclusive`, only those holding one of them other
+        than with admin access (those a prepare of another form of the device must not run beside)."""
         with self._guard:
-            return sorted({uid for n in devices for uid in self._device_claims.get(n, ())})
+            uids = {uid for n in devices for uid in self._device_claims.get(n, ())}
+            if exclusive:
+                uids = {uid for uid in uids if any(d.device in devices and not d.admin_access
+                                                   for d in self._summaries[uid].devices)}
+            return sorted(uids)
 
     def current(self, uid: str) -> ClaimRecord | None:
         """The claim's whole record as it is on disk now; RecordError when it is unreadable."""
@@ -166,8 +179,10 @@ class ClaimBook:
                 self._recent.popitem(last=False)
             for d in summary.devices:
                 self._device_claims.setdefault(d.device, set()).add(record.uid)
+            self._devices += len(summary.devices)
 
     def _unindex(self, summary: ClaimSummary) -> None:
+        self._devices -= len(summary.devices)
         for d in summary.devices:
             owners = self._device_claims.get(d.device)
             if owners is not None:

@@ -32,8 +32,7 @@ def device_env(alloc: AllocatedDevice) -> list[str]:
     env = [f"{prefix}_NAME={dev.name}"]
     facts = dev.node
     if dev.kind.cuda_uuid:  # the GPU's, or the MIG device's that prepare made (agent.hostprep.mig)
-        uuid = alloc.made.uuid if alloc.made is not None else dev.gpu.uuid if dev.gpu is not None else ""
-        env.append(f"{prefix}_UUID={uuid}")
+        env.append(f"{prefix}_UUID={alloc.cuda_uuid}")
     elif isinstance(facts, NicFacts):
         env.append(f"{prefix}_INTERFACE={facts.interface}")
         if facts.mac:

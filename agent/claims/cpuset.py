@@ -34,8 +34,9 @@ class NotEnoughCpus(ClaimFailure):
 
 def share_size(alloc: metadata.AllocatedDevice) -> int | None:
     """How many CPUs a result holding a share of a CPU device asks for (its consumed amount of the
-    device's one capacity); None for a result that holds the device whole."""
-    if not isinstance(alloc.device.node, CpuFacts) or not alloc.share_id:
+    device's one capacity); None for a result that holds the device whole, or has admin access (it takes no
+    CPUs from the others: it sees the device's)."""
+    if not isinstance(alloc.device.node, CpuFacts) or not alloc.share_id or alloc.admin_access:
         return None
     amounts = [alloc.consumed[name] for name in alloc.device.capacity if name in alloc.consumed]
     if len(amounts) != 1:

@@ -27,7 +27,7 @@ from agent.claims.filenames import METADATA_FILE_NAME
 from agent.claims.records import DevicePartition, partition_attributes
 from agent.facts import CpuFacts, NicFacts, PassthroughFacts
 from agent.inventory.numa import format_cpulist
-from agent.kinds import Kind
+from agent.kinds import Kind, PartitionKind
 from agent.model import AttrValue, Device, attribute_wire
 
 API_VERSIONS = ("metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1")
@@ -50,6 +50,9 @@ class AllocatedDevice:
     made: DevicePartition | None = None
     # The CPUs a share of a CPU device got at prepare (`agent.claims.cpuset`); () for anything else.
     cpus: tuple[int, ...] = ()
+    # The result's `adminAccess`: the device as it is, shared with whoever holds it (monitoring), never
+    # reconfigured and never checked for exclusivity (`agent.engine.claimops`).
+    admin_access: bool = False
 
     @property
     def cpuset(self) -> tuple[int, ...]:
@@ -64,6 +67,14 @@ class AllocatedDevice:
         if self.made is None:
             return self.device.attributes
         return {**self.device.attributes, **partition_attributes(self.made)}
+
+    @property
+    def cuda_uuid(self) -> str:
+        """The UUID CUDA knows the device by: the MIG device's that prepare made (`agent.hostprep.mig`),
+        else its GPU's ("" for a device of no GPU)."""
+        if self.made is not None and self.made.kind is PartitionKind.MIG:
+            return self.made.uuid
+        return self.device.gpu.uuid if self.device.gpu is not None else ""
 
 
 def host_dir(metadata_root: Path, uid: str) -> Path:

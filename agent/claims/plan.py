@@ -2,8 +2,11 @@
 content, the kubelet response) from an allocation, and the record a metadata refresh makes of it.
 The engine (`agent.engine.prepare`) applies them in crash-safe order.
 
-A shared GPU (`agent.inventory.gpushare`) is prepared like its GPU (device nodes, the toolkit's CDI
-device) and its CDI device also sets `DRA_<DEVICE>_UUID`, `DRA_<DEVICE>_MEMORY_LIMIT` (bytes: the sum
+Every GPU form a container's CUDA uses (whole, MIG, shared) gets the NVIDIA Container Toolkit's CDI
+device where a toolkit spec names its GPU (`toolkit_device`: the driver's libraries and hooks; a MIG
+device its parent GPU's), and `CUDA_VISIBLE_DEVICES` naming exactly the claim's GPU forms
+(`visible_env`). A shared GPU (`agent.inventory.gpushare`) is prepared like its GPU (device nodes, the
+toolkit's CDI device) and its CDI device also sets `DRA_<DEVICE>_UUID`, `DRA_<DEVICE>_MEMORY_LIMIT` (bytes: the sum
 of the claim's shares of that device; one per result in practice) and, for CUDA MPS clients,
 `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<GPU uuid>=<MiB>M[,...]` over every shared GPU of the claim, which the
 MPS server enforces per client. The claim's own opaque configuration may set that variable instead (a
@@ -39,8 +42,9 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
     vendor = s.cdi_vendor
     files: list[FileRecord] = []
     shares = share_env(alloc.devices)
-    env = {name: {**shares.get(name, {}), **alloc.config_env.get(name, {})}
-           for name in set(shares) | set(alloc.config_env)}
+    visible = visible_env(alloc.devices)
+    env = {name: {**visible.get(name, {}), **shares.get(name, {}), **alloc.config_env.get(name, {})}
+           for name in set(visible) | set(shares) | set(alloc.config_env)}
     spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, env)
     files.append(FileRecord(str(s.cdi_dir / filenames.claim_spec_name(vendor, ref.uid)), encode_spec(spec),
                             role=FileRole.CLAIM_SPEC))
@@ -48,15 +52,14 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
     first_of_request: set[str] = set()
     for a in alloc.devices:
         ids = [cdispecs.claim_device_id(vendor, ref.uid, a.device.name)]
-        gpu = a.device.gpu
-        if a.device.kind.toolkit and gpu is not None and (tk := toolkit.device_id(gpu.uuid, gpu.index)):
+        if tk := toolkit_device(toolkit, a.device):
             ids.append(tk)
         base = base_request(a.request)
         if base not in first_of_request:
             first_of_request.add(base)
             ids.append(cdispecs.metadata_device_id(vendor, ref.uid, base))
         devices.append(PreparedDevice(request=a.request, pool=a.pool, device=a.device.name,
-                                      cdi_device_ids=tuple(ids), share_id=a.share_id))
+                                      cdi_device_ids=tuple(ids), share_id=a.share_id, admin_access=a.admin_access))
     for base, allocs in metadata.group_by_base_request(alloc.devices).items():
         host = metadata.host_file(s.metadata_dir, ref.uid, base)
         content = metadata.render(driver=s.driver_name, namespace=ref.namespace, name=ref.name,
@@ -74,6 +77,33 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
 
 
 MPS_MEMORY_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+def toolkit_device(toolkit: ToolkitSpecs, dev: Device) -> str | None:
+    """The NVIDIA Container Toolkit's CDI device that brings the driver's libraries (and its hooks) for a
+    GPU form: the GPU's own for a whole or shared GPU, the parent GPU's for a MIG device (the toolkit's
+    spec predates MIG devices the agent makes; its MIG nodes come from the claim's own spec). None for
+    other devices, or where no toolkit spec names the GPU. Blocking (reads the spec directories)."""
+    gpu = dev.gpu  # a MIG device's facts name its parent GPU
+    if not dev.kind.toolkit or gpu is None:
+        return None
+    return toolkit.device_id(gpu.uuid, gpu.index)
+
+
+def visible_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
+    """Device name -> `CUDA_VISIBLE_DEVICES`, for each GPU form of the claim: the UUIDs of the claim's
+    GPU forms (`GPU-...` of a whole or shared GPU, `MIG-...` of a MIG device), so CUDA uses exactly them,
+    in the claim's order. (A container given GPUs by two claims gets one claim's value: CDI does not
+    merge variables.)"""
+    uuids: list[str] = []
+    names: list[str] = []
+    for a in allocated:
+        if a.device.kind.toolkit and (uuid := a.cuda_uuid):
+            names.append(a.device.name)
+            if uuid not in uuids:
+                uuids.append(uuid)
+    return {name: {CUDA_VISIBLE_DEVICES: ",".join(uuids)} for name in names}
 
 
 def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:

@@ -91,12 +91,17 @@ class PreparedDevice:
     device: str
     cdi_device_ids: tuple[str, ...]
     share_id: str = ""
+    # Allocated with admin access: held beside other claims, excluding none (an older agent, which does not
+    # read the field, takes it for an ordinary holder: stricter, never looser).
+    admin_access: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"request": self.request, "pool": self.pool, "device": self.device,
                                "cdiDeviceIds": list(self.cdi_device_ids)}
         if self.share_id:
             out["shareId"] = self.share_id
+        if self.admin_access:
+            out["adminAccess"] = True
         return out
 
     @classmethod
@@ -105,7 +110,8 @@ class PreparedDevice:
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise TypeError("cdiDeviceIds must be a list of strings")
         return cls(request=str(d["request"]), pool=str(d["pool"]), device=str(d["device"]),
-                   cdi_device_ids=tuple(ids), share_id=str(d.get("shareId", "")))
+                   cdi_device_ids=tuple(ids), share_id=str(d.get("shareId", "")),
+                   admin_access=d.get("adminAccess") is True)
 
 
 @dataclass(frozen=True, slots=True)

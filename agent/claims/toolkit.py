@@ -65,6 +65,11 @@ class ToolkitSpecs:
             return f"{KIND}={index}"
         return None
 
+    def names(self) -> frozenset[str]:
+        """Every device name the toolkit's specs define (`<uuid>`, `<index>`, `all`, ...). Blocking."""
+        self._refresh()
+        return self._names
+
     def _refresh(self) -> None:
         now = time.monotonic()
         if now - self._scanned_at < self.min_interval:

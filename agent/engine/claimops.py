@@ -16,6 +16,7 @@ Order of side effects, so that a crash at any point leaves all or nothing (start
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -90,7 +91,8 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
         claim = read(ref.namespace, ref.name)
         alloc = parse_claim(claim, ref, driver=engine.settings.driver_name, pool=engine.settings.node_name,
                             lookup=engine.inventory.get)
-        with engine.locks.hold(engine.effects.lock_key(a.device) for a in alloc.devices):
+        keys = [engine.effects.lock_key(a.device) for a in alloc.devices]
+        with engine.locks.hold(keys, shared=keys if all(a.device.kind.shared for a in alloc.devices) else ()):
             return _apply(engine, alloc)
 
 
@@ -101,7 +103,8 @@ def unprepare_blocking(engine: ClaimEngine, ref: ClaimRef) -> ClaimRecord | None
         record = engine.current_or_purge(ref.uid)
         if record is None:
             return None
-        with engine.locks.hold(engine.effects.record_lock_keys(record)):
+        keys = engine.effects.record_lock_keys(record)
+        with engine.locks.hold(keys, shared=keys if _only_shares(engine, record) else ()):
             if not record.prepared:
                 engine.effects.settle(record, engine.files)
                 return record
@@ -116,11 +119,19 @@ def unprepare_blocking(engine: ClaimEngine, ref: ClaimRef) -> ClaimRecord | None
         return record
 
 
+def _only_shares(engine: ClaimEngine, record: ClaimRecord) -> bool:
+    """Whether every device of the claim is handed out in shares (`agent.claims.locks`: their locks are
+    held shared, the claims of one device exclude nothing among themselves)."""
+    found = [engine.inventory.get(d.device) for d in record.devices]
+    return bool(found) and all(d is not None and d.kind.shared for d in found) and not engine.effects.held(record)
+
+
 def plan_claim(engine: ClaimEngine, alloc: Allocation, bindings: list[DeviceBinding]) -> ClaimRecord:
     """Every file of the prepared claim with its content, and the kubelet response
     (`agent.claims.plan`). Passthrough devices must be bound already (`bindings`), their VFIO nodes
     in their facts (`Passthrough.devices`)."""
-    if unbound := {a.device.name for a in alloc.devices if a.device.kind.passthrough} - {b.device for b in bindings}:
+    if unbound := {a.device.name for a in alloc.devices if a.device.kind.passthrough and not a.admin_access} \
+            - {b.device for b in bindings}:
         raise PrepareFailed(f"passthrough device(s) {', '.join(sorted(unbound))} are not bound to vfio-pci")
     return plan_record(engine.settings, engine.toolkit, alloc, 1, bindings)
 
@@ -131,14 +142,16 @@ def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
         # Published ahead of their prepare path: refused before any side effect.
         raise PrepareFailed(f"device(s) {', '.join(unknown)} cannot be prepared by this agent version yet "
                             f"(it prepares {', '.join(preparable_kinds())} devices)")
-    effects.check(alloc.ref.uid, alloc.devices)
+    # Admin access (monitoring) gets a device as it is, beside whoever holds it: no exclusivity check and no
+    # host side effect (no vfio-pci binding, MIG instance or mediated device made), as the API defines it.
+    effects.check(alloc.ref.uid, [a for a in alloc.devices if not a.admin_access])
     alloc.devices = _with_cpus(engine, alloc)
     for a in alloc.devices:
         for node in a.device.device_nodes:
             if not os.path.exists(node.host_path):
                 raise PrepareFailed(f"device {a.device.name}: device node {node.path} is missing "
                                     f"on the host ({node.host_path})")
-    intent = effects.intent(alloc)
+    intent = effects.intent(dataclasses.replace(alloc, devices=[a for a in alloc.devices if not a.admin_access]))
     if intent is not None:
         # The intent first: from here on a crash leaves a record that recovery rolls back.
         record = effects.make(alloc, intent, lambda a, b: plan_claim(engine, a, b), engine.files)

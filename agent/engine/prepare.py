@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -56,10 +57,25 @@ from agent.ownchanges import OwnChanges
 log = logging.getLogger(__name__)
 
 
+def _log_later(message: str, ref: ClaimRef, extra: dict[str, object]) -> None:
+    """The line of a claim operation, logged once the loop is back from answering the kubelet (its
+    formatting and write are no part of the answer's way out)."""
+    asyncio.get_running_loop().call_soon(functools.partial(log.info, message, ref, extra=extra))
+
+
 @dataclass(slots=True)
 class PrepareResult:
     devices: list[PreparedDevice] = field(default_factory=list)
     error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """An unreadable claim record, set aside (`current_or_purge`)."""
+
+    uid: str
+    path: str  # where it lies now (`<uid>.rec.corrupt`)
+    reason: str  # why it could not be read
 
 
 class ClaimListener(Protocol):
@@ -99,7 +115,9 @@ class PrepareEngine:
                            MigModeMarks(settings.state_dir / "mig-mode")),
             VgpuPartitioner(self.passthrough.host),
         ])
-        self.quarantined: list[str] = []  # unreadable records set aside (`*.corrupt`), for reports
+        self.quarantines: list[Quarantined] = []  # unreadable records set aside (`*.corrupt`), for reports
+        # Told of each, from the worker thread that set it aside (the daemon: an Event on the Node).
+        self.on_quarantine: Callable[[Quarantined], None] | None = None
         self.listeners: list[ClaimListener] = []
         # `isinstance` against a runtime-checkable Protocol costs tens of microseconds: it is
         # answered once per claim source (tests and tools may swap the source).
@@ -108,6 +126,11 @@ class PrepareEngine:
         # Records listed at start-up but not yet checked (`agent.engine.recovery`): any operation on one of
         # these claims runs the check first, under the claim's lock, and never serves the record unchecked.
         self.deferred = DeferredChecks()
+
+    @property
+    def quarantined(self) -> list[str]:
+        """Where the records set aside since the start lie."""
+        return [q.path for q in self.quarantines]
 
     @property
     def records(self) -> dict[str, ClaimSummary]:
@@ -167,7 +190,7 @@ class PrepareEngine:
         except Exception as exc:
             log.exception("prepare of %s failed unexpectedly", ref)
             return self._failed("prepare", ref, f"internal error: {exc!r}", started)
-        log.info("prepared %s", ref, extra={
+        _log_later("prepared %s", ref, {
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
             "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})
@@ -204,7 +227,7 @@ class PrepareEngine:
         if record is None:
             log.debug("%s is not prepared: nothing to undo", ref)
             return ""
-        log.info("unprepared %s", ref, extra={
+        _log_later("unprepared %s", ref, {
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
             "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})
@@ -285,6 +308,13 @@ class PrepareEngine:
         except RecordError as exc:
             log.error("claim record of %s is unreadable (%s): setting it aside, removing its files", uid, exc)
             self.book.forget(uid)
-            self.quarantined.append(str(self.store.quarantine(self.store.path(uid).name)))
+            found = Quarantined(uid, str(self.store.quarantine(self.store.path(uid).name)), str(exc))
+            self.quarantines.append(found)
+            self.metrics.records_quarantined.inc()
             self.files.remove_claim_files(uid)
+            if (tell := self.on_quarantine) is not None:
+                try:
+                    tell(found)
+                except Exception:
+                    log.exception("reporting the unreadable record of claim %s failed", uid)
             return None

@@ -109,7 +109,7 @@ class DeviceHealthService:
 
         self.gpu_events = GpuEventWatcher(source.nvml, hand_over, probe_interval=self.settings.gpu_probe_interval,
                                           control_dir=control_dir(self.settings), name_hint=source.device_name,
-                                          baseline=True)
+                                          baseline=True, gate=source.gate)
         self.gpu_events.start()
 
     async def stop_gpus(self) -> None:

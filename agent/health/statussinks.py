@@ -13,6 +13,10 @@ an apply). `status.devices` is a map list keyed by driver, pool, device and shar
 the API server tracks which manager owns each entry: entries of other drivers are never
 touched, and an apply without an entry we applied before removes it (unless another
 manager also owns it). Unprepare therefore applies the object with no status at all.
+A claim whose opaque parameters the API server stores other than as it encodes them (keys out
+of order, spaces) refuses every apply (`status.allocation ... cannot be modified once set`): it
+is written from then on by an update that keeps those bytes (`agent.health.statusupdate`),
+replacing our entries only, logged once per claim.
 
 Offline (`DirectoryStatusSink`): `DIR/resourceclaimstatus/<namespace>/<name>.yaml`, a
 ResourceClaim object holding the status the API would hold after the apply (the claim
@@ -28,28 +32,30 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-import lightkube
 import orjson
 import yaml
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.resource_v1 import ResourceClaim, ResourceClaimStatus
-from lightkube.types import PatchType
 
 from agent import kube
-from agent.claims.sources import ClaimNotFound, ClaimSourceError, DirectoryClaimSource
+from agent.claims.sources import ClaimNotFound, ClaimSource, ClaimSourceError, DirectoryClaimSource
 from agent.fsutil import Root
 from agent.names import ClaimRef
+
+if TYPE_CHECKING:  # the API client is imported by the API sink's first write (`agent.kube`)
+    import lightkube
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceClaim"
 STATUS_DIR = "resourceclaimstatus"
 NAME_MAX = 255
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+log = logging.getLogger(__name__)
 
 
 class StatusWriteFailed(Exception):
@@ -100,31 +106,43 @@ def apply_body(claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> dict[st
 class ApiStatusSink:
     def __init__(self, client: lightkube.AsyncClient, field_manager: str) -> None:
         self.client = client
-        self.field_manager = field_manager
+        self.field_manager = field_manager  # the driver name: the entries' `driver` too
+        # Claims whose status a server-side apply cannot change (`_allocation_refused`): written by update.
+        self._by_update: set[str] = set()
 
     async def write(self, claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> None:
+        from lightkube.resources.resource_v1 import ResourceClaimStatus
+        from lightkube.types import PatchType
+
+        from agent.health import statusupdate
+
+        if claim.uid not in self._by_update:
+            try:
+                await self.client.patch(ResourceClaimStatus, claim.name, apply_body(claim, entries),
+                                        namespace=claim.namespace, patch_type=PatchType.APPLY,
+                                        field_manager=self.field_manager, force=True)
+                return
+            except Exception as exc:
+                if not _allocation_refused(exc):
+                    _reraise(exc, claim, "applying")
+                log.warning("status of %s: the API server refuses every server-side apply of it (%s), "
+                            "since the claim's opaque parameters are not stored as it would encode them: writing "
+                            "it by update, with the claim's stored bytes, from now on", claim, kube.describe(exc))
+                self._by_update.add(claim.uid)
         try:
-            await self.client.patch(ResourceClaimStatus, claim.name, apply_body(claim, entries),
-                                    namespace=claim.namespace, patch_type=PatchType.APPLY,
-                                    field_manager=self.field_manager, force=True)
+            await statusupdate.update_status(self.client, claim, self.field_manager, entries)
+        except statusupdate.WrongIncarnation as exc:
+            raise ClaimGone(str(exc)) from exc
+        except statusupdate.UpdateConflict as exc:
+            raise StatusWriteFailed(f"updating the status of {claim}: {exc}", retryable=True) from exc
         except Exception as exc:
-            why = kube.describe(exc)
-            if kube.is_not_found(exc):
-                raise ClaimGone(f"{claim} is gone: {why}") from exc
-            if kube.is_conflict(exc) or _uid_refused(exc):
-                raise ClaimGone(f"ResourceClaim {claim.namespace}/{claim.name} is another incarnation than "
-                                f"UID {claim.uid}: {why}") from exc
-            if kube.status_code(exc) is None and not kube.is_retryable(exc):
-                raise  # not an API answer nor a connection failure: a bug, not a status to report
-            if kube.status_code(exc) == 422 and "status.allocation" in why:
-                # Seen on 1.37.2 (docs/tests.md, "What the real components do"): nothing of ours changes the allocation.
-                why += (" (the API server compares the claim's opaque parameters with its own encoding of them, "
-                        "byte for byte: sent other than as compact JSON with sorted keys, as kubectl sends them, "
-                        "they refuse every status apply)")
-            raise StatusWriteFailed(f"applying the status of {claim}: {why}",
-                                    retryable=kube.is_retryable(exc)) from exc
+            _reraise(exc, claim, "updating")
+        if not entries:
+            self._by_update.discard(claim.uid)
 
     async def read(self, claim: ClaimRef) -> list[dict[str, Any]]:
+        from lightkube.resources.resource_v1 import ResourceClaim
+
         try:
             obj = await self.client.get(ResourceClaim, claim.name, namespace=claim.namespace)
         except Exception as exc:
@@ -148,8 +166,34 @@ def _entries_of(obj: Mapping[str, Any], claim: ClaimRef) -> list[dict[str, Any]]
     return [dict(e) for e in found or [] if isinstance(e, Mapping)]
 
 
+def _reraise(exc: Exception, claim: ClaimRef, doing: str) -> NoReturn:
+    """A failed write of the claim's status, raised as what it means to the writer."""
+    why = kube.describe(exc)
+    if kube.is_not_found(exc):
+        raise ClaimGone(f"{claim} is gone: {why}") from exc
+    if kube.is_conflict(exc) or _uid_refused(exc):
+        raise ClaimGone(f"ResourceClaim {claim.namespace}/{claim.name} is another incarnation than UID {claim.uid}: "
+                        f"{why}") from exc
+    if kube.status_code(exc) is None and not kube.is_retryable(exc):
+        raise exc  # neither an API answer nor a connection failure: a bug, not a status to report
+    if _allocation_refused(exc):
+        why += (" (the claim's opaque parameters are stored other than as the API server encodes them, and even "
+                "an update with those bytes was refused)")
+    raise StatusWriteFailed(f"{doing} the status of {claim}: {why}", retryable=kube.is_retryable(exc)) from exc
+
+
+def _allocation_refused(exc: BaseException) -> bool:
+    """The API server 1.37's answer to a status write of a claim whose opaque parameters it stores other than
+    as it encodes them (`agent.health.statusupdate`): the allocation, which the write does not touch, is
+    found changed after decoding."""
+    return kube.status_code(exc) == 422 and "status.allocation" in kube.describe(exc) \
+        and "cannot be modified" in kube.describe(exc)
+
+
 def _uid_refused(exc: BaseException) -> bool:
     """A 422 whose cause is `metadata.uid`: the API server's answer to an apply naming another UID."""
+    from lightkube.core.exceptions import ApiError
+
     if not isinstance(exc, ApiError) or kube.status_code(exc) != 422 or exc.status is None:
         return False
     causes = (exc.status.details.causes if exc.status.details else None) or []
@@ -157,9 +201,10 @@ def _uid_refused(exc: BaseException) -> bool:
 
 
 class DirectoryStatusSink:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, claims: DirectoryClaimSource | None = None) -> None:
+        """`claims`: the engine's source of the same directory, whose parsed claims serve both."""
         self.root = Root(Path(directory) / STATUS_DIR)
-        self.claims = DirectoryClaimSource(directory)
+        self.claims = claims or DirectoryClaimSource(directory)
 
     def path(self, claim: ClaimRef) -> Path:
         """`<namespace>/<name>.yaml`; a name too long for one file name is shortened with a digest
@@ -233,9 +278,11 @@ class DirectoryStatusSink:
         return dict(doc) if isinstance(doc, Mapping) else None
 
 
-def sink_for(client: lightkube.AsyncClient | None, offline: Path | None, driver: str) -> StatusSink:
-    """The sink of a connection (`agent.app.connection.Connection`: its `client` and `offline`)."""
+def sink_for(client: lightkube.AsyncClient | None, offline: Path | None, driver: str,
+             claims: ClaimSource | None = None) -> StatusSink:
+    """The sink of a connection (`agent.app.connection.Connection`: its `client` and `offline`);
+    `claims`: the engine's claim source, whose parsed claims an offline sink reads too."""
     if offline is not None:
-        return DirectoryStatusSink(offline)
+        return DirectoryStatusSink(offline, claims if isinstance(claims, DirectoryClaimSource) else None)
     assert client is not None
     return ApiStatusSink(client, driver)

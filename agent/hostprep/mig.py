@@ -20,16 +20,19 @@ and no GPU instance is left (an H100 allows
 that without a reset, so the full GPU is free again). The container gets the MIG UUID
 (`DRA_<DEVICE>_UUID`, the metadata's `uuid` attribute), the parent's device nodes and the GI and CI
 access capabilities' nodes, `/dev/nvidia-caps/nvidia-cap<minor>`, the minors read where the driver
-publishes them (`/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>/[ci<id>/]access`).
-The NVML queries (instances, compute instances, capability minors) are in `agent.hostprep.migquery`.
+publishes them (`/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>/[ci<id>/]access`); the driver
+makes no such nodes itself, so the agent creates the ones missing, as nvidia-modprobe does
+(`agent.host.nvcaps`).
+The NVML queries (instances, compute instances) are in `agent.hostprep.migquery`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,12 +44,10 @@ from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import DevicePartition
 from agent.errors import ClaimFailure
 from agent.facts import GpuFacts, MigPlacement
-from agent.host.nvcaps import caps_dir
+from agent.host.nvcaps import CapError, caps_dir, ensure_node
 from agent.hostprep.migmode import MigModeMarks
 from agent.hostprep.migquery import (
     CI_PROFILES,
-    CapUnreadable,
-    cap_minor,
     ci_handles,
     ci_ids,
     gi_at,
@@ -56,6 +57,7 @@ from agent.hostprep.partitions import WritePartition
 from agent.inventory import Inventory
 from agent.inventory import mig as migs
 from agent.inventory.gpus import SHARED_NODES, GpuSource
+from agent.inventory.nvmlgate import NvmlGate
 from agent.kinds import PartitionKind
 from agent.model import DeviceNode
 
@@ -85,6 +87,8 @@ class NvmlAccess:
     nvml: Any  # the pynvml module or a SimulatedNvml
     dev_root: Path
     proc_root: Path
+    simulated: bool = False  # the simulated machine: where mknod is refused, an empty file stands in for a node
+    gate: NvmlGate | None = None  # the GPU source's: NVML is used through it (agent.inventory.nvmlgate)
 
 
 def nvml_of(inventory: Inventory) -> Callable[[], NvmlAccess | None]:
@@ -92,7 +96,8 @@ def nvml_of(inventory: Inventory) -> Callable[[], NvmlAccess | None]:
     def access() -> NvmlAccess | None:
         for source in inventory.sources:
             if isinstance(source, GpuSource) and source.nvml is not None:
-                return NvmlAccess(source.nvml, source.dev_root, source.proc_root)
+                return NvmlAccess(source.nvml, source.dev_root, source.proc_root,
+                                  source.settings.nvml.kind == "sim", source.gate)
         return None
     return access
 
@@ -111,6 +116,10 @@ class MigPartitioner:
     # -- prepare ---------------------------------------------------------------------------------
 
     def plan(self, uid: str, allocated: AllocatedDevice) -> DevicePartition:
+        with self._using():
+            return self._plan(uid, allocated)
+
+    def _plan(self, uid: str, allocated: AllocatedDevice) -> DevicePartition:
         dev = allocated.device
         if not isinstance(dev.node, GpuFacts) or not isinstance(where := dev.node.target, MigPlacement):
             raise MigFailure(f"device {dev.name} is not a MIG placement this agent published")
@@ -135,6 +144,10 @@ class MigPartitioner:
                                boot_id=self._boot_id())
 
     def create(self, part: DevicePartition, write: WritePartition) -> DevicePartition:
+        with self._using():
+            return self._create(part, write)
+
+    def _create(self, part: DevicePartition, write: WritePartition) -> DevicePartition:
         nv, handle = self._parent(part.parent, part.device)
         profile = self._profile(nv, handle, part.profile, part.device)
         for step in range(part.step, DONE):
@@ -235,6 +248,10 @@ class MigPartitioner:
     # -- unprepare and recovery --------------------------------------------------------------------
 
     def destroy(self, part: DevicePartition, write: WritePartition | None) -> None:
+        with self._using():
+            self._destroy(part, write)
+
+    def _destroy(self, part: DevicePartition, write: WritePartition | None) -> None:
         found = self._parent_or_none(part)
         if found is None:
             return  # the GPU left NVML (a reset, a rebind to vfio-pci): its instances went with it
@@ -263,6 +280,10 @@ class MigPartitioner:
                 self._marks.clear(part.parent)
 
     def exists(self, part: DevicePartition) -> bool:
+        with self._using():
+            return self._exists(part)
+
+    def _exists(self, part: DevicePartition) -> bool:
         found = self._parent_or_none(part)
         if found is None:
             return False
@@ -271,6 +292,10 @@ class MigPartitioner:
         return gi is not None and part.compute_instance in ci_ids(nv, gi)
 
     def device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
+        with self._using():
+            return self._device(part, allocated)
+
+    def _device(self, part: DevicePartition, allocated: AllocatedDevice) -> AllocatedDevice:
         access = self._nvml(part.device)
         nv, handle = self._parent(part.parent, part.device)
         minor = int(nv.nvmlDeviceGetMinorNumber(handle))
@@ -279,18 +304,24 @@ class MigPartitioner:
         nodes += [DeviceNode(f"/dev/{name}", str(access.dev_root / name)) for name in SHARED_NODES]
         for cap in (where / "access", where / f"ci{part.compute_instance}" / "access"):
             try:
-                minor_of_cap = cap_minor(cap)
-            except CapUnreadable as exc:
+                host = ensure_node(access.dev_root, access.proc_root, cap, placeholder=access.simulated)
+            except CapError as exc:
                 raise MigFailure(f"device {part.device}: {exc}") from exc
-            path = f"nvidia-caps/nvidia-cap{minor_of_cap}"
-            host = access.dev_root / path
-            if not host.exists():
-                raise MigFailure(f"device {part.device}: {host} is missing (nvidia-modprobe -f {cap} makes it)")
-            nodes.append(DeviceNode(f"/dev/{path}", str(host)))
+            nodes.append(DeviceNode(f"/dev/nvidia-caps/{host.name}", str(host)))
         return dataclasses.replace(allocated, device=dataclasses.replace(allocated.device, device_nodes=tuple(nodes)),
                                    made=part)
 
     # -- NVML ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """NVML for one operation, through the GPU source's gate (never while a GPU changes drivers)."""
+        access = self._access()
+        if access is None or access.gate is None:
+            yield
+            return
+        with access.gate.use():
+            yield
 
     def _nvml(self, device: str) -> NvmlAccess:
         access = self._access()

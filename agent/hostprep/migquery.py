@@ -1,13 +1,11 @@
 """NVML queries of a GPU's MIG instances, for `agent.hostprep.mig`: the GPU instances on a GPU, the one at
-a placement, the compute instances of a GPU instance (NVML's list-out convention), and the minor
-of a GI or CI access capability (its `/dev/nvidia-caps` node). Blocking; NVML errors are raised as
-NVML raises them, for the caller to judge."""
+a placement, and the compute instances of a GPU instance (NVML's list-out convention). Blocking; NVML
+errors are raised as NVML raises them, for the caller to judge."""
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -19,10 +17,6 @@ from agent.inventory import mig as migs
 CI_PROFILES = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
                pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE, pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE,
                pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
-
-
-class CapUnreadable(Exception):
-    """An access capability file gives no minor (unreadable, or no `DeviceFileMinor` line)."""
 
 
 def gpu_instances(nv: Any, handle: Any) -> list[tuple[int, int, int, str]]:
@@ -72,15 +66,3 @@ def listed(call: Callable[..., Any], owner: Any, profile_id: int, kind: Any, mos
             return []  # MIG mode off: no instances
         raise
     return list(array[: count.value])
-
-
-def cap_minor(access: Path) -> int:
-    """The minor of an access capability (`.../gi<id>/[ci<id>/]access`): its `/dev/nvidia-caps` node."""
-    try:
-        for line in access.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "DeviceFileMinor":
-                return int(value.strip())
-    except (OSError, ValueError) as exc:
-        raise CapUnreadable(f"{access} is not readable: {exc}") from exc
-    raise CapUnreadable(f"{access} names no DeviceFileMinor")

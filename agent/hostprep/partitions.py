@@ -203,7 +203,7 @@ def check_gpu_forms(uid: str, allocated: Sequence[AllocatedDevice], forms_of: Gp
         on_bus = forms_of.on_bus(bus)
         for name, form in forms.items():
             clashing = {n for n, f in on_bus.items() if form.clashes(f)}
-            for other in book.claims_holding(clashing):
+            for other in book.claims_holding(clashing, exclusive=True):
                 if other == uid:
                     continue
                 summary = book.record_of(other)

@@ -25,9 +25,10 @@ retryable DeviceBusy before anything moves; a step the kernel does not complete 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from agent import counters, failpoints
 from agent.claims.allocation import Allocation, VfioSettings
@@ -36,10 +37,10 @@ from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import ClaimRecord, DeviceBinding
 from agent.errors import ClaimFailure
 from agent.host.pci import nvidia_display_functions
-from agent.host.vfio.bind import DEFAULT_TIMEOUT, BindStep, apply_step, plan_bind
-from agent.host.vfio.errors import UsageUnknown, VfioError
+from agent.host.vfio.bind import DEFAULT_TIMEOUT, BindStep, StepKind, apply_step, plan_bind
+from agent.host.vfio.errors import StepFailed, UsageUnknown, VfioError
 from agent.host.vfio.host import VfioHost
-from agent.host.vfio.inuse import check_no_vfs, check_not_open
+from agent.host.vfio.inuse import check_no_vfs, check_not_open, open_holders
 from agent.host.vfio.nodes import IommuBackend, host_has_iommufd, vfio_device_nodes
 from agent.host.vfio.pci import VFIO_PCI, current_driver, iommu_group
 from agent.host.vfio.persistence import check_persistence_off
@@ -132,7 +133,7 @@ class Passthrough:
             if same_claim:
                 raise FormConflict(f"devices {dev.name} and {', '.join(sorted(same_claim))} are two forms of PCI "
                                    f"function {bus}: a claim can have only one")
-            for other_uid in self.book.claims_holding(others):
+            for other_uid in self.book.claims_holding(others, exclusive=True):
                 if other_uid == uid:
                     continue
                 other = self.book.record_of(other_uid)
@@ -187,15 +188,44 @@ class Passthrough:
             return
         check_no_vfs(self.host.sysfs, bdf)
         access = nvml_of(self.inventory)()
-        check_persistence_off(access.nvml if access is not None else None, bdf)
+        if access is None or access.gate is None:
+            check_persistence_off(access.nvml if access is not None else None, bdf)
+        else:
+            # Not while another claim's GPU changes drivers (NVML is let go of then): unknown, not waited
+            # for; persistence mode on would keep the unbind waiting in the driver, which is bounded.
+            with access.gate.use_if_up() as up:
+                check_persistence_off(access.nvml if up is not None else None, bdf)
         if driver != NVIDIA_DRIVER:
             return  # unbound, or another driver: no /dev/nvidia<N> to hold
+        # The agent's own NVML holds every GPU it has a handle of open: let go of before the unbind
+        # (`_letting_go`), where the GPU is checked again, this process included.
+        check_not_open(self.host.proc, self.host.dev, bdf, self._known_minor(bdf), but_self=True)
+
+    def _known_minor(self, bdf: str) -> int:
         minor = self._gpu_minor(bdf)
         if minor is None:
             raise UsageUnknown(f"GPU {bdf} is bound to {NVIDIA_DRIVER} but its device minor is not known (not "
                                f"in NVML's GPUs, no {self.host.proc / 'driver' / 'nvidia' / 'gpus' / bdf}): "
                                "whether a process holds it open cannot be checked, so it is not unbound")
-        check_not_open(self.host.proc, self.host.dev, bdf, minor)
+        return minor
+
+    @contextlib.contextmanager
+    def _letting_go(self, bindings: Sequence[DeviceBinding], *, check: bool) -> Iterator[None]:
+        """Around moving the functions of `bindings` between drivers: where a GPU is among them, the agent's
+        own NVML lets go of every GPU (`agent.inventory.nvmlgate`: its handles and event set hold them open,
+        and the NVIDIA driver's unbind waits for every holder) and takes them up again afterwards, when NVML
+        lists a GPU back on nvidia and no longer one on vfio-pci. `check`: a GPU still on nvidia is checked
+        once more for holders, now without the agent's own, which must be gone."""
+        gpus = [b.plan.target for b in bindings if self._is_gpu(b.device, b.plan.target)]
+        access = nvml_of(self.inventory)() if gpus else None
+        if access is None or access.gate is None:
+            yield
+            return
+        with access.gate.released(f"GPU {', '.join(gpus)} changes drivers"):
+            for bdf in gpus if check else ():
+                if current_driver(self.host.sysfs, bdf) == NVIDIA_DRIVER:
+                    check_not_open(self.host.proc, self.host.dev, bdf, self._known_minor(bdf))
+            yield
 
     def _is_gpu(self, device: str, bdf: str) -> bool:
         dev = self.inventory.get(device)
@@ -212,10 +242,11 @@ class Passthrough:
     def apply(self, record: ClaimRecord, write: WriteRecord) -> ClaimRecord:
         """Apply the `binding` record's plans, writing "step k is next" before each step; returns the
         record as last written."""
-        for i, b in enumerate(record.bindings):
-            if b.mac or b.vlan:
-                set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
-            record = self._run(record, i, b.plan.steps, write, "bind")
+        with self._letting_go(record.bindings, check=True):
+            for i, b in enumerate(record.bindings):
+                if b.mac or b.vlan:
+                    set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
+                record = self._run(record, i, b.plan.steps, write, "bind")
         return record
 
     def undo_intent(self, record: ClaimRecord) -> ClaimRecord:
@@ -227,13 +258,14 @@ class Passthrough:
         operator's override put back). With `write` (a `restoring` record), from each binding's recorded
         step, recording each step first; without (rolling back a `binding` record, which recovery rolls
         back again from any state), all steps."""
-        for i, b in enumerate(record.bindings):
-            steps = b.plan.restore().steps
-            if write is None:
-                for step in steps:
-                    self._step(step, "restore")
-            else:
-                record = self._run(record, i, steps, write, "restore")
+        with self._letting_go(record.bindings, check=False):
+            for i, b in enumerate(record.bindings):
+                steps = b.plan.restore().steps
+                if write is None:
+                    for step in steps:
+                        self._step(step, "restore")
+                else:
+                    record = self._run(record, i, steps, write, "restore")
         return record
 
     def _run(self, record: ClaimRecord, i: int, steps: Sequence[BindStep], write: WriteRecord,
@@ -248,8 +280,23 @@ class Passthrough:
 
     def _step(self, step: BindStep, what: str) -> None:
         failpoints.hit(f"{what}-before-step")
-        apply_step(self.host.sysfs, step, timeout=self.timeout)
+        try:
+            apply_step(self.host.sysfs, step, timeout=self.timeout)
+        except StepFailed as exc:
+            if step.kind is not StepKind.UNBIND or step.driver != NVIDIA_DRIVER:
+                raise
+            raise type(exc)(f"{exc}; {self._who_holds(step.bdf)}") from exc
         failpoints.hit(f"{what}-after-step")
+
+    def _who_holds(self, bdf: str) -> str:
+        """Who has GPU `bdf` open, for an unbind that does not finish (the driver waits for them)."""
+        minor = self._gpu_minor(bdf)
+        holders = [] if minor is None else open_holders(
+            self.host.proc, {f"/dev/nvidia{minor}", str(self.host.dev / f"nvidia{minor}")})
+        if holders:
+            return "the GPU is open in " + "; ".join(str(h) for h in holders[:5])
+        return (f"no process in {self.host.proc} has the GPU open, so one this agent cannot see does (is its /proc "
+                "the host's? docs/deployment.md: The host's processes)")
 
     def nodes(self, binding: DeviceBinding) -> tuple[DeviceNode, ...]:
         """The VFIO device nodes of a bound device (legacy: the container and its group; iommufd: the
@@ -291,8 +338,9 @@ class Passthrough:
                     self._check_gpu_free(b.plan.target)
                 if b.mac or b.vlan:
                     set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
-                for step in b.plan.steps:
-                    apply_step(self.host.sysfs, step, timeout=self.timeout)
+                with self._letting_go([b], check=True):
+                    for step in b.plan.steps:
+                        apply_step(self.host.sysfs, step, timeout=self.timeout)
             self.nodes(b)  # the nodes its CDI spec names exist again
         if any(b.boot_id != boot for b in record.bindings):
             record = dataclasses.replace(record, bindings=[dataclasses.replace(b, boot_id=boot)

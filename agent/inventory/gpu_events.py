@@ -3,9 +3,9 @@
 `GpuEventWatcher` runs on one dedicated thread (never the event loop) and works on the real
 `pynvml` module or a `SimulatedNvml`, with the same calls:
 
-- NVML events: one event set; each GPU registered for XID critical errors and double-bit ECC
-  errors, only the types `nvmlDeviceGetSupportedEventTypes` says it reports. A library or GPU
-  without events (`FUNCTION_NOT_FOUND`, `NOT_SUPPORTED`, or no such type) is logged once and
+- NVML events: one event set (`agent.inventory.nvmlevents`); each GPU registered for XID critical
+  errors and double-bit ECC errors, only the types `nvmlDeviceGetSupportedEventTypes` says it
+  reports. A library or GPU without events (`FUNCTION_NOT_FOUND`, `NOT_SUPPORTED`, or no such type) is logged once and
   probed only. The wait is bounded (at most 500 ms) so `stop()` is prompt.
 - A probe every `probe_interval` seconds (default 1), two NVML calls per GPU
   (`nvmlDeviceGetHandleByIndex`, `nvmlDeviceGetFieldValues` for the GPU recovery action): a GPU
@@ -51,6 +51,8 @@ from agent.inventory.gpu_event_types import (
     RecoveryAction,
     XidError,
 )
+from agent.inventory.nvmlevents import ABSENT, EventSet
+from agent.inventory.nvmlgate import NvmlGate
 from agent.inventory.nvmlvalues import describe_error, field_int, handle_address
 from agent.sim.nvml import SimulatedNvml
 
@@ -61,8 +63,6 @@ __all__ = ["DoubleBitEcc", "GpuAnswering", "GpuBaseline", "GpuEvent", "GpuEventW
 
 PROBE_INTERVAL = 1.0  # seconds between probes
 WAIT_MS = 500  # the longest one nvmlEventSetWait_v2 blocks: how long stop() may take
-WANTED_EVENTS: int = pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeDoubleBitEccError
-_ABSENT = (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_NOT_SUPPORTED)
 _GONE = (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
 
@@ -92,13 +92,17 @@ class GpuEventWatcher:
     def __init__(self, nvml: Any, on_event: Callable[[GpuEvent], None], *,
                  probe_interval: float = PROBE_INTERVAL, wait_ms: int = WAIT_MS,
                  control_dir: Path | None = None, name_hint: Callable[[int], str | None] | None = None,
-                 baseline: bool = False) -> None:
+                 baseline: bool = False, gate: NvmlGate | None = None) -> None:
         """`nvml`: the pynvml module or a SimulatedNvml, initialized. `control_dir`: on the simulated
         machine, where `dra-agent sim` writes its commands (watched while this watcher runs).
         `name_hint`: the published name of the GPU at an NVML index that never said its minor.
-        `baseline`: report each GPU's first answer (`GpuBaseline`)."""
+        `baseline`: report each GPU's first answer (`GpuBaseline`).
+        `gate`: the GPU source's (every probe and wait uses NVML through it; when it is released, the
+        event set is freed and every handle forgotten, and the GPUs are learnt afresh afterwards)."""
         self.nvml = nvml
         self.baseline = baseline
+        self.gate = gate if gate is not None else NvmlGate(nvml)
+        self._generation = self.gate.generation
         self.on_event = on_event
         self.probe_interval = probe_interval
         self.wait_ms = max(1, min(int(wait_ms), WAIT_MS))
@@ -109,8 +113,7 @@ class GpuEventWatcher:
         self._gpus: dict[int, _Gpu] = {}
         self._by_handle: dict[int, int] = {}  # handle address -> NVML index
         self._by_uuid: dict[str, int] = {}
-        self._event_set: Any = None
-        self._events_absent = False
+        self._events = EventSet(nvml, probe_interval, self.stats.registered)
         self._logged: dict[str, str] = {}  # key -> message already logged, logged again when it changes
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,11 +122,13 @@ class GpuEventWatcher:
         self._watching = False  # the simulated machine's control directory (`_watch_control`)
 
     def start(self) -> None:
+        self.gate.on_release(self._release)
         self._thread = threading.Thread(target=self._run, name="gpu-events", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stopping.set()
+        self.gate.forget(self._release)
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout)
@@ -160,21 +165,36 @@ class GpuEventWatcher:
         next_probe = 0.0
         try:
             while not self._stopping.is_set():
-                now = time.monotonic()
-                if now >= next_probe:
-                    with self._probing:
-                        self._probes_begun += 1
-                    self._guarded("probe", self._probe)
-                    with self._probing:
-                        self.stats.probes += 1
-                        self._probing.notify_all()
-                    next_probe = now + self.probe_interval
-                    self._watch_control()
-                left = max(0.0, min(self.wait_ms / 1000, next_probe - time.monotonic()))
-                if self._event_set is None or not self._guarded("wait", functools.partial(self._wait, left)):
+                with self.gate.use() as generation:
+                    if generation != self._generation:
+                        self._generation = generation  # NVML initialized again: learnt afresh
+                        next_probe = 0.0
+                    now = time.monotonic()
+                    if now >= next_probe:
+                        with self._probing:
+                            self._probes_begun += 1
+                        self._guarded("probe", self._probe)
+                        with self._probing:
+                            self.stats.probes += 1
+                            self._probing.notify_all()
+                        next_probe = now + self.probe_interval
+                        self._watch_control()
+                    left = max(0.0, min(self.wait_ms / 1000, next_probe - time.monotonic()))
+                    waited = self._events.active and self._guarded("wait", functools.partial(self._wait, left))
+                if not waited:
                     self._stopping.wait(left)
         finally:
-            self._free_event_set()
+            with self.gate.use():
+                self._events.free()
+
+    def _release(self) -> None:
+        """NVML is about to be shut down (`NvmlGate.released`; this thread waits at the gate): the event set
+        goes, and with the next initialization every GPU is learnt again (its NVML index may have changed;
+        one that left the NVIDIA driver is simply not listed, never lost)."""
+        self._events.free()
+        self._gpus.clear()
+        self._by_handle.clear()
+        self._by_uuid.clear()
 
     def _guarded(self, what: str, step: Callable[[], object]) -> bool:
         try:
@@ -185,62 +205,16 @@ class GpuEventWatcher:
             return False
 
     def _wait(self, seconds: float) -> None:
-        try:
-            data = self.nvml.nvmlEventSetWait_v2(self._event_set, max(1, int(seconds * 1000)))
-        except pynvml.NVMLError as exc:
-            if exc.value == pynvml.NVML_ERROR_TIMEOUT:
-                return
-            if exc.value in _ABSENT:
-                self._no_events(f"nvmlEventSetWait_v2: {describe_error(exc)}")
-                return
-            raise
-        self._handle_event(data)
+        data = self._events.wait(seconds)
+        if data is not None:
+            self._handle_event(data)
 
     # -- events ---------------------------------------------------------------------------------
 
-    def _ensure_event_set(self) -> None:
-        if self._event_set is not None or self._events_absent:
-            return
-        try:
-            self._event_set = self.nvml.nvmlEventSetCreate()
-        except pynvml.NVMLError as exc:
-            if exc.value in _ABSENT:
-                self._no_events(f"nvmlEventSetCreate: {describe_error(exc)}")
-                return
-            raise
-
-    def _no_events(self, why: str) -> None:
-        log.warning("NVML events are not available (%s); GPUs are probed every %.1f s only", why,
-                    self.probe_interval)
-        self._events_absent = True
-        self._free_event_set()
-
-    def _free_event_set(self) -> None:
-        event_set, self._event_set = self._event_set, None
-        if event_set is not None:
-            try:
-                self.nvml.nvmlEventSetFree(event_set)
-            except Exception as exc:  # the library may be shut down already
-                log.debug("nvmlEventSetFree: %s", describe_error(exc))
-
     def _register(self, gpu: _Gpu) -> None:
-        if gpu.registered or self._event_set is None or gpu.name is None:
+        if gpu.registered or not self._events.active or gpu.name is None:
             return
-        try:
-            supported = int(self.nvml.nvmlDeviceGetSupportedEventTypes(gpu.handle))
-            wanted = supported & WANTED_EVENTS
-            if wanted:
-                self.nvml.nvmlDeviceRegisterEvents(gpu.handle, wanted, self._event_set)
-        except pynvml.NVMLError as exc:
-            if exc.value not in _ABSENT:
-                raise
-            log.info("%s: NVML events not supported (%s); probed only", gpu.name, describe_error(exc))
-        else:
-            if wanted:
-                self.stats.registered.append(gpu.name)
-                log.debug("%s: registered for NVML events 0x%x", gpu.name, wanted)
-            else:
-                log.info("%s reports neither XID nor double-bit ECC events; probed only", gpu.name)
+        self._events.register(gpu.name, gpu.handle)
         gpu.registered = True
 
     def _handle_event(self, data: Any) -> None:
@@ -276,7 +250,7 @@ class GpuEventWatcher:
     # -- the probe ------------------------------------------------------------------------------
 
     def _probe(self) -> None:
-        self._ensure_event_set()
+        self._events.ensure()
         count = int(self.nvml.nvmlDeviceGetCount())
         for index in range(count):
             gpu = self._gpus.setdefault(index, _Gpu(index))
@@ -302,7 +276,8 @@ class GpuEventWatcher:
             raise
         self._logged.pop(f"<gpu {gpu.index}>", None)
         resets = self._sim.reset_count(gpu.index) if self._sim is not None else 0
-        was_reset, gpu.resets = resets != gpu.resets, resets
+        # (A GPU first seen, also after NVML was initialized again, has its count as the baseline.)
+        was_reset, gpu.resets = resets != gpu.resets and gpu.answering is not None, resets
         first = gpu.answering is None
         back = gpu.answering is False
         gpu.answering = True
@@ -334,7 +309,7 @@ class GpuEventWatcher:
         try:
             values = self.nvml.nvmlDeviceGetFieldValues(gpu.handle, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
         except pynvml.NVMLError as exc:
-            if exc.value not in _ABSENT:
+            if exc.value not in ABSENT:
                 raise
             gpu.fields = False
             log.info("%s: the GPU recovery action cannot be read (%s); reported as unknown",

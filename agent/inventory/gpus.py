@@ -4,11 +4,9 @@ and, for MIG-capable GPUs unless dynamic MIG is off, one device per MIG placemen
 set (`agent.inventory.mig`); then the shared form of each GPU and the host-memory overhead of every GPU
 device (`agent.inventory.gpushare`).
 
-The source holds either the real `pynvml` module or a `SimulatedNvml` and calls
-the same functions on both. In auto mode a node that shows NVIDIA hardware but
-whose NVML does not initialize is an error, never a quiet switch to the
-simulation: publishing made-up GPUs on a real GPU node would be worse than
-publishing none. A node without NVIDIA hardware publishes no GPUs, with a warning.
+The source holds either the real `pynvml` module (its library loaded from the driver root) or a
+`SimulatedNvml` and calls the same functions on both; `agent.inventory.nvmlopen` opens either, and
+says why when a node with NVIDIA hardware has no usable NVML.
 
 One GPU's failure costs that GPU only, whatever it raises. A GPU that fails is
 reported under its device name (`gpu-<minor>`): the minor it said in an earlier
@@ -25,7 +23,6 @@ never dropped. NVML's own "unknown" codes are omitted.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -38,21 +35,24 @@ from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
 from agent.facts import GpuFacts, GpuIdentity
-from agent.host.pci import normalize_bus_id, nvidia_display_functions, pci_function
-from agent.inventory import DeviceFailure, DiscoveryError, ScanError, ScanResult
+from agent.host.pci import normalize_bus_id, pci_function
+from agent.inventory import DeviceFailure, ScanError, ScanResult
+from agent.inventory.gpumemory import GpuMemory
 from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
 from agent.inventory.gpuminors import driver_minors as driver_minors
 from agent.inventory.gpuminors import name_the_rest
 from agent.inventory.gpunames import ARCHITECTURES, BRANDS, NO_ARCHITECTURE, NO_BRAND
 from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
+from agent.inventory.nvmlgate import NvmlGate
+from agent.inventory.nvmlopen import open_nvml
+from agent.inventory.nvmlopen import probe as probe  # python -m agent.inventory.gpus --probe
+from agent.inventory.nvmlvalues import describe_error
 from agent.inventory.passthrough import GpuVariants
 from agent.inventory.published import MIG_CAPABLE, MIG_ENABLED, attributes, with_partition_type
 from agent.inventory.vgpu import VgpuDevices
 from agent.kinds import Kind
 from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, DeviceNode, Version
-from agent.sim.nvml import SimulatedNvml
-from agent.sim.profiles import ProfileError, error_name
 from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,6 @@ SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
 # Answers that mean "this GPU or driver has no such thing", not "this GPU is broken".
 _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-
-
-def describe_error(exc: pynvml.NVMLError) -> str:
-    """`GPU is lost (NVML_ERROR_GPU_IS_LOST)`: the library's words and the code's name."""
-    return f"{exc} ({error_name(exc.value)})"
 
 
 class _GpuFailed(Exception):
@@ -101,6 +96,11 @@ class GpuSource:
         self._tracebacks: dict[int, str] = {}  # NVML index -> unexpected exception whose traceback was logged
         # Each GPU's counter set, and its passthrough variant (agent.inventory.passthrough).
         self._variants = GpuVariants()
+        # Who uses NVML, and letting go of it while a GPU changes drivers (agent.inventory.nvmlgate).
+        self.gate: NvmlGate | None = None
+        self._generation = 0  # the gate's, as of the NVML indexes in _minors and _tracebacks
+        # The GPUs NVML described this boot, for those passed through to a VM (agent.inventory.gpumemory).
+        self._memory = GpuMemory(settings.state_dir, self._boot_id)
 
     @property
     def proc_root(self) -> Path:
@@ -108,69 +108,18 @@ class GpuSource:
         return self.sysfs_root.parent / "proc"
 
     def open(self) -> None:
-        mode = self.settings.nvml
-        if mode.kind == "sim":
-            self._open_sim(mode.profile)
-        elif mode.kind == "real":
-            try:
-                pynvml.nvmlInit()
-            except pynvml.NVMLError as exc:
-                hint = ("; is the NVIDIA driver installed, with libnvidia-ml.so.1 on the library path?"
-                        if exc.value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND else "")
-                raise DiscoveryError(f"--nvml real: NVML did not initialize: {describe_error(exc)}{hint}") \
-                    from exc
-            self.nvml = pynvml
-        else:
-            self._open_auto()
+        opened = open_nvml(self.settings)
+        self.nvml, self.sysfs_root, self.dev_root = opened.nvml, opened.sysfs_root, opened.dev_root
         self._initialized = self.nvml is not None
+        if self.nvml is not None:
+            self.gate = NvmlGate(self.nvml)
+            self._memory.load()
 
-    def _open_sim(self, profile: str) -> None:
+    def _boot_id(self) -> str:
         try:
-            sim = SimulatedNvml.from_profile(profile)
-        except ProfileError as exc:
-            raise DiscoveryError(f"--nvml sim:{profile}: {exc}") from exc
-        root = self.settings.sim_root
-        try:
-            sim.materialize(root)
-        except OSError as exc:
-            raise DiscoveryError(f"--nvml sim:{profile}: cannot write the simulated hardware under "
-                                 f"{root}: {exc}") from exc
-        try:
-            sim.nvmlInit()
-        except pynvml.NVMLError as exc:
-            raise DiscoveryError(f"--nvml sim:{profile}: NVML did not initialize: "
-                                 f"{describe_error(exc)}") from exc
-        self.nvml = sim
-        self.sysfs_root = root / "sys"
-        self.dev_root = root / "dev"
-        log.info("simulated NVML: profile %s, %d GPUs, hardware under %s", sim.profile.name,
-                 len(sim.profile.gpus), root)
-
-    def _open_auto(self) -> None:
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
-            found = self._nvidia_hardware()
-            if found:
-                raise DiscoveryError(
-                    f"NVIDIA hardware is present ({', '.join(found)}) but NVML did not initialize: "
-                    f"{describe_error(exc)}; make the driver's libnvidia-ml.so.1 loadable, or pass "
-                    "--nvml sim to publish simulated GPUs instead") from exc
-            log.warning("no NVIDIA GPUs on this node (NVML: %s; no NVIDIA hardware in %s or %s); publishing "
-                        "none (--nvml sim publishes simulated GPUs)", describe_error(exc),
-                        self.settings.sysfs_root, self.settings.dev_root)
-            return
-        self.nvml = pynvml
-
-    def _nvidia_hardware(self) -> list[str]:
-        found = []
-        ctl = self.settings.dev_root / "nvidiactl"
-        if ctl.exists():
-            found.append(str(ctl))
-        functions = nvidia_display_functions(self.settings.sysfs_root)
-        if functions:
-            found.append(f"NVIDIA display functions {', '.join(functions)} in {self.settings.sysfs_root}")
-        return found
+            return (self.proc_root / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
+        except OSError:
+            return ""
 
     def device_name(self, index: int) -> str | None:
         """The published name of the GPU at NVML index `index`, once a scan learned its minor."""
@@ -188,6 +137,35 @@ class GpuSource:
     def scan(self) -> ScanResult:
         if self.nvml is None:
             return ScanResult()
+        if self.gate is None:
+            self.gate = NvmlGate(self.nvml)
+        with self.gate.use() as generation:
+            if generation != self._generation:
+                # NVML was initialized again (a GPU changed drivers): its indexes mean other GPUs now.
+                self._generation = generation
+                self._minors.clear()
+                self._tracebacks.clear()
+            result = self._scan_nvml()
+        natives = list(result.devices)
+        self._memory.learn(natives, self._mig.layouts)
+        for away in self._memory.away(self.sysfs_root, {d.pci_bus_id for d in natives}):
+            # Passed through to a VM: published as NVML last described it, with its counter set.
+            result.devices.append(away.device)
+            if away.layout is not None:
+                self._mig.layouts.setdefault(away.device.pci_bus_id, away.layout)
+        result.devices = self._variants.apply(self.sysfs_root, result.devices)
+        if self.dynamic_mig:
+            result.devices = self._mig.apply(result.devices)
+        # After MIG, which extends the counter set the vGPU devices consume from.
+        result.devices = self._vgpu.apply(self.sysfs_root, result.devices)
+        # Last: a shared form takes its GPU's counter set as it is by now.
+        result.devices = self._extras.apply(result.devices, node_allocatable=self.node_allocatable)
+        if self.settings.partition_type_attribute:
+            result.devices = [with_partition_type(d) for d in result.devices]
+        return result
+
+    def _scan_nvml(self) -> ScanResult:
+        """The GPUs NVML lists now, as native devices, and the ones that fail."""
         common = self._driver_attributes()
         try:
             count = self.nvml.nvmlDeviceGetCount()
@@ -217,15 +195,6 @@ class GpuSource:
             known = {self._minors[i] for i in range(count) if i not in unnamed and i in self._minors}
             name_the_rest(self.proc_root, count, known, unnamed, self._minors, result)
         self._log_failures(result)
-        result.devices = self._variants.apply(self.sysfs_root, result.devices)
-        if self.dynamic_mig:
-            result.devices = self._mig.apply(result.devices)
-        # After MIG, which extends the counter set the vGPU devices consume from.
-        result.devices = self._vgpu.apply(self.sysfs_root, result.devices)
-        # Last: a shared form takes its GPU's counter set as it is by now.
-        result.devices = self._extras.apply(result.devices, node_allocatable=self.node_allocatable)
-        if self.settings.partition_type_attribute:
-            result.devices = [with_partition_type(d) for d in result.devices]
         return result
 
     def _log_failures(self, result: ScanResult) -> None:
@@ -347,24 +316,15 @@ class GpuSource:
         )
 
 
-def probe() -> str:
-    """`real` when the NVML library loads and initializes here, else `sim`."""
-    try:
-        pynvml.nvmlInit()
-    except (pynvml.NVMLError, OSError):
-        return "sim"
-    with contextlib.suppress(pynvml.NVMLError):
-        pynvml.nvmlShutdown()
-    return "real"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agent.inventory.gpus",
                                      description="NVIDIA GPU discovery helpers")
     parser.add_argument("--probe", action="store_true", required=True,
                         help="print `real` if the NVML library loads and initializes, else `sim`")
-    parser.parse_args(argv)
-    print(probe())
+    parser.add_argument("--driver-root", type=Path, default=Path("/"),
+                        help="where the NVIDIA driver is installed (default /)")
+    args = parser.parse_args(argv)
+    print(probe(args.driver_root))
     return 0
 
 

@@ -21,6 +21,7 @@ from agent.sim.kernel.tree import (
     COMMAND_FILES,
     DRIVER_MODULES,
     IOMMUFD_MISC,
+    VFIO_GROUP_MAJOR,
     VFIO_MISC,
     SimTree,
     device_node,
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 UVM_MAJOR = 235  # dynamically assigned on real hosts; a typical value
+CAPS_MAJOR = 508  # nvidia-caps: dynamic on real hosts too (a line of /proc/devices)
 
 _PORT = {"vendor": "0x8086", "device": "0x352a", "class": "0x060400"}  # an Intel PCIe root port
 
@@ -95,6 +97,7 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
         for entry in set(os.listdir(where)) - set(members):
             (where / entry).unlink()
     _driver_gpus(profile, root / "proc" / "driver" / "nvidia" / "gpus")
+    _proc_devices(root / "proc")
     _device_nodes(profile, tree.dev, boot)
     simmdev.materialize(profile, root, boot=boot)
     if boot or not tree.boot_id.is_file():
@@ -224,6 +227,17 @@ def _driver_gpus(profile: SimProfile, top: Path) -> None:
             f"Device Minor: \t {gpu.minor}")})
     for stale in set(os.listdir(top)) - {g.bus_id for g in profile.gpus}:
         shutil.rmtree(top / stale, ignore_errors=True)
+
+
+def _proc_devices(proc: Path) -> None:
+    # /proc/devices: the character and block majors the kernel's drivers registered, as the kernel
+    # prints them. The agent reads the dynamic one of nvidia-caps there to make MIG capability nodes.
+    chars = [(1, "mem"), (5, "/dev/tty"), (10, "misc"), (NVIDIA_MAJOR, "nvidia-frontend"), (UVM_MAJOR, "nvidia-uvm"),
+             (VFIO_GROUP_MAJOR, "vfio"), (CAPS_MAJOR, "nvidia-caps")]
+    text = "Character devices:\n" + "".join(f"{n:3d} {name}\n" for n, name in sorted(chars))
+    text += "\nBlock devices:\n  7 loop\n  8 sd\n"
+    proc.mkdir(parents=True, exist_ok=True)
+    function_dir(proc, {"devices": text.rstrip("\n")})
 
 
 def _device_nodes(profile: SimProfile, dev: Path, boot: bool) -> None:

@@ -12,8 +12,10 @@ dropped and its modes kept, as the hardware does. A change is made under an floc
 
 The driver's view of the instances is written too, as the kernel module shows it: each GPU instance's
 and compute instance's access capability in `proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<id>/
-[ci<id>/]access` (`DeviceFileMinor: <n>`) and its device node `dev/nvidia-caps/nvidia-cap<n>`, the node
-a container needs to use the MIG device (nvidia-modprobe makes these on a real host).
+[ci<id>/]access` (`DeviceFileMinor: <n>`). Like the driver, the simulated machine makes no device node
+`dev/nvidia-caps/nvidia-cap<n>` for it: on a real host those exist only once someone creates them
+(nvidia-modprobe, or the agent at prepare: `agent.host.nvcaps`), with the major of `nvidia-caps` in
+`proc/devices` (`agent.sim.hardware`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import orjson
 
 from agent.fsutil import atomic_write, makedirs
 from agent.host.nvcaps import caps_dir
-from agent.sim.kernel.tree import SimTree, device_node
+from agent.sim.kernel.tree import SimTree
 from agent.sim.migprofiles import MigProfileSpec
 
 log = logging.getLogger(__name__)
@@ -39,8 +41,6 @@ log = logging.getLogger(__name__)
 STATE_FILE = "nvml-mig.json"
 LOCK_FILE = "nvml-mig.lock"
 VERSION = 1
-# The simulated nvidia-caps character major (the real one is dynamic: `nvidia-caps` in /proc/devices).
-CAPS_MAJOR = 508
 # The driver's capability minors (/proc/driver/nvidia-caps/mig-minors): 1 and 2 are mig/config and
 # mig/monitor, then per GPU minor 15 GPU instance ids, each one minor for itself and 8 for its compute
 # instances.
@@ -144,13 +144,13 @@ class MigMachine:
                 if name.startswith("gi") and (not name[2:].isdigit() or int(name[2:]) not in gpu.gis):
                     shutil.rmtree(where / name, ignore_errors=True)
             for gi in gpu.gis.values():
-                _capability(self.tree, where / f"gi{gi.id}", caps_minor(minor, gi.id))
+                _capability(where / f"gi{gi.id}", caps_minor(minor, gi.id))
                 gi_dir = where / f"gi{gi.id}"
                 for name in os.listdir(gi_dir):
                     if name.startswith("ci") and (not name[2:].isdigit() or int(name[2:]) not in gi.cis):
                         shutil.rmtree(gi_dir / name, ignore_errors=True)
                 for ci in gi.cis:
-                    _capability(self.tree, gi_dir / f"ci{ci}", caps_minor(minor, gi.id, ci))
+                    _capability(gi_dir / f"ci{ci}", caps_minor(minor, gi.id, ci))
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -163,13 +163,12 @@ class MigMachine:
         return self.tree.read_boot_id()
 
 
-def _capability(tree: SimTree, where: Path, minor: int) -> None:
+def _capability(where: Path, minor: int) -> None:
     makedirs(where)
     access = where / "access"
     text = f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
     if not access.is_file() or access.read_text() != text:
         atomic_write(access, text.encode())
-    device_node(tree.dev / "nvidia-caps" / f"nvidia-cap{minor}", CAPS_MAJOR, minor)
 
 
 def _decode(raw: object, gpus: list[SimGpuMig | None]) -> tuple[str, list[tuple[int, dict[int, SimGi]] | None]]:

@@ -35,7 +35,7 @@ GPU fields (only `name`, `busId` and `memoryTotal` are required):
     errors              {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST", ...}: that call fails on this GPU
 
 Error codes are numbers or names, with or without the `NVML_ERROR_` prefix.
-In-process tests inject the same faults with `inject_error` and `lose`.
+In-process tests inject the same faults with `inject_error` and `lose` (`agent.sim.nvmlhealth`).
 
 MIG (`agent.sim.mig`): the pynvml MIG calls with real placement rules, for GPUs whose `migMode` is
 set and whose `migProfiles` names a profile table (`h100-80gb` and the others in `agent.sim.migprofiles`).
@@ -47,6 +47,10 @@ API (`nvmlEventSetCreate`, `nvmlDeviceGetSupportedEventTypes`, `nvmlDeviceRegist
 (GPU_RESET, or NONE for the application XIDs 13, 31, 43, 45, 68, 109); `lose` makes the GPU fail
 every call; `recover` is a GPU reset (answers again, recovery action NONE). The same three come
 from outside the process as command files (`watch_control`, `agent.sim.control`).
+
+What an initialized session lists and holds open (`agent.sim.nvmlview`): GPUs bound to nvidia when it
+was initialized, numbered in order; a handle holds its GPU's node open until the last shutdown, an
+event registration until its set is freed.
 
 Persistence mode: `nvmlDeviceGetPersistenceMode` / `nvmlDeviceSetPersistenceMode`, off on every GPU
 at start (passthrough refuses a GPU with it on); `inject_error` makes the get fail like a library
@@ -72,6 +76,7 @@ from agent.sim.mig import SimMig
 from agent.sim.mighandles import gpu_handle, gpu_index
 from agent.sim.migprofiles import MIG_FUNCTIONS, MIG_TABLES
 from agent.sim.nvmlhealth import EVENT_DEVICE_FUNCTIONS, EVENT_SYSTEM_FUNCTIONS, SimHealth
+from agent.sim.nvmlview import NvmlView
 from agent.sim.profiles import (
     DEVICE_FUNCTIONS,
     SYSTEM_FUNCTIONS,
@@ -103,6 +108,8 @@ class SimulatedNvml(SimHealth):
         self._resets: list[int] = [0] * len(profile.gpus)
         self._persistence: list[int] = [pynvml.NVML_FEATURE_DISABLED] * len(profile.gpus)
         self._events = SimEvents(len(profile.gpus))
+        # Which GPUs an initialized session lists, and the files its handles hold open (agent.sim.nvmlview).
+        self._view = NvmlView(profile.gpus)
         self._control: ControlWatcher | None = None
         # MIG (nvml_sim_mig): profiles, placements, GPU and compute instances, MIG devices.
         self._mig = SimMig([MIG_TABLES.get(g.mig_profiles, ()) for g in profile.gpus],
@@ -151,6 +158,8 @@ class SimulatedNvml(SimHealth):
         with self._lock:
             self._raise_system("nvmlInitWithFlags", initialized=False)
             self._raise_system("nvmlInit", initialized=False)
+            if self._refcount <= 0:
+                self._view.enumerate()
             self._refcount += 1
         self._events.open()
 
@@ -163,6 +172,7 @@ class SimulatedNvml(SimHealth):
             self._refcount -= 1
             last = self._refcount <= 0
         if last:
+            self._view.close_all()
             self._events.shutdown()
 
     @property
@@ -176,6 +186,7 @@ class SimulatedNvml(SimHealth):
         materialize(self.profile, root)
         self._mig.attach(root, [g.minor for g in self.profile.gpus])
         self._events.keep_actions(root / "gpu-recovery.json", SimTree(root).read_boot_id)
+        self._view.attach(root)
 
     # System queries.
     def nvmlSystemGetDriverVersion(self) -> str:
@@ -197,16 +208,18 @@ class SimulatedNvml(SimHealth):
 
     def nvmlDeviceGetCount(self) -> int:
         self._system("nvmlDeviceGetCount")
-        return len(self.profile.gpus)
+        return len(self._view.listed)
 
     # Handles.
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
         with self._lock:
             self._raise_system("nvmlDeviceGetHandleByIndex")
-            if not isinstance(index, int) or not 0 <= index < len(self.profile.gpus):
+            slot = self._view.slot(index) if isinstance(index, int) else None
+            if slot is None:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-            self._raise_device("nvmlDeviceGetHandleByIndex", index)
-        return gpu_handle(index)
+            self._raise_device("nvmlDeviceGetHandleByIndex", slot)
+        self._view.hold(slot)
+        return gpu_handle(slot)
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
         text = uuid.decode() if isinstance(uuid, bytes) else uuid
@@ -221,7 +234,9 @@ class SimulatedNvml(SimHealth):
         return self._handle_where("nvmlDeviceGetHandleByPciBusId", lambda g: g.bus_id == wanted)
 
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
-        return self._device("nvmlDeviceGetIndex", handle)[0]
+        index = self._view.index(self._device("nvmlDeviceGetIndex", handle)[0])
+        assert index is not None  # _device checked that the session lists it
+        return index
 
     # Per-GPU queries.
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
@@ -317,6 +332,8 @@ class SimulatedNvml(SimHealth):
         with self._lock:
             self._raise_system(function)
             index = gpu_index(handle, len(self.profile.gpus))
+            if self._view.index(index) is None:  # a handle of a GPU this session does not list
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             self._raise_device(function, index)
         return index, self.profile.gpus[index]
 
@@ -334,11 +351,14 @@ class SimulatedNvml(SimHealth):
     def _handle_where(self, function: str, match: Callable[[SimGpu], bool]) -> Any:
         with self._lock:
             self._raise_system(function)
-            for index, gpu in enumerate(self.profile.gpus):
-                if match(gpu):
+            for index in self._view.listed:
+                if match(self.profile.gpus[index]):
                     self._raise_device(function, index)
-                    return gpu_handle(index)
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+                    break
+            else:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        self._view.hold(index)
+        return gpu_handle(index)
 
 
 def _pci_info(gpu: SimGpu) -> Any:

@@ -17,7 +17,8 @@ import pynvml
 from agent.sim.control import ControlWatcher, SimCommand, device_index
 from agent.sim.events import APPLICATION_XIDS, SimEvent, SimEvents, event_data, field_values
 from agent.sim.machine import SimGpu, SimProfile
-from agent.sim.mighandles import gpu_handle
+from agent.sim.mighandles import address, gpu_handle
+from agent.sim.nvmlview import NvmlView
 
 # The event and field-value calls, which faults may name too (`inject_error`).
 EVENT_DEVICE_FUNCTIONS = frozenset({"nvmlDeviceGetSupportedEventTypes", "nvmlDeviceRegisterEvents",
@@ -35,6 +36,7 @@ class _Nvml(Protocol):
     _resets: list[int]
     _events: SimEvents
     _control: ControlWatcher | None
+    _view: NvmlView
 
     def _checked_index(self, index: int) -> int: ...
 
@@ -89,10 +91,11 @@ class SimHealth:
         self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
 
     def reset_count(self: _Nvml, index: int) -> int:
-        """How many resets (`recover`) GPU `index` has had: not an NVML call, but the one way a
-        reset that changed nothing NVML shows (after an application XID) can be seen."""
+        """How many resets (`recover`) the GPU at NVML index `index` has had: not an NVML call, but the one
+        way a reset that changed nothing NVML shows (after an application XID) can be seen."""
+        slot = self._view.slot(index)
         with self._lock:
-            return self._resets[self._checked_index(index)]
+            return self._resets[self._checked_index(index if slot is None else slot)]
 
     def wait_for_waiters(self: _Nvml, count: int = 1, timeout: float = 30.0) -> None:
         """Block until `count` threads wait in nvmlEventSetWait(_v2) (TimeoutError if they do not
@@ -140,6 +143,7 @@ class SimHealth:
     def nvmlDeviceRegisterEvents(self: _Nvml, handle: Any, eventTypes: int, eventSet: Any) -> None:
         index = self._device("nvmlDeviceRegisterEvents", handle)[0]
         self._events.register(index, int(eventTypes), eventSet)
+        self._view.register(address(eventSet), index)
 
     def nvmlEventSetWait_v2(self: _Nvml, eventSet: Any, timeoutms: int) -> Any:
         self._system("nvmlEventSetWait_v2")
@@ -153,6 +157,7 @@ class SimHealth:
     def nvmlEventSetFree(self: _Nvml, eventSet: Any) -> None:
         self._system("nvmlEventSetFree")
         self._events.free(eventSet)
+        self._view.free_set(address(eventSet))
 
     def nvmlDeviceGetFieldValues(self: _Nvml, handle: Any, fieldIds: list[int] | list[tuple[int, int]]) -> Any:
         index = self._device("nvmlDeviceGetFieldValues", handle)[0]

@@ -48,7 +48,12 @@ def test_every_dra_feature_gate_of_the_release_is_on(cluster: Cluster) -> None:
 def test_every_kustomization_was_stored_as_rendered(cluster: Cluster) -> None:
     # The fixture applied each overlay and then the base with --server-side --validate=strict (an
     # unknown or duplicate field, a CEL selector that does not compile, a bad value: kubectl fails).
-    assert set(cluster.applied) == {"base", "dev", "kubevirt", "node-allocatable"}
+    assert set(cluster.applied) == {"base", "dev", "driver-container", "kubevirt", "node-allocatable"}
+    # The driver-container overlay, taken by the server: the driver root is the GPU Operator's.
+    (daemonset,) = [o for o in cluster.applied["driver-container"] if o["kind"] == "DaemonSet"]
+    roots = {v["name"]: v["hostPath"]["path"] for v in daemonset["spec"]["template"]["spec"]["volumes"]
+             if "hostPath" in v}
+    assert roots["driver-root"] == "/run/nvidia/driver"
     kinds = set()
     for objs in cluster.applied.values():
         for obj in objs:

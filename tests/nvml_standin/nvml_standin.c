@@ -28,13 +28,22 @@
  * name, uuid, bus_id (as NVML spells it, 00000000:18:00.0), pci_device_id, pci_subsystem_id,
  * minor, memory_total (bytes), brand, architecture (the enum's numbers), and
  * compute_capability MAJOR MINOR, mig_mode CURRENT PENDING, numa_node N, each of which may
- * instead be `not_supported`.
+ * instead be `not_supported`; mig_profiles h100-80gb for a GPU with MIG profiles (the MIG calls
+ * are in nvml_standin_mig.c).
+ *
+ * The host, where a test gives it: $NVML_STANDIN_SYSFS (a GPU whose PCI function there is bound to
+ * another driver than nvidia is not listed, see "what an initialized library sees and holds"),
+ * $NVML_STANDIN_DEV (a handle holds the GPU's node there open) and $NVML_STANDIN_PROC (the driver's
+ * MIG capability files).
  *
  * The types and layouts below are NVML's published ABI (nvml.h), written out here.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <strings.h>
+#include <unistd.h>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -42,31 +51,10 @@
 #include <string.h>
 #include <time.h>
 
-#define EXPORT __attribute__((visibility("default")))
-
-/* nvmlReturn_t */
-typedef int nvmlReturn_t;
-enum {
-    NVML_SUCCESS = 0,
-    NVML_ERROR_UNINITIALIZED = 1,
-    NVML_ERROR_INVALID_ARGUMENT = 2,
-    NVML_ERROR_NOT_SUPPORTED = 3,
-    NVML_ERROR_NOT_FOUND = 6,
-    NVML_ERROR_INSUFFICIENT_SIZE = 7,
-    NVML_ERROR_DRIVER_NOT_LOADED = 9,
-    NVML_ERROR_TIMEOUT = 10,
-    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
-    NVML_ERROR_CORRUPTED_INFOROM = 14,
-    NVML_ERROR_GPU_IS_LOST = 15,
-    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
-    NVML_ERROR_UNKNOWN = 999,
-};
+#include "nvml_standin.h"
 
 /* Buffer sizes (the _V2 sizes pynvml passes). */
 #define NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE 16
-#define NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE 32
-#define NVML_DEVICE_NAME_V2_BUFFER_SIZE 96
-#define NVML_DEVICE_UUID_V2_BUFFER_SIZE 96
 #define NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE 80
 
 /* nvmlPciInfo_t as filled by nvmlDeviceGetPciInfo_v3: 68 bytes. */
@@ -104,31 +92,12 @@ _Static_assert(nvmlMemory_v2 == 0x02000028, "nvmlMemory_v2 is 0x02000028");
 
 /* -- the machine ---------------------------------------------------------------------------- */
 
-#define MAX_GPUS 16
-#define UNSUPPORTED INT_MIN
-
-struct gpu {
-    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
-    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
-    char bus_id[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
-    unsigned int domain, bus, device, pci_device_id, pci_subsystem_id;
-    unsigned int minor;
-    unsigned long long memory_total;
-    int brand;
-    unsigned int architecture;
-    int cc_major, cc_minor;      /* UNSUPPORTED: NOT_SUPPORTED */
-    int mig_current, mig_pending; /* UNSUPPORTED: not MIG capable */
-    int numa_node;               /* UNSUPPORTED: NOT_SUPPORTED */
-};
-
-/* nvmlDevice_t is a pointer to an opaque struct: here, to one of these. */
-static struct gpu gpus[MAX_GPUS];
-static unsigned int gpu_count;
+/* nvmlDevice_t is a pointer to an opaque struct: here, to one of these (`struct gpu`, nvml_standin.h). */
+struct gpu gpus[MAX_GPUS];
+unsigned int gpu_count;
 static char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE];
 static int cuda_driver_version;
 static int refcount;
-
-typedef struct gpu *nvmlDevice_t;
 
 static void complain(const char *file, int line, const char *what) {
     fprintf(stderr, "nvml stand-in: %s:%d: %s\n", file, line, what);
@@ -245,6 +214,8 @@ static int load_machine(void) {
             ok = pair_or_unsupported(value, &g->cc_major, &g->cc_minor) == 0;
         } else if (strcmp(key, "mig_mode") == 0) {
             ok = pair_or_unsupported(value, &g->mig_current, &g->mig_pending) == 0;
+        } else if (strcmp(key, "mig_profiles") == 0) {
+            ok = strcmp(value, "h100-80gb") == 0 && (g->mig_table = 1);
         } else if (strcmp(key, "numa_node") == 0) {
             ok = strcmp(value, "not_supported") == 0 ? (g->numa_node = UNSUPPORTED, 1)
                                                      : sscanf(value, "%d", &g->numa_node) == 1;
@@ -296,14 +267,17 @@ static nvmlReturn_t fault(unsigned int index, const char *function, int *garble)
     return ret;
 }
 
-/* The GPU behind a handle, checked: *ret says why not. */
-static struct gpu *gpu_of(nvmlDevice_t device, const char *function, nvmlReturn_t *ret, int *garble) {
-    if (__atomic_load_n(&refcount, __ATOMIC_SEQ_CST) <= 0) {
+int initialized(void) { return __atomic_load_n(&refcount, __ATOMIC_SEQ_CST) > 0; }
+
+/* The GPU behind a handle, checked: *ret says why not. A GPU this initialization does not list (it
+ * left the NVIDIA driver) has no valid handle. */
+struct gpu *gpu_of(nvmlDevice_t device, const char *function, nvmlReturn_t *ret, int *garble) {
+    if (!initialized()) {
         *ret = NVML_ERROR_UNINITIALIZED;
         return NULL;
     }
     uintptr_t at = (uintptr_t)device, first = (uintptr_t)gpus;
-    if (at < first || at >= first + gpu_count * sizeof *gpus || (at - first) % sizeof *gpus) {
+    if (at < first || at >= first + gpu_count * sizeof *gpus || (at - first) % sizeof *gpus || !device->listed) {
         *ret = NVML_ERROR_INVALID_ARGUMENT;
         return NULL;
     }
@@ -311,11 +285,69 @@ static struct gpu *gpu_of(nvmlDevice_t device, const char *function, nvmlReturn_
     return *ret == NVML_SUCCESS ? device : NULL;
 }
 
-#define GPU_OR_RETURN(g, device)                                   \
-    nvmlReturn_t ret_;                                             \
-    struct gpu *g = gpu_of(device, __func__, &ret_, NULL);         \
-    if (!g)                                                        \
-        return ret_;
+/* -- what an initialized library sees and holds ----------------------------------------------- */
+/*
+ * Two facts of the real library. It lists the GPUs the NVIDIA driver drives when it is initialized,
+ * numbered in that order: with $NVML_STANDIN_SYSFS set, a GPU whose PCI function there
+ * (bus/pci/devices/<bus id>) is bound to another driver, or to none, is not listed, and the GPUs after
+ * it move down an index (the control file's INDEX stays a GPU's place in machine.txt). And a handle
+ * holds its GPU open: with $NVML_STANDIN_DEV set, the first handle of a GPU opens <dev>/nvidia<minor>
+ * (O_PATH: a test's node has no driver behind it) until the last nvmlShutdown, and an event registration
+ * holds it too until its set is freed, so /proc shows this process with the GPU open, as with the real
+ * library.
+ */
+
+static unsigned int listed[MAX_GPUS], listed_count;
+static int held[MAX_GPUS] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+
+static int driven(const struct gpu *g) {
+    const char *sysfs = getenv("NVML_STANDIN_SYSFS");
+    if (!sysfs || !*sysfs)
+        return 1;
+    char path[PATH_MAX], target[PATH_MAX];
+    snprintf(path, sizeof path, "%s/bus/pci/devices/%04x:%02x:%02x.0", sysfs, g->domain, g->bus, g->device);
+    if (access(path, F_OK) != 0)
+        return 1; /* not in that sysfs: nothing says it left the driver */
+    strncat(path, "/driver", sizeof path - strlen(path) - 1);
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n < 0)
+        return 0; /* unbound */
+    target[n] = 0;
+    const char *base = strrchr(target, '/');
+    return strcmp(base ? base + 1 : target, "nvidia") == 0;
+}
+
+static void enumerate(void) {
+    listed_count = 0;
+    for (unsigned int i = 0; i < gpu_count; i++) {
+        gpus[i].listed = driven(&gpus[i]);
+        if (gpus[i].listed)
+            listed[listed_count++] = i;
+    }
+}
+
+int open_gpu(const struct gpu *g) {
+    const char *dev = getenv("NVML_STANDIN_DEV");
+    if (!dev || !*dev)
+        return -1;
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/nvidia%u", dev, g->minor);
+    return open(path, O_PATH | O_CLOEXEC);
+}
+
+static void hold(struct gpu *g) {
+    unsigned int i = (unsigned int)(g - gpus);
+    if (held[i] < 0)
+        held[i] = open_gpu(g);
+}
+
+static void let_go_all(void) {
+    for (unsigned int i = 0; i < MAX_GPUS; i++) {
+        if (held[i] >= 0)
+            close(held[i]);
+        held[i] = -1;
+    }
+}
 
 static nvmlReturn_t put_text(char *dst, unsigned int length, const char *src) {
     if (!dst)
@@ -330,9 +362,15 @@ static nvmlReturn_t put_text(char *dst, unsigned int length, const char *src) {
 
 EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
-    /* The machine is read by the first initialization (not under a caller that holds handles). */
-    if (__atomic_load_n(&refcount, __ATOMIC_SEQ_CST) <= 0 && load_machine() != 0)
-        return NVML_ERROR_DRIVER_NOT_LOADED;
+    /* The machine is read, and its GPUs listed, by the first initialization (not under a caller that
+     * holds handles); MIG instances of an earlier one are gone with it. */
+    if (__atomic_load_n(&refcount, __ATOMIC_SEQ_CST) <= 0) {
+        if (load_machine() != 0)
+            return NVML_ERROR_DRIVER_NOT_LOADED;
+        enumerate();
+        for (unsigned int i = 0; i < gpu_count; i++)
+            mig_reset(i);
+    }
     __atomic_add_fetch(&refcount, 1, __ATOMIC_SEQ_CST);
     return NVML_SUCCESS;
 }
@@ -342,7 +380,8 @@ EXPORT nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 EXPORT nvmlReturn_t nvmlShutdown(void) {
     if (__atomic_load_n(&refcount, __ATOMIC_SEQ_CST) <= 0)
         return NVML_ERROR_UNINITIALIZED;
-    __atomic_sub_fetch(&refcount, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_sub_fetch(&refcount, 1, __ATOMIC_SEQ_CST) == 0)
+        let_go_all();
     return NVML_SUCCESS;
 }
 
@@ -360,13 +399,13 @@ EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
     case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
     case NVML_ERROR_TIMEOUT: return "Timeout";
     case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Version Mismatch";
+    case NVML_ERROR_IN_USE: return "In use by another client";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "Insufficient resources";
     default: return "Unknown Error";
     }
 }
 
 /* -- system queries -------------------------------------------------------------------------- */
-
-static int initialized(void) { return __atomic_load_n(&refcount, __ATOMIC_SEQ_CST) > 0; }
 
 EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
     if (!initialized())
@@ -392,19 +431,70 @@ EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount) {
         return NVML_ERROR_UNINITIALIZED;
     if (!deviceCount)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *deviceCount = gpu_count;
+    *deviceCount = listed_count;
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
     if (!initialized())
         return NVML_ERROR_UNINITIALIZED;
-    if (index >= gpu_count || !device)
+    if (index >= listed_count || !device)
         return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t ret = fault(index, __func__, NULL);
+    nvmlReturn_t ret = fault(listed[index], __func__, NULL);
     if (ret != NVML_SUCCESS)
         return ret;
-    *device = &gpus[index];
+    *device = &gpus[listed[index]];
+    hold(*device);
+    return NVML_SUCCESS;
+}
+
+/* The listed GPU whose UUID (`by_uuid`) or bus ID (any case) is `value`, held. */
+static nvmlReturn_t handle_where(int by_uuid, const char *value, nvmlDevice_t *device, const char *function) {
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (!value || !device)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int n = 0; n < listed_count; n++) {
+        struct gpu *g = &gpus[listed[n]];
+        if (by_uuid ? strcmp(g->uuid, value) != 0 : strcasecmp(g->bus_id, value) != 0)
+            continue;
+        nvmlReturn_t ret = fault(listed[n], function, NULL);
+        if (ret != NVML_SUCCESS)
+            return ret;
+        *device = g;
+        hold(g);
+        return NVML_SUCCESS;
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    return handle_where(1, uuid, device, __func__);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device) {
+    /* Either spelling of the domain: 0000:18:00.0 or 00000000:18:00.0. */
+    char full[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE];
+    snprintf(full, sizeof full, "%s%s", pciBusId && strlen(pciBusId) == 12 ? "0000" : "", pciBusId ? pciBusId : "");
+    return handle_where(0, pciBusId ? full : NULL, device, __func__);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+    GPU_OR_RETURN(g, device);
+    if (!index)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int n = 0; n < listed_count; n++)
+        if (&gpus[listed[n]] == g)
+            *index = n;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, int *mode) {
+    GPU_OR_RETURN(g, device);
+    (void)g;
+    if (!mode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = 0; /* NVML_FEATURE_DISABLED: no nvidia-persistenced here */
     return NVML_SUCCESS;
 }
 
@@ -426,6 +516,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned 
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    const char *mig = mig_uuid_of(device);
+    if (mig)
+        return put_text(uuid, length, mig);
     GPU_OR_RETURN(g, device);
     return put_text(uuid, length, g->uuid);
 }
@@ -570,6 +663,7 @@ _Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t is 40 bytes");
 struct event_set {
     unsigned long long registered[MAX_GPUS];
     unsigned int passed; /* event lines of the control file already considered */
+    int fds[MAX_GPUS];   /* a registration holds its GPU open until the set is freed */
 };
 typedef struct event_set *nvmlEventSet_t;
 
@@ -622,6 +716,8 @@ EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
     *set = calloc(1, sizeof **set);
     if (!*set)
         return NVML_ERROR_UNKNOWN;
+    for (unsigned int i = 0; i < MAX_GPUS; i++)
+        (*set)->fds[i] = -1;
     /* Events written before the set existed are not its events. */
     unsigned int index;
     unsigned long long type, data;
@@ -633,6 +729,9 @@ EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
 EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
     if (!set)
         return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned int i = 0; i < MAX_GPUS; i++)
+        if (set->fds[i] >= 0)
+            close(set->fds[i]);
     free(set);
     return NVML_SUCCESS;
 }
@@ -652,6 +751,8 @@ EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long 
     if (eventTypes & ~(nvmlEventTypeXidCriticalError | nvmlEventTypeDoubleBitEccError))
         return NVML_ERROR_NOT_SUPPORTED;
     set->registered[g - gpus] |= eventTypes;
+    if (set->fds[g - gpus] < 0)
+        set->fds[g - gpus] = open_gpu(g);
     return NVML_SUCCESS;
 }
 

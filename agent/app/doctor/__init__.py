@@ -15,7 +15,7 @@ ownership and permission checks are made as the user that runs doctor.
 
 The checks live by subject: `plugin` (the kubelet's directories, the agent's
 sockets and probes), `runtime` (the container runtime's CDI configuration, the CDI
-directory), `node` (NVML, IOMMU, vfio-pci, claim records, free space), `cluster`
+directory, the NVIDIA toolkit's CDI spec), `node` (NVML, IOMMU, vfio-pci, claim records, free space), `cluster`
 (the API server, the Node, RBAC); `results` has the result type and the report.
 """
 
@@ -67,6 +67,7 @@ class Doctor(PluginChecks, RuntimeChecks, NodeChecks, ClusterChecks):
             ("probes (/healthz, /readyz)", self.probes),
             ("container runtime CDI", thread(self.runtime_cdi)),
             ("CDI directory", thread(self.cdi_dirs)),
+            ("NVIDIA toolkit CDI", thread(self.toolkit)),
             ("NVML", thread(self.nvml)),
             ("IOMMU", thread(self.iommu)),
             ("vfio-pci", thread(self.vfio)),

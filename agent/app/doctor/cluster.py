@@ -28,7 +28,8 @@ class Permission:
 
 
 # Every API call the agent makes: agent/kube.py (the Node), agent/claims/sources.py (claims), agent/publish/apiserver.py
-# (slices), agent/health/statussinks.py (claim status), agent/health/taintrules.py (`dra-agent taints`). A
+# (slices), agent/health/statussinks.py and statusupdate.py (claim status), agent/health/taintrules.py (`dra-agent
+# taints`), agent/events.py (Events). A
 # permission the agent does not use is not asked for.
 PERMISSIONS: tuple[Permission, ...] = (
     Permission("get", "", "nodes", "read this Node: its UID (slice owner) and declared features", named="node"),
@@ -46,6 +47,18 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("associated-node:patch", "resource.k8s.io", "resourceclaims/driver",
                "write status.devices entries of this driver for claims on this node", namespaced=True,
                named="driver"),
+    # The same write as an update, for a claim whose opaque parameters the API server refuses every apply of
+    # (agent/health/statusupdate.py).
+    Permission("update", "resource.k8s.io", "resourceclaims/status",
+               "report the status.devices entries of a claim no server-side apply can change (update)",
+               namespaced=True),
+    Permission("associated-node:update", "resource.k8s.io", "resourceclaims/driver",
+               "write status.devices entries of this driver for claims on this node (update)", namespaced=True,
+               named="driver"),
+    # agent/events.py: Events on the Node (an unreadable claim record set aside). Best effort: the log, the metric
+    # and /readyz say it too, so the agent works without it.
+    Permission("create", "events.k8s.io", "events", "post Events about this node (an unreadable claim record set "
+               "aside)", namespaced=True, blocking=False),
     Permission("list", "resource.k8s.io", "devicetaintrules",
                "list the DeviceTaintRules an administrator made for this node's devices (dra-agent taints)"),
     # `dra-agent pool status` (agent/app/poolstatus.py): the agent itself never asks.

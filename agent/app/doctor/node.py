@@ -13,7 +13,7 @@ import pynvml
 from agent.app.doctor.base import Checks, existing_parent
 from agent.app.doctor.results import Result, failed, passed
 from agent.claims.store import ClaimStore
-from agent.host.pci import nvidia_display_functions
+from agent.inventory.nvmlopen import LibraryMissing, init_real, nvidia_hardware
 
 MIN_FREE_BYTES = 16 * 1024 * 1024  # below: blocking (a record, a CDI spec may not fit)
 LOW_FREE_BYTES = 256 * 1024 * 1024  # below: a warning
@@ -29,17 +29,16 @@ class NodeChecks(Checks):
         if mode.kind == "sim":
             return [passed(name, f"--nvml {mode}: simulated GPUs, the real NVML is not used")]
         try:
-            pynvml.nvmlInit()
-        except (pynvml.NVMLError, OSError) as exc:
-            hardware = nvidia_display_functions(self.s.sysfs_root)
-            if (self.s.dev_root / "nvidiactl").exists():
-                hardware.append(str(self.s.dev_root / "nvidiactl"))
+            init_real(self.s.driver_root)
+        except (LibraryMissing, pynvml.NVMLError, OSError) as exc:
+            hardware = nvidia_hardware(self.s)
             why = str(exc) or type(exc).__name__
             if mode.kind == "real" or hardware:
                 seen = f" although NVIDIA hardware is present ({', '.join(hardware)})" if hardware else ""
-                return [failed(name, f"NVML does not load{seen}: {why}", "install the NVIDIA driver on the host "
-                               "and make libnvidia-ml.so.1 visible to the agent (mount the driver root, "
-                               "LD_LIBRARY_PATH), or run with --nvml sim")]
+                fix = ("set --driver-root to where the NVIDIA driver is installed, mounted into the agent's pod "
+                       "(docs/deployment.md), or run with --nvml sim") if isinstance(exc, LibraryMissing) else \
+                    "load the NVIDIA kernel driver (nvidia-smi shows the same), or run with --nvml sim"
+                return [failed(name, f"NVML does not load{seen}: {why}", fix)]
             return [passed(name, f"no NVIDIA GPUs on this node (NVML: {why}); none are published")]
         try:
             driver = _text(pynvml.nvmlSystemGetDriverVersion())

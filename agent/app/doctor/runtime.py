@@ -124,6 +124,29 @@ class RuntimeChecks(Checks):
             return [result]
         return [passed("CDI in podman", f"{path}: specs from {', '.join(dirs)}")]
 
+    def toolkit(self) -> list[Result]:
+        """The NVIDIA Container Toolkit's CDI spec: a GPU claim's containers get the driver's libraries
+        through its devices (`agent.claims.plan.toolkit_device`); without it a CUDA image finds none."""
+        from agent.claims.toolkit import KIND, ToolkitSpecs
+        from agent.inventory.nvmlopen import nvidia_hardware
+
+        name = "NVIDIA toolkit CDI"
+        s = self.s
+        if s.nvml.kind == "sim":
+            return [passed(name, f"--nvml {s.nvml}: simulated GPUs, no driver libraries to give containers")]
+        hardware = nvidia_hardware(s)
+        if not hardware:
+            return [passed(name, "no NVIDIA GPUs on this node: no GPU claims to give driver libraries")]
+        names = ToolkitSpecs([s.static_cdi_dir, s.cdi_dir], skip_prefixes=(s.cdi_vendor,), min_interval=0).names()
+        if not names:
+            return [failed(name, f"no {KIND} CDI spec in {s.static_cdi_dir} or {s.cdi_dir}: containers of GPU "
+                           "claims get the GPU's device nodes but not the driver's libraries (a CUDA image finds no "
+                           "libcuda.so)", f"on the node: nvidia-ctk cdi generate --output={s.static_cdi_dir}/"
+                           "nvidia.yaml (again after each driver upgrade; docs/claims.md)")]
+        gpus = [n for n in names if n.startswith("GPU-") or n.isdigit()]
+        return [passed(name, f"{KIND}: {len(gpus)} GPUs ({', '.join(sorted(gpus)[:4])}"
+                       f"{', ...' if len(gpus) > 4 else ''}); GPU claims get its devices")]
+
     def cdi_dirs(self) -> list[Result]:
         from cdi.validate import validate_dirs
 

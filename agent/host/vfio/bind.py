@@ -18,28 +18,32 @@ instead of whichever matches first.
 
 On a real host the kernel acts inside the write (a refusal is an errno); the simulated machine's
 kernel acts a moment later (a refusal leaves the state unchanged). Reading the `driver` link back
-until it shows the target, within `timeout`, covers both. The calls block: run them off the event
-loop (asyncio.to_thread).
+until it shows the target, within `timeout`, covers both. The write itself is bounded by the same
+`timeout` (`agent.host.vfio.writes`): an NVIDIA unbind waits in the driver while the GPU is open, and
+must not hold this process (or its other claims' steps) with it. The calls block: run them off the
+event loop (asyncio.to_thread).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from agent.host.vfio import writes
 from agent.host.vfio.errors import StepFailed, VfioError
 from agent.host.vfio.pci import VFIO_PCI, current_driver, current_override, function_dir, passthrough_set
 
 DEFAULT_TIMEOUT = 10.0  # seconds for a bind or unbind to show; a GPU's driver may take seconds to let go
 _POLL = 0.01
-# One binding write at a time in this process: sysfs command files are shared by every function
-# (drivers/vfio-pci/bind), and the simulated kernel reads a write back from the file.
+# One binding write in flight at a time in this process: sysfs command files are shared by every function
+# (drivers/vfio-pci/bind), and the simulated kernel reads a write back from the file. Held while a write
+# is made and taken (bounded), not while its effect is waited for, nor by a write left to the kernel.
 _WRITES = threading.Lock()
 
 
@@ -164,53 +168,90 @@ def apply_plan(sysfs: Path, plan: BindPlan, *, start: int = 0, timeout: float = 
 
 def apply_step(sysfs: Path, step: BindStep, *, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Make one step true; nothing is written when it already is. StepFailed when the kernel refuses or
-    the effect does not show within `timeout` seconds."""
+    the effect does not show within `timeout` seconds (a write the kernel has not returned from by then is
+    left outstanding, `agent.host.vfio.writes`); WritePending while an earlier write about the function is."""
     if not function_dir(sysfs, step.bdf).exists():
         raise StepFailed(f"{step}: PCI function {step.bdf} is not in {sysfs / 'bus' / 'pci' / 'devices'}")
-    with _WRITES:
-        if step.kind in (StepKind.SET_OVERRIDE, StepKind.CLEAR_OVERRIDE):
-            path = function_dir(sysfs, step.bdf) / "driver_override"
-            # Done when the file shows it as Linux does: "<driver>\n", or "(null)\n" for none (older
-            # kernels' NULL string; empty where a kernel prints nothing). Waiting for that exact text,
-            # not just a value that parses the same, also keeps a later write from crossing the
-            # simulated kernel's rewrite of this one.
-            shown = {f"{step.driver}\n"} if step.kind is StepKind.SET_OVERRIDE else {"(null)\n", ""}
+    deadline = time.monotonic() + timeout
+    writes.wait_outstanding(sysfs, step.bdf, deadline)
+    if step.kind in (StepKind.SET_OVERRIDE, StepKind.CLEAR_OVERRIDE):
+        path = function_dir(sysfs, step.bdf) / "driver_override"
+        # Done when the file shows it as Linux does: "<driver>\n", or "(null)\n" for none (older
+        # kernels' NULL string; empty where a kernel prints nothing). Waiting for that exact text,
+        # not just a value that parses the same, also keeps a later write from crossing the
+        # simulated kernel's rewrite of this one.
+        shown = {f"{step.driver}\n"} if step.kind is StepKind.SET_OVERRIDE else {"(null)\n", ""}
+        with _writing(step, deadline):
             if _read(path) not in shown:
-                _write(step, path, f"{step.driver if step.kind is StepKind.SET_OVERRIDE else ''}\n")
-                _wait_until(step, timeout, lambda: _read(path) in shown,
+                _write(sysfs, step, path, f"{step.driver if step.kind is StepKind.SET_OVERRIDE else ''}\n", deadline,
+                       lambda: _read(path) in shown)
+                _wait_until(step, timeout, deadline, lambda: _read(path) in shown,
                             lambda: f"driver_override reads {_read(path)!r}")
-            return
-        drivers = sysfs / "bus" / "pci" / "drivers"
-        bound = current_driver(sysfs, step.bdf)
-        if step.kind is StepKind.UNBIND:
-            if bound != step.driver:
+        return
+    drivers = sysfs / "bus" / "pci" / "drivers"
+    if step.kind is StepKind.UNBIND:
+        def left() -> bool:
+            return current_driver(sysfs, step.bdf) != step.driver
+        with _writing(step, deadline):
+            if left():
                 return  # not (or no longer) on that driver: nothing to leave
-            _write(step, drivers / step.driver / "unbind", step.bdf)
-            _wait(sysfs, step, timeout, lambda now: now != step.driver)
-            return
+            w = _write(sysfs, step, drivers / step.driver / "unbind", step.bdf, deadline, left)
+            _wait_consumed(w.path, deadline)
+        try:
+            _wait(sysfs, step, timeout, deadline, lambda now: now != step.driver)
+        except StepFailed:
+            writes.mark_outstanding(sysfs, step.bdf, w)  # the kernel may still carry it out
+            raise
+        return
+    with _writing(step, deadline):
+        bound = current_driver(sysfs, step.bdf)
         if bound == step.driver:
             return
         if bound is not None:
             raise StepFailed(f"{step}: the function is bound to {bound}, not unbound; unbind it from {bound} first")
         if not (drivers / step.driver).is_dir():
             raise StepFailed(f"{step}: driver {step.driver} is not loaded (no {drivers / step.driver})")
-        _write(step, drivers / step.driver / "bind", step.bdf)
-        _wait(sysfs, step, timeout, lambda now: now == step.driver)
+        _write(sysfs, step, drivers / step.driver / "bind", step.bdf, deadline,
+               lambda: current_driver(sysfs, step.bdf) == step.driver)
+        _wait(sysfs, step, timeout, deadline, lambda now: now == step.driver)
 
 
-def _write(step: BindStep, path: Path, text: str) -> None:
+@contextlib.contextmanager
+def _writing(step: BindStep, deadline: float) -> Iterator[None]:
+    """`_WRITES`, waited for until `deadline`: its holder holds it only while a write is in flight (bounded
+    too), so a step behind a stuck one fails in time rather than waiting with it."""
+    if not _WRITES.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise StepFailed(f"{step}: another binding write did not finish in time; retried later")
     try:
-        # The whole value in one write(), as the kernel parses it.
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
-        try:
-            os.write(fd, text.encode())
-        finally:
-            os.close(fd)
-    except OSError as exc:
+        yield
+    finally:
+        _WRITES.release()
+
+
+def _write(sysfs: Path, step: BindStep, path: Path, text: str, deadline: float,
+           shown: Callable[[], bool]) -> writes.Write:
+    w = writes.write(str(step), path, text, shown, deadline)
+    if not w.done.is_set():
+        writes.mark_outstanding(sysfs, step.bdf, w)
+        raise StepFailed(f"{step}: the write to {path} has not returned after {time.monotonic() - w.since:.1f}s: the "
+                         "driver is still at it (the NVIDIA driver's unbind waits until every process has closed the "
+                         f"GPU); it is left to finish, and nothing more is done to {step.bdf} until it has")
+    if w.error is not None:
+        exc = w.error
         why = {errno.ENODEV: "the driver does not match the function (is driver_override set to it?)",
                errno.EBUSY: "the function is busy"}.get(exc.errno or 0, "")
         raise StepFailed(f"{step}: the kernel refused the write to {path}: {exc.strerror}"
                          + (f" ({why})" if why else "")) from exc
+    return w
+
+
+def _wait_consumed(path: Path, deadline: float) -> None:
+    """Until the command file reads empty again (or cannot be read, as on a real host's write-only file):
+    the simulated kernel has taken the write, and the next writer's O_TRUNC cannot wipe it."""
+    while _read(path) not in (None, ""):
+        if time.monotonic() >= deadline:
+            return  # the effect's wait reports it
+        time.sleep(_POLL)
 
 
 def _read(path: Path) -> str | None:
@@ -220,16 +261,16 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _wait(sysfs: Path, step: BindStep, timeout: float, done: Callable[[str | None], bool]) -> None:
+def _wait(sysfs: Path, step: BindStep, timeout: float, deadline: float, done: Callable[[str | None], bool]) -> None:
     def now() -> str:
         bound, override = current_driver(sysfs, step.bdf), current_override(sysfs, step.bdf)
         return (f"the function is {f'bound to {bound}' if bound else 'unbound'}, driver_override "
                 f"{override or 'not set'} (the kernel log says why it refused)")
-    _wait_until(step, timeout, lambda: done(current_driver(sysfs, step.bdf)), now)
+    _wait_until(step, timeout, deadline, lambda: done(current_driver(sysfs, step.bdf)), now)
 
 
-def _wait_until(step: BindStep, timeout: float, done: Callable[[], bool], state: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_until(step: BindStep, timeout: float, deadline: float, done: Callable[[], bool],
+                state: Callable[[], str]) -> None:
     while not done():
         if time.monotonic() >= deadline:
             raise StepFailed(f"{step}: not done after {timeout:g}s: {state()}")

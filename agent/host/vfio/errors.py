@@ -41,3 +41,8 @@ class StepFailed(VfioError):
     says what the function is bound to now."""
 
     retryable: ClassVar[bool] = True
+
+
+class WritePending(StepFailed):
+    """An earlier write about the function (an unbind the driver is still waiting to finish) has not taken
+    effect: nothing more is written about the function until it has."""

@@ -80,8 +80,9 @@ def check_no_vfs(sysfs: Path, bdf: str) -> None:
                          f"{sysfs / 'bus' / 'pci' / 'devices' / bdf / 'sriov_numvfs'}) before passing it through")
 
 
-def check_not_open(proc_root: Path, dev_root: Path, bdf: str, minor: int) -> None:
-    """DeviceBusy when a process has GPU `bdf` (`/dev/nvidia<minor>`) open."""
+def check_not_open(proc_root: Path, dev_root: Path, bdf: str, minor: int, *, but_self: bool = False) -> None:
+    """DeviceBusy when a process has GPU `bdf` (`/dev/nvidia<minor>`) open. `but_self`: this process's own
+    descriptors do not count (its NVML's handles, which it lets go of before the unbind, and checks again then)."""
     node = dev_root / f"nvidia{minor}"
     rdev: int | None = None
     try:
@@ -90,7 +91,8 @@ def check_not_open(proc_root: Path, dev_root: Path, bdf: str, minor: int) -> Non
             rdev = st.st_rdev
     except OSError:
         pass
-    holders = open_holders(proc_root, {f"/dev/nvidia{minor}", str(node)}, rdev)
+    holders = [h for h in open_holders(proc_root, {f"/dev/nvidia{minor}", str(node)}, rdev)
+               if not (but_self and h.pid == os.getpid())]
     if holders:
         shown = "; ".join(str(h) for h in holders[:5]) + (f"; and {len(holders) - 5} more" if len(holders) > 5 else "")
         raise DeviceBusy(f"GPU {bdf} is in use on the host: {shown}; it can leave the NVIDIA driver once they "
