@@ -72,7 +72,8 @@ async def test_a_stuck_unbind_is_a_clear_error_and_a_retry_puts_it_right(
     vm.node.engine.passthrough.timeout = 1.0
     res = await vm.prepare("vm-stuck", UID, GPU_VARIANT)
     assert f"unbind {GPU_BUS} from nvidia: not done after 1s" in res.error, res.error
-    assert "so one this agent cannot see does (is its /proc the host's? README: Deployment)" in res.error
+    assert ("so one this agent cannot see does (is its /proc the host's? docs/deployment.md: The host's processes)"
+            in res.error)
     assert vm.driver(GPU_BUS) == "nvidia"
     # The driver still holds the unbind: the rollback leaves the function alone and says so on the retry.
     again = await vm.prepare("vm-stuck", UID, GPU_VARIANT)

@@ -1,4 +1,4 @@
-"""The manifests of examples/workloads, applied with `kubectl apply` as README "Workloads" applies them,
+"""The manifests of examples/workloads, applied with `kubectl apply` as docs/deployment.md "Workloads" applies them,
 against the real scheduler on the shared agent's node (`scheduled`: a simulated DGX H100 with MIG
 placements and shared GPUs, this host's NICs, CPUs and memory): each pod is scheduled (its claims
 allocated, PodScheduled True), and every claim is then prepared through the agent's DRA socket as the
