@@ -238,7 +238,8 @@ class Checker:
             assert env[f"{p}_UUID"] == attr(dev, "uuid"), where
             assert env[f"{p}_SHARE_ID"] == result["shareID"], where
             assert env[f"{p}_MEMORY_LIMIT"] == str(limit), where
-            assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{attr(dev, 'uuid')}={limit >> 20}M", where
+            ordinal = env["CUDA_VISIBLE_DEVICES"].split(",").index(str(attr(dev, "uuid")))
+            assert f"{ordinal}={limit >> 20}M" in env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].split(","), where
         elif kind == "vfio":
             group = attr(dev, "iommuGroup")
             assert {"/dev/vfio/vfio", f"/dev/vfio/{group}"} <= set(nodes), (where, sorted(nodes))

@@ -161,7 +161,8 @@ def test_every_workload_example_is_scheduled_and_prepared(scheduled: NodeAgent, 
     assert string(share, "type") == "shared" and result["shareID"] and result["consumedCapacity"] == {"memory": "10Gi"}
     assert env[f"{env_name(share)}_MEMORY_LIMIT"] == str(10 << 30)
     assert env[f"{env_name(share)}_SHARE_ID"] == result["shareID"]
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{string(share, 'uuid')}={10 << 10}M"
+    assert env["CUDA_VISIBLE_DEVICES"] == string(share, "uuid")
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={10 << 10}M"  # keyed by CUDA's ordinal
 
     # nic.yaml: a NIC of the node, its interface in the container.
     nic, env, _ = only("nic-pod", "nic")
