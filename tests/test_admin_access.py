@@ -46,8 +46,9 @@ def driver_of(node: Node, bdf: str) -> str | None:
 
 
 def mig_state(node: Node) -> dict[str, Any]:
+    """GPU 0's MIG mode and GPU instances in the simulated machine's state (kept under the GPU's UUID)."""
     data: dict[str, Any] = orjson.loads((node.settings.state_dir / "nvml-sim" / STATE_FILE).read_bytes())
-    return dict(data["gpus"][0])
+    return {k: v for k, v in data["gpus"][0].items() if k != "uuid"}
 
 
 async def prepare(node: Node, name: str, uid: str, device: str, *, admin: bool = False,

@@ -437,8 +437,10 @@ def _child(settings: Settings, uids: list[str], seed: int, kill_at: int, lose_gp
 
 def _read_lines(fd: int, pid: int) -> Iterable[str]:
     buf = b""
+    poller = select.poll()  # not select(): in a long test run the pipe's descriptor may be above 1023
+    poller.register(fd, select.POLLIN)
     while True:
-        ready, _, _ = select.select([fd], [], [], 60)
+        ready = poller.poll(60_000)
         if not ready:
             os.kill(pid, signal.SIGKILL)
             raise RuntimeError("agent process hung for 60 s")
