@@ -199,3 +199,12 @@ async def test_garbage_collection_takes_the_same_path(node: Node) -> None:
     clock.now += 31
     assert await gc.sweep() == [UID]
     assert nothing_of(node, UID) and set(leftovers(node)) == {UID}
+
+
+async def test_a_left_undone_entry_whose_write_a_kill_cut_short_is_removed_at_start(node: Node) -> None:
+    directory = leftovers_dir(node.settings.state_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    cut = directory / f".{UID}.json.tmp-0a1b2c3d"  # an agent killed mid-write (another thread's failpoint)
+    cut.write_bytes(b'{"version": 1, "uid"')
+    report = recover(restarted(node))
+    assert not cut.exists() and str(cut) in report.removed and leftovers(node) == {}

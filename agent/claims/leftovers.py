@@ -30,7 +30,7 @@ from pathlib import Path
 import orjson
 
 from agent.claims.records import ClaimRecord, RecordError, decode, encode
-from agent.fsutil import Root
+from agent.fsutil import Root, is_temp_name
 from agent.names import InvalidName, check_uid
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,15 @@ class Leftovers:
             out.append(found)
         return sorted(out, key=lambda lo: (lo.since, lo.uid))
 
+    def temp_files(self) -> list[tuple[str, Path]]:
+        """(claim UID, path) of each write an agent killed mid-way never renamed into place."""
+        out = []
+        for name in self.root.listdir():
+            uid = name[1:].split(SUFFIX, 1)[0]
+            if is_temp_name(name) and name.startswith(".") and is_uid(uid):
+                out.append((uid, self.root.path / name))
+        return out
+
     def holding(self, keys: Iterable[str]) -> list[Leftover]:
         """The leftovers on any of these device lock keys."""
         wanted = set(keys)
@@ -157,6 +166,14 @@ class Leftovers:
                 self.on_change()
             except Exception:
                 log.exception("telling of a changed leftover failed")
+
+
+def is_uid(text: str) -> bool:
+    try:
+        check_uid(text)
+    except InvalidName:
+        return False
+    return True
 
 
 def leftovers_dir(state_dir: Path) -> Path:

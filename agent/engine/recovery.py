@@ -90,6 +90,10 @@ def begin_recovery(engine: PrepareEngine) -> RecoveryReport:
         with engine.claim_locked(uid):
             if engine.store.root.unlink(store.directory / name):
                 report.removed.append(str(store.directory / name))
+    for uid, path in engine.leftovers.temp_files():  # a left-undone entry's write cut short (its claim's lock)
+        with engine.claim_locked(uid):
+            if engine.leftovers.root.unlink(path):
+                report.removed.append(str(path))
     uids = [uid for uid in store.uids() if _uid_or_none(uid) is not None]
     engine.defer_checks(uids, lambda uid: _check_claim(engine, uid, report))
     return report
