@@ -49,7 +49,7 @@ class VfioSettings:
 
     iommu: str = "legacy"  # legacy (/dev/vfio/vfio + /dev/vfio/<group>) | iommufd (/dev/iommu + cdev)
     mac: str = ""  # set on a VF through its PF before binding ("" leaves it)
-    vlan: int = 0  # likewise (0: none)
+    vlan: int | None = None  # likewise (0 clears it; None, not asked for, leaves it)
     where: str = ""
 
 
@@ -341,7 +341,7 @@ def decode_config(params: Any, driver: str, where: str = "parameters") -> dict[s
 
 
 def _decode_vfio(params: Mapping[Any, Any], where: str) -> _VfioEntry:
-    iommu, mac, vlan = params.get("iommu", "legacy"), params.get("mac", ""), params.get("vlan", 0)
+    iommu, mac, vlan = params.get("iommu", "legacy"), params.get("mac", ""), params.get("vlan")
     if iommu not in IOMMU_BACKENDS:
         raise ClaimError(f"{where}.iommu must be 'legacy' or 'iommufd', not {_value(iommu)}")
     if not isinstance(mac, str) or (mac and not _MAC.match(mac.lower())):
@@ -349,7 +349,7 @@ def _decode_vfio(params: Mapping[Any, Any], where: str) -> _VfioEntry:
     mac = mac.lower()
     if mac and int(mac[:2], 16) & 1:
         raise ClaimError(f"{where}.mac {mac!r} is a multicast address: a VF needs a unicast one")
-    if type(vlan) is not int or not 0 <= vlan <= MAX_VLAN:
+    if "vlan" in params and (type(vlan) is not int or not 0 <= vlan <= MAX_VLAN):
         raise ClaimError(f"{where}.vlan must be a VLAN ID from 0 (none) to {MAX_VLAN}, not {_value(vlan)}")
     fields = frozenset(k for k in ("iommu", "mac", "vlan") if k in params)
     return _VfioEntry(VfioSettings(iommu=str(iommu), mac=mac, vlan=vlan, where=where), fields)

@@ -29,6 +29,7 @@ from agent.sim.kernel.tree import (
     link,
 )
 from agent.sim.profiles import SimNic, SimProfile
+from agent.sim.vflinks import SimVfLinks
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
     _proc_devices(root / "proc")
     _device_nodes(profile, tree.dev, boot)
     simmdev.materialize(profile, root, boot=boot)
+    if boot:
+        SimVfLinks(root).forget()  # the PF's driver starts with no VF settings
     if boot or not tree.boot_id.is_file():
         tree.boot_id.parent.mkdir(parents=True, exist_ok=True)
         tree.boot_id.write_text(f"{uuid.uuid4()}\n")
