@@ -20,6 +20,7 @@ from agent.apirules import dns_label_errors, quantity_errors
 from agent.claims.metadata import POD_CLAIM_NAME, AllocatedDevice
 from agent.errors import ClaimFailure
 from agent.facts import PassthroughFacts
+from agent.inventory import Withheld
 from agent.kinds import Kind
 from agent.model import Device
 from agent.names import ClaimRef, InvalidName, base_request, check_request
@@ -121,7 +122,10 @@ def _string(obj: Mapping[Any, Any], key: str, path: str, *, default: str | None 
 # -- the claim ---------------------------------------------------------------------------------------
 
 def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: str,
-                lookup: Callable[[str], Device | None]) -> Allocation:
+                lookup: Callable[[str], Device | None],
+                withheld: Callable[[str], Withheld | None] = lambda _: None) -> Allocation:
+    """The claim's allocation on this node; `withheld` says why a device discovery read is not published
+    now (its typed failure is raised for a claim allocated it before)."""
     if not isinstance(claim, Mapping):
         raise ClaimError(f"the claim must be an object, not {_kind(claim)}")
     meta = _object(claim.get("metadata"), "metadata")
@@ -176,6 +180,8 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
             raise ClaimError(f"device {device_name} of pool {result_pool!r} is not on this node "
                              f"(pool {pool!r})")
         device = lookup(device_name)
+        if device is None and (held := withheld(device_name)) is not None:
+            raise held.failure()
         if device is None:
             raise ClaimError(f"device {device_name} is not on this node")
         if admin_access:

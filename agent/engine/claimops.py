@@ -90,7 +90,7 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
             return None
         claim = read(ref.namespace, ref.name)
         alloc = parse_claim(claim, ref, driver=engine.settings.driver_name, pool=engine.settings.node_name,
-                            lookup=engine.inventory.get)
+                            lookup=engine.inventory.get, withheld=engine.inventory.withheld)
         with engine.locks.hold(engine.effects.lock_key(a.device) for a in alloc.devices):
             return _apply(engine, alloc)
 

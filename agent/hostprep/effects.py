@@ -25,8 +25,10 @@ from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import ClaimRecord, DeviceBinding, PreparedDevice, RecordState
 from agent.errors import ClaimFailure
 from agent.hostprep.hosteffect import HostEffect, WriteRecord
+from agent.hostprep.mig import nvml_of
 from agent.hostprep.partitions import GpuForms, Partitioner, Partitions, check_gpu_forms, gpu_lock_key
 from agent.hostprep.vfio import Passthrough, lock_key
+from agent.hostprep.wholegpu import check_not_in_mig_mode
 from agent.inventory import Inventory
 from agent.model import Device
 
@@ -69,6 +71,7 @@ class HostEffects:
     def check(self, uid: str, allocated: Sequence[AllocatedDevice]) -> None:
         self.passthrough.check_forms(uid, allocated)
         check_gpu_forms(uid, allocated, self.forms, self.book)
+        check_not_in_mig_mode(allocated, nvml_of(self.inventory))
 
     # -- prepare ------------------------------------------------------------------------------------
 
