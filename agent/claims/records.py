@@ -176,7 +176,7 @@ class DevicePartition:
 
     device: str  # the claim's device as published (gpu-3-mig-1g10gb-4, gpu-3-vgpu-<type>)
     kind: PartitionKind
-    parent: str  # MIG: the parent GPU's UUID; mdev: the parent's PCI bus ID (0000:18:00.0)
+    parent: str  # MIG: the parent GPU's UUID; mdev: its parent's PCI bus ID (the GPU, or its SR-IOV VF)
     profile: str  # MIG profile name (1g.10gb) | mdev type id (nvidia-1021)
     start: int = 0  # MIG placement start (memory slice); 0 for mdev
     step: int = 0  # next step to apply

@@ -134,6 +134,15 @@ def sim_functions(profile: SimProfile, tree: SimTree) -> list[SimFunction]:
             "subsystem_device": f"0x{gpu.pci_subsystem_id >> 16:04x}",
             "class": "0x030200", "numa_node": str(gpu.numa_node),
         }, "nvidia", gpu.iommu_group))
+        if gpu.vgpu_vfs:
+            # SR-IOV on (`sriov-manage -e`): the VFs beside the GPU, each on the nvidia driver.
+            pf = out[-1]
+            pf.files |= {"sriov_totalvfs": str(gpu.vgpu_vfs), "sriov_numvfs": str(gpu.vgpu_vfs)}
+            for n in range(gpu.vgpu_vfs):
+                pf.links[f"virtfn{n}"] = gpu.vf_bus_id(n)
+                out.append(SimFunction(gpu.vf_bus_id(n), parent, {
+                    "vendor": "0x10de", "device": f"0x{gpu.pci_device_id >> 16:04x}", "class": "0x030200",
+                    "numa_node": str(gpu.numa_node)}, "nvidia", None, links={"physfn": gpu.bus_id}))
         if gpu.audio:
             out.append(SimFunction(gpu.audio_bus_id, parent, {
                 "vendor": "0x10de", "device": "0x22ba", "class": "0x040300", "numa_node": str(gpu.numa_node),

@@ -83,10 +83,12 @@ VM_GPU = "gpu-0000-ba-00-0-vfio"  # gpu-6's passthrough form
 VM_VF = "nic-0000-4b-00-1-vfio"  # the ConnectX-7's VF 0
 VM_CLAIMS = {4: VM_GPU, 5: VM_VF}
 # Claims of one GPU partition each: placements of gpu-4 that never overlap (slices 0, 2-3, 4-7), so all
-# can be prepared at once, and two vGPUs of one type on gpu-5 (a GPU hosts one type at a time). Claims 1
-# and 2 are among the daemon rounds' six too.
+# can be prepared at once, and two vGPUs of one type on gpu-5 and on gpu-7 (a GPU hosts one type at a
+# time). Claims 1 and 2 are among the daemon rounds' six too.
 PARTITION_CLAIMS = {1: "gpu-4-mig-1g10gb-0", 2: "gpu-5-vgpu-nvidia-1022-0", 6: "gpu-4-mig-2g20gb-2",
-                    7: "gpu-4-mig-3g40gb-4", 8: "gpu-5-vgpu-nvidia-1022-1"}
+                    7: "gpu-4-mig-3g40gb-4", 8: "gpu-5-vgpu-nvidia-1022-1",
+                    # gpu-7 lists its vGPU types on its SR-IOV VFs: each vGPU is made on a VF of its own.
+                    9: "gpu-7-vgpu-nvidia-1023-0", 10: "gpu-7-vgpu-nvidia-1023-1"}
 # What a previous tenant left on the NIC's VFs (its PF's driver keeps it): unprepare puts it back.
 TENANT_VF_LINKS = {("ens75f0np0", 0): VfLink("02:00:00:00:0f:00", 77, 3)}
 NIC_VARIANTS: tuple[tuple[str, ...], ...] = ((), ("10.0.0.5/24",), ("10.0.0.6/24", "fd00::6/64"))
