@@ -165,7 +165,7 @@ class Agent:
             self.health.observe(snapshot)
             await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
             claim_status = ClaimStatusWriter(
-                s.driver_name, sink_for(conn.client, conn.offline, s.driver_name), self.health,
+                s.driver_name, sink_for(conn.client, conn.offline, s.driver_name, engine.claims), self.health,
                 engine.book, readiness=self.health, metrics=self.metrics)
             undo.push_async_callback(claim_status.stop)
             engine.listeners.append(claim_status)
