@@ -49,7 +49,8 @@ def test_a_link_without_vfs_answers_read_and_write_with_a_precise_error() -> Non
 from agent.host.vfio.errors import VfioError
 from agent.host.vfio.sriov import NetlinkVfLinks, VfLink
 links = NetlinkVfLinks()
-for op in (lambda: links.get("pf0", 0), lambda: links.set("pf0", 0, VfLink(vlan=5)), lambda: links.get("none0", 0)):
+for op in (lambda: links.get("pf0", 0), lambda: links.set("pf0", 0, VfLink(vlan=5), with_mac=True),
+           lambda: links.set("pf0", 0, VfLink(vlan=5), with_mac=False), lambda: links.get("none0", 0)):
     try:
         op()
         print("no error")
@@ -62,4 +63,5 @@ for op in (lambda: links.get("pf0", 0), lambda: links.set("pf0", 0, VfLink(vlan=
     assert got[0] == ("the kernel reports no VF 0 of pf0 (not an SR-IOV PF, or its VFs are not enabled): its MAC "
                       "and VLAN cannot be read")
     assert got[1].startswith("setting VF 0 of pf0 to mac 00:00:00:00:00:00 vlan 5 failed:")
-    assert got[2] == "the PF's interface none0 is not in this network namespace"
+    assert got[2].startswith("setting VF 0 of pf0 to vlan 5 failed:")
+    assert got[3] == "the PF's interface none0 is not in this network namespace"

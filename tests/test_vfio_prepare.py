@@ -29,8 +29,9 @@ from agent.claims.records import ClaimRecord, RecordState
 from agent.claims.store import ClaimStore
 from agent.engine.recovery import recover
 from agent.host.vfio.bind import BindStep, StepKind, apply_step
+from agent.host.vfio.errors import VfioError
 from agent.host.vfio.pci import current_driver, current_override, iommu_group
-from agent.host.vfio.sriov import VfLink
+from agent.host.vfio.sriov import NO_MAC, VfLink
 from agent.hostprep.mig import nvml_of
 from agent.inventory.passthrough import NicVariants
 from agent.names import ClaimRef
@@ -192,6 +193,29 @@ async def test_no_vlan_asked_leaves_the_vlan(vm: VmNode) -> None:
     assert links.get(PF_IF, 0) == VfLink("02:aa:bb:cc:dd:02", TENANT.vlan, TENANT.qos)
     assert await vm.unprepare("vm-net", UID) == ""
     assert links.get(PF_IF, 0) == TENANT
+
+
+async def test_a_vlan_only_claim_never_sends_the_pf_a_mac(vm: VmNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some PF drivers refuse a MAC of zeros (what a VF without an administrative MAC has): a claim that sets
+    only the VLAN sends the PF no MAC, at prepare or at unprepare."""
+    links = vm.node.engine.passthrough.links
+    assert isinstance(links, SimVfLinks)
+    sent: list[bool] = []
+    real = links.set
+
+    def like_such_a_driver(ifname: str, vf: int, link: VfLink, *, with_mac: bool = True) -> None:
+        sent.append(with_mac)
+        if with_mac and link.mac == NO_MAC:
+            raise VfioError(f"setting VF {vf} of {ifname}: Invalid argument")
+        real(ifname, vf, link, with_mac=with_mac)
+
+    monkeypatch.setattr(links, "set", like_such_a_driver)
+    links.set(PF_IF, 0, VfLink(NO_MAC, 100, 0), with_mac=False)  # no MAC, the previous tenant's VLAN
+    sent.clear()
+    assert (await vm.prepare("vm-net", UID, VF_VARIANT, config=vfio_config(vlan=0))).error == ""
+    assert links.get(PF_IF, 0) == VfLink(NO_MAC, 0, 0)
+    assert await vm.unprepare("vm-net", UID) == ""
+    assert links.get(PF_IF, 0) == VfLink(NO_MAC, 100, 0) and sent == [False, False]
 
 
 async def test_the_vfs_settings_are_recorded_before_they_change(vm: VmNode) -> None:

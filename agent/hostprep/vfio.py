@@ -267,7 +267,7 @@ class Passthrough:
             for i, b in enumerate(record.bindings):
                 if b.previous is not None:  # back to what it had, while no host driver has the VF yet
                     failpoints.hit("vf-before-restore")
-                    set_vf(self.host.sysfs, self.links, b.plan.target, b.previous)
+                    set_vf(self.host.sysfs, self.links, b.plan.target, b.previous, with_mac=bool(b.mac))
                     failpoints.hit("vf-after-restore")
                 steps = b.plan.restore().steps
                 if write is None:
@@ -281,7 +281,7 @@ class Passthrough:
         """The claim's MAC and VLAN on the VF (idempotent), over what it had before the claim."""
         before = b.previous or read_vf(self.host.sysfs, self.links, b.plan.target)  # a record from before `previous`
         failpoints.hit("vf-before-set")
-        set_vf(self.host.sysfs, self.links, b.plan.target, before.changed(b.mac, b.vlan))
+        set_vf(self.host.sysfs, self.links, b.plan.target, before.changed(b.mac, b.vlan), with_mac=bool(b.mac))
         failpoints.hit("vf-after-set")
 
     def _run(self, record: ClaimRecord, i: int, steps: Sequence[BindStep], write: WriteRecord,

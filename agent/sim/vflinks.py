@@ -39,8 +39,10 @@ class SimVfLinks:
             return VfLink()
         return VfLink.from_wire(orjson.loads(raw))
 
-    def set(self, ifname: str, vf: int, link: VfLink) -> None:
+    def set(self, ifname: str, vf: int, link: VfLink, *, with_mac: bool = True) -> None:
         path = self._path(ifname, vf)
+        if not with_mac:
+            link = VfLink(self.get(ifname, vf).mac, link.vlan, link.qos)
         makedirs(path.parent, 0o700)
         atomic_write(path, orjson.dumps(link.wire()), 0o600, durable=True)
 

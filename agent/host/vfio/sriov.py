@@ -10,6 +10,7 @@ machine has its own (`agent.sim.vflinks`), its NIC having no netlink device."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -50,11 +51,13 @@ class VfLink:
 
 
 class VfLinks(Protocol):
-    """The VF settings a PF's driver holds, by the PF's interface name and the VF's index there."""
+    """The VF settings a PF's driver holds, by the PF's interface name and the VF's index there. `set`
+    sends the MAC only `with_mac`: a driver may refuse a MAC of zeros (none), which a VF left as it was
+    must never be asked to take."""
 
     def get(self, ifname: str, vf: int) -> VfLink: ...
 
-    def set(self, ifname: str, vf: int, link: VfLink) -> None: ...
+    def set(self, ifname: str, vf: int, link: VfLink, *, with_mac: bool) -> None: ...
 
 
 def vf_position(sysfs: Path, bdf: str) -> tuple[str, int]:
@@ -85,12 +88,13 @@ def read_vf(sysfs: Path, links: VfLinks, bdf: str) -> VfLink:
     return links.get(pf_interface(sysfs, pf), n)
 
 
-def set_vf(sysfs: Path, links: VfLinks, bdf: str, link: VfLink) -> None:
-    """Give VF `bdf` this MAC and VLAN through its PF (idempotent)."""
+def set_vf(sysfs: Path, links: VfLinks, bdf: str, link: VfLink, *, with_mac: bool) -> None:
+    """Give VF `bdf` this VLAN, and this MAC `with_mac`, through its PF (idempotent)."""
     pf, n = vf_position(sysfs, bdf)
     ifname = pf_interface(sysfs, pf)
-    links.set(ifname, n, link)
-    log.info("set VF %d of %s (%s): mac %s vlan %d qos %d", n, ifname, bdf, link.mac, link.vlan, link.qos)
+    links.set(ifname, n, link, with_mac=with_mac)
+    log.info("set VF %d of %s (%s): %svlan %d qos %d", n, ifname, bdf, f"mac {link.mac} " if with_mac else "",
+             link.vlan, link.qos)
 
 
 class NetlinkVfLinks:
@@ -107,16 +111,29 @@ class NetlinkVfLinks:
             raise VfioError(f"reading the VFs of {ifname} failed: {exc}") from exc
         return vf_link_of(msgs[0] if msgs else None, ifname, vf)
 
-    def set(self, ifname: str, vf: int, link: VfLink) -> None:
+    def set(self, ifname: str, vf: int, link: VfLink, *, with_mac: bool) -> None:
         from pyroute2 import IPRoute
         from pyroute2.netlink.exceptions import NetlinkError
 
-        spec: dict[str, object] = {"vf": vf, "mac": link.mac, "vlan": link.vlan, "qos": link.qos}
+        spec: dict[str, object] = {"vf": vf, "vlan": link.vlan, "qos": link.qos}
+        if with_mac:
+            spec["mac"] = link.mac
         try:
             with IPRoute() as ipr:
-                ipr.link("set", index=self._index(ipr, ifname), vf=spec)
+                index = self._index(ipr, ifname)
+                try:
+                    ipr.link("set", index=index, vf=spec)
+                except NetlinkError as exc:
+                    if not (with_mac and link.mac == NO_MAC and exc.code == errno.EINVAL):
+                        raise
+                    # Some PF drivers take no MAC of zeros (a VF without an administrative MAC): the VLAN
+                    # is put back, the MAC the claim gave stays.
+                    log.warning("the driver of %s refuses to clear VF %d's MAC (%s): it keeps the one it has",
+                                ifname, vf, exc)
+                    ipr.link("set", index=index, vf={k: v for k, v in spec.items() if k != "mac"})
         except NetlinkError as exc:
-            raise VfioError(f"setting VF {vf} of {ifname} to mac {link.mac} vlan {link.vlan} failed: {exc}") from exc
+            what = f"mac {link.mac} vlan {link.vlan}" if with_mac else f"vlan {link.vlan}"
+            raise VfioError(f"setting VF {vf} of {ifname} to {what} failed: {exc}") from exc
 
     @staticmethod
     def _index(ipr: Any, ifname: str) -> int:
