@@ -7,3 +7,8 @@ from __future__ import annotations
 
 class ClaimFailure(Exception):
     """Why one claim could not be prepared or unprepared; the message names the cause precisely."""
+
+
+class WholeGpuInMigMode(ClaimFailure):
+    """The whole GPU (or a share of it) is asked for while the GPU is in MIG mode: CUDA cannot use the
+    whole GPU then, only its MIG devices (a claim allocated before the operator turned the mode on)."""

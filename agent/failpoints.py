@@ -14,8 +14,10 @@ The steps: prepare `after-claim-spec`, `after-metadata-file`, `after-metadata-sp
 `after-record`; unprepare `unprepare-after-record`, `unprepare-after-file`; metadata
 refresh `refresh-after-record`, `refresh-after-metadata-file`. Passthrough (VFIO) devices
 add, in prepare, `after-bind-intent` and around every binding step `bind-before-step` (its
-"step k is next" record written) and `bind-after-step`; in unprepare
-`unprepare-after-restore-intent` and `restore-before-step` / `restore-after-step`. MIG partitions
+"step k is next" record written) and `bind-after-step`, and for a VF whose MAC or VLAN the
+claim sets `vf-before-set` / `vf-after-set` (before its first step); in unprepare
+`unprepare-after-restore-intent`, `vf-before-restore` / `vf-after-restore` (the VF's MAC and VLAN
+put back, before its first step) and `restore-before-step` / `restore-after-step`. MIG partitions
 (`agent.hostprep.mig`) add, in prepare, `mig-before-<step>` (its "step is next" record written) and
 `mig-after-<step>` for the steps `mode`, `gpu-instance`, `compute-instance` and `uuid`, and in
 unprepare `mig-destroy-after-ci` and `mig-destroy-after-gi`. The check of a prepared record against

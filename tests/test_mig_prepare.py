@@ -288,3 +288,85 @@ async def test_a_metadata_refresh_keeps_the_mig_uuid(node: Node) -> None:
     (device,) = metadata.parse_stream(path.read_bytes())[0]["requests"][0]["devices"]
     assert device["attributes"]["uuid"] == {"string": part.uuid}
     assert node.engine.whole_record(UID).generation == record.generation  # nothing changed: not rewritten
+
+
+# -- a GPU in MIG mode: its MIG devices, not the whole GPU ---------------------------------------------------
+
+def operator_sets_mig_mode(node: Node, index: int, mode: int) -> None:
+    """As `nvidia-smi -i <index> -mig <mode>` would (the simulated H100 needs no reset)."""
+    access = nvml_of(node.inventory)()
+    assert access is not None
+    sim = access.nvml
+    sim.nvmlDeviceSetMigMode(sim.nvmlDeviceGetHandleByIndex(index), mode)
+
+
+def published(node: Node) -> dict[str, Any]:
+    """The devices and counter sets of the node's slices, by name."""
+    from agent.publish.slices import build_slices
+
+    out: dict[str, Any] = {}
+    for s in build_slices(node.inventory.devices(), driver=DRIVER, node=node.settings.node_name):
+        out |= {d["name"]: d for d in s["spec"].get("devices", [])}
+        out |= {c["name"]: c for c in s["spec"].get("sharedCounters", [])}
+    return out
+
+
+async def test_a_gpu_in_mig_mode_publishes_its_mig_devices_not_the_whole_gpu(node: Node) -> None:
+    assert "gpu-0" in published(node)
+    operator_sets_mig_mode(node, 0, 1)
+    await node.inventory.scan()
+    shown = published(node)
+    assert "gpu-0" not in shown and node.inventory.get("gpu-0") is None
+    # Its MIG devices and its counter set stay, and so does its passthrough variant (a VM gets the whole
+    # function, MIG mode with it); the other GPUs are whole.
+    assert {MIG, "gpu-0000-18-00-0-vfio", "gpu-1"} <= set(shown)
+    assert any(n.startswith("gpu-0000-18-00-0") and "consumesCounters" not in d and "counters" in d
+               for n, d in shown.items())
+    withheld = node.inventory.withheld("gpu-0")
+    assert withheld is not None and "is in MIG mode" in str(withheld)
+    assert any(line.startswith("gpu-0: GPU 0000:18:00.0") for line in node.inventory.snapshot().not_published())
+    # A claim the scheduler allocated the whole GPU before: a precise per-claim error naming the GPU.
+    error = await prepare(node, "whole", UID, "gpu-0")
+    assert f"claim default/whole ({UID}): device gpu-0: GPU 0000:18:00.0 (GPU-" in error, error
+    assert "is in MIG mode" in error, error
+    assert "internal error" not in error and node.engine.whole_record(UID) is None
+    # Its MIG devices prepare as before.
+    assert await prepare(node, "m", UID2, MIG) == "" and await unprepare(node, "m", UID2) == ""
+    # MIG mode off: the whole GPU is back.
+    operator_sets_mig_mode(node, 0, 0)
+    await node.inventory.scan()
+    assert "gpu-0" in published(node) and node.inventory.withheld("gpu-0") is None
+    assert await prepare(node, "whole", UID, "gpu-0") == ""
+
+
+async def test_a_whole_gpu_put_in_mig_mode_after_the_scan_is_refused_at_prepare(node: Node) -> None:
+    """The mode changed after the claim was allocated and before a scan saw it: prepare asks NVML."""
+    operator_sets_mig_mode(node, 1, 1)
+    assert node.inventory.get("gpu-1") is not None  # not scanned since
+    error = await prepare(node, "whole", UID, "gpu-1")
+    assert f"claim default/whole ({UID}): device gpu-1: GPU 0000:2a:00.0 (GPU-" in error, error
+    assert "is in MIG mode" in error, error
+    assert node.engine.whole_record(UID) is None
+    assert not list(node.settings.cdi_dir.glob(f"*{UID}*"))
+    operator_sets_mig_mode(node, 1, 0)
+    assert await prepare(node, "whole", UID, "gpu-1") == ""
+
+
+def test_the_shared_form_of_a_gpu_in_mig_mode_is_withheld_too(tmp_path: Path) -> None:
+    from agent.config import NvmlMode, Settings
+    from agent.errors import WholeGpuInMigMode
+    from agent.inventory.gpus import GpuSource
+
+    source = GpuSource(Settings(node_name="n", nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path / "state"),
+                       sharing=True)
+    source.open()
+    try:
+        assert {"gpu-0", "gpu-0-shared"} <= {d.name for d in source.scan().devices}
+        source.nvml.nvmlDeviceSetMigMode(source.nvml.nvmlDeviceGetHandleByIndex(0), 1)
+        result = source.scan()
+    finally:
+        source.close()
+    names = {d.name for d in result.devices}
+    assert "gpu-0" not in names and "gpu-0-shared" not in names and "gpu-1-shared" in names
+    assert sorted(w.device for w in result.withheld) == ["gpu-0", "gpu-0-shared"]
+    assert all(isinstance(w.failure(), WholeGpuInMigMode) for w in result.withheld)

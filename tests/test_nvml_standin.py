@@ -6,7 +6,7 @@ and NVML return codes are all exercised. A process loads one library, so everyth
 in a subprocess.
 
 The machine is tests/nvml_standin/machine.txt: three GPUs (Hopper, MIG capable; Ada, without a NUMA
-node in NVML; a GPU newer than the agent, MIG on, minor 3 at index 2). The `legacy` build lacks
+node in NVML; a GPU newer than the agent, MIG mode pending a reset, minor 3 at index 2). The `legacy` build lacks
 nvmlDeviceGetNumaNodeId and nvmlDeviceGetMemoryInfo_v2, as an older driver's library does. Faults
 come from a control file the library reads on every call (see nvml_standin.c). The library also holds
 each GPU it hands out a handle of open, lists only the GPUs the host tree shows on nvidia, and does MIG
@@ -84,8 +84,9 @@ EXPECTED: dict[str, dict[str, Any]] = {
             "productName": {"string": "NVIDIA Next-Gen GPU"},
             # Codes the agent has no name for: the documented fallback, not dropped.
             "brand": {"string": "unknown-42"}, "architecture": {"string": "unknown-77"},
+            # MIG mode on only once the GPU is reset: NVML's current mode, off, is what it publishes.
             "cudaComputeCapability": {"version": "12.1.0"}, "migCapable": {"bool": True},
-            "migEnabled": {"bool": True}, "resource.kubernetes.io/pciBusID": {"string": "0000:af:00.0"},
+            "migEnabled": {"bool": False}, "resource.kubernetes.io/pciBusID": {"string": "0000:af:00.0"},
             "resource.kubernetes.io/numaNode": {"int": 1}, **DRIVER_ATTRS,
         },
         "capacity": {"memory": {"value": "180Gi"}},
@@ -206,7 +207,7 @@ def test_pynvml_reads_the_standin_like_the_driver_library(env: dict[str, str]) -
         "memory": [193273528320] * 4,
         "memory v2 with a wrong version": ["NVMLError_ArgumentVersionMismatch"] * 2,
         "strings": ["NVIDIA Next-Gen GPU", NEXT_UUID, "570.124.06"],
-        "numbers": [3, 42, 77, [12, 1], [1, 1], 1, 12080],
+        "numbers": [3, 42, 77, [12, 1], [0, 1], 1, 12080],
         "null handle": "NVMLError_InvalidArgument",
         "index 3": "NVMLError_InvalidArgument",
         "error 1234": "Unknown Error",  # asked of the library's nvmlErrorString

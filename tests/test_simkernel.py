@@ -317,7 +317,11 @@ def test_gpus_offer_vgpu_types_and_the_nic_none(tmp_path: Path) -> None:
     materialize(profile, tmp_path)
     simmdev.materialize(profile, tmp_path)
     tree = SimTree(tmp_path)
-    assert sorted(os.listdir(tree.sys / "class" / "mdev_bus")) == sorted(g.bus_id for g in profile.gpus)
+    # Each GPU lists its types itself, but the one with SR-IOV VFs, whose VFs list them (and it none).
+    parents = [g.bus_id for g in profile.gpus if not g.vgpu_vfs]
+    parents += [g.vf_bus_id(n) for g in profile.gpus for n in range(g.vgpu_vfs)]
+    assert sorted(os.listdir(tree.sys / "class" / "mdev_bus")) == sorted(parents) and len(parents) == 7 + 20
+    assert not (tree.devices / "0000:db:00.0" / "mdev_supported_types").exists()
     types = tree.devices / "0000:18:00.0" / "mdev_supported_types"
     assert len(os.listdir(types)) == 6
     one = types / "nvidia-1021"

@@ -31,6 +31,7 @@ from agent.claims.records import (
 )
 from agent.claims.store import ClaimStore
 from agent.host.vfio.bind import BindPlan, BindStep, FunctionBinding, StepKind
+from agent.host.vfio.sriov import VfLink
 
 UID = "7d9c9b4e-0d6f-4f34-9a0e-3f5b8f1b2c3d"
 
@@ -277,7 +278,31 @@ def test_records_without_bindings_stay_version_1_and_version_1_stays_strict():
             decode(data)
 
 
+@pytest.mark.parametrize("vlan", [0, None, 42])
+def test_a_vfs_previous_settings_and_a_cleared_vlan_round_trip(vlan):
+    """A VLAN of 0 asked for (cleared) stays apart from one not asked for (left), with what the VF had before."""
+    rec = bound_record()
+    rec = dataclasses.replace(rec, bindings=[dataclasses.replace(
+        rec.bindings[0], vlan=vlan, previous=VfLink("02:00:00:00:0e:01", 100, 2))])
+    assert decode(encode(rec)) == rec
+
+
+def test_a_binding_written_before_previous_settings_reads_as_before():
+    """A record an agent wrote before it kept a VF's previous settings: its `vlan: 0` was never applied."""
+    body = orjson.loads(bound_record().to_json())
+    body["bindings"][0]["vlan"] = 0
+    (b,) = decode(framed(orjson.dumps(body), 2)).bindings
+    assert (b.vlan, b.previous, b.sets_vf) == (None, None, True)
+    body["bindings"][0]["mac"] = ""
+    (b,) = decode(framed(orjson.dumps(body), 2)).bindings
+    assert not b.sets_vf
+    # And a binding that sets nothing on a VF is written as such a record is.
+    assert "previous" not in orjson.loads(dataclasses.replace(bound_record(), bindings=[dataclasses.replace(
+        b, vlan=None)]).to_json())["bindings"][0]
+
+
 @pytest.mark.parametrize("damage", [
+    ("vlan", None), ("previous", {"mac": "x", "vlan": "1", "qos": 0}), ("previous", None),
     ("state", "half-bound"), ("step", -1), ("step", True), ("iommu", "vfio"), ("extra", 1), ("plan", {}),
 ])
 def test_a_malformed_binding_is_refused(damage):

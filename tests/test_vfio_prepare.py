@@ -19,15 +19,19 @@ from typing import Any
 
 import pytest
 from agentkit import Node, claim, make_node, nic, restarted, result, write_claim, written_files
+from handshakes import paused
 from test_vfio import fake_proc
 
+from agent import failpoints
 from agent.claims import metadata
 from agent.claims.allocation import config_api_version
 from agent.claims.records import ClaimRecord, RecordState
 from agent.claims.store import ClaimStore
 from agent.engine.recovery import recover
 from agent.host.vfio.bind import BindStep, StepKind, apply_step
+from agent.host.vfio.errors import VfioError
 from agent.host.vfio.pci import current_driver, current_override, iommu_group
+from agent.host.vfio.sriov import NO_MAC, VfLink
 from agent.hostprep.mig import nvml_of
 from agent.inventory.passthrough import NicVariants
 from agent.names import ClaimRef
@@ -35,11 +39,14 @@ from agent.sim.hardware import materialize
 from agent.sim.kernel.emulator import KernelEmulator, WriteKind
 from agent.sim.kernel.tree import SimTree
 from agent.sim.profiles import BUILTIN, load_profile
+from agent.sim.vflinks import SimVfLinks
 
 GPU_BUS, GPU_GROUP = "0000:18:00.0", 100  # gpu-0 of dgx-h100
 GPU_VARIANT = "gpu-0000-18-00-0-vfio"
 VF_BUS = "0000:4b:00.1"  # VF 0 of the ConnectX-7
 VF_VARIANT = "nic-0000-4b-00-1-vfio"
+PF_IF = "ens75f0np0"  # the ConnectX-7 PF's interface
+TENANT = VfLink("02:00:00:00:0e:01", 100, 2)  # what a previous tenant left on VF 0
 UID = "2f1a0000-0000-4000-8000-000000000001"
 UID2 = "2f1a0000-0000-4000-8000-000000000002"
 DRIVER = "dra.example.com"
@@ -142,20 +149,152 @@ async def test_native_and_passthrough_forms_exclude_each_other(vm: VmNode) -> No
     assert vm.driver(GPU_BUS) == "nvidia"
 
 
-async def test_vf_with_mac_vlan_and_iommufd(vm: VmNode, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO")
+async def test_vf_with_mac_vlan_and_iommufd_gets_them_and_gives_back_the_tenants(vm: VmNode) -> None:
+    links = SimVfLinks(vm.tree.root)
+    links.set(PF_IF, 0, TENANT)  # what the VF's previous tenant left (its PF's driver keeps it)
     res = await vm.prepare("vm-net", UID, VF_VARIANT,
                            config=vfio_config(iommu="iommufd", mac="02:aa:bb:cc:dd:01", vlan=42))
     assert res.error == ""
     assert vm.driver(VF_BUS) == "vfio-pci"
+    assert links.get(PF_IF, 0) == VfLink("02:aa:bb:cc:dd:01", 42, 0)
+    assert links.get(PF_IF, 1) == VfLink()  # another VF is not touched
     (dev,) = spec_of(vm, UID)["devices"]
     assert [n["path"] for n in dev["containerEdits"]["deviceNodes"]] == ["/dev/iommu", "/dev/vfio/devices/vfio0"]
     kv = kubevirt_device(vm, UID)
     assert kv["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": VF_BUS}
     assert kv["networkData"] == {"hardwareAddress": "02:aa:bb:cc:dd:01"}
-    assert "not setting VF 0 of ens75f0np0" in caplog.text and "vlan 42" in caplog.text
     assert await vm.unprepare("vm-net", UID) == ""
     assert vm.driver(VF_BUS) == "mlx5_core"
+    assert links.get(PF_IF, 0) == TENANT
+
+
+async def test_vlan_0_clears_the_previous_tenants_vlan(vm: VmNode) -> None:
+    """`vlan: 0` is "none": the VM's VF must not stay on the VLAN the last tenant left; the MAC, not asked
+    for, stays. Unprepare puts the tenant's VLAN back (the VF is as it was before the claim)."""
+    links = SimVfLinks(vm.tree.root)
+    links.set(PF_IF, 0, TENANT)
+    assert (await vm.prepare("vm-net", UID, VF_VARIANT, config=vfio_config(vlan=0))).error == ""
+    assert links.get(PF_IF, 0) == VfLink(TENANT.mac, 0, 0)
+    (b,) = whole(vm, UID).bindings
+    assert (b.vlan, b.previous) == (0, TENANT)
+    # The record says "cleared", not "left": recovery after a reboot clears it again.
+    materialize(load_profile("dgx-h100"), vm.tree.root, boot=True)
+    links.set(PF_IF, 0, TENANT)
+    assert UID in recover(restarted(vm.node)).records
+    assert links.get(PF_IF, 0) == VfLink(TENANT.mac, 0, 0)
+    assert await vm.unprepare("vm-net", UID) == ""
+    assert links.get(PF_IF, 0) == TENANT
+
+
+async def test_no_vlan_asked_leaves_the_vlan(vm: VmNode) -> None:
+    links = SimVfLinks(vm.tree.root)
+    links.set(PF_IF, 0, TENANT)
+    assert (await vm.prepare("vm-net", UID, VF_VARIANT, config=vfio_config(mac="02:aa:bb:cc:dd:02"))).error == ""
+    assert links.get(PF_IF, 0) == VfLink("02:aa:bb:cc:dd:02", TENANT.vlan, TENANT.qos)
+    assert await vm.unprepare("vm-net", UID) == ""
+    assert links.get(PF_IF, 0) == TENANT
+
+
+async def test_a_vlan_only_claim_never_sends_the_pf_a_mac(vm: VmNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some PF drivers refuse a MAC of zeros (what a VF without an administrative MAC has): a claim that sets
+    only the VLAN sends the PF no MAC, at prepare or at unprepare."""
+    links = vm.node.engine.passthrough.links
+    assert isinstance(links, SimVfLinks)
+    sent: list[bool] = []
+    real = links.set
+
+    def like_such_a_driver(ifname: str, vf: int, link: VfLink, *, with_mac: bool = True) -> None:
+        sent.append(with_mac)
+        if with_mac and link.mac == NO_MAC:
+            raise VfioError(f"setting VF {vf} of {ifname}: Invalid argument")
+        real(ifname, vf, link, with_mac=with_mac)
+
+    monkeypatch.setattr(links, "set", like_such_a_driver)
+    links.set(PF_IF, 0, VfLink(NO_MAC, 100, 0), with_mac=False)  # no MAC, the previous tenant's VLAN
+    sent.clear()
+    assert (await vm.prepare("vm-net", UID, VF_VARIANT, config=vfio_config(vlan=0))).error == ""
+    assert links.get(PF_IF, 0) == VfLink(NO_MAC, 0, 0)
+    assert await vm.unprepare("vm-net", UID) == ""
+    assert links.get(PF_IF, 0) == VfLink(NO_MAC, 100, 0) and sent == [False, False]
+
+
+async def test_the_vfs_settings_are_recorded_before_they_change(vm: VmNode) -> None:
+    """Held just after the VF was set: the record on disk already says what the VF had before, so a crash
+    here loses nothing; the next start (recovery) puts it back."""
+    links = SimVfLinks(vm.tree.root)
+    links.set(PF_IF, 0, TENANT)
+    failpoints.configure("vf-after-set=pause")
+    try:
+        task = asyncio.create_task(vm.prepare("vm-net", UID, VF_VARIANT, config=vfio_config(vlan=0)))
+        await paused("vf-after-set")
+        assert links.get(PF_IF, 0) == VfLink(TENANT.mac, 0, 0)
+        found = ClaimStore(vm.node.settings.claims_state_dir).read(UID)
+        assert found is not None
+        (b,) = found[0].bindings
+        assert found[0].state is RecordState.BINDING and b.previous == TENANT and b.vlan == 0
+        # The next step fails: the prepare rolls back, the VF's settings included.
+        failpoints.configure("bind-before-step=raise")
+        assert "bind-before-step" in (await task).error
+    finally:
+        failpoints.configure("")
+    assert links.get(PF_IF, 0) == TENANT and vm.driver(VF_BUS) == "mlx5_core"
+    assert UID not in vm.node.engine.records
+
+
+async def test_recovery_puts_back_the_vf_of_a_prepare_killed_after_setting_it(vm: VmNode) -> None:
+    """What a prepare killed just after setting the VF leaves: its intent record (with what the VF had) and
+    the VF changed. The next start rolls it back, the VF's settings included."""
+    links = SimVfLinks(vm.tree.root)
+    links.set(PF_IF, 0, TENANT)
+    engine = vm.node.engine
+    write_claim(vm.node.claims_dir, claim("vm-net", UID, [result(VF_VARIANT, "vm")], config=vfio_config(vlan=0)))
+    from agent.claims.allocation import parse_claim
+    from agent.claims.records import PreparedDevice
+
+    alloc = parse_claim(engine.claims.read("default", "vm-net"), ClaimRef("default", "vm-net", UID),  # type: ignore[attr-defined]
+                        driver=DRIVER, pool=vm.node.settings.node_name, lookup=engine.inventory.get)
+    bindings = engine.passthrough.plan(alloc)
+    engine.book.write(ClaimRecord(uid=UID, namespace="default", name="vm-net", state=RecordState.BINDING,
+                                  bindings=bindings,
+                                  devices=[PreparedDevice("vm", vm.node.settings.node_name, VF_VARIANT, ())]))
+    links.set(PF_IF, 0, VfLink(TENANT.mac, 0, 0))
+    assert recover(restarted(vm.node)).settled == [UID]
+    assert links.get(PF_IF, 0) == TENANT and vm.driver(VF_BUS) == "mlx5_core"
+
+
+@pytest.mark.parametrize("steps_done", [0, 2])
+async def test_recovery_puts_back_the_vf_of_a_restore_that_stopped(vm: VmNode, steps_done: int) -> None:
+    links = SimVfLinks(vm.tree.root)
+    links.set(PF_IF, 0, TENANT)
+    config = vfio_config(mac="02:aa:bb:cc:dd:03", vlan=5)
+    assert (await vm.prepare("vm-net", UID, VF_VARIANT, config=config)).error == ""
+    record = whole(vm, UID)
+    vm.node.engine.book.write(dataclasses.replace(record, state=RecordState.RESTORING, files=[], dirs=[],
+                                                  bindings=[dataclasses.replace(b, step=steps_done)
+                                                            for b in record.bindings]))
+    for step in record.bindings[0].plan.restore().steps[:steps_done]:
+        apply_step(vm.tree.sys, step)
+    assert recover(restarted(vm.node)).settled == [UID]
+    assert links.get(PF_IF, 0) == TENANT and vm.driver(VF_BUS) == "mlx5_core"
+
+
+async def test_the_crash_suites_vf_check_can_fail(vm: VmNode) -> None:
+    """`make stress` counts a VF whose MAC or VLAN is not what the records say as an inconsistency."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "stress"))
+    import stress
+
+    links = SimVfLinks(vm.tree.root)
+    for (pf, n), link in stress.TENANT_VF_LINKS.items():
+        links.set(pf, n, link)
+    assert stress.check_vf_links(vm.node.settings, {}) == []
+    assert (await vm.prepare("vm-net", UID, VF_VARIANT, config=vfio_config(vlan=0))).error == ""
+    records = vm.node.engine.store.load_all()[0]
+    assert stress.check_vf_links(vm.node.settings, records) == []
+    assert stress.check_vf_links(vm.node.settings, {}) != []
+    links.set(PF_IF, 0, stress.TENANT_VF_LINKS[(PF_IF, 0)])  # the VLAN clear undone behind the agent's back
+    assert stress.check_vf_links(vm.node.settings, records) != []
+    assert await vm.unprepare("vm-net", UID) == ""
+    assert stress.check_vf_links(vm.node.settings, {}) == []
 
 
 @pytest.mark.parametrize(("fields", "message"), [

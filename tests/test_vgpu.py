@@ -351,3 +351,53 @@ def test_a_create_the_emulator_began_and_a_kill_cut_short_is_finished_or_undone(
     assert mdev.exists(sysfs, typed) and mdev.type_of(sysfs, typed) == "nvidia-1022"
     assert mdev.iommu_group(sysfs, typed) is not None and (parent / typed / "remove").is_file()
     assert not (parent / bare).exists() and mdev.mdevs_of(sysfs, GPU) == {typed: "nvidia-1022"}
+
+
+# -- a GPU whose vGPU types are on its SR-IOV VFs (gpu-7 of dgx-h100) ------------------------------------------
+
+SRIOV_GPU = "0000:db:00.0"
+VFS = [f"0000:db:{(4 + n) // 8:02x}.{(4 + n) % 8}" for n in range(20)]
+
+
+def test_a_gpu_with_sriov_vfs_lists_its_types_on_each_vf_not_on_itself(machine: Machine) -> None:
+    sysfs = machine.host.sysfs
+    assert mdev.vgpu_parents(sysfs, SRIOV_GPU) == VFS and VFS[:5] == [
+        "0000:db:00.4", "0000:db:00.5", "0000:db:00.6", "0000:db:00.7", "0000:db:01.0"]
+    assert mdev.list_types(sysfs, SRIOV_GPU) == [] and mdev.vgpu_parents(sysfs, GPU) == [GPU]
+    assert {t.id: t.available for t in mdev.list_types(sysfs, VFS[0])} == {t: 1 for t in LIMITS}  # one vGPU a VF
+    assert {t.id: (t.max_instances, t.available) for t in mdev.gpu_types(sysfs, SRIOV_GPU)} == {
+        t: (n, 20) for t, n in LIMITS.items()}
+
+
+def test_the_vgpu_devices_of_a_sriov_gpu_are_the_gpus_on_its_counter_set(dgx: list[Device]) -> None:
+    gpu7 = next(d for d in dgx if d.name == "gpu-7")
+    mine = [d for d in dgx if d.name.startswith("gpu-7-vgpu-")]
+    assert {d.name for d in mine} == {f"gpu-7-vgpu-{t}-{i}" for t, n in LIMITS.items() for i in range(n)}
+    assert all(d.node.gpu.pci_bus_id == SRIOV_GPU and d.attributes["parentUUID"] == gpu7.attributes["uuid"]
+               and d.consumes_counters[0].counter_set == gpu7.consumes_counters[0].counter_set for d in mine)
+    # A VF is no GPU of its own: neither a GPU nor a passthrough variant of one.
+    assert not [d for d in dgx if any(vf.replace(":", "-").replace(".", "-") in d.name for vf in VFS)]
+
+
+def test_a_vgpu_of_a_sriov_gpu_is_made_on_a_free_vf(machine: Machine) -> None:
+    sysfs = machine.host.sysfs
+    p = VgpuPartitioner(machine.host, timeout=30)
+    made = []
+    for i in range(LIMITS["nvidia-1024"]):
+        part = p.plan(f"uid-{i}", alloc(machine.devices, f"gpu-7-vgpu-nvidia-1024-{i}"))
+        assert part.parent == VFS[i]  # the first VF with an instance free: one vGPU per VF
+        made.append(p.create(part, lambda _: None))
+        assert p.exists(made[-1]) and mdev.parent_of(sysfs, made[-1].uuid) == VFS[i]
+    assert mdev.gpu_mdevs(sysfs, SRIOV_GPU) == {m.uuid: "nvidia-1024" for m in made}
+    # The type's limit and the one type per GPU hold across the VFs.
+    with pytest.raises(NoInstanceAvailable, match="all instances of nvidia-1024 are in use"):
+        p.plan("uid-x", alloc(machine.devices, "gpu-7-vgpu-nvidia-1024-0"))
+    with pytest.raises(NoInstanceAvailable, match="one type at a time"):
+        p.plan("uid-y", alloc(machine.devices, "gpu-7-vgpu-nvidia-1021-0"))
+    # The GPU itself is never a parent: a create written to it is refused by the driver.
+    assert not (sysfs / "bus" / "pci" / "devices" / SRIOV_GPU / "mdev_supported_types").exists()
+    p.destroy(made[1], None)
+    assert p.plan("uid-z", alloc(machine.devices, "gpu-7-vgpu-nvidia-1024-1")).parent == VFS[1]
+    for m in made:
+        p.destroy(m, None)
+    assert mdev.gpu_mdevs(sysfs, SRIOV_GPU) == {} and machine.kernel.refusals == []

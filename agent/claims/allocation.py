@@ -20,6 +20,7 @@ from agent.apirules import dns_label_errors, quantity_errors
 from agent.claims.metadata import POD_CLAIM_NAME, AllocatedDevice
 from agent.errors import ClaimFailure
 from agent.facts import PassthroughFacts
+from agent.inventory import Withheld
 from agent.kinds import Kind
 from agent.model import Device
 from agent.names import ClaimRef, InvalidName, base_request, check_request
@@ -49,7 +50,7 @@ class VfioSettings:
 
     iommu: str = "legacy"  # legacy (/dev/vfio/vfio + /dev/vfio/<group>) | iommufd (/dev/iommu + cdev)
     mac: str = ""  # set on a VF through its PF before binding ("" leaves it)
-    vlan: int = 0  # likewise (0: none)
+    vlan: int | None = None  # likewise (0 clears it; None, not asked for, leaves it)
     where: str = ""
 
 
@@ -121,7 +122,10 @@ def _string(obj: Mapping[Any, Any], key: str, path: str, *, default: str | None 
 # -- the claim ---------------------------------------------------------------------------------------
 
 def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: str,
-                lookup: Callable[[str], Device | None]) -> Allocation:
+                lookup: Callable[[str], Device | None],
+                withheld: Callable[[str], Withheld | None] = lambda _: None) -> Allocation:
+    """The claim's allocation on this node; `withheld` says why a device discovery read is not published
+    now (its typed failure is raised for a claim allocated it before)."""
     if not isinstance(claim, Mapping):
         raise ClaimError(f"the claim must be an object, not {_kind(claim)}")
     meta = _object(claim.get("metadata"), "metadata")
@@ -176,6 +180,8 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
             raise ClaimError(f"device {device_name} of pool {result_pool!r} is not on this node "
                              f"(pool {pool!r})")
         device = lookup(device_name)
+        if device is None and (held := withheld(device_name)) is not None:
+            raise held.failure()
         if device is None:
             raise ClaimError(f"device {device_name} is not on this node")
         if admin_access:
@@ -341,7 +347,7 @@ def decode_config(params: Any, driver: str, where: str = "parameters") -> dict[s
 
 
 def _decode_vfio(params: Mapping[Any, Any], where: str) -> _VfioEntry:
-    iommu, mac, vlan = params.get("iommu", "legacy"), params.get("mac", ""), params.get("vlan", 0)
+    iommu, mac, vlan = params.get("iommu", "legacy"), params.get("mac", ""), params.get("vlan")
     if iommu not in IOMMU_BACKENDS:
         raise ClaimError(f"{where}.iommu must be 'legacy' or 'iommufd', not {_value(iommu)}")
     if not isinstance(mac, str) or (mac and not _MAC.match(mac.lower())):
@@ -349,7 +355,7 @@ def _decode_vfio(params: Mapping[Any, Any], where: str) -> _VfioEntry:
     mac = mac.lower()
     if mac and int(mac[:2], 16) & 1:
         raise ClaimError(f"{where}.mac {mac!r} is a multicast address: a VF needs a unicast one")
-    if type(vlan) is not int or not 0 <= vlan <= MAX_VLAN:
+    if "vlan" in params and (type(vlan) is not int or not 0 <= vlan <= MAX_VLAN):
         raise ClaimError(f"{where}.vlan must be a VLAN ID from 0 (none) to {MAX_VLAN}, not {_value(vlan)}")
     fields = frozenset(k for k in ("iommu", "mac", "vlan") if k in params)
     return _VfioEntry(VfioSettings(iommu=str(iommu), mac=mac, vlan=vlan, where=where), fields)

@@ -56,6 +56,7 @@ import orjson
 
 from agent.claims.filenames import METADATA_FILE_NAME, metadata_spec_request
 from agent.host.vfio.bind import BindPlan
+from agent.host.vfio.sriov import VfLink
 from agent.kinds import PartitionKind
 from agent.model import AttrValue
 
@@ -120,32 +121,47 @@ class DeviceBinding:
 
     `plan` holds every step and each function's original driver, written before the first step
     takes effect; `step` is the next step to apply, written before it is applied: of `plan` while
-    the record is `binding`, of `plan.restore()` while it is `restoring`."""
+    the record is `binding`, of `plan.restore()` while it is `restoring`. `previous`, for a VF whose
+    MAC or VLAN the claim sets, is what its PF held for it before, read before the intent record is
+    written (so before anything changes) and put back when the binding is undone."""
 
     device: str  # the claim's passthrough device (`gpu-0000-18-00-0-vfio`)
     plan: BindPlan
     step: int = 0
     boot_id: str = ""  # the kernel boot the functions were bound in (a reboot forgets bindings)
     iommu: str = "legacy"  # the VFIO interface the CDI spec gives: legacy | iommufd
-    mac: str = ""  # the MAC VfioConfig set on a VF (also its metadata's hardwareAddress)
-    vlan: int = 0  # the VLAN VfioConfig set on a VF (0: none)
+    mac: str = ""  # the MAC VfioConfig set on a VF (also its metadata's hardwareAddress; "": left)
+    vlan: int | None = None  # the VLAN VfioConfig set on a VF (0: cleared; None: left)
+    previous: VfLink | None = None  # the VF's MAC and VLAN before the claim (None: nothing set)
+
+    @property
+    def sets_vf(self) -> bool:
+        return bool(self.mac) or self.vlan is not None
 
     def wire(self) -> dict[str, Any]:
-        return {"device": self.device, "plan": self.plan.wire(), "step": self.step, "bootId": self.boot_id,
-                "iommu": self.iommu, "mac": self.mac, "vlan": self.vlan}
+        # Without `previous`, `vlan` is written as records before it wrote it (0 for none), so an agent that
+        # predates it reads the record; with it, 0 is a VLAN cleared and null one left.
+        out = {"device": self.device, "plan": self.plan.wire(), "step": self.step, "bootId": self.boot_id,
+               "iommu": self.iommu, "mac": self.mac, "vlan": self.vlan or 0}
+        if self.previous is not None:
+            out |= {"vlan": self.vlan, "previous": self.previous.wire()}
+        return out
 
     @classmethod
     def from_wire(cls, raw: object) -> DeviceBinding:
         keys = {"device", "plan", "step", "bootId", "iommu", "mac", "vlan"}
-        if not isinstance(raw, Mapping) or set(raw) != keys:
+        if not isinstance(raw, Mapping) or set(raw) - {"previous"} != keys:
             raise ValueError(f"not a device binding: {raw!r}"[:200])
         device, plan, step, boot, iommu, mac, vlan = (raw[k] for k in (
             "device", "plan", "step", "bootId", "iommu", "mac", "vlan"))
         if not (isinstance(device, str) and isinstance(plan, Mapping) and type(step) is int and step >= 0
                 and isinstance(boot, str) and iommu in ("legacy", "iommufd") and isinstance(mac, str)
-                and type(vlan) is int):
+                and (type(vlan) is int or (vlan is None and "previous" in raw))):
             raise ValueError(f"device binding of {device!r} has a field of the wrong type"[:200])
-        return cls(device, BindPlan.from_wire(plan), step, boot, iommu, mac, vlan)
+        previous = VfLink.from_wire(raw["previous"]) if "previous" in raw else None
+        if previous is None and vlan == 0:
+            vlan = None  # a record from before `previous`: a VLAN of 0 was never applied
+        return cls(device, BindPlan.from_wire(plan), step, boot, iommu, mac, vlan, previous)
 
 
 _PARTITION_KEYS = ("device", "kind", "parent", "profile", "start", "step", "uuid", "gpuInstance",
@@ -160,7 +176,7 @@ class DevicePartition:
 
     device: str  # the claim's device as published (gpu-3-mig-1g10gb-4, gpu-3-vgpu-<type>)
     kind: PartitionKind
-    parent: str  # MIG: the parent GPU's UUID; mdev: the parent's PCI bus ID (0000:18:00.0)
+    parent: str  # MIG: the parent GPU's UUID; mdev: its parent's PCI bus ID (the GPU, or its SR-IOV VF)
     profile: str  # MIG profile name (1g.10gb) | mdev type id (nvidia-1021)
     start: int = 0  # MIG placement start (memory slice); 0 for mdev
     step: int = 0  # next step to apply

@@ -99,7 +99,7 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
             return None
         claim = read(ref.namespace, ref.name)
         alloc = parse_claim(claim, ref, driver=engine.settings.driver_name, pool=engine.settings.node_name,
-                            lookup=engine.inventory.get)
+                            lookup=engine.inventory.get, withheld=engine.inventory.withheld)
         keys = [engine.effects.lock_key(a.device) for a in alloc.devices]
         with engine.devices_locked(keys, shared=keys if all(a.device.kind.shared for a in alloc.devices) else ()):
             return _apply(engine, alloc)

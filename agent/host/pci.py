@@ -111,7 +111,8 @@ def _describe(bus_id: str, real: Path) -> PciFunction:
 
 
 def nvidia_display_functions(sysfs_root: Path) -> list[str]:
-    """Bus IDs of NVIDIA (vendor 0x10de) display-class functions (class 0x03xxxx)."""
+    """Bus IDs of NVIDIA (vendor 0x10de) display-class functions (class 0x03xxxx), GPUs only: an SR-IOV VF
+    of a GPU (`physfn`: what a vGPU manager enables to host one vGPU each) is no GPU of its own."""
     out: list[str] = []
     base = sysfs_root / "bus" / "pci" / "devices"
     try:
@@ -120,6 +121,7 @@ def nvidia_display_functions(sysfs_root: Path) -> list[str]:
         return out
     for name in entries:
         is_display = (read_text(base / name / "class") or "").startswith("0x03")
-        if is_display and read_text(base / name / "vendor") == "0x10de":
+        if is_display and read_text(base / name / "vendor") == "0x10de" \
+                and not os.path.lexists(base / name / "physfn"):
             out.append(name)
     return out

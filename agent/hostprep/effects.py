@@ -27,8 +27,10 @@ from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import ClaimRecord, DeviceBinding, DevicePartition, PreparedDevice, RecordState
 from agent.errors import ClaimFailure
 from agent.hostprep.hosteffect import HostEffect, WriteRecord
+from agent.hostprep.mig import nvml_of
 from agent.hostprep.partitions import GpuForms, Partitioner, Partitions, check_gpu_forms, gpu_lock_key
 from agent.hostprep.vfio import Passthrough, lock_key
+from agent.hostprep.wholegpu import check_not_in_mig_mode
 from agent.inventory import Inventory
 from agent.kinds import PartitionKind
 from agent.model import Device
@@ -100,6 +102,7 @@ class HostEffects:
         self._check_leftovers({self.lock_key(a.device) for a in allocated})
         self.passthrough.check_forms(uid, allocated)
         check_gpu_forms(uid, allocated, self.forms, self.book)
+        check_not_in_mig_mode(allocated, nvml_of(self.inventory))
 
     def _check_leftovers(self, held: set[str]) -> None:
         """UndoPending when an earlier claim left host changes on these devices that cannot be undone yet

@@ -44,13 +44,14 @@ from agent.host.vfio.inuse import check_no_vfs, check_not_open, open_holders
 from agent.host.vfio.nodes import IommuBackend, host_has_iommufd, vfio_device_nodes
 from agent.host.vfio.pci import VFIO_PCI, current_driver, iommu_group, passthrough_set
 from agent.host.vfio.persistence import check_persistence_off
-from agent.host.vfio.sriov import set_vf_mac_vlan
+from agent.host.vfio.sriov import NetlinkVfLinks, VfLinks, read_vf, set_vf
 from agent.hostprep.hosteffect import WriteRecord
 from agent.hostprep.mig import nvml_of
 from agent.inventory import Inventory
 from agent.inventory.gpuminors import driver_minors
 from agent.kinds import Kind
 from agent.model import Device, DeviceNode
+from agent.sim.vflinks import SimVfLinks
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class Passthrough:
     def __init__(self, host: VfioHost, inventory: Inventory, book: ClaimBook, *,
                  timeout: float = DEFAULT_TIMEOUT) -> None:
         self.host = host
+        # Where a PF's driver keeps its VFs' MAC and VLAN: the kernel's (netlink), or the simulated NIC's.
+        self.links: VfLinks = SimVfLinks(host.sysfs.parent) if host.simulated else NetlinkVfLinks()
         self.inventory = inventory
         self.book = book
         self.timeout = timeout  # per binding step
@@ -176,7 +179,9 @@ class Passthrough:
             plan = plan_bind(self.host.sysfs, bdf)
             if boot is None:
                 boot = self.host.boot_id()
-            out.append(DeviceBinding(dev.name, plan, 0, boot, cfg.iommu, cfg.mac, cfg.vlan))
+            # What the VF has now (a previous tenant's MAC and VLAN), in the intent record before it changes.
+            previous = read_vf(self.host.sysfs, self.links, bdf) if cfg.mac or cfg.vlan is not None else None
+            out.append(DeviceBinding(dev.name, plan, 0, boot, cfg.iommu, cfg.mac, cfg.vlan, previous))
         return out
 
     def _check_gpu_free(self, bdf: str) -> None:
@@ -244,8 +249,8 @@ class Passthrough:
         record as last written."""
         with self._letting_go(record.bindings, check=True):
             for i, b in enumerate(record.bindings):
-                if b.mac or b.vlan:
-                    set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
+                if b.sets_vf:
+                    self._set_vf(b)
                 record = self._run(record, i, b.plan.steps, write, "bind")
         return record
 
@@ -260,6 +265,10 @@ class Passthrough:
         back again from any state), all steps."""
         with self._letting_go(record.bindings, check=False):
             for i, b in enumerate(record.bindings):
+                if b.previous is not None:  # back to what it had, while no host driver has the VF yet
+                    failpoints.hit("vf-before-restore")
+                    set_vf(self.host.sysfs, self.links, b.plan.target, b.previous, with_mac=bool(b.mac))
+                    failpoints.hit("vf-after-restore")
                 steps = b.plan.restore().steps
                 if write is None:
                     for step in steps:
@@ -267,6 +276,13 @@ class Passthrough:
                 else:
                     record = self._run(record, i, steps, write, "restore")
         return record
+
+    def _set_vf(self, b: DeviceBinding) -> None:
+        """The claim's MAC and VLAN on the VF (idempotent), over what it had before the claim."""
+        before = b.previous or read_vf(self.host.sysfs, self.links, b.plan.target)  # a record from before `previous`
+        failpoints.hit("vf-before-set")
+        set_vf(self.host.sysfs, self.links, b.plan.target, before.changed(b.mac, b.vlan), with_mac=bool(b.mac))
+        failpoints.hit("vf-after-set")
 
     def _run(self, record: ClaimRecord, i: int, steps: Sequence[BindStep], write: WriteRecord,
              what: str) -> ClaimRecord:
@@ -335,8 +351,8 @@ class Passthrough:
                             boot or "?", b.boot_id or "?")
                 if self._is_gpu(b.device, b.plan.target):
                     self._check_gpu_free(b.plan.target)
-                if b.mac or b.vlan:
-                    set_vf_mac_vlan(self.host.sysfs, b.plan.target, b.mac, b.vlan, simulated=self.host.simulated)
+                if b.sets_vf:
+                    self._set_vf(b)
                 with self._letting_go([b], check=True):
                     for step in b.plan.steps:
                         apply_step(self.host.sysfs, step, timeout=self.timeout)

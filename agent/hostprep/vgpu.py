@@ -3,9 +3,11 @@
 A claim for a published vGPU device (`gpu-0-vgpu-nvidia-1021-3`, `agent.inventory.vgpu`) gets a new
 mediated device of that type on that GPU, made at prepare and removed at unprepare:
 
-- plan: the parent is on its host driver (not passed through to a VM), offers the type, and the type
+- plan: the GPU is on its host driver (not passed through to a VM), offers the type, and the type
   has an instance available now (NVIDIA's driver offers none of another type once the GPU hosts
-  one). No side effect.
+  one); the parent is the GPU, or on a GPU whose SR-IOV VFs list the types (Ampere and later), its
+  first VF with an instance of the type available (a VF hosts one vGPU). The device the scheduler
+  allocated stays the GPU's, on its counter set; the record names the parent. No side effect.
 - create, one step (step 0): choose the UUID and record it (`write`) BEFORE writing it to the type's
   `create`, then wait (bounded) for the device. A crash anywhere leaves a record naming the UUID of
   any device that may exist, so `destroy` can always find it. Idempotent: a device with that UUID,
@@ -56,11 +58,11 @@ class VgpuPartitioner:
         if not isinstance(dev.node, GpuFacts) or not isinstance(target := dev.node.target, VgpuType):
             raise MdevError(f"device {dev.name} is not a vGPU device this agent published")
         parent, type_id = dev.node.gpu.pci_bus_id, target.id
-        driver = current_driver(self.host.sysfs, parent)
+        driver = current_driver(self.host.sysfs, parent)  # the GPU's: its VFs are there only while it is
         if driver == VFIO_PCI:
             raise ParentUnavailable(f"device {dev.name}: GPU {parent} is bound to {VFIO_PCI} (passed through to a "
                                     "VM): it hosts no vGPU until it is back on its host driver")
-        offered = mdev.list_types(self.host.sysfs, parent)
+        offered = mdev.gpu_types(self.host.sysfs, parent)
         if not offered:
             raise ParentUnavailable(f"device {dev.name}: GPU {parent} offers no vGPU types now (bound to "
                                     f"{driver or 'no driver'}; is the vGPU host driver loaded?)")
@@ -69,13 +71,17 @@ class VgpuPartitioner:
             raise TypeNotOffered(f"device {dev.name}: GPU {parent} does not offer vGPU type {type_id} (it offers "
                                  f"{', '.join(o.id for o in offered)})")
         if t.available <= 0:
-            present = mdev.mdevs_of(self.host.sysfs, parent)
+            present = mdev.gpu_mdevs(self.host.sysfs, parent)
             held = sorted(set(present.values()))
             why = (f"it hosts {len(present)} vGPU(s) of type {', '.join(held)}, and one GPU hosts one type at a time"
                    if held and held != [type_id] else f"all instances of {type_id} are in use")
             raise NoInstanceAvailable(f"device {dev.name}: GPU {parent} has no {type_id} ({t.name}) instance "
                                       f"available: {why}; retry once one is released")
-        return DevicePartition(device=dev.name, kind=PartitionKind.MDEV, parent=parent, profile=type_id,
+        on = mdev.parent_for(self.host.sysfs, parent, type_id)
+        if on is None:  # gone between the two reads
+            raise NoInstanceAvailable(f"device {dev.name}: GPU {parent} has no {type_id} instance available now; "
+                                      "retry once one is released")
+        return DevicePartition(device=dev.name, kind=PartitionKind.MDEV, parent=on, profile=type_id,
                                boot_id=self.host.boot_id())
 
     def create(self, part: DevicePartition, write: WritePartition) -> DevicePartition:

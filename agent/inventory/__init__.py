@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from agent.errors import ClaimFailure
 from agent.model import Device
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,22 @@ class DeviceFailure:
 
 
 @dataclass(frozen=True, slots=True)
+class Withheld:
+    """A device discovery read but does not publish now, because it cannot be used as it is (a whole GPU in
+    MIG mode); a prepare of a claim allocated it before raises `error` with the reason."""
+
+    device: str
+    reason: str
+    error: type[ClaimFailure]
+
+    def __str__(self) -> str:
+        return f"{self.device}: {self.reason}"
+
+    def failure(self) -> ClaimFailure:
+        return self.error(f"device {self.device}: {self.reason}")
+
+
+@dataclass(frozen=True, slots=True)
 class SourceProblem:
     """A failure that names no device (`what` says what failed: "interface eth3", "GPU at NVML
     index 1"); logged and shown, never reported on the health stream."""
@@ -87,6 +104,7 @@ class ScanResult:
     devices: list[Device] = field(default_factory=list)
     failed_devices: list[DeviceFailure] = field(default_factory=list)
     problems: list[SourceProblem] = field(default_factory=list)
+    withheld: list[Withheld] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,10 +141,12 @@ class Snapshot:
     # or longer), and why.
     unknown: dict[str, str]
     taken_at: float
+    withheld: list[Withheld] = field(default_factory=list)
 
     def not_published(self) -> list[str]:
         """One line per device, interface or source that discovery could not read, for people."""
         lines = [str(f) for f in self.failed_devices] + [str(p) for p in self.problems]
+        lines += [str(w) for w in self.withheld]
         lines += [f"{s.kind} discovery: {s.reason} ({s.failures} failed scans in a row)"
                   for s in self.failing_sources]
         return sorted(lines)
@@ -278,6 +298,7 @@ class Inventory:
         devices: dict[str, Device] = {}
         failed: list[DeviceFailure] = []
         problems: list[SourceProblem] = []
+        withheld: list[Withheld] = []
         unknown: dict[str, str] = {}
         for state in self._kinds.values():
             failure = state.failure
@@ -291,9 +312,10 @@ class Inventory:
                                              f"last good scan: {failure.reason}")
                 failed += state.good.failed_devices
                 problems += state.good.problems
+                withheld += state.good.withheld
         failing = [st.failure for st in self._kinds.values() if st.failure is not None]
         return Snapshot(devices=devices, failed_devices=failed, problems=problems, failing_sources=failing,
-                        unknown=unknown, taken_at=time.time())
+                        unknown=unknown, taken_at=time.time(), withheld=withheld)
 
     def devices(self) -> list[Device]:
         return sorted(self.snapshot().devices.values(), key=lambda d: d.name)
@@ -304,12 +326,13 @@ class Inventory:
     def judges(self, name: str) -> bool:
         """Whether the absence of device `name` means it is not on the node: every source has scanned
         and its latest scan succeeded, and none named the device as one it could not read."""
-        for state in self._kinds.values():
-            if state.good is None or state.failure is not None:
-                return False
-            if any(f.device == name for f in state.good.failed_devices):
-                return False
-        return True
+        return all(st.good is not None and st.failure is None
+                   and not any(f.device == name for f in st.good.failed_devices) for st in self._kinds.values())
+
+    def withheld(self, name: str) -> Withheld | None:
+        """Why device `name` is not published now, when discovery withholds it (None: it is not)."""
+        return next((w for st in self._kinds.values() if st.good for w in st.good.withheld if w.device == name),
+                    None)
 
     def source_failures(self) -> list[SourceFailure]:
         """The sources whose latest scans failed, by kind."""
@@ -365,8 +388,8 @@ def _duration(seconds: float) -> str:
 
 def _log_new_failures(kind: str, before: ScanResult | None, after: ScanResult) -> None:
     # Said when a failure appears or its reason changes, not on every rescan.
-    old = set(before.failed_devices) | set(before.problems) if before else set()
-    for item in sorted(map(str, (set(after.failed_devices) | set(after.problems)) - old)):
+    old: set[object] = set(before.failed_devices) | set(before.problems) | set(before.withheld) if before else set()
+    for item in sorted(map(str, (set(after.failed_devices) | set(after.problems) | set(after.withheld)) - old)):
         log.warning("%s not published: %s", kind, item)
 
 

@@ -34,9 +34,10 @@ import pynvml
 from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
-from agent.facts import GpuFacts, GpuIdentity
+from agent.errors import WholeGpuInMigMode
+from agent.facts import GpuFacts, GpuIdentity, GpuShare
 from agent.host.pci import normalize_bus_id, pci_function
-from agent.inventory import DeviceFailure, ScanError, ScanResult
+from agent.inventory import DeviceFailure, ScanError, ScanResult, Withheld
 from agent.inventory.gpumemory import GpuMemory
 from agent.inventory.gpuminors import DRIVER_GPUS as DRIVER_GPUS  # re-exported, as driver_minors: vfioprep
 from agent.inventory.gpuminors import driver_minors as driver_minors
@@ -145,7 +146,7 @@ class GpuSource:
                 self._generation = generation
                 self._minors.clear()
                 self._tracebacks.clear()
-            result = self._scan_nvml()
+            result, mig_on = self._scan_nvml()
         natives = list(result.devices)
         self._memory.learn(natives, self._mig.layouts)
         for away in self._memory.away(self.sysfs_root, {d.pci_bus_id for d in natives}):
@@ -162,10 +163,13 @@ class GpuSource:
         result.devices = self._extras.apply(result.devices, node_allocatable=self.node_allocatable)
         if self.settings.partition_type_attribute:
             result.devices = [with_partition_type(d) for d in result.devices]
+        # Last: every form of the GPU was made from the whole GPU (counter set, MIG placements, variant).
+        result.devices, result.withheld = withhold_in_mig_mode(result.devices, mig_on)
         return result
 
-    def _scan_nvml(self) -> ScanResult:
-        """The GPUs NVML lists now, as native devices, and the ones that fail."""
+    def _scan_nvml(self) -> tuple[ScanResult, set[str]]:
+        """The GPUs NVML lists now, as native devices, and the ones that fail; the bus IDs of those in MIG
+        mode now."""
         common = self._driver_attributes()
         try:
             count = self.nvml.nvmlDeviceGetCount()
@@ -173,10 +177,11 @@ class GpuSource:
             # Not a statement about any GPU: the inventory keeps the ones it has and retries.
             raise ScanError(f"nvmlDeviceGetCount failed: {describe_error(exc)}") from exc
         result = ScanResult()
+        mig_on: set[str] = set()
         unnamed: dict[int, str] = {}  # NVML index -> why, for failing GPUs that never said their minor
         for index in range(count):
             try:
-                result.devices.append(self._describe(index, common))
+                result.devices.append(self._describe(index, common, mig_on))
                 self._tracebacks.pop(index, None)
                 continue
             except _GpuFailed as failure:
@@ -195,7 +200,7 @@ class GpuSource:
             known = {self._minors[i] for i in range(count) if i not in unnamed and i in self._minors}
             name_the_rest(self.proc_root, count, known, unnamed, self._minors, result)
         self._log_failures(result)
-        return result
+        return result, mig_on
 
     def _log_failures(self, result: ScanResult) -> None:
         failed = {f.device: f.reason for f in result.failed_devices} | {p.what: p.reason for p in result.problems}
@@ -256,7 +261,7 @@ class GpuSource:
                 return None
             raise _GpuFailed(f"{function} failed: {describe_error(exc)}") from exc
 
-    def _describe(self, index: int, common: dict[str, AttrValue]) -> Device:
+    def _describe(self, index: int, common: dict[str, AttrValue], mig_on: set[str]) -> Device:
         handle = self._call("nvmlDeviceGetHandleByIndex", index)
         minor = int(self._call("nvmlDeviceGetMinorNumber", handle))
         self._minors[index] = minor
@@ -292,6 +297,10 @@ class GpuSource:
         mig = self._optional("nvmlDeviceGetMigMode", handle)
         attrs[MIG_CAPABLE] = mig is not None
         attrs[MIG_ENABLED] = mig is not None and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+        if attrs[MIG_ENABLED]:
+            # The current mode, not the pending one: CUDA sees the GPU as the mode is now (a change waiting
+            # for a GPU reset has not happened yet).
+            mig_on.add(bus_id)
         if mig is not None and self.dynamic_mig:
             self._mig.learn(self.nvml, handle, bus_id)
 
@@ -314,6 +323,25 @@ class GpuSource:
             node=facts,
             device_nodes=tuple(nodes),
         )
+
+
+def withhold_in_mig_mode(devices: Sequence[Device], mig_on: set[str]) -> tuple[list[Device], list[Withheld]]:
+    """The devices without the whole GPU and its shared form of each GPU in MIG mode (`mig_on`: bus IDs),
+    and those as withheld. CUDA cannot use the whole GPU in MIG mode, only its MIG devices, which stay
+    published, as does its passthrough variant: a VM gets the whole PCI function, and its own driver
+    finds the MIG mode the GPU holds and may use or change it."""
+    kept: list[Device] = []
+    withheld: list[Withheld] = []
+    for d in devices:
+        facts = d.node
+        if (isinstance(facts, GpuFacts) and facts.pci_bus_id in mig_on
+                and (facts.target is None or isinstance(facts.target, GpuShare))):
+            withheld.append(Withheld(d.name, f"GPU {facts.pci_bus_id} ({facts.gpu.uuid}) is in MIG mode: CUDA cannot "
+                                     "use the whole GPU then, only its MIG devices; not published until MIG mode "
+                                     "is off", WholeGpuInMigMode))
+        else:
+            kept.append(d)
+    return kept, withheld
 
 
 def main(argv: Sequence[str] | None = None) -> int:

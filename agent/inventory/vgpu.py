@@ -1,6 +1,7 @@
 """vGPU (mediated device) types published as devices on each GPU's counter set.
 
-A GPU whose host driver offers mediated device types (`mdev_supported_types`, `agent.host.mdev`) gets,
+A GPU whose host driver offers mediated device types (`mdev_supported_types`, `agent.host.mdev`: on the
+GPU, or on each of its SR-IOV VFs where the vGPU manager enabled them, Ampere and later) gets,
 for each type, one device per instance the type allows: `gpu-<minor>-vgpu-<type id>-<i>` for
 i < the type's instance limit (`gpu-0-vgpu-nvidia-1021-0` .. `-19`), kind `vgpu`, its facts the parent
 GPU and the type (`agent.facts.VgpuType`). Attributes (`agent.inventory.published`): `type=vgpu`,
@@ -28,6 +29,10 @@ published only where the cluster has the gate on. So what is published never off
 a mix the driver refuses (`VgpuPolicy`, `--vgpu-types`): with compatibility groups, every type (or
 the ones named); without, only the one type named, and only on GPUs that publish no MIG placements.
 Prepare refuses a mix all the same (the type's `available_instances` is 0: NoInstanceAvailable).
+
+On a GPU whose VFs list the types, a type's instance limit is the one its description gives (or the sum
+of what its VFs have available while none hosts a vGPU), and its devices are the GPU's, on the GPU's
+counter set, as on a GPU that lists its types itself: which VF a vGPU is made on is prepare's choice.
 
 Types are read once per GPU and kept (by bus ID): a GPU passed through to a VM leaves its host
 driver and lists no types meanwhile, and its devices must come back under the same names. A type
@@ -90,10 +95,10 @@ class VgpuDevices:
         """Read the GPU's types once it lists them all with their limits (they do not change)."""
         if bus_id in self.types:
             return
-        offered = mdev.list_types(sysfs, bus_id)
+        offered = mdev.gpu_types(sysfs, bus_id)  # on the GPU, or on its SR-IOV VFs
         if not offered:
             return  # no vGPU host driver here (or not now): nothing to say
-        empty = not mdev.mdevs_of(sysfs, bus_id)
+        empty = not mdev.gpu_mdevs(sysfs, bus_id)
         out, unknown = [], []
         for t in offered:
             limit = t.max_instances if t.max_instances is not None else (t.available if empty else None)

@@ -31,6 +31,7 @@ from agent.sim.kernel.tree import (
     link,
 )
 from agent.sim.profiles import SimNic, SimProfile
+from agent.sim.vflinks import SimVfLinks
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False, missing:
     _proc_devices(root / "proc")
     _device_nodes(profile, tree.dev, boot)
     simmdev.materialize(profile, root, boot=boot)
+    if boot:
+        SimVfLinks(root).forget()  # the PF's driver starts with no VF settings
     if boot or not tree.boot_id.is_file():
         tree.boot_id.parent.mkdir(parents=True, exist_ok=True)
         tree.boot_id.write_text(f"{uuid.uuid4()}\n")
@@ -174,6 +177,15 @@ def sim_functions(profile: SimProfile, tree: SimTree) -> list[SimFunction]:
             "subsystem_device": f"0x{gpu.pci_subsystem_id >> 16:04x}",
             "class": "0x030200", "numa_node": str(gpu.numa_node),
         }, "nvidia", gpu.iommu_group))
+        if gpu.vgpu_vfs:
+            # SR-IOV on (`sriov-manage -e`): the VFs beside the GPU, each on the nvidia driver.
+            pf = out[-1]
+            pf.files |= {"sriov_totalvfs": str(gpu.vgpu_vfs), "sriov_numvfs": str(gpu.vgpu_vfs)}
+            for n in range(gpu.vgpu_vfs):
+                pf.links[f"virtfn{n}"] = gpu.vf_bus_id(n)
+                out.append(SimFunction(gpu.vf_bus_id(n), parent, {
+                    "vendor": "0x10de", "device": f"0x{gpu.pci_device_id >> 16:04x}", "class": "0x030200",
+                    "numa_node": str(gpu.numa_node)}, "nvidia", None, links={"physfn": gpu.bus_id}))
         if gpu.audio:
             out.append(SimFunction(gpu.audio_bus_id, parent, {
                 "vendor": "0x10de", "device": "0x22ba", "class": "0x040300", "numa_node": str(gpu.numa_node),

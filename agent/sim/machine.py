@@ -58,11 +58,22 @@ class SimGpu:
     audio: bool = False  # an HD audio function (class 0x0403) at function 1 of the slot, same group
     bridge_in_group: bool = False  # the root port above the GPU is in the GPU's group (no ACS)
     mig_profiles: str = ""  # the MIG profile table (agent.sim.migprofiles.MIG_TABLES); "": no profile offered
+    # SR-IOV VFs the vGPU manager enabled (`sriov-manage -e`): its vGPU types are on them, one vGPU per VF,
+    # not on the GPU itself (0: none, the types on the GPU, as older GPUs without SR-IOV have them).
+    vgpu_vfs: int = 0
 
     @property
     def audio_bus_id(self) -> str:
         """Function 1 of the GPU's slot, where its audio function sits."""
         return self.bus_id[:-1] + "1"
+
+    def vf_bus_id(self, n: int) -> str:
+        """VF n's address: from function 4 of the GPU's slot on, as NVIDIA's GPUs place them (n = 0: .4,
+        n = 4: the next slot's .0)."""
+        domain, bus, rest = self.bus_id.split(":")
+        slot = int(rest.split(".")[0], 16)
+        routing = slot * 8 + 4 + n
+        return f"{domain}:{bus}:{routing // 8:02x}.{routing % 8}"
 
     @property
     def nvml_bus_id(self) -> bytes:

@@ -5,14 +5,19 @@ The schema is documented in `agent.sim.nvml`; the PCI keys below are for passthr
 Parsing is strict (an unknown key or function name is an error) so that a misspelt fault in a
 profile fails loudly instead of silently injecting nothing.
 
-Builtins: `dgx-h100` (8 GPUs, each alone in its IOMMU group, and a ConnectX-7 with 4 of 8 SR-IOV
-VFs on) and `hgx-16` (16 GPUs on two NUMA nodes, and such a NIC).
+Builtins: `dgx-h100` (8 GPUs, each alone in its IOMMU group, the last with 20 SR-IOV VFs for vGPU,
+and a ConnectX-7 with 4 of 8 SR-IOV VFs on) and `hgx-16` (16 GPUs on two NUMA nodes, and such a NIC).
 
 PCI keys, per GPU:
 
     iommuGroup      its group number (default 100 + index); GPUs naming the same one share it
     audio           true: an HD audio function (class 0x0403) at function 1 of its slot, same group
     bridgeInGroup   true: the root port above it is in its group too (no ACS)
+    vgpuVfs         N: SR-IOV on with N VFs (as NVIDIA's `sriov-manage -e` enables them on Ampere and
+                    later): VF n at function 4 + n of the GPU's slot (`0000:db:00.4`, ...), on the
+                    nvidia driver, no IOMMU group of its own here; its vGPU types are listed on each
+                    VF (one vGPU per VF), none on the GPU (`agent.sim.kernel.mdev`). Default 0: the
+                    types on the GPU itself (the layout of GPUs without SR-IOV)
 
 MIG key, per GPU: `migProfiles` names the GPU's MIG profile table (`a30-24gb`, `a100-40gb`, `a100-80gb`,
 `h100-80gb` (the builtins' default), `h100-94gb`, `h100-96gb`, `h200-141gb`);
@@ -61,7 +66,7 @@ __all__ = ["BUILTIN", "DEVICE_FUNCTIONS", "SYSTEM_FUNCTIONS", "ProfileError", "S
 _GPU_KEYS = frozenset({
     "name", "busId", "memoryTotal", "numaNode", "nvmlNumaNode", "uuid", "minor", "pcieRoot", "brand",
     "architecture", "computeCapability", "migMode", "pciDeviceId", "pciSubSystemId", "inSysfs", "lost",
-    "errors", "iommuGroup", "audio", "bridgeInGroup", "migProfiles",
+    "errors", "iommuGroup", "audio", "bridgeInGroup", "migProfiles", "vgpuVfs",
 })
 _TOP_KEYS = frozenset({"driverVersion", "cudaDriverVersion", "errors", "defaults", "gpus", "nics", "iommufd"})
 
@@ -150,7 +155,15 @@ def _gpu(profile: str, index: int, raw: Mapping[str, Any]) -> SimGpu:
         audio=_bool(raw.get("audio", False), f"{where}.audio"),
         bridge_in_group=_bool(raw.get("bridgeInGroup", False), f"{where}.bridgeInGroup"),
         mig_profiles=_mig_table(raw.get("migProfiles", ""), f"{where}.migProfiles"),
+        vgpu_vfs=_vf_count(raw.get("vgpuVfs", 0), f"{where}.vgpuVfs"),
     )
+
+
+def _vf_count(value: object, where: str) -> int:
+    count = _int(value, where)
+    if not 0 <= count <= 60:  # VFs from function 4 of the slot, within the slot's device numbers
+        raise ProfileError(f"{where}: {count} is not a VF count from 0 to 60")
+    return count
 
 
 def _mig_table(value: object, where: str) -> str:
@@ -207,7 +220,8 @@ def _check_functions(gpus: list[SimGpu], nics: list[SimNic]) -> None:
     GPU's explicit `iommuGroup`), never by accident of the automatic numbering."""
     owners: dict[str, str] = {}
     for i, g in enumerate(gpus):
-        for bdf in (g.bus_id, g.audio_bus_id) if g.audio else (g.bus_id,):
+        own = [g.bus_id, *([g.audio_bus_id] if g.audio else []), *(g.vf_bus_id(n) for n in range(g.vgpu_vfs))]
+        for bdf in own:
             if bdf in owners:
                 raise ProfileError(f"gpus[{i}]: PCI function {bdf} is also {owners[bdf]}")
             owners[bdf] = f"gpus[{i}]"
@@ -280,7 +294,11 @@ _DGX_H100: dict[str, Any] = {
     "gpus": [
         {"busId": f"0000:{bus}:00.0", "numaNode": numa}
         for bus, numa in (("18", 0), ("2a", 0), ("3a", 0), ("5d", 0),
-                          ("9a", 1), ("ab", 1), ("ba", 1), ("db", 1))
+                          ("9a", 1), ("ab", 1), ("ba", 1))
+    ] + [
+        # The last H100 as a vGPU host with SR-IOV: 20 VFs (the most vGPUs of its smallest type), the vGPU
+        # types on them. The others list their types on the GPU (the layout of GPUs without SR-IOV).
+        {"busId": "0000:db:00.0", "numaNode": 1, "vgpuVfs": 20},
     ],
     # A ConnectX-7 with SR-IOV on, four of its eight VFs enabled (for VF passthrough).
     "nics": [{"busId": "0000:4b:00.0", "interface": "ens75f0np0", "numaNode": 0, "totalVfs": 8, "numVfs": 4}],

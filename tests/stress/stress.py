@@ -1,21 +1,21 @@
 """`make stress`: the crash suite and the fuzzer that prove the claim bookkeeping.
 
-Crash rounds. A pool of claims (GPUs, a NIC, a CPU; plain and template claims; a VM's
-passthrough GPU and a NIC VF with VfioConfig, bound to vfio-pci on the simulated machine by
-its kernel emulator; MIG devices, whose GPU and compute instances prepare makes through the
-simulated NVML; vGPUs, mediated devices prepare creates through sysfs) is prepared,
-unprepared and refreshed (the NIC's addresses change) in random concurrent batches by an
-agent process (the prepare engine over the real roots, forked from this one), which dies by
-SIGKILL at a random side-effect step (`failpoints`, `*@N=kill`). The next process is the
-restart: start-up recovery, then this process checks the whole disk (every record's files
-exist and match it; no agent file without a record; no temp file left; every prepare that
-returned success is prepared; every unprepare that returned success left nothing; no record
-left mid-bind or mid-restore; each PCI function bound to exactly the driver the records say:
-vfio-pci for a prepared passthrough device, else its own; each GPU instance in the simulated
-hardware's persisted MIG state a prepared record's, and each recorded one there; MIG mode off
-on a GPU without instances; each mediated device a prepared record's, and each recorded one
-there), then the next round runs in it, and so on. A few rounds kill the real `dra-agent run`
-daemon, driven over its sockets by a kubelet stand-in.
+Crash rounds. A pool of claims (GPUs, a NIC, a CPU; plain and template claims; a VM's passthrough
+GPU and a NIC VF with VfioConfig, bound to vfio-pci on the simulated machine by its kernel emulator;
+MIG devices, whose GPU and compute instances prepare makes through the simulated NVML; vGPUs,
+mediated devices prepare creates through sysfs) is prepared, unprepared and refreshed (the NIC's
+addresses change) in random concurrent batches by an agent process (the prepare engine over the real
+roots, forked from this one), which dies by SIGKILL at a random side-effect step (`failpoints`,
+`*@N=kill`). The next process is the restart: start-up recovery, then this process checks the whole
+disk (every record's files exist and match it; no agent file without a record; no temp file left;
+every prepare that returned success is prepared; every unprepare that returned success left nothing;
+no record left mid-bind or mid-restore; each PCI function bound to exactly the driver the records
+say: vfio-pci for a prepared passthrough device, else its own; each NIC VF with the MAC and VLAN its
+prepared record set, else the ones a previous tenant left on it before the first round; each GPU
+instance in the simulated hardware's persisted MIG state a prepared record's, and each recorded one
+there; MIG mode off on a GPU without instances; each mediated device a prepared record's, and each
+recorded one there), then the next round runs in it, and so on. A few rounds kill the real
+`dra-agent run` daemon, driven over its sockets by a kubelet stand-in.
 
 Forced unprepares. In some rounds the MIG GPU (gpu-4) falls off the bus once the agent has
 recovered (simulated NVML: every call about it fails): its MIG claims' unprepares cannot destroy
@@ -73,6 +73,7 @@ from agent.engine.recovery import recover  # noqa: E402
 from agent.fsutil import is_temp_name  # noqa: E402
 from agent.host.mdev import sysfs as mdev  # noqa: E402
 from agent.host.vfio.host import VfioHost  # noqa: E402
+from agent.host.vfio.sriov import VfLink, pf_interface, vf_position  # noqa: E402
 from agent.inventory import Inventory  # noqa: E402
 from agent.inventory.gpus import GpuSource  # noqa: E402
 from agent.inventory.passthrough import NicVariants  # noqa: E402
@@ -83,6 +84,7 @@ from agent.sim.kernel.emulator import KernelEmulator  # noqa: E402
 from agent.sim.kernel.tree import SimTree  # noqa: E402
 from agent.sim.migstate import STATE_FILE as MIG_STATE_FILE  # noqa: E402
 from agent.sim.profiles import load_profile  # noqa: E402
+from agent.sim.vflinks import SimVfLinks  # noqa: E402
 
 NIC = "nic-0000-3b-00-0"
 PROFILE = "dgx-h100"
@@ -91,10 +93,14 @@ VM_GPU = "gpu-0000-ba-00-0-vfio"  # gpu-6's passthrough form
 VM_VF = "nic-0000-4b-00-1-vfio"  # the ConnectX-7's VF 0
 VM_CLAIMS = {4: VM_GPU, 5: VM_VF}
 # Claims of one GPU partition each: placements of gpu-4 that never overlap (slices 0, 2-3, 4-7), so all
-# can be prepared at once, and two vGPUs of one type on gpu-5 (a GPU hosts one type at a time). Claims 1
-# and 2 are among the daemon rounds' six too.
+# can be prepared at once, and two vGPUs of one type on gpu-5 and on gpu-7 (a GPU hosts one type at a
+# time). Claims 1 and 2 are among the daemon rounds' six too.
 PARTITION_CLAIMS = {1: "gpu-4-mig-1g10gb-0", 2: "gpu-5-vgpu-nvidia-1022-0", 6: "gpu-4-mig-2g20gb-2",
-                    7: "gpu-4-mig-3g40gb-4", 8: "gpu-5-vgpu-nvidia-1022-1"}
+                    7: "gpu-4-mig-3g40gb-4", 8: "gpu-5-vgpu-nvidia-1022-1",
+                    # gpu-7 lists its vGPU types on its SR-IOV VFs: each vGPU is made on a VF of its own.
+                    9: "gpu-7-vgpu-nvidia-1023-0", 10: "gpu-7-vgpu-nvidia-1023-1"}
+# What a previous tenant left on the NIC's VFs (its PF's driver keeps it): unprepare puts it back.
+TENANT_VF_LINKS = {("ens75f0np0", 0): VfLink("02:00:00:00:0f:00", 77, 3)}
 NIC_VARIANTS: tuple[tuple[str, ...], ...] = ((), ("10.0.0.5/24",), ("10.0.0.6/24", "fd00::6/64"))
 REBOOTS = 0.15  # the share of crash rounds that begin with a reboot of the simulated machine
 LOST_GPUS = 0.2  # the share of crash rounds in which the MIG GPU falls off the bus (forced unprepares)
@@ -145,6 +151,7 @@ def check_disk(settings: Settings, expect: dict[str, str]) -> list[str]:
             problems += [f"orphan metadata file {os.path.join(parent, f)}" for f in files
                          if os.path.join(parent, f) not in owned]
     problems += check_bindings(settings, records)
+    problems += check_vf_links(settings, records)
     problems += check_partitions(settings, records)
     problems += check_leftovers(settings, records)
     for uid, state in sorted(expect.items()):
@@ -201,6 +208,27 @@ def check_bindings(settings: Settings, records: dict[str, ClaimRecord]) -> list[
             problems.append(f"PCI function {fn.bdf} is bound to {now[0]} (override {now[1]}), the records say "
                             f"{driver} (override {override})")
     return problems
+
+
+def check_vf_links(settings: Settings, records: dict[str, ClaimRecord]) -> list[str]:
+    """Each VF of the simulated NIC with the MAC and VLAN a prepared record set on it, over what it had
+    before; a VF no record sets back to what the previous tenant left (`TENANT_VF_LINKS`)."""
+    root = VfioHost.of(settings).sysfs.parent
+    want = dict(TENANT_VF_LINKS)
+    for uid, record in records.items():
+        for b in record.bindings:
+            if b.sets_vf and b.previous is not None:
+                pf, n = vf_position(root / "sys", b.plan.target)
+                if b.previous != want.get((pf_interface(root / "sys", pf), n), VfLink()):
+                    problems = [f"claim {uid}: its record says VF {b.plan.target} had {b.previous} before, "
+                                "not what the previous tenant left"]
+                    return problems
+                want[(pf_interface(root / "sys", pf), n)] = b.previous.changed(b.mac, b.vlan)
+    now = SimVfLinks(root).all()
+    return [f"VF {n} of {pf} has {now.get((pf, n), VfLink())}, the records say {link}"
+            for (pf, n), link in sorted(want.items()) if now.get((pf, n), VfLink()) != link] + [
+            f"VF {n} of {pf} has {link}, which no record set" for (pf, n), link in sorted(now.items())
+            if (pf, n) not in want]
 
 
 def check_partitions(settings: Settings, records: dict[str, ClaimRecord]) -> list[str]:
@@ -459,6 +487,8 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
     settings = crash_settings(work)
     assert settings.offline is not None
     claims = _claims(rng, 12)
+    for (pf, n), link in TENANT_VF_LINKS.items():
+        SimVfLinks(VfioHost.of(settings).sysfs.parent).set(pf, n, link)
     for obj in claims:
         agentkit.write_claim(settings.offline / "resourceclaims", obj)
     uids = [c["metadata"]["uid"] for c in claims]
@@ -575,6 +605,8 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
     settings = crash_settings(short)
     assert settings.offline is not None
     claims = _claims(rng, 6)
+    for (pf, n), link in TENANT_VF_LINKS.items():
+        SimVfLinks(VfioHost.of(settings).sysfs.parent).set(pf, n, link)
     for obj in claims:
         agentkit.write_claim(settings.offline / "resourceclaims", obj)
     refs = [ClaimRef("default", c["metadata"]["name"], c["metadata"]["uid"]) for c in claims]

@@ -17,20 +17,25 @@ from agent.host.mdev.sysfs import (
     MdevType,
     create,
     exists,
+    gpu_mdevs,
+    gpu_types,
     iommu_group,
     list_types,
     mdevs_of,
+    parent_for,
     parent_of,
     parents,
     read_type,
     remove,
     type_of,
     vfio_nodes,
+    vgpu_parents,
     wait_created,
 )
 
 __all__ = [
     "DEFAULT_TIMEOUT", "MdevError", "MdevStepFailed", "MdevType", "NoInstanceAvailable", "ParentUnavailable",
-    "TypeNotOffered", "create", "exists", "iommu_group", "list_types", "mdevs_of", "parent_of", "parents",
-    "read_type", "remove", "type_of", "vfio_nodes", "wait_created",
+    "TypeNotOffered", "create", "exists", "gpu_mdevs", "gpu_types", "iommu_group", "list_types", "mdevs_of",
+    "parent_for", "parent_of", "parents", "read_type", "remove", "type_of", "vfio_nodes", "vgpu_parents",
+    "wait_created",
 ]

@@ -10,10 +10,17 @@ Paths below the sysfs root (`/sys` on a host):
   `available_instances`, `create` (write a UUID), `devices/` (links to that type's devices);
 - `bus/mdev/devices/<uuid>`: each mediated device (a link into its parent's directory), with
   `mdev_type` (a link to its type), `remove` (write 1) and `iommu_group`.
+
+A GPU's vGPU types are listed on the GPU itself (GPUs without SR-IOV), or, on a GPU whose vGPU manager
+enabled SR-IOV (Ampere and later: `sriov-manage -e`), on each of its VFs (`virtfn<n>`), never on the
+GPU: each VF lists every type and hosts one vGPU, which is made on it (the VF is the mediated device's
+parent). `vgpu_parents`, `gpu_types`, `gpu_mdevs` and `parent_for` answer for a GPU either way; the
+vendor-specific VFIO interface of later vGPU managers (`<VF>/nvidia/creatable_vgpu_types`) is not read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import re
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.host.mdev.errors import MdevStepFailed
+from agent.host.vfio.pci import virtual_functions
 from agent.model import DeviceNode
 
 DEFAULT_TIMEOUT = 10.0  # seconds for a create or remove to show
@@ -93,6 +101,43 @@ def list_types(sysfs: Path, parent: str) -> list[MdevType]:
     except OSError:
         return []
     return [t for t in (read_type(sysfs, parent, n) for n in names) if t is not None]
+
+
+def vgpu_parents(sysfs: Path, gpu: str) -> list[str]:
+    """The functions that list GPU `gpu`'s vGPU types: its SR-IOV VFs that list them, else the GPU."""
+    return [vf for vf in virtual_functions(sysfs, gpu) if types_dir(sysfs, vf).is_dir()] or [gpu]
+
+
+def gpu_types(sysfs: Path, gpu: str) -> list[MdevType]:
+    """Every type GPU `gpu` offers now, by id; where its VFs list them, each type's `available` is the sum
+    over the VFs (each hosts one vGPU)."""
+    parents = vgpu_parents(sysfs, gpu)
+    if parents == [gpu]:
+        return list_types(sysfs, gpu)
+    by_id: dict[str, MdevType] = {}
+    for vf in parents:
+        for t in list_types(sysfs, vf):
+            seen = by_id.get(t.id)
+            by_id[t.id] = t if seen is None else dataclasses.replace(seen, available=seen.available + t.available)
+    return [by_id[k] for k in sorted(by_id)]
+
+
+def gpu_mdevs(sysfs: Path, gpu: str) -> dict[str, str]:
+    """UUID -> type id of each mediated device GPU `gpu` hosts now (on itself or on its VFs)."""
+    out: dict[str, str] = {}
+    for parent in vgpu_parents(sysfs, gpu):
+        out |= mdevs_of(sysfs, parent)
+    return out
+
+
+def parent_for(sysfs: Path, gpu: str, type_id: str) -> str | None:
+    """Where a new vGPU of `type_id` on GPU `gpu` is made: the GPU, or its first VF with an instance of the
+    type available; None when none has one."""
+    for parent in vgpu_parents(sysfs, gpu):
+        t = read_type(sysfs, parent, type_id)
+        if t is not None and t.available > 0:
+            return parent
+    return None
 
 
 def exists(sysfs: Path, uuid: str) -> bool:

@@ -292,7 +292,7 @@ class KernelEmulator:
         if bound != driver:
             self._refuse(WriteKind.UNBIND, bdf, driver, f"not bound to {driver} (bound: {bound or 'none'})")
             return
-        if driver == mdev.NVIDIA_HOST_DRIVER and (children := mdev.mdevs_of(self.tree, bdf)):
+        if driver == mdev.NVIDIA_HOST_DRIVER and (children := mdev.gpu_mdevs(self.tree, bdf)):
             # Stricter than Linux, whose driver removal waits for (or tears down) the mediated devices: the
             # emulator shows the mistake at the write that makes it.
             self._refuse(WriteKind.UNBIND, bdf, driver, f"it has mediated devices {', '.join(sorted(children))}")

@@ -15,9 +15,16 @@ one exists, its type offers the limit minus those created and every other type 0
 
 Which GPUs offer types: those whose PCI device ID has a table here (`VGPU_TABLES`: the H100 SXM5
 80GB, 10de:2330, as in the builtin profiles). The type IDs and the framebuffer of each type are
-plausible values for the simulation, not a copy of any driver's list. (On a real H100 host recent
-vGPU managers expose vGPUs through SR-IOV VFs and a vendor-specific VFIO interface; the mdev
-interface modelled here is the one the issue asks for and older drivers and GPUs use.)
+plausible values for the simulation, not a copy of any driver's list.
+
+Where the types are listed: on a GPU with SR-IOV VFs (Ampere and later: the vGPU manager's
+`sriov-manage -e` enables them, profile key `vgpuVfs`), on each VF, never on the GPU itself: each VF
+lists every type under its own `mdev_supported_types`, hosts at most one vGPU (its
+`available_instances` is 0 or 1), and is the parent of the mediated device made on it; the rule of
+one type per GPU and each type's limit hold across all VFs of the GPU. On a GPU without VFs (older
+GPUs), on the GPU. That is the mdev interface of NVIDIA's vGPU managers up to their move to a
+vendor-specific VFIO interface (`<VF>/nvidia/creatable_vgpu_types` and `current_vgpu_type`), which is
+not modelled.
 """
 
 from __future__ import annotations
@@ -98,28 +105,67 @@ def mdevs_of(tree: SimTree, bdf: str) -> dict[str, str]:
     return out
 
 
-def available(kinds: tuple[SimVgpuType, ...], existing: dict[str, str], type_id: str) -> int:
-    """The driver's rule: one type per GPU at a time, up to its limit."""
+def vgpu_parents(tree: SimTree, gpu: str) -> list[str]:
+    """The functions that list GPU `gpu`'s vGPU types: its SR-IOV VFs when it has any, else itself."""
+    where = tree.function(gpu)
+    try:
+        vfs = sorted((n for n in os.listdir(where) if n.startswith("virtfn") and n[6:].isdigit()),
+                     key=lambda n: int(n[6:]))
+    except OSError:
+        return [gpu]
+    return [os.path.basename(os.readlink(where / n)) for n in vfs] or [gpu]
+
+
+def gpu_of(tree: SimTree, bdf: str) -> str:
+    """The GPU a parent belongs to: a VF's PF, or the function itself."""
+    try:
+        return os.path.basename(os.readlink(tree.function(bdf) / "physfn"))
+    except OSError:
+        return bdf
+
+
+def available(kinds: tuple[SimVgpuType, ...], existing: dict[str, str], type_id: str,
+              own: int | None = None) -> int:
+    """The driver's rule: one type per GPU at a time, up to its limit (`existing`: the GPU's mediated
+    devices, on all of its VFs); a VF (`own`: how many it hosts) hosts one."""
     t = next((k for k in kinds if k.id == type_id), None)
     if t is None:
         return 0
     if any(other != type_id for other in existing.values()):
         return 0
-    return max(t.max_instances - sum(1 for other in existing.values() if other == type_id), 0)
+    left = max(t.max_instances - sum(1 for other in existing.values() if other == type_id), 0)
+    return left if own is None else min(left, 1 - min(own, 1))
 
 
-def sync_types(tree: SimTree, bdf: str, kinds: tuple[SimVgpuType, ...]) -> None:
-    """Write the parent's type directories, each `available_instances` as the driver would show it."""
-    parent = tree.function(bdf)
-    existing = mdevs_of(tree, bdf)
-    for t in kinds:
-        where = parent / TYPES_DIR / t.id
-        function_dir(where, {"name": t.name, "description": t.description(), "device_api": "vfio-pci"})
-        _show(where / "available_instances", str(available(kinds, existing, t.id)))
-        (where / "devices").mkdir(exist_ok=True)
-        if not (where / "create").is_file():
-            (where / "create").touch()
-    link(mdev_bus(tree) / bdf, parent)
+def gpu_mdevs(tree: SimTree, bdf: str) -> dict[str, str]:
+    """UUID -> type id of each mediated device of the GPU parent `bdf` belongs to (all its VFs)."""
+    out: dict[str, str] = {}
+    for parent in vgpu_parents(tree, gpu_of(tree, bdf)):
+        out |= mdevs_of(tree, parent)
+    return out
+
+
+def sync_types(tree: SimTree, bdf: str, kinds: tuple[SimVgpuType, ...], *,
+               without: frozenset[str] = frozenset()) -> None:
+    """Write the type directories of every parent of `bdf`'s GPU (each VF, or the GPU), each
+    `available_instances` as the driver would show it (`without`: devices being removed)."""
+    gpu = gpu_of(tree, bdf)
+    parents = vgpu_parents(tree, gpu)
+    existing = {u: t for u, t in gpu_mdevs(tree, gpu).items() if u not in without}
+    for name in parents:
+        parent = tree.function(name)
+        own = len(set(mdevs_of(tree, name)) - without) if name != gpu else None
+        for t in kinds:
+            where = parent / TYPES_DIR / t.id
+            function_dir(where, {"name": t.name, "description": t.description(), "device_api": "vfio-pci"})
+            _show(where / "available_instances", str(available(kinds, existing, t.id, own)))
+            (where / "devices").mkdir(exist_ok=True)
+            if not (where / "create").is_file():
+                (where / "create").touch()
+        link(mdev_bus(tree) / name, parent)
+    if parents != [gpu]:  # a GPU whose VFs list the types lists none itself
+        shutil.rmtree(tree.function(gpu) / TYPES_DIR, ignore_errors=True)
+        (mdev_bus(tree) / gpu).unlink(missing_ok=True)
 
 
 def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
@@ -135,12 +181,13 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
             continue
         files = {"vendor": f"0x{gpu.pci_device_id & 0xFFFF:04x}", "device": f"0x{gpu.pci_device_id >> 16:04x}"}
         kinds = types_for(files)
-        _finish_cut_creates(tree, gpu.bus_id)
-        for u in list(mdevs_of(tree, gpu.bus_id)):
-            if boot or not kinds:
-                remove(tree, tree.function(gpu.bus_id) / u)
-            else:
-                _give_group(tree, u, tree.function(gpu.bus_id) / u)
+        for parent in vgpu_parents(tree, gpu.bus_id):
+            _finish_cut_creates(tree, parent)
+            for u in list(mdevs_of(tree, parent)):
+                if boot or not kinds:
+                    remove(tree, tree.function(parent) / u)
+                else:
+                    _give_group(tree, u, tree.function(parent) / u)
         if kinds:
             sync_types(tree, gpu.bus_id, kinds)
     # Links to devices of a GPU the profile no longer has.
@@ -159,7 +206,10 @@ def check_create(tree: SimTree, bdf: str, kinds: tuple[SimVgpuType, ...], type_i
         return f"mdev {text} already exists (EEXIST)"
     if not any(k.id == type_id for k in kinds):
         return f"type {type_id} is not offered"
-    if available(kinds, mdevs_of(tree, bdf), type_id) <= 0:
+    if gpu_of(tree, bdf) == bdf and vgpu_parents(tree, bdf) != [bdf]:
+        return "the GPU lists no vGPU types itself: they are on its SR-IOV VFs"
+    own = len(mdevs_of(tree, bdf)) if gpu_of(tree, bdf) != bdf else None  # a VF hosts one
+    if available(kinds, gpu_mdevs(tree, bdf), type_id, own) <= 0:
         return f"no instance of {type_id} is available (another type is in use, or its limit is reached)"
     return ""
 
@@ -193,12 +243,14 @@ def remove(tree: SimTree, where: Path) -> None:
         type_dir = None
     if type_dir is not None:
         (type_dir / "devices" / u).unlink(missing_ok=True)
-    shutil.rmtree(where, ignore_errors=True)
+    # The types' availability first, the device directory after: the registration dangles once it is gone,
+    # and an agent that sees it gone must see the instance free again.
     bdf = where.parent.name
     if (tree.devices / bdf).exists():
         kinds = types_for({name: _read(tree.devices / bdf / name) for name in ("vendor", "device")})
         if kinds:
-            sync_types(tree, bdf, kinds)
+            sync_types(tree, bdf, kinds, without=frozenset({u}))
+    shutil.rmtree(where, ignore_errors=True)
     (mdev_devices(tree) / u).unlink(missing_ok=True)
 
 
@@ -262,5 +314,5 @@ def _give_group(tree: SimTree, u: str, where: Path) -> None:
     device_node(tree.dev / "vfio" / str(group), VFIO_GROUP_MAJOR, group)
 
 
-__all__ = ["UUID_RE", "VGPU_TABLES", "SimVgpuType", "available", "check_create", "create", "materialize", "mdevs_of",
-           "remove", "types_for"]
+__all__ = ["UUID_RE", "VGPU_TABLES", "SimVgpuType", "available", "check_create", "create", "gpu_mdevs", "gpu_of",
+           "materialize", "mdevs_of", "remove", "types_for", "vgpu_parents"]
