@@ -30,10 +30,12 @@ from agent.apirules.countersets import (
 from agent.apirules.devices import (
     MAX_ATTRIBUTE_VALUES,
     MAX_ATTRIBUTES_AND_CAPACITIES,
+    MAX_BINDING_CONDITIONS,
     MAX_TAINTS,
     MAX_VALID_VALUES,
     NODE_ALLOCATABLE_KEYS,
     TAINT_EFFECTS,
+    binding_condition_errors,
     device_wire_errors,
     node_allocatable_errors,
     request_policy_errors,
@@ -84,13 +86,15 @@ from agent.apirules.status import (
 )
 
 __all__ = [
-    "CONDITION_STATUSES", "MAX_ATTRIBUTES_AND_CAPACITIES", "MAX_ATTRIBUTE_VALUES", "MAX_COMPATIBILITY_GROUPS",
+    "CONDITION_STATUSES", "MAX_ATTRIBUTES_AND_CAPACITIES", "MAX_ATTRIBUTE_VALUES", "MAX_BINDING_CONDITIONS",
+    "MAX_COMPATIBILITY_GROUPS",
     "MAX_CONDITION_MESSAGE", "MAX_CONDITION_REASON", "MAX_CONDITION_TYPE", "MAX_CONSUMPTIONS_PER_DEVICE",
     "MAX_COUNTERS_PER_CONSUMPTION", "MAX_COUNTERS_PER_SET", "MAX_COUNTER_SETS_PER_SLICE",
     "MAX_DEVICES_PER_SLICE", "MAX_DEVICES_PER_SLICE_RESTRICTED", "MAX_DOMAIN_LENGTH", "MAX_DRIVER_NAME",
     "MAX_HARDWARE_ADDRESS", "MAX_ID_LENGTH", "MAX_INTERFACE_NAME", "MAX_NETWORK_IPS", "MAX_POOL_NAME",
     "MAX_STATUS_CONDITIONS", "MAX_STATUS_DATA", "MAX_TAINTS", "MAX_VALID_VALUES", "MAX_VALUE_LENGTH",
-    "NODE_ALLOCATABLE_KEYS", "TAINT_EFFECTS", "DeviceKey", "attribute_value_errors", "clip_device_status",
+    "NODE_ALLOCATABLE_KEYS", "TAINT_EFFECTS", "DeviceKey", "attribute_value_errors", "binding_condition_errors",
+    "clip_device_status",
     "clip_network_data",
     "compatibility_groups_errors", "condition_errors", "consumption_errors", "counter_set_errors",
     "device_key", "device_limit", "device_wire_errors", "dns_label_errors", "dns_subdomain_errors",

@@ -166,7 +166,7 @@ class Agent:
             await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
             claim_status = ClaimStatusWriter(
                 s.driver_name, sink_for(conn.client, conn.offline, s.driver_name), self.health,
-                engine.book, readiness=self.health, metrics=self.metrics)
+                engine.book, readiness=self.health, metrics=self.metrics, binding_kinds=s.binding_kinds)
             undo.push_async_callback(claim_status.stop)
             engine.listeners.append(claim_status)
             servers.attach(engine, self.tracker)
@@ -198,9 +198,9 @@ class Agent:
         return selfheal
 
     async def _recover(self, running: Running, report: RecoveryReport) -> None:
-        """Check every record listed at start-up, a batch per worker-thread call with the event loop
-        free in between (prepares keep being answered meanwhile), then remove orphaned files and bring
-        the claims' status and metadata up to date."""
+        """Check every record listed at start-up (batches in worker threads, prepares answered in between),
+        remove orphaned files, bring claim status and metadata up to date, start preparing ahead of binding."""
+        from agent.engine.prebind import prebind_claims
         from agent.engine.recovery import check_records, finish_recovery
 
         engine = running.engine
@@ -214,6 +214,8 @@ class Agent:
         # The API may have missed writes while no agent ran (or they were queued when it stopped).
         running.claim_status.resync(engine.records.values())
         self.recovered.set()
+        if self.settings.binding_conditions and running.conn.client is not None:  # the book knows every claim now
+            self._spawn(prebind_claims(engine, running.claim_status, running.conn.client), "prebind")
         await self._refresh_prepared(engine)
 
     async def _refresh_prepared(self, engine: PrepareEngine) -> None:

@@ -71,8 +71,10 @@ class ClaimEngine(Protocol):
     def current_or_purge(self, uid: str) -> ClaimRecord | None: ...
 
 
-def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
-    """Prepare the claim unless it is prepared; with `read` None, only look it up."""
+def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | None, *,
+                     ahead: bool = False) -> ClaimRecord | None:
+    """Prepare the claim unless it is prepared; with `read` None, only look it up. `ahead`: prepared for its
+    devices' binding conditions, before the kubelet asks (`ClaimRecord.ahead`)."""
     with engine.claim_locked(ref.uid):
         engine.ensure_checked(ref.uid)
         record = engine.current_or_purge(ref.uid)
@@ -92,7 +94,7 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
         alloc = parse_claim(claim, ref, driver=engine.settings.driver_name, pool=engine.settings.node_name,
                             lookup=engine.inventory.get)
         with engine.locks.hold(engine.effects.lock_key(a.device) for a in alloc.devices):
-            return _apply(engine, alloc)
+            return _apply(engine, alloc, ahead)
 
 
 def unprepare_blocking(engine: ClaimEngine, ref: ClaimRef) -> ClaimRecord | None:
@@ -127,7 +129,7 @@ def plan_claim(engine: ClaimEngine, alloc: Allocation, bindings: list[DeviceBind
     return plan_record(engine.settings, engine.toolkit, alloc, 1, bindings)
 
 
-def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
+def _apply(engine: ClaimEngine, alloc: Allocation, ahead: bool) -> ClaimRecord:
     effects = engine.effects
     if unknown := sorted(a.device.name for a in alloc.devices if not a.device.kind.preparable):
         # Published ahead of their prepare path: refused before any side effect.
@@ -148,6 +150,7 @@ def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
         record = effects.make(alloc, intent, lambda a, b: plan_claim(engine, a, b), engine.files)
     else:
         record = plan_claim(engine, alloc, [])
+    record.ahead = ahead
     try:
         for f in record.files:
             engine.files.root_of(f.path).write(f.path, f.content, f.mode)
