@@ -11,7 +11,8 @@ When the kubelet calls NodePrepareResources after the pod is bound, the record a
 
 A prepare that fails writes the binding failure condition instead (`ClaimStatusWriter.binding_failed`):
 the scheduler gives the binding up, deallocates the claim and allocates again, perhaps elsewhere. Each
-allocation (the claim's UID and its allocation's time) is tried once: a new allocation is tried anew.
+allocation is tried once: one seen again (the scheduler's reservation, our own status) is left as it is,
+and once the claim has been seen without it, a new allocation is tried anew.
 
 A claim prepared ahead whose allocation goes away (deallocated after a failed or timed-out binding,
 allocated again to other devices) or that is deleted before its pod ran is unprepared (the kubelet's
@@ -87,7 +88,10 @@ class PreBinder:
         self.node = engine.settings.node_name
         self._latest: dict[str, ClaimEvent] = {}  # per claim UID: the event not yet handled
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._tried: set[tuple[str, str]] = set()  # (UID, allocation time) prepared or failed ahead
+        # Per claim UID: the allocation (its time, its devices) prepared or failed ahead, until the claim is seen
+        # without it (the API's times are in seconds: a claim deallocated and allocated again within one
+        # second has the same time).
+        self._tried: dict[str, tuple[str, frozenset[DeviceKey]]] = {}
 
     async def run(self, events: AsyncIterable[ClaimEvent]) -> None:
         try:
@@ -141,13 +145,13 @@ class PreBinder:
             log.info("claim %s lost the allocation it was prepared for ahead of binding: unpreparing it", claim.ref)
             await self.engine.unprepare_claim(ClaimRef(summary.namespace, summary.name, uid))
             summary = None
-        if event.type == "DELETED":
-            self._tried = {t for t in self._tried if t[0] != uid}
+        allocation = (claim.allocated_at, claim.devices)
+        if event.type == "DELETED" or not claim.waits:
+            self._tried.pop(uid, None)
             return
-        key = (uid, claim.allocated_at)
-        if not claim.waits or summary is not None or key in self._tried:
+        if summary is not None or self._tried.get(uid) == allocation:
             return
-        self._tried.add(key)
+        self._tried[uid] = allocation
         result = await self.engine.prepare_ahead(claim.ref, event.claim)
         if result.error:
             self.status.binding_failed(claim.ref, BindingFailure(tuple(sorted(claim.devices)), result.error,
