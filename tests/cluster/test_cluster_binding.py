@@ -38,6 +38,7 @@ from .workloads import (
 pytestmark = pytest.mark.cluster
 
 BINDING_NODE = "dra-binding"
+SECOND_NODE = "dra-binding-b"
 GPU_BUS = "0000:18:00.0"  # gpu-0 of dgx-h100, minor 0
 VARIANT = "gpu-0000-18-00-0-vfio"
 
@@ -57,6 +58,23 @@ def agent(binding_agent: NodeAgent) -> Iterator[NodeAgent]:
     if binding_agent.proc is None:
         binding_agent.start()
     eventually(lambda: not binding_agent.prepared(), "the agent unprepares what the test left")
+
+
+@pytest.fixture(scope="module")
+def second_agent(cluster: Cluster, cluster_root: Path) -> Iterator[NodeAgent]:
+    with node_agent(cluster, SECOND_NODE, cluster_root / "binding", "--binding-conditions=vfio",
+                    "--gc-grace-period=1") as running:
+        yield running
+
+
+def hold_gpu(agent: NodeAgent) -> Path:
+    """A process of the agent's simulated machine (its /proc) with the GPU open: it cannot leave the NVIDIA
+    driver. Remove the returned directory to let it go."""
+    holder = agent.state / "nvml-sim" / "proc" / "4343"
+    (holder / "fd").mkdir(parents=True)
+    (holder / "comm").write_text("python3\n")
+    (holder / "fd" / "7").symlink_to("/dev/nvidia0")
+    return holder
 
 
 def conditions(claim: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -116,11 +134,7 @@ def test_the_pod_is_bound_only_once_the_agent_has_prepared_its_passthrough_gpu(a
 
 
 def test_a_failed_prepare_makes_the_scheduler_give_the_allocation_up(agent: NodeAgent, ns: Namespace) -> None:
-    # A process of the simulated machine holds the GPU open: it cannot leave the NVIDIA driver.
-    holder = agent.state / "nvml-sim" / "proc" / "4343"
-    (holder / "fd").mkdir(parents=True)
-    (holder / "comm").write_text("python3\n")
-    (holder / "fd" / "7").symlink_to("/dev/nvidia0")
+    holder = hold_gpu(agent)
     try:
         vm_pod(ns, "busy")
         seen = {"failed": 0, "deallocated": 0}
@@ -138,7 +152,8 @@ def test_a_failed_prepare_makes_the_scheduler_give_the_allocation_up(agent: Node
             # The failure said, the claim given up, allocated again and failed again: the scheduler retries.
             return seen["failed"] >= 2 and seen["deallocated"] >= 1
 
-        eventually(probe, "the scheduler gives a failed allocation up and tries again", interval=0.05)
+        # Each try costs a PreBind poll (5 s) and the scheduler's backoff (up to 10 s): a bound, not a duration.
+        eventually(probe, "the scheduler gives a failed allocation up and tries again", limit=180, interval=0.05)
         assert any(e["reason"] == "FailedScheduling" and "binding failed" in e["message"]
                    for e in ns.events_of("busy")), ns.events_of("busy")
         assert sim_driver(agent) == "nvidia" and not agent.prepared()
@@ -146,7 +161,56 @@ def test_a_failed_prepare_makes_the_scheduler_give_the_allocation_up(agent: Node
         shutil.rmtree(holder)
 
     # The GPU let go of: the next allocation is prepared, and the pod bound.
-    pod = ns.scheduled("busy")
-    assert pod["spec"]["nodeName"] == BINDING_NODE
+    assert eventually(lambda: ns.get("pods", "busy")["spec"].get("nodeName"), "the pod bound", limit=180) == \
+        BINDING_NODE
     assert is_true(ns.get("resourceclaims", "busy"), BINDING_CONDITION) and sim_driver(agent) == "vfio-pci"
     assert DRIVER in {r["driver"] for r in results_of(ns.get("resourceclaims", "busy"))}
+
+
+def test_a_failed_prepare_sends_the_pod_to_another_node(agent: NodeAgent, second_agent: NodeAgent,
+                                                        ns: Namespace) -> None:
+    """Two nodes may take the pod, and at first each has its GPU held. Once the first node's agent has been
+    allocated the claim and reported its failure, the second node's GPU is let go of: the pod is never bound
+    to the first node and ends up bound to the second."""
+    holder, second_holder = hold_gpu(agent), hold_gpu(second_agent)
+    try:
+        ns.claim("either", claim_spec(request("vm", "gpu-passthrough", selectors=[f"{BUS} == '{GPU_BUS}'"])))
+        ns.cluster.admin.post(ns.path("pods"), {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "either"},
+            "spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{
+                    "key": "kubernetes.io/hostname", "operator": "In", "values": [BINDING_NODE, SECOND_NODE]}]}]}}},
+                "automountServiceAccountToken": False, "terminationGracePeriodSeconds": 0,
+                "resourceClaims": [{"name": "vm", "resourceClaimName": "either"}],
+                "containers": [{"name": "work", "image": "registry.example/work:1",
+                                "resources": {"claims": [{"name": "vm"}]}}]}})
+
+        def unbound() -> None:
+            assert not ns.get("pods", "either")["spec"].get("nodeName"), "bound although every GPU is held"
+
+        def failed_on_first() -> bool:
+            unbound()
+            claim = ns.get("resourceclaims", "either")
+            return {r["pool"] for r in results_of(claim)} == {BINDING_NODE} and \
+                is_true(claim, BINDING_FAILURE_CONDITION)
+
+        # The scheduler picks among equal nodes at random: each try costs a PreBind poll (5 s) and its backoff.
+        # A bound well beyond what a few unlucky draws take, never an expected duration.
+        eventually(failed_on_first, "the first node's agent reports its failure", limit=300, interval=0.05)
+        shutil.rmtree(second_holder)
+
+        def bound() -> str:
+            node = str(ns.get("pods", "either")["spec"].get("nodeName") or "")
+            assert node != BINDING_NODE, "bound to the node whose GPU is held"
+            return node
+
+        assert eventually(bound, "the pod bound to the second node", limit=120) == SECOND_NODE
+        claim = ns.get("resourceclaims", "either")
+        assert {r["pool"] for r in results_of(claim)} == {SECOND_NODE}
+        assert is_true(claim, BINDING_CONDITION) and sim_driver(second_agent) == "vfio-pci"
+        assert sim_driver(agent) == "nvidia" and not agent.prepared()
+    finally:
+        shutil.rmtree(holder)
+        shutil.rmtree(second_holder, ignore_errors=True)
+    ns.clean()
+    eventually(lambda: not second_agent.prepared(), "the second agent unprepares the deleted claim")
