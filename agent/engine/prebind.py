@@ -142,7 +142,7 @@ class PreBinder:
         if summary is not None and summary.ahead and _held(summary) != current:
             # Prepared for an allocation the claim no longer has (or the claim is gone): its pod will not run
             # here with it.
-            log.info("claim %s lost the allocation it was prepared for ahead of binding: unpreparing it", claim.ref)
+            log.info("%s lost the allocation it was prepared for ahead of binding: unpreparing it", claim.ref)
             await self.engine.unprepare_claim(ClaimRef(summary.namespace, summary.name, uid))
             summary = None
         allocation = (claim.allocated_at, claim.devices)
