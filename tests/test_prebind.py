@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 import yaml
 from agentkit import Node, claim, make_node, nic, restarted, result, write_claim
+from lightkube.resources.resource_v1 import ResourceClaim
 from test_vfio import fake_proc
 
 from agent import apirules
 from agent.bindingconditions import BINDING_CONDITION, BINDING_FAILURE_CONDITION, bindable_kinds
-from agent.claims.watch import ClaimEvent
+from agent.claims.watch import ClaimEvent, watch_claims
 from agent.config import ConfigError, build_settings
 from agent.engine.prebind import PreBinder
 from agent.health.claimstatus import ClaimStatusWriter
@@ -196,6 +197,32 @@ async def test_claims_without_binding_conditions_and_the_kubelets_records_are_le
     await bound.seen("ADDED", other)
     assert engine.whole_record(UID) is None
     assert await engine.unprepare([ClaimRef("default", "kubelet", UID2)]) == {UID2: ""}
+
+
+# -- the claim watch -----------------------------------------------------------------------------------
+
+async def test_the_watch_sends_every_claim_then_each_change_and_starts_again_after_a_failure(kube_api: Any) -> None:
+    def made(name: str) -> dict[str, Any]:
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": "default"}, "spec": {"devices": {"requests": []}}}
+
+    kube_api.add(made("before"))
+    watch = kube_api.fail("GET", "/apis/resource.k8s.io/v1/resourceclaims*", times=1, status=500)
+    client = kube_api.client()
+    events = watch_claims(client, backoff=Backoff(initial=0.01, maximum=0.02))
+    try:
+        async def next_event() -> tuple[str, str]:
+            event = await asyncio.wait_for(anext(events), 10)
+            return event.type, event.claim["metadata"]["name"]
+
+        assert await next_event() == ("ADDED", "before")  # after the failed first try
+        assert watch.times == 0
+        await client.create(ResourceClaim.from_dict(made("after")))
+        assert await next_event() == ("ADDED", "after")
+        await client.delete(ResourceClaim, "before", namespace="default")
+        assert await next_event() == ("DELETED", "before")
+    finally:
+        await events.aclose()
 
 
 # -- the published fields, their rules, the settings -------------------------------------------------
