@@ -31,9 +31,10 @@ test: lint nvml-standin gocheck cluster-components kubelet-components
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The Go checker (tests/gocheck): the official CDI and device-metadata libraries read what the agent
-# writes (tests/test_official_readers.py). Built once into ~/.cache/dra-agent/gocheck-<hash>/, reused
+# writes (tests/test_official_readers.py), and the kubelet's registration calls over grpc-go
+# (kubeletreg, tests/test_registration.py). Built once into ~/.cache/dra-agent/gocheck-<hash>/, reused
 # while go.mod, go.sum, the sources and the Go toolchain stay the same. Without Go it only warns (the
-# test then skips), unless DRA_TEST_NO_SKIP is set.
+# tests then skip), unless DRA_TEST_NO_SKIP is set.
 gocheck:
 	$(PYTHON) tests/gocheck/build.py >/dev/null
 

@@ -14,19 +14,24 @@ import socket
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.kinds import Kind
 from agent.options import DEFAULT_METRICS_ADDRESS as DEFAULT_METRICS_ADDRESS  # re-exported
 from agent.options import OPTIONS as OPTIONS  # re-exported: callers read the table through Settings' module
 from agent.options import Option as Option
 from agent.options import default_state_dir
+
+if TYPE_CHECKING:
+    from agent.kinds import Kind
 
 UNIX_PATH_MAX = 108  # sun_path, including the terminating NUL
 # Device kinds whose claims may skip the kubelet's prepare and unprepare (`--skip-node-operations`): what
 # such a claim gets from prepare is a CPU list or a NUMA node's name in its environment, which a claim
 # taken for node-allocatable accounting alone does without.
 SKIPPABLE_KINDS = ("cpu", "memory")
+# The kinds `--binding-conditions` may name: those whose prepare changes the host (`agent.bindingconditions`,
+# whose `bindable_kinds` derives them from the kinds' traits; a test holds the two together).
+BINDABLE_KINDS = ("vfio", "mig", "vgpu")
 
 
 class ConfigError(ValueError):
@@ -128,10 +133,8 @@ class Settings:
             raise ConfigError(f"--skip-node-operations: {', '.join(bad)} cannot skip prepare (only "
                               f"{', '.join(SKIPPABLE_KINDS)} can: every other device needs its device nodes, "
                               "files or host changes on the node)")
-        from agent.bindingconditions import bindable_kinds
-
-        if bad := sorted(set(self.binding_conditions) - set(bindable_kinds())):
-            raise ConfigError(f"--binding-conditions: {', '.join(bad)} not one of {', '.join(bindable_kinds())} "
+        if bad := sorted(set(self.binding_conditions) - set(BINDABLE_KINDS)):
+            raise ConfigError(f"--binding-conditions: {', '.join(bad)} not one of {', '.join(BINDABLE_KINDS)} "
                               "(the kinds whose prepare changes the host)")
         if self.gpu_host_memory_overhead < 0:
             raise ConfigError(f"--gpu-host-memory-overhead must be >= 0, not {self.gpu_host_memory_overhead}")
@@ -139,6 +142,8 @@ class Settings:
     @functools.cached_property
     def binding_kinds(self) -> frozenset[Kind]:
         """The device kinds published with binding conditions (`--binding-conditions`)."""
+        from agent.kinds import Kind
+
         return frozenset(Kind(k) for k in self.binding_conditions)
 
     # Paths the kubelet and the runtime know about.

@@ -121,17 +121,8 @@ class Root:
             self.ensure()  # only when it is missing: a stat per write cost more than the rare miss
             fd = os.open(self.path, _DIR_FLAGS)
         try:
-            for i, part in enumerate(parts):
-                if create:
-                    self._mkdir(fd, parts[: i + 1])
-                try:
-                    child = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        where = os.path.join(self.path, *parts[: i + 1])
-                        raise UnsafePath(exc.errno, f"{where} is a symbolic link or not a directory: "
-                                                    "the agent never follows links below its roots") from None
-                    raise
+            for i in range(len(parts)):
+                child = self._open_dir(fd, parts[: i + 1], create)
                 os.close(fd)
                 fd = child
                 if create and os.fstat(fd).st_mode & 0o7777 != self.dir_mode:
@@ -139,6 +130,24 @@ class Root:
             yield fd
         finally:
             os.close(fd)
+
+    def _open_dir(self, parent_fd: int, parts: Sequence[str], create: bool) -> int:
+        """The directory `parts[-1]` in `parent_fd`, made first when `create` and it is missing (the
+        directory is opened first: it nearly always exists, and then a write costs no mkdir)."""
+        for attempt in (1, 2):
+            try:
+                return os.open(parts[-1], _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
+            except FileNotFoundError:
+                if not create or attempt == 2:
+                    raise
+                self._mkdir(parent_fd, parts)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    where = os.path.join(self.path, *parts)
+                    raise UnsafePath(exc.errno, f"{where} is a symbolic link or not a directory: "
+                                                "the agent never follows links below its roots") from None
+                raise
+        raise AssertionError("unreachable")
 
     # The agent's own changes are noted (`agent.ownchanges`) in the same step as they are made, so
     # self-healing never judges an event while one is made and the other not.

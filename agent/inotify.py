@@ -1,4 +1,4 @@
-"""inotify for the event loop: directory watches, and their events read where they are used.
+"""inotify: directory watches, and their events read where they are used.
 
 Self-healing watched through watchdog first: each event crossed three threads (the inotify reader,
 the emitter, the observer's dispatcher) and was parsed into several objects before the agent saw it,
@@ -6,17 +6,22 @@ which cost more CPU than a prepare's own work (the agent's atomic writes cause a
 prepare). Here the descriptor (`inotify_simple`: the system calls and the event parsing, nothing
 more) is non-blocking and read on the event loop when readable (`read`); this module keeps which
 directory each watch is for. Watches are added by path (`add`); the table is shared with a worker
-thread that arms them, hence the lock.
+thread that arms them, hence the lock. Where events are handled in a thread rather than on the
+loop (the simulated machine's control directory and kernel), `WatchThread` reads them there: one
+thread for all of its directories.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
+import select
 import struct
 import termios
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from inotify_simple import INotify, flags
@@ -34,6 +39,8 @@ IN_IGNORED = int(flags.IGNORED)
 IN_ONLYDIR = int(flags.ONLYDIR)
 IN_DONT_FOLLOW = int(flags.DONT_FOLLOW)
 IN_ISDIR = int(flags.ISDIR)
+
+log = logging.getLogger(__name__)
 
 # Changes only: opens and reads (IN_OPEN, IN_ACCESS, IN_CLOSE_NOWRITE) never reach the agent.
 CHANGES = (IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF
@@ -123,3 +130,67 @@ class Inotify:
             self._paths.clear()
             self._wds.clear()
         self._inotify.close()
+
+
+class WatchThread:
+    """Directories watched by a thread of its own, which calls `handle` with each event, in order.
+    `add(path, recursive=True)` watches every directory below `path` too, and each one made there
+    later; the files found in such a directory are handed to `handle` as if just written
+    (IN_CLOSE_WRITE), so a write made there before its watch began is not lost."""
+
+    def __init__(self, handle: Callable[[Event], None], name: str) -> None:
+        self._handle = handle
+        self._inotify = Inotify()
+        self._recursive: list[str] = []
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def add(self, path: str, recursive: bool = False) -> None:
+        """Watch `path` (from now on: the watch exists when this returns)."""
+        self._inotify.add(path)
+        if recursive:
+            self._recursive.append(path)
+            self._add_below(path, announce=False)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._stop_w, b"x")
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._inotify.close()
+        for fd in (self._stop_r, self._stop_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _add_below(self, path: str, announce: bool) -> None:
+        for parent, dirs, files in os.walk(path):
+            for name in dirs:
+                with contextlib.suppress(OSError):  # removed meanwhile: its parent's event says so
+                    self._inotify.add(os.path.join(parent, name))
+            if announce:
+                for name in files:
+                    self._call(Event(os.path.join(parent, name), IN_CLOSE_WRITE))
+
+    def _run(self) -> None:
+        while True:
+            ready, _, _ = select.select([self._inotify.fd, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            for event in self._inotify.read():
+                if (event.mask & (IN_CREATE | IN_MOVED_TO) and event.mask & IN_ISDIR
+                        and any(event.path.startswith(r + os.sep) for r in self._recursive)):
+                    with contextlib.suppress(OSError):
+                        self._inotify.add(event.path)
+                    self._call(event)
+                    self._add_below(event.path, announce=True)
+                    continue
+                self._call(event)
+
+    def _call(self, event: Event) -> None:
+        try:
+            self._handle(event)
+        except Exception:  # a handler's failure must not end the watch
+            log.exception("handling the inotify event of %s failed", event.path)

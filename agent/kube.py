@@ -11,18 +11,23 @@ import asyncio
 import logging
 import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-import httpx2
-import lightkube
 import yaml
-from lightkube.config.kubeconfig import SERVICE_ACCOUNT, KubeConfig
-from lightkube.core.exceptions import ApiError, ConfigError
-from lightkube.resources.core_v1 import Node
 
 from agent.config import Settings
+
+# The API client (lightkube, httpx2) is imported where a cluster is used: offline, the agent never
+# loads it (several MiB of modules and most of a start-up's imports). An error of a type from a
+# module not imported yet cannot have been raised, so the error helpers below look for the types only
+# among the modules loaded (`_loaded`).
+if TYPE_CHECKING:
+    import httpx2
+    import lightkube
+    from lightkube.config.kubeconfig import KubeConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ NODE_ALLOCATABLE_FEATURE = "DRANodeAllocatableResources"
 LIST_ATTRIBUTES_FEATURE = "DRAListTypeAttributes"
 OPTIONAL_NODE_OPERATIONS_FEATURE = "DRAOptionalNodeOperations"
 FIELD_MANAGER = "dra-agent"
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"  # where a pod finds its service account
 
 
 class NodeNotFound(LookupError):
@@ -69,6 +75,8 @@ def _in_cluster(service_account: Path) -> KubeConfig | None:
         return None
     if not (service_account / "token").is_file():
         return None
+    from lightkube.config.kubeconfig import KubeConfig
+
     return KubeConfig.from_service_account(service_account)
 
 
@@ -79,6 +87,8 @@ def find_config(settings: Settings, *, service_account: Path = Path(SERVICE_ACCO
     An explicitly named kubeconfig (flag or $KUBECONFIG) that cannot be loaded is an
     error, not a reason to quietly talk to some other cluster.
     """
+    from lightkube.config.kubeconfig import KubeConfig
+
     if settings.kubeconfig is not None:
         return KubeConfig.from_file(settings.kubeconfig), f"kubeconfig {settings.kubeconfig}"
     config = _in_cluster(service_account)
@@ -94,6 +104,10 @@ def find_config(settings: Settings, *, service_account: Path = Path(SERVICE_ACCO
 async def connect(settings: Settings, *, service_account: Path = Path(SERVICE_ACCOUNT),
                   home: Path | None = None) -> tuple[lightkube.AsyncClient | None, str]:
     """A client for the configured cluster (not yet contacted), or None and the reason."""
+    import httpx2
+    import lightkube
+    from lightkube.core.exceptions import ConfigError
+
     try:
         config, source = await asyncio.to_thread(find_config, settings, service_account=service_account,
                                                  home=home)
@@ -114,6 +128,9 @@ async def connect(settings: Settings, *, service_account: Path = Path(SERVICE_AC
 # -- the Node -----------------------------------------------------------------------------------
 
 async def read_node(client: lightkube.AsyncClient, name: str) -> NodeInfo:
+    from lightkube.core.exceptions import ApiError
+    from lightkube.resources.core_v1 import Node
+
     try:
         node = await client.get(Node, name)
     except ApiError as exc:
@@ -160,6 +177,8 @@ async def raw_call(client: lightkube.AsyncClient, method: str, resource: type[An
     API server exactly as given. Through the client's own connection (its server, credentials, timeout).
     Raises as the client's calls do: `ApiError` for a JSON error answer, `httpx2.HTTPStatusError` for any
     other, `httpx2.TransportError` when no answer came."""
+    import httpx2
+    from lightkube.core.exceptions import ApiError
     from lightkube.core.resource import api_info
 
     info = api_info(resource)
@@ -183,18 +202,29 @@ async def raw_call(client: lightkube.AsyncClient, method: str, resource: type[An
 
 # -- errors -------------------------------------------------------------------------------------
 
+def _loaded(module: str, name: str) -> type[BaseException] | tuple[()]:
+    """The exception type `module.name` when the module is loaded; else an empty tuple, which no
+    `isinstance` matches (nothing of a module never imported can have been raised)."""
+    found = sys.modules.get(module)
+    return getattr(found, name) if found is not None else ()
+
+
 def status_code(exc: BaseException) -> int | None:
     """The HTTP status of an API answer; None when no answer came."""
-    if isinstance(exc, ApiError) and exc.status is not None and exc.status.code:
-        return int(exc.status.code)
-    if isinstance(exc, httpx2.HTTPStatusError):
-        return exc.response.status_code
+    if isinstance(exc, _loaded("lightkube.core.exceptions", "ApiError")):
+        status = getattr(exc, "status", None)
+        if status is not None and status.code:
+            return int(status.code)
+    if isinstance(exc, _loaded("httpx2", "HTTPStatusError")):
+        return cast("httpx2.HTTPStatusError", exc).response.status_code
     return None
 
 
 def status_cause_fields(exc: BaseException) -> list[str]:
     """The fields the API server's answer blames (`status.details.causes[].field` of a 422)."""
-    details = exc.status.details if isinstance(exc, ApiError) and exc.status is not None else None
+    api_error = _loaded("lightkube.core.exceptions", "ApiError")
+    status = getattr(exc, "status", None) if isinstance(exc, api_error) else None
+    details = status.details if status is not None else None
     return [c.field for c in (details.causes or []) if c.field] if details is not None else []
 
 
@@ -202,7 +232,7 @@ def is_retryable(exc: BaseException) -> bool:
     code = status_code(exc)
     if code is not None:
         return code >= 500 or code == 429
-    return isinstance(exc, httpx2.TransportError | TimeoutError | ConnectionError)
+    return isinstance(exc, (_loaded("httpx2", "TransportError"), TimeoutError, ConnectionError))
 
 
 def is_conflict(exc: BaseException) -> bool:
@@ -215,10 +245,10 @@ def is_not_found(exc: BaseException) -> bool:
 
 def retry_after(exc: BaseException) -> float | None:
     """The server's Retry-After (seconds) on a 429/503, if it sent one."""
-    if not isinstance(exc, httpx2.HTTPStatusError):
+    if not isinstance(exc, _loaded("httpx2", "HTTPStatusError")):
         return None
     try:
-        return max(0.0, float(exc.response.headers.get("Retry-After", "")))
+        return max(0.0, float(cast("httpx2.HTTPStatusError", exc).response.headers.get("Retry-After", "")))
     except ValueError:
         return None
 
@@ -228,13 +258,14 @@ def describe(exc: BaseException) -> str:
     code = status_code(exc)
     if code is not None:
         message = ""
-        if isinstance(exc, ApiError) and exc.status is not None:
-            message = exc.status.message or exc.status.reason or ""
+        status = getattr(exc, "status", None)
+        if isinstance(exc, _loaded("lightkube.core.exceptions", "ApiError")) and status is not None:
+            message = status.message or status.reason or ""
         return f"HTTP {code}" + (f": {message}" if message else "")
-    if isinstance(exc, httpx2.TimeoutException | TimeoutError):
+    if isinstance(exc, (_loaded("httpx2", "TimeoutException"), TimeoutError)):
         return f"timed out ({type(exc).__name__})"
     text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if isinstance(exc, httpx2.TransportError) else text
+    return f"{type(exc).__name__}: {text}" if isinstance(exc, _loaded("httpx2", "TransportError")) else text
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,11 @@ created again) in its place. Then nothing can be missing or changed: the last
 change was the agent's. Anything else (another inode, a change in place, a file back where the
 agent removed one) is someone else's, and is checked as before.
 
+Workers make changes and the event loop judges events, at once: a change and its note are made
+holding the `SharedLock` shared (changes of different claims never wait for each other: a claim's
+removal is many system calls), a judgment and the look at the file system it needs hold it alone.
+So a judgment sees both a change and its note or neither, and waits only for the changes in progress.
+
 Bounded: the oldest entries are dropped past LIMIT, which can only cost a check, never skip one
 (an entry's sequence number follows its place in the table, so a directory's "made again" goes
 before the entries of the files written in it since).
@@ -30,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from agent.inotify import IN_DELETE, IN_DELETE_SELF, IN_MOVED_FROM, IN_MOVED_TO
+from agent.sharedlock import SharedLock
 
 LIMIT = 4096
 _REMOVED = -1  # the agent removed the path (a file, or a directory with all below it)
@@ -46,51 +52,51 @@ class _Change:
 class OwnChanges:
     def __init__(self, limit: int = LIMIT) -> None:
         self._limit = limit
-        # Noted from worker threads, asked on the event loop. Held around each change and its note, and
-        # around each judgment with the look at the file system it needs: a judgment sees both or neither.
-        self._lock = threading.RLock()
+        # Noted from worker threads, asked on the event loop: changes hold it shared, judgments alone.
+        self._lock = SharedLock()
+        self._table = threading.Lock()  # over the entries, between the changes of several workers
         self._changes: OrderedDict[str, _Change] = OrderedDict()
         self._seq = 0
 
     def _note(self, path: str, state: int, renames: int) -> None:
-        """Under the lock."""
-        self._seq += 1
-        entry = self._changes.get(path)
-        if entry is None:
-            self._changes[path] = _Change(state, renames, self._seq)
-        else:
-            entry.state, entry.renames, entry.seq = state, entry.renames + renames, self._seq
-            self._changes.move_to_end(path)
-        while len(self._changes) > self._limit:
-            self._changes.popitem(last=False)
+        """Holding the lock shared."""
+        with self._table:
+            self._seq += 1
+            entry = self._changes.get(path)
+            if entry is None:
+                self._changes[path] = _Change(state, renames, self._seq)
+            else:
+                entry.state, entry.renames, entry.seq = state, entry.renames + renames, self._seq
+                self._changes.move_to_end(path)
+            while len(self._changes) > self._limit:
+                self._changes.popitem(last=False)
 
-    def hold(self) -> threading.RLock:
+    def hold(self) -> contextlib.AbstractContextManager[None]:
         """Held around a change the caller then notes (a directory made: `made`)."""
-        return self._lock
+        return self._lock.held(shared=True)
 
     @contextlib.contextmanager
     def renaming(self, path: str, inode: int) -> Iterator[None]:
         """Around the rename that puts `inode` at `path`."""
-        with self._lock:
+        with self._lock.held(shared=True):
             self._note(path, inode, 1)
             yield
 
     @contextlib.contextmanager
     def removing(self, path: str) -> Iterator[None]:
         """Around the removal of `path` (a file, or a directory with all below it)."""
-        with self._lock:
+        with self._lock.held(shared=True):
             self._note(path, _REMOVED, 0)
             yield
 
     def made(self, path: str) -> None:
-        """The agent created the directory (under `hold`): removals there before are not explained by
+        """The agent created the directory (inside `hold`): removals there before are not explained by
         the agent's removal any more, and one whose path is back is."""
-        with self._lock:
-            self._note(path, _REMADE, 0)
+        self._note(path, _REMADE, 0)
 
     def is_own(self, path: str, mask: int) -> bool:
         """Whether the event (`mask` at `path`) is the agent's own change, as the file system shows now."""
-        with self._lock:
+        with self._lock.held(shared=False):
             if mask & IN_MOVED_TO:
                 entry = self._changes.get(path)
                 if entry is None or entry.renames == 0:
@@ -110,7 +116,7 @@ class OwnChanges:
             return False
 
     def _removed(self, path: str) -> bool:
-        """(Under the lock.) Nothing at `path`, explained by the agent's latest change to it or to a
+        """(Holding the lock alone.) Nothing at `path`, explained by the agent's latest change to it or to a
         directory above it: a removal, or a directory made again (it was empty then) with nothing
         written at `path` since."""
         if os.path.lexists(path):

@@ -13,8 +13,6 @@ from agent.sim.kernel.emulator import KernelEmulator
 from agent.sim.kernel.tree import SimTree
 from agent.sim.profiles import load_profile
 
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
-
 GPU1_BUS, GPU1_GROUP = "0000:2a:00.0", 101  # gpu-1 of dgx-h100
 GPU1_VARIANT = "gpu-0000-2a-00-0-vfio"
 

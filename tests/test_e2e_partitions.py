@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
 import runtime
 from agentkit import NODE, Quickstart, agent_process, claim, result, roots, write_claim
 
@@ -27,8 +26,6 @@ from agent.host.mdev import sysfs as mdev
 from agent.kubelet import client as kc
 from agent.names import ClaimRef
 from agent.sim.migstate import STATE_FILE
-
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import runtime
 from agentkit import NODE, Quickstart, agent_process, claim, result, roots, write_claim
 
@@ -21,8 +20,6 @@ from agent.config import Settings
 from agent.kubelet import client as kc
 from agent.names import ClaimRef
 from agent.sim.kernel.tree import SimTree
-
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
 ROOT = Path(__file__).resolve().parents[1]
 UID = "5d3f0a00-0000-4000-8000-0000000000f1"

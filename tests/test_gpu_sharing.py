@@ -5,6 +5,7 @@ limit in its CDI env and metadata, and unprepared independently."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,10 @@ import kubernetes_validate
 import orjson
 import pytest
 from agentkit import DRIVER, NODE, Node, claim, make_node, result, roots, write_claim
+from handshakes import paused
 from kubeapi import RESOURCE_SLICES, KubeApi
 
-from agent import apirules, quantity
+from agent import apirules, failpoints, quantity
 from agent.app.assembly import set_node_features
 from agent.claims import metadata
 from agent.claims import plan as claimplan
@@ -211,6 +213,27 @@ async def test_two_claims_share_one_gpu_each_with_its_own_id_and_limit(node: Nod
     assert metadata_entry(node, UID2)["shareID"] == SHARE2
     assert await node.engine.unprepare([ClaimRef("default", "b", UID2)]) == {UID2: ""}
     assert not (node.settings.cdi_dir / f"{DRIVER}-claim_{UID2}.json").exists()
+
+
+async def test_claims_sharing_one_gpu_are_prepared_and_unprepared_at_once(node: Node) -> None:
+    """The claims of one shared GPU exclude nothing among themselves (each has its own files): a
+    share's prepare never waits for another share of the GPU (a node full of pods shares few GPUs)."""
+    write_claim(node.claims_dir, claim("a", UID1, [share(UID1, SHARE1, "4Gi")]))
+    write_claim(node.claims_dir, claim("b", UID2, [share(UID2, SHARE2, "10Gi")]))
+    refs = [ClaimRef("default", "a", UID1), ClaimRef("default", "b", UID2)]
+    failpoints.configure("after-claim-spec=pause")
+    try:
+        prepares = [asyncio.create_task(node.engine.prepare([r])) for r in refs]
+        await paused("after-claim-spec", 2)  # both are halfway at once, each holding the GPU's lock
+        failpoints.configure("unprepare-after-record=pause")  # and the prepares go on
+        assert [(await t)[r.uid].error for t, r in zip(prepares, refs, strict=True)] == ["", ""]
+        unprepares = [asyncio.create_task(node.engine.unprepare([r])) for r in refs]
+        await paused("unprepare-after-record", 2)
+        failpoints.configure("")
+        assert [await t for t in unprepares] == [{UID1: ""}, {UID2: ""}]
+    finally:
+        failpoints.configure("")
+    assert node.engine.records == {}
 
 
 async def test_the_claims_own_config_may_set_the_mps_limit(node: Node) -> None:

@@ -17,11 +17,11 @@ from agentkit import StaticSource, cpu, nic, roots
 from conftest import need_command, need_root
 from handshakes import until
 from netns import NetNS, network_namespace
-from pyroute2.netlink.exceptions import NetlinkDumpInterrupted
 
 import agent.inventory as inventory_mod
 from agent.app.daemon import Agent
 from agent.config import NvmlMode, Settings
+from agent.host.rtnetlink import DumpInterrupted
 from agent.inventory import Inventory, ScanError, ScanResult
 from agent.inventory import netlink as netlink_mod
 from agent.inventory.gpus import GpuSource
@@ -244,60 +244,55 @@ async def test_the_daemon_retries_a_failing_source_before_the_next_rescan(
 # -- the NIC source: an interrupted netlink dump ------------------------------------------------------
 
 
-class InterruptedIPRoute:
-    """pyroute2's IPRoute under a flood of link changes: every dump is interrupted."""
+class InterruptedSocket:
+    """The rtnetlink socket under a flood of link changes: every dump is interrupted."""
 
     opened = 0
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        InterruptedIPRoute.opened += 1
+        InterruptedSocket.opened += 1
 
-    def __enter__(self) -> InterruptedIPRoute:
+    def __enter__(self) -> InterruptedSocket:
         return self
 
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def get_links(self) -> list[object]:
-        raise NetlinkDumpInterrupted()
-
-    def get_addr(self) -> list[object]:
-        raise NetlinkDumpInterrupted()
+    def dump(self, kind: int) -> list[object]:
+        raise DumpInterrupted()
 
 
 def test_dump_gives_up_with_a_scan_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netlink_mod, "IPRoute", InterruptedIPRoute)
-    InterruptedIPRoute.opened = 0
+    monkeypatch.setattr(netlink_mod, "RtnlSocket", InterruptedSocket)
+    InterruptedSocket.opened = 0
     with pytest.raises(ScanError, match="interrupted 5 times in a row"):
         netlink_mod.dump()
-    assert InterruptedIPRoute.opened == 5
+    assert InterruptedSocket.opened == 5
 
 
 INTERRUPTED_SCAN = """
 import asyncio, json, sys
-from pyroute2.netlink.exceptions import NetlinkDumpInterrupted
 from agent.config import build_settings
+from agent.host.rtnetlink import DumpInterrupted
 from agent.inventory import Inventory
 from agent.inventory import netlink
 from agent.inventory.nics import NicSource
 
-class InterruptedIPRoute:  # as in the test module: every dump is interrupted
+class InterruptedSocket:  # as in the test module: every dump is interrupted
     def __init__(self, *args, **kwargs):
         pass
     def __enter__(self):
         return self
     def __exit__(self, *exc):
         pass
-    def get_links(self):
-        raise NetlinkDumpInterrupted()
-    def get_addr(self):
-        raise NetlinkDumpInterrupted()
+    def dump(self, kind):
+        raise DumpInterrupted()
 
 async def main():
     inventory = Inventory([NicSource(build_settings(json.loads(sys.argv[1])))])
     await inventory.scan()
     before = {d.name: d.node.interface for d in inventory.devices()}
-    netlink.IPRoute = InterruptedIPRoute
+    netlink.RtnlSocket = InterruptedSocket
     changed = await inventory.scan(["nic"])
     after = {d.name: d.node.interface for d in inventory.devices()}
     found = {name: inventory.get(name) is not None for name in before}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -98,6 +99,29 @@ def test_interface_facts_from_netlink(ns: NetNS) -> None:
     assert dev["attributes"]["linkUp"] == {"bool": True}
     assert dev["node"] == {"interface": "va", "mac": "02:a1:b2:c3:d4:e5",
                            "ips": ["10.0.0.5/24", "10.0.0.6/24", "fd00::5/64"]}
+
+
+LIST_LINKS = """
+import json
+from agent.inventory import netlink
+links, addresses = netlink.dump()
+print(json.dumps({"links": {l.ifname: [l.index, l.mac, l.mtu, l.kind] for l in links},
+                  "addresses": {str(i): sorted(a.cidr for a in found) for i, found in addresses.items()}}))
+"""
+
+
+def test_a_dump_of_many_links_lists_each_as_ip_does(ns: NetNS) -> None:
+    # 300 links and 300 addresses: each dump spans many datagrams, the way a busy node's does.
+    ns.batch(f"link add d{i} type veth peer name p{i}" for i in range(150))
+    ns.batch(f"addr add 10.{i % 150}.{i // 150}.1/24 dev {'dp'[i // 150]}{i % 150}" for i in range(300))
+    out = json.loads(ns.python(LIST_LINKS))
+    want = {name: [link["ifindex"], link["address"] if name != "lo" else "", link["mtu"],
+                   link.get("linkinfo", {}).get("info_kind", "")]
+            for name, link in ((link["ifname"], link) for link in json.loads(ns.ip("-d", "-j", "link", "show")))}
+    assert out["links"] == want and len(want) == 301
+    addresses = {str(a["ifindex"]): sorted(f"{i['local']}/{i['prefixlen']}" for i in a["addr_info"])
+                 for a in json.loads(ns.ip("-j", "addr", "show")) if a["addr_info"]}
+    assert out["addresses"] == addresses and len(addresses) == 300
 
 
 def test_link_up_needs_admin_up_and_carrier(ns: NetNS) -> None:

@@ -40,8 +40,6 @@ from agent.kubelet import client as kc
 from agent.model import PCI_BUS_ID
 from agent.names import ClaimRef
 
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
-
 NODE = "node-gocheck"
 V1BETA1, V1ALPHA1 = metadata.API_VERSIONS
 POD_CLAIM_NAME = "resource.kubernetes.io/pod-claim-name"

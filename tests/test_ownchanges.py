@@ -5,6 +5,8 @@ must never be taken for the agent's; the agent's own, however interleaved, shoul
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 from agent.fsutil import Root
@@ -76,3 +78,38 @@ def test_the_last_unprepares_removals_judged_while_the_next_prepare_makes_the_di
     assert own.is_own(path, IN_DELETE)
     assert own.is_own(os.path.dirname(path), IN_DELETE | IN_ISDIR)
     assert own.is_own(claim_dir, IN_DELETE_SELF)
+
+
+def test_workers_change_files_at_once_and_a_judgment_waits_for_the_changes_in_progress(tmp_path):
+    """Claims' removals (many system calls each) never queue behind one another; a judgment never
+    sees a change without its note, nor the note without the change: it waits for both."""
+    own = OwnChanges()
+    paths = [str(tmp_path / name) for name in ("a", "b")]
+    for path in paths:
+        Path(path).write_bytes(b"x")
+    barrier = threading.Barrier(2, timeout=30)
+    leave = threading.Event()
+
+    def remove(path: str) -> None:
+        with own.removing(path):
+            barrier.wait()  # both workers inside at once, or the barrier breaks
+            os.unlink(path)
+            assert leave.wait(30)
+
+    workers = [threading.Thread(target=remove, args=(p,)) for p in paths]
+    for w in workers:
+        w.start()
+    judged: list[bool] = []
+    judge = threading.Thread(target=lambda: judged.append(own.is_own(paths[0], IN_DELETE)))
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(p) for p in paths):  # until both workers are inside, their files removed
+        assert time.monotonic() < deadline and not barrier.broken
+        time.sleep(0.001)
+    judge.start()
+    judge.join(0.2)
+    assert judged == [] and judge.is_alive()  # the removals are still in progress
+    leave.set()
+    for w in workers:
+        w.join(30)
+    judge.join(30)
+    assert not barrier.broken and judged == [True]

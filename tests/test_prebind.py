@@ -25,7 +25,7 @@ from test_vfio import fake_proc
 from agent import apirules
 from agent.bindingconditions import BINDING_CONDITION, BINDING_FAILURE_CONDITION, bindable_kinds
 from agent.claims.watch import ClaimEvent, watch_claims
-from agent.config import ConfigError, build_settings
+from agent.config import BINDABLE_KINDS, ConfigError, build_settings
 from agent.engine.prebind import PreBinder
 from agent.health.claimstatus import ClaimStatusWriter
 from agent.health.statussinks import DirectoryStatusSink
@@ -247,7 +247,7 @@ def test_only_the_named_kinds_carry_binding_conditions(tmp_path: Path) -> None:
 
 
 def test_the_setting_names_only_kinds_whose_prepare_changes_the_host() -> None:
-    assert bindable_kinds() == ("vfio", "mig", "vgpu")
+    assert bindable_kinds() == BINDABLE_KINDS == ("vfio", "mig", "vgpu")
     with pytest.raises(ConfigError, match="--binding-conditions: gpu not one of vfio, mig, vgpu"):
         build_settings({"node_name": "n", "binding_conditions": "vfio,gpu"})
     assert build_settings({"node_name": "n"}).binding_kinds == frozenset()

@@ -109,7 +109,7 @@ async def test_directory_make_run_inventory_rescanned_writes_nothing(tmp_path: P
         assert {"gpu", "cpu", "memory"} <= kinds
         # The NICs are this host's.
         host = NicSource(roots(tmp_path / "host", sysfs_root=Path("/sys")))
-        host_nics = (await asyncio.to_thread(host.scan)).devices  # pyroute2 runs a loop of its own
+        host_nics = (await asyncio.to_thread(host.scan)).devices  # a scan blocks (netlink, sysfs)
         assert sorted(d.name for d in inventory.devices() if d.kind == "nic") == sorted(d.name for d in host_nics)
         await check_directory(tmp_path, inventory, [], node)
 

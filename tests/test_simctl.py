@@ -1,5 +1,5 @@
 """`dra-agent sim`: command files written by simctl, applied by a simulated NVML that watches its
-control directory with watchdog (real files, real inotify, real threads)."""
+control directory (real files, real inotify, real threads)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The simulated machine's PCI tree (IOMMU groups, drivers, SR-IOV) and its kernel emulator, through real
-files and the real watchdog thread: what a write to sysfs does, as the agent would see it on a host."""
+files and the emulator's real inotify thread: what a write to sysfs does, as the agent would see it on a host."""
 
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ SHARED = ("0000:3a:00.0", "0000:3b:00.0")
 BRIDGED_GPU = "0000:5d:00.0"
 PF = "0000:4b:00.0"
 
-# watchdog warns when it meets a new directory (vfio-dev/vfioN) twice; the watch is kept.
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
 TEST_MACHINE: dict[str, Any] = {
     "defaults": {"name": "NVIDIA H100 80GB HBM3", "memoryTotal": 85520809984, "pciDeviceId": "0x233010de"},
@@ -46,8 +44,6 @@ TEST_MACHINE: dict[str, Any] = {
 
 def machine_profile() -> SimProfile:
     return parse_profile("test", TEST_MACHINE)
-
-
 
 
 def wait_for(check: Callable[[], bool], timeout: float = 5.0) -> None:

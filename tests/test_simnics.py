@@ -29,8 +29,6 @@ from agent.inventory.simnics import SimNicSource
 from agent.kubelet import client as kc
 from agent.sim.profiles import load_profile
 
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
-
 DRIVER = "dra.example.com"
 PF = "0000:4b:00.0"  # dgx-h100's ConnectX-7, VFs 0-3 enabled at 0000:4b:00.1-4
 VFS = [f"0000:4b:00.{n}" for n in range(1, 5)]

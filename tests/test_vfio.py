@@ -25,8 +25,6 @@ from agent.sim.hardware import materialize
 from agent.sim.kernel.emulator import KernelEmulator, WriteKind
 from agent.sim.kernel.tree import SimTree
 
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
-
 
 class Machine:
     def __init__(self, root: Path, kernel: KernelEmulator) -> None:

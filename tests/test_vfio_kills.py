@@ -16,7 +16,6 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
-import pytest
 from agentkit import claim, make_node, restarted, result, write_claim, written_files
 
 from agent.claims.records import RecordState
@@ -27,8 +26,6 @@ from agent.hostprep.mig import nvml_of
 from agent.names import ClaimRef
 from agent.sim.kernel.emulator import KernelEmulator
 from agent.sim.profiles import load_profile
-
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
 TESTS = Path(__file__).resolve().parent
 UID = "2f1a0000-0000-4000-8000-000000000001"

@@ -1,5 +1,5 @@
 """Prepare and unprepare of passthrough (VFIO) devices through the engine, on the simulated machine with
-its kernel emulator running (real sysfs files, the real watchdog thread): a GPU and a NIC VF bound to
+its kernel emulator running (real sysfs files, its real inotify thread): a GPU and a NIC VF bound to
 vfio-pci and back, the CDI spec's VFIO nodes, the metadata KubeVirt reads, VfioConfig, the two forms of
 one function kept apart, a busy GPU and a refusing kernel, and recovery from every state a crash can
 leave (mid-bind, mid-restore, a reboot)."""
@@ -35,8 +35,6 @@ from agent.sim.hardware import materialize
 from agent.sim.kernel.emulator import KernelEmulator, WriteKind
 from agent.sim.kernel.tree import SimTree
 from agent.sim.profiles import BUILTIN, load_profile
-
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
 
 GPU_BUS, GPU_GROUP = "0000:18:00.0", 100  # gpu-0 of dgx-h100
 GPU_VARIANT = "gpu-0000-18-00-0-vfio"

@@ -36,8 +36,6 @@ from agent.sim.kernel.emulator import KernelEmulator, WriteKind
 from agent.sim.kernel.tree import SimTree
 from agent.sim.profiles import load_profile
 
-pytestmark = pytest.mark.filterwarnings("ignore:Callback with id:RuntimeWarning")
-
 DRIVER = "dra.example.com"
 NODE = "node-a"
 GPU = "0000:18:00.0"

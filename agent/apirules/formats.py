@@ -5,8 +5,10 @@ attribute values and pool names. The building blocks of the slice, device and st
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from agent.model import AttrValue, IntList, Version
+if TYPE_CHECKING:  # the value formats load without the device model (`dra-agent run` checks its
+    from agent.model import AttrValue  # driver name before anything heavy is imported)
 
 MAX_VALUE_LENGTH = 64
 MAX_POOL_NAME = 253
@@ -97,6 +99,8 @@ def label_value_errors(value: str) -> list[str]:
 
 
 def attribute_value_errors(value: AttrValue) -> list[str]:
+    from agent.model import IntList, Version
+
     if isinstance(value, bool):
         return []
     if isinstance(value, int):

@@ -22,7 +22,6 @@ ends a command quietly, with the status a shell gives a command killed by SIGPIP
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from collections.abc import Callable, Collection, Sequence
@@ -67,7 +66,7 @@ SHOWN: dict[str, Collection[str] | None] = {
 def cmd_run(args: argparse.Namespace, settings: config.Settings) -> int:
     from agent.app import process
 
-    return asyncio.run(process.run(settings))
+    return process.main(settings)
 
 
 def _command(name: str) -> Callable[[argparse.Namespace, config.Settings], int]:
@@ -118,9 +117,12 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def parser(only: str | None = None) -> Parser:
-    """The full parser; with `only` one of `_LIGHT_COMMANDS`, the commands defined in other
-    modules (taints, sim) are left out, so their imports are not paid for."""
+def parser(words: Sequence[str] | None = None) -> Parser:
+    """The full parser; for `words` whose command is one of `_LIGHT_COMMANDS`, the commands defined
+    in other modules (taints, sim) are left out, so their imports are not paid for, and only the
+    command being run takes the settings as options (argparse spends most of a CLI call's start on
+    them: every command takes all of them)."""
+    only = words[0] if words else None
     p = Parser(prog="dra-agent", description="Kubernetes DRA node agent",
                epilog=f"Every command takes the agent's settings, as flags or environment variables: "
                       f"{config.SETTINGS_HELP} lists them. COMMAND --help shows a command's own options.")
@@ -128,11 +130,17 @@ def parser(only: str | None = None) -> Parser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     topics: dict[str, argparse.ArgumentParser] = {"": p}
 
+    def wanted(path: str) -> bool:
+        if words is None or only == "help" or only not in _LIGHT_COMMANDS:
+            return True
+        return list(words[:len(path.split())]) == path.split()
+
     def leaf(where: Any, name: str, help: str, fn: Callable[..., int], path: str | None = None) -> Parser:
         path = path or name
         sp: Parser = where.add_parser(name, help=help, description=help)
         sp.set_defaults(fn=fn, parser=sp)
-        config.add_arguments(sp, SHOWN.get(path, SHOWN.get(path.split()[0])))
+        if wanted(path):
+            config.add_arguments(sp, SHOWN.get(path, SHOWN.get(path.split()[0])))
         topics[path] = sp
         return sp
 
@@ -215,7 +223,7 @@ def parser(only: str | None = None) -> Parser:
 
 
 def _parse(words: list[str]) -> argparse.Namespace:
-    p = parser(words[0] if words else None)
+    p = parser(words)
     if words[:1] == ["help"] and len(words) > 2:  # `dra-agent help kubelet prepare`
         words = ["help", " ".join(words[1:])]
     args, extra = p.parse_known_args(words)

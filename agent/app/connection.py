@@ -12,14 +12,18 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-
-import lightkube
+from typing import TYPE_CHECKING
 
 from agent import kube
 from agent.claims.sources import ApiClaimSource, ClaimSource, DirectoryClaimSource
 from agent.config import Settings
 from agent.kube import NodeInfo
-from agent.publish.apiserver import ApiPublisher, DirectoryPublisher, Publisher
+from agent.publish.directory import DirectoryPublisher
+from agent.publish.loop import Publisher
+
+# The API client and the API publisher are imported with a cluster only (`agent.kube`).
+if TYPE_CHECKING:
+    import lightkube
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,8 @@ class Connection:
         if self.offline is not None:
             return DirectoryPublisher(self.offline, settings, node)
         assert self.client is not None
+        from agent.publish.apiserver import ApiPublisher
+
         return ApiPublisher(self.client, settings, node)
 
     async def close(self) -> None:

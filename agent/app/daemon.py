@@ -165,7 +165,7 @@ class Agent:
             self.health.observe(snapshot)
             await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
             claim_status = ClaimStatusWriter(
-                s.driver_name, sink_for(conn.client, conn.offline, s.driver_name), self.health,
+                s.driver_name, sink_for(conn.client, conn.offline, s.driver_name, engine.claims), self.health,
                 engine.book, readiness=self.health, metrics=self.metrics, binding_kinds=s.binding_kinds)
             undo.push_async_callback(claim_status.stop)
             engine.listeners.append(claim_status)
@@ -200,7 +200,6 @@ class Agent:
     async def _recover(self, running: Running, report: RecoveryReport) -> None:
         """Check every record listed at start-up (batches in worker threads, prepares answered in between),
         remove orphaned files, bring claim status and metadata up to date, start preparing ahead of binding."""
-        from agent.engine.prebind import prebind_claims
         from agent.engine.recovery import check_records, finish_recovery
 
         engine = running.engine
@@ -215,6 +214,7 @@ class Agent:
         running.claim_status.resync(engine.records.values())
         self.recovered.set()
         if self.settings.binding_conditions and running.conn.client is not None:  # the book knows every claim now
+            from agent.engine.prebind import prebind_claims
             self._spawn(prebind_claims(engine, running.claim_status, running.conn.client), "prebind")
         await self._refresh_prepared(engine)
 

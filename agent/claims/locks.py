@@ -7,7 +7,9 @@ repair or cleanup) runs in one worker thread and holds, in this order:
    two agents share the state directory, and the kubelet may send a claim's
    unprepare to the newer one while the older one is still preparing it;
 3. for prepare and unprepare, which change what a device is bound to, the locks
-   of the claim's devices (`device/<name>`), in sorted order.
+   of the claim's devices (`device/<name>`), in sorted order. A device handed out in
+   shares (`Kind.shared`) is held shared by its claims: they exclude nothing among
+   themselves (each claim's files are its own), only whoever takes the device alone.
 A claim lock is never requested while a device lock is held, and device locks
 are always taken in one global order, so there is no deadlock.
 """
@@ -20,38 +22,41 @@ import hashlib
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
+
+from agent.sharedlock import SharedLock
 
 
 class LockTable:
-    """Thread locks by key, created on first use and dropped when nobody holds or waits for them."""
+    """Locks by key, created on first use and dropped when nobody holds or waits for them."""
 
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+        self._locks: dict[str, tuple[SharedLock, int]] = {}  # key -> (lock, holders and waiters)
 
     def __len__(self) -> int:
         return len(self._locks)
 
     @contextlib.contextmanager
-    def hold(self, keys: Iterable[str]) -> Iterator[None]:
+    def hold(self, keys: Iterable[str], shared: Collection[str] = ()) -> Iterator[None]:
+        """Hold every key, those in `shared` in shared mode, the others alone."""
         ordered = sorted(set(keys))  # one global order: no deadlock between holders of several keys
         with self._guard:
             locks = []
             for key in ordered:
-                lock, users = self._locks.get(key) or (threading.Lock(), 0)
+                lock, users = self._locks.get(key) or (SharedLock(), 0)
                 self._locks[key] = (lock, users + 1)
-                locks.append(lock)
-        acquired: list[threading.Lock] = []
+                locks.append((lock, key in shared))
+        acquired: list[tuple[SharedLock, bool]] = []
         try:
-            for lock in locks:
-                lock.acquire()
-                acquired.append(lock)
+            for lock, mode in locks:
+                lock.acquire(mode)
+                acquired.append((lock, mode))
             yield
         finally:
-            for lock in reversed(acquired):
-                lock.release()
+            for lock, mode in reversed(acquired):
+                lock.release(mode)
             with self._guard:
                 for key in ordered:
                     lock, users = self._locks[key]

@@ -19,15 +19,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import lightkube
 import yaml
-from lightkube.resources.resource_v1 import ResourceClaim
 
 from agent import kube
 from agent.errors import ClaimFailure
 from agent.kube import Backoff
+
+if TYPE_CHECKING:  # the API client is imported by the API source's first read (`agent.kube`)
+    import lightkube
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class ApiClaimSource:
         self._slots = asyncio.Semaphore(concurrency)
 
     async def get(self, namespace: str, name: str) -> dict[str, Any]:
+        from lightkube.resources.resource_v1 import ResourceClaim
+
         what = f"ResourceClaim {namespace}/{name}"
         failures = 0
         last = "no answer"
@@ -97,8 +100,10 @@ class DirectoryClaimSource:
     """
 
     # A prepared claim is answered from its record and never read again: the cache serves a prepare
-    # after an unprepare, and retries (a large one held thousands of parsed claims for nothing).
-    CACHE_SIZE = 64
+    # after an unprepare, retries, and the claim status written after each (a large one held
+    # thousands of parsed claims for nothing). A node full of pods (the kubelet's default limit is
+    # 110) prepared at once fits: a smaller cache read in a cycle would parse every claim each time.
+    CACHE_SIZE = 128
 
     def __init__(self, directory: Path) -> None:
         self.root = Path(directory) / "resourceclaims"

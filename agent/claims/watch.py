@@ -14,13 +14,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import lightkube
-from lightkube.resources.resource_v1 import ResourceClaim
+from typing import TYPE_CHECKING, Any, Literal
 
 from agent import kube
 from agent.kube import Backoff
+
+if TYPE_CHECKING:  # the API client is imported when the watch starts (a cluster only)
+    import lightkube
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,9 @@ class ClaimEvent:
 
 async def watch_claims(client: lightkube.AsyncClient, *, backoff: Backoff | None = None) -> AsyncIterator[ClaimEvent]:
     """Every claim, then every change, for ever (the caller cancels it)."""
+    import lightkube
+    from lightkube.resources.resource_v1 import ResourceClaim
+
     backoff = backoff or Backoff(initial=1.0, maximum=30.0)
     failures = 0
     while True:

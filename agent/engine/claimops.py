@@ -93,7 +93,8 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
         claim = read(ref.namespace, ref.name)
         alloc = parse_claim(claim, ref, driver=engine.settings.driver_name, pool=engine.settings.node_name,
                             lookup=engine.inventory.get)
-        with engine.locks.hold(engine.effects.lock_key(a.device) for a in alloc.devices):
+        keys = [engine.effects.lock_key(a.device) for a in alloc.devices]
+        with engine.locks.hold(keys, shared=keys if all(a.device.kind.shared for a in alloc.devices) else ()):
             return _apply(engine, alloc, ahead)
 
 
@@ -104,7 +105,8 @@ def unprepare_blocking(engine: ClaimEngine, ref: ClaimRef) -> ClaimRecord | None
         record = engine.current_or_purge(ref.uid)
         if record is None:
             return None
-        with engine.locks.hold(engine.effects.record_lock_keys(record)):
+        keys = engine.effects.record_lock_keys(record)
+        with engine.locks.hold(keys, shared=keys if _only_shares(engine, record) else ()):
             if not record.prepared:
                 engine.effects.settle(record, engine.files)
                 return record
@@ -117,6 +119,13 @@ def unprepare_blocking(engine: ClaimEngine, ref: ClaimRef) -> ClaimRecord | None
             failpoints.hit("unprepare-after-record")
             engine.files.remove_files(record)
         return record
+
+
+def _only_shares(engine: ClaimEngine, record: ClaimRecord) -> bool:
+    """Whether every device of the claim is handed out in shares (`agent.claims.locks`: their locks are
+    held shared, the claims of one device exclude nothing among themselves)."""
+    found = [engine.inventory.get(d.device) for d in record.devices]
+    return bool(found) and all(d is not None and d.kind.shared for d in found) and not engine.effects.held(record)
 
 
 def plan_claim(engine: ClaimEngine, alloc: Allocation, bindings: list[DeviceBinding]) -> ClaimRecord:

@@ -31,15 +31,16 @@ import logging
 import time
 from collections.abc import AsyncIterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import lightkube
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.claims.book import ClaimSummary
 from agent.claims.watch import ClaimEvent, watch_claims
 from agent.engine.prepare import PrepareEngine
 from agent.health.bindingstatus import BindingFailure
 from agent.names import ClaimRef
+
+if TYPE_CHECKING:  # a cluster's only: the watch imports the API client when it starts
+    import lightkube
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -54,6 +55,12 @@ from agent.names import ClaimRef, InvalidName, check_claim_ref
 from agent.ownchanges import OwnChanges
 
 log = logging.getLogger(__name__)
+
+
+def _log_later(message: str, ref: ClaimRef, extra: dict[str, object]) -> None:
+    """The line of a claim operation, logged once the loop is back from answering the kubelet (its
+    formatting and write are no part of the answer's way out)."""
+    asyncio.get_running_loop().call_soon(functools.partial(log.info, message, ref, extra=extra))
 
 
 @dataclass(slots=True)
@@ -183,7 +190,7 @@ class PrepareEngine:
         except Exception as exc:
             log.exception("prepare of %s failed unexpectedly", ref)
             return self._failed("prepare", ref, f"internal error: {exc!r}", started)
-        log.info("prepared %s", ref, extra={
+        _log_later("prepared %s", ref, {
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
             "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})
@@ -244,7 +251,7 @@ class PrepareEngine:
         if record is None:
             log.debug("%s is not prepared: nothing to undo", ref)
             return ""
-        log.info("unprepared %s", ref, extra={
+        _log_later("unprepared %s", ref, {
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
             "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})

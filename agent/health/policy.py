@@ -37,8 +37,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 IGNORE = "ignore"
 EFFECTS = ("None", "NoSchedule", "NoExecute")
 # How strongly an effect acts, to pick the one a device's XID taint carries.
@@ -179,6 +177,8 @@ def load_policy(path: Path | None) -> TaintPolicy:
     """The policy of `--taint-policy` (the defaults without one)."""
     if path is None:
         return TaintPolicy()
+    import yaml  # here: `dra-agent run` checks the policy before its first socket, and most have none
+
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as exc:

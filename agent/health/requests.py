@@ -2,9 +2,9 @@
 agent's side of that channel.
 
 Clearing is a request file in `<state dir>/health/requests/`, written atomically; the agent watches
-the directory (inotify, `watchdog`), applies each request in name order, writes what it cleared beside
-it (`<request>.done`, read and removed by the CLI that asked, so it says exactly what happened) and
-removes it. A request written while no agent runs is applied when one starts. Only the state
+the directory (inotify, read on the event loop), applies each request in name order, writes what it
+cleared beside it (`<request>.done`, read and removed by the CLI that asked, so it says exactly what
+happened) and removes it. A request written while no agent runs is applied when one starts. Only the state
 directory's owner (root on a node) can write there: no network endpoint can change a taint.
 """
 
@@ -16,17 +16,14 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import orjson
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer
-from watchdog.observers.api import BaseObserver
 
 from agent.config import Settings
 from agent.fsutil import atomic_write, makedirs
 from agent.health.conditions import DeviceConditions
+from agent.inotify import Inotify
 from agent.names import InvalidName, check_device_name
 
 log = logging.getLogger(__name__)
@@ -132,36 +129,34 @@ def _remove_stale_results(directory: Path) -> None:
                         os.unlink(entry.path)
 
 
-class _Wake(FileSystemEventHandler):
-    def __init__(self, wake: Callable[[], None]) -> None:
-        self.wake = wake
-
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        self.wake()
-
-
 class RequestWatcher:
     """Applies taint requests as they appear (inotify), and those waiting at start."""
 
     def __init__(self, directory: Path, conditions: DeviceConditions) -> None:
         self.directory = directory
         self.conditions = conditions
-        self._observer: BaseObserver | None = None
+        self._inotify: Inotify | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
         await asyncio.to_thread(makedirs, self.directory, 0o700)
-        observer = Observer()
-        def wake() -> None:
-            loop.call_soon_threadsafe(self._wake.set)
-
-        observer.schedule(_Wake(wake), str(self.directory))
-        await asyncio.to_thread(observer.start)
-        self._observer = observer
+        inotify = Inotify()
+        try:
+            await asyncio.to_thread(inotify.add, str(self.directory))
+        except BaseException:
+            inotify.close()
+            raise
+        self._inotify = inotify
+        asyncio.get_running_loop().add_reader(inotify.fd, self._readable)
         self._wake.set()  # requests written while no agent ran
         self._task = asyncio.create_task(self._run(), name="taint-requests")
+
+    def _readable(self) -> None:
+        """(The event loop.) Events in the directory: what they are does not matter, the directory is read."""
+        if self._inotify is not None:
+            self._inotify.read()
+            self._wake.set()
 
     async def _run(self) -> None:
         while True:
@@ -177,7 +172,7 @@ class RequestWatcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._observer is not None:
-            observer, self._observer = self._observer, None
-            observer.stop()
-            await asyncio.to_thread(observer.join, 5)
+        if self._inotify is not None:
+            inotify, self._inotify = self._inotify, None
+            asyncio.get_running_loop().remove_reader(inotify.fd)
+            inotify.close()

@@ -36,20 +36,18 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-import lightkube
 import orjson
 import yaml
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.resource_v1 import ResourceClaim, ResourceClaimStatus
-from lightkube.types import PatchType
 
 from agent import kube
-from agent.claims.sources import ClaimNotFound, ClaimSourceError, DirectoryClaimSource
+from agent.claims.sources import ClaimNotFound, ClaimSource, ClaimSourceError, DirectoryClaimSource
 from agent.fsutil import Root
-from agent.health import statusupdate
 from agent.names import ClaimRef
+
+if TYPE_CHECKING:  # the API client is imported by the API sink's first write (`agent.kube`)
+    import lightkube
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceClaim"
@@ -113,6 +111,11 @@ class ApiStatusSink:
         self._by_update: set[str] = set()
 
     async def write(self, claim: ClaimRef, entries: Sequence[Mapping[str, Any]]) -> None:
+        from lightkube.resources.resource_v1 import ResourceClaimStatus
+        from lightkube.types import PatchType
+
+        from agent.health import statusupdate
+
         if claim.uid not in self._by_update:
             try:
                 await self.client.patch(ResourceClaimStatus, claim.name, apply_body(claim, entries),
@@ -138,6 +141,8 @@ class ApiStatusSink:
             self._by_update.discard(claim.uid)
 
     async def read(self, claim: ClaimRef) -> list[dict[str, Any]]:
+        from lightkube.resources.resource_v1 import ResourceClaim
+
         try:
             obj = await self.client.get(ResourceClaim, claim.name, namespace=claim.namespace)
         except Exception as exc:
@@ -187,6 +192,8 @@ def _allocation_refused(exc: BaseException) -> bool:
 
 def _uid_refused(exc: BaseException) -> bool:
     """A 422 whose cause is `metadata.uid`: the API server's answer to an apply naming another UID."""
+    from lightkube.core.exceptions import ApiError
+
     if not isinstance(exc, ApiError) or kube.status_code(exc) != 422 or exc.status is None:
         return False
     causes = (exc.status.details.causes if exc.status.details else None) or []
@@ -194,9 +201,10 @@ def _uid_refused(exc: BaseException) -> bool:
 
 
 class DirectoryStatusSink:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, claims: DirectoryClaimSource | None = None) -> None:
+        """`claims`: the engine's source of the same directory, whose parsed claims serve both."""
         self.root = Root(Path(directory) / STATUS_DIR)
-        self.claims = DirectoryClaimSource(directory)
+        self.claims = claims or DirectoryClaimSource(directory)
 
     def path(self, claim: ClaimRef) -> Path:
         """`<namespace>/<name>.yaml`; a name too long for one file name is shortened with a digest
@@ -270,9 +278,11 @@ class DirectoryStatusSink:
         return dict(doc) if isinstance(doc, Mapping) else None
 
 
-def sink_for(client: lightkube.AsyncClient | None, offline: Path | None, driver: str) -> StatusSink:
-    """The sink of a connection (`agent.app.connection.Connection`: its `client` and `offline`)."""
+def sink_for(client: lightkube.AsyncClient | None, offline: Path | None, driver: str,
+             claims: ClaimSource | None = None) -> StatusSink:
+    """The sink of a connection (`agent.app.connection.Connection`: its `client` and `offline`);
+    `claims`: the engine's claim source, whose parsed claims an offline sink reads too."""
     if offline is not None:
-        return DirectoryStatusSink(offline)
+        return DirectoryStatusSink(offline, claims if isinstance(claims, DirectoryClaimSource) else None)
     assert client is not None
     return ApiStatusSink(client, driver)

@@ -1,4 +1,4 @@
-"""Links and addresses as plain records, from rtnetlink messages (pyroute2).
+"""Links and addresses as plain records, from rtnetlink messages (`agent.host.rtnetlink`).
 
 Both the NIC scan (a dump) and the event watcher (multicast messages) read the
 same message types, so the decoding lives here once.
@@ -12,11 +12,9 @@ import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkDumpInterrupted
-
+from agent.host import rtnetlink as rtnl
+from agent.host.rtnetlink import AddressMessage, DumpInterrupted, LinkMessage, RtnlSocket, text, u32
 from agent.inventory import ScanError
 
 log = logging.getLogger(__name__)
@@ -63,49 +61,54 @@ class Address:
         return self.scope == RT_SCOPE_UNIVERSE and not self.flags & (IFA_F_TENTATIVE | IFA_F_DADFAILED)
 
 
-def _hwaddr(value: Any) -> str:
-    if not isinstance(value, str) or not value:
+def _hwaddr(value: bytes | None) -> str:
+    """"aa:bb:..." (lower case); "" when there is none, or it is all zeros."""
+    if not value or not any(value):
         return ""
-    text = value.lower()
-    return "" if all(c in "0:" for c in text) else text
+    return ":".join(f"{b:02x}" for b in value)
 
 
-def link_of(msg: Any) -> Link:
+def link_of(msg: LinkMessage) -> Link:
     """A Link from an RTM_NEWLINK / RTM_DELLINK message."""
-    flags = int(msg["flags"])
-    carrier = msg.get_attr("IFLA_CARRIER")
-    info = msg.get_attr("IFLA_LINKINFO")
-    kind = info.get_attr("IFLA_INFO_KIND") if info is not None else None
+    attrs = msg.attrs
+    carrier = attrs.get(rtnl.IFLA_CARRIER)
+    info = attrs.get(rtnl.IFLA_LINKINFO)
+    kind = text(rtnl.attributes(info).get(rtnl.IFLA_INFO_KIND)) if info is not None else None
     return Link(
-        index=int(msg["index"]),
-        ifname=msg.get_attr("IFLA_IFNAME") or "",
-        mac=_hwaddr(msg.get_attr("IFLA_ADDRESS")),
-        perm_mac=_hwaddr(msg.get_attr("IFLA_PERM_ADDRESS")),
-        mtu=int(msg.get_attr("IFLA_MTU") or 0),
-        admin_up=bool(flags & IFF_UP),
+        index=msg.index,
+        ifname=text(attrs.get(rtnl.IFLA_IFNAME)) or "",
+        mac=_hwaddr(attrs.get(rtnl.IFLA_ADDRESS)),
+        perm_mac=_hwaddr(attrs.get(rtnl.IFLA_PERM_ADDRESS)),
+        mtu=u32(attrs.get(rtnl.IFLA_MTU)) or 0,
+        admin_up=bool(msg.flags & IFF_UP),
         # Kernels without IFLA_CARRIER still report carrier as IFF_LOWER_UP.
-        carrier=bool(carrier) if carrier is not None else bool(flags & IFF_LOWER_UP),
+        carrier=bool(carrier[0]) if carrier else bool(msg.flags & IFF_LOWER_UP),
         kind=kind or "",
     )
 
 
-def address_of(msg: Any) -> Address | None:
+def address_of(msg: AddressMessage) -> Address | None:
     """An Address from an RTM_NEWADDR / RTM_DELADDR message; None for families other than IP."""
-    family = int(msg["family"])
+    family = msg.family
     if family not in (socket.AF_INET, socket.AF_INET6):
         return None
     # On point-to-point links IFA_ADDRESS is the peer; IFA_LOCAL is always our own address.
-    addr = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
-    if not addr:
+    raw = msg.attrs.get(rtnl.IFA_LOCAL) or msg.attrs.get(rtnl.IFA_ADDRESS)
+    if not raw or len(raw) != (4 if family == socket.AF_INET else 16):
         return None
-    flags = msg.get_attr("IFA_FLAGS")  # 32 bits; the header field holds only the low 8
+    flags = u32(msg.attrs.get(rtnl.IFA_FLAGS))  # 32 bits; the header field holds only the low 8
     return Address(
-        index=int(msg["index"]),
+        index=msg.index,
         family=family,
-        cidr=str(ipaddress.ip_interface(f"{addr}/{int(msg['prefixlen'])}")),
-        scope=int(msg["scope"]),
-        flags=int(flags if flags is not None else msg["flags"]),
+        cidr=str(ipaddress.ip_interface(f"{socket.inet_ntop(family, raw)}/{msg.prefixlen}")),
+        scope=msg.scope,
+        flags=flags if flags is not None else msg.flags,
     )
+
+
+def label_of(msg: AddressMessage) -> str:
+    """The address's label (IFA_LABEL: IPv4 only, the interface's name or an alias of it)."""
+    return text(msg.attrs.get(rtnl.IFA_LABEL)) or ""
 
 
 def dump() -> tuple[list[Link], dict[int, list[Address]]]:
@@ -119,7 +122,7 @@ def dump() -> tuple[list[Link], dict[int, list[Address]]]:
     while True:
         try:
             return _dump_once()
-        except NetlinkDumpInterrupted as exc:
+        except DumpInterrupted as exc:
             if attempt == _DUMP_ATTEMPTS:
                 raise ScanError(f"the netlink dump was interrupted {attempt} times in a row (links or "
                                 "addresses changing faster than they can be listed)") from exc
@@ -130,11 +133,11 @@ def dump() -> tuple[list[Link], dict[int, list[Address]]]:
 
 
 def _dump_once() -> tuple[list[Link], dict[int, list[Address]]]:
-    with IPRoute() as ipr:
-        links = [link_of(m) for m in ipr.get_links()]
+    with RtnlSocket() as sock:
+        links = [link_of(m) for m in sock.dump(rtnl.RTM_GETLINK) if isinstance(m, LinkMessage)]
         addresses: dict[int, list[Address]] = defaultdict(list)
-        for m in ipr.get_addr():
-            if (a := address_of(m)) is not None:
+        for m in sock.dump(rtnl.RTM_GETADDR):
+            if isinstance(m, AddressMessage) and (a := address_of(m)) is not None:
                 addresses[a.index].append(a)
     links.sort(key=lambda link: link.index)
     return links, dict(addresses)

@@ -22,18 +22,18 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from pyroute2 import AsyncIPRoute
-from pyroute2.netlink.rtnl import (
-    RTM_DELADDR,
+from agent.host.rtnetlink import (
     RTM_DELLINK,
+    RTM_GETLINK,
     RTM_NEWADDR,
-    RTM_NEWLINK,
     RTMGRP_IPV4_IFADDR,
     RTMGRP_IPV6_IFADDR,
     RTMGRP_LINK,
+    LinkMessage,
+    Message,
+    RtnlSocket,
 )
-
-from agent.inventory.netlink import CHANGE_NEW_LINK, address_of, link_of
+from agent.inventory.netlink import CHANGE_NEW_LINK, address_of, label_of, link_of
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class NetlinkWatcher:
         self.netns = netns
         self.rcvbuf = rcvbuf
         self._queue: asyncio.Queue[NetEvent | None] = asyncio.Queue(maxsize=max(queue_size, 2))
-        self._ipr: Any = None
+        self._sock: RtnlSocket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._names: dict[int, str] = {}  # link index -> ifname
         self._closed = False
@@ -125,27 +125,38 @@ class NetlinkWatcher:
     # -- the socket ---------------------------------------------------------
 
     async def _connect(self) -> None:
-        kwargs: dict[str, Any] = {"groups": GROUPS, "rcvbuf": self.rcvbuf}
-        if self.netns is not None:
-            kwargs.update(netns=self.netns, flags=0)  # flags=0: never create the namespace
-        ipr = AsyncIPRoute(**kwargs)
+        opening = asyncio.ensure_future(asyncio.to_thread(self._subscribe))
         try:
-            await ipr.bind()
-            # Known links, so that RTM_NEWLINK can tell "added" from "changed" and address
-            # events carry names. Events that arrive during the dump wait in the socket.
-            names: dict[int, str] = {}
-            async for msg in await ipr.link("dump"):
-                names[int(msg["index"])] = msg.get_attr("IFLA_IFNAME") or ""
-        except BaseException:
-            ipr.close()
+            sock, names = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(_close_opened)  # the thread goes on: what it opens is closed
             raise
-        self._ipr, self._names = ipr, names
+        if self._closed:
+            sock.close()
+            return
+        self._sock, self._names = sock, names
+        for msg in sock.pending:  # events that came in during the dump, in their order
+            self._take(msg)
+        sock.pending.clear()
+
+    def _subscribe(self) -> tuple[RtnlSocket, dict[int, str]]:
+        """(Worker thread.) The subscribed socket and the links known now."""
+        sock = RtnlSocket(groups=GROUPS, rcvbuf=self.rcvbuf, netns=self.netns)
+        try:
+            # Known links, so that RTM_NEWLINK can tell "added" from "changed" and address
+            # events carry names. Events that come in during the dump are kept for after it.
+            names = {m.index: link_of(m).ifname for m in sock.dump(RTM_GETLINK) if isinstance(m, LinkMessage)}
+            sock.sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock, names
 
     def _drop_socket(self) -> None:
-        ipr, self._ipr = self._ipr, None
-        if ipr is not None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
             try:
-                ipr.close()
+                sock.close()
             except Exception:
                 log.debug("closing the netlink socket failed", exc_info=True)
 
@@ -153,7 +164,7 @@ class NetlinkWatcher:
         backoff = 0.1
         while not self._closed:
             try:
-                if self._ipr is None:
+                if self._sock is None:
                     await self._connect()
                     self.reconnects += 1
                     # Only now, with the new socket subscribed, is a rescan sure to see everything.
@@ -172,37 +183,36 @@ class NetlinkWatcher:
                 backoff = min(backoff * 2, _MAX_BACKOFF)
 
     async def _pump(self) -> None:
-        while not self._closed:
-            received = False
-            async for msg in self._ipr.get():
-                received = True
-                event = self._event_of(msg)
-                if event is not None:
-                    self._put(event)
-            if not received and not self._closed:
+        loop = asyncio.get_running_loop()
+        while not self._closed and (sock := self._sock) is not None:
+            data = await loop.sock_recv(sock.sock, 65536)
+            if not data:
                 # An empty read means the socket was shut under us: reopen rather than spin.
                 raise ConnectionError("netlink socket closed")
+            for msg in sock.received(data):
+                self._take(msg)
 
-    def _event_of(self, msg: Any) -> NetEvent | None:
-        kind = msg["header"]["type"]
-        if kind == RTM_NEWLINK:
+    def _take(self, msg: Message) -> None:
+        event = self._event_of(msg)
+        if event is not None:
+            self._put(event)
+
+    def _event_of(self, msg: Message) -> NetEvent | None:
+        if isinstance(msg, LinkMessage):
             link = link_of(msg)
+            if msg.type == RTM_DELLINK:
+                self._names.pop(link.index, None)
+                return NetEvent(LINK_REMOVED, link.ifname, link.index, link.link_up)
             known = link.index in self._names
             self._names[link.index] = link.ifname
-            added = not known or msg["change"] == CHANGE_NEW_LINK
+            added = not known or msg.change == CHANGE_NEW_LINK
             return NetEvent(LINK_ADDED if added else LINK_CHANGED, link.ifname, link.index, link.link_up)
-        if kind == RTM_DELLINK:
-            link = link_of(msg)
-            self._names.pop(link.index, None)
-            return NetEvent(LINK_REMOVED, link.ifname, link.index, link.link_up)
-        if kind in (RTM_NEWADDR, RTM_DELADDR):
-            addr = address_of(msg)
-            if addr is None:
-                return None
-            ifname = self._names.get(addr.index) or msg.get_attr("IFA_LABEL") or ""
-            return NetEvent(ADDRESS_ADDED if kind == RTM_NEWADDR else ADDRESS_REMOVED, ifname, addr.index,
-                            address=addr.cidr)
-        return None
+        addr = address_of(msg)
+        if addr is None:
+            return None
+        ifname = self._names.get(addr.index) or label_of(msg)
+        return NetEvent(ADDRESS_ADDED if msg.type == RTM_NEWADDR else ADDRESS_REMOVED, ifname, addr.index,
+                        address=addr.cidr)
 
     def _put(self, event: NetEvent | None) -> None:
         try:
@@ -214,6 +224,11 @@ class NetlinkWatcher:
             self._queue.put_nowait(NetEvent(RESYNC))
             if event is None:
                 self._queue.put_nowait(None)
+
+
+def _close_opened(opening: asyncio.Future[tuple[RtnlSocket, dict[int, str]]]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result()[0].close()
 
 
 def _describe(exc: BaseException) -> str:

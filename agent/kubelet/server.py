@@ -1,17 +1,17 @@
-"""The gRPC servers the kubelet talks to, on unix sockets.
+"""The servers the kubelet talks to, on unix sockets.
 
-- registration (`plugins_registry/<driver>-reg.sock`): GetInfo, NotifyRegistrationStatus;
-- DRA v1 + v1beta1 and health v1 + v1alpha1 on `plugins/<driver>/dra.sock`.
+- registration (`plugins_registry/<driver>-reg.sock`): GetInfo, NotifyRegistrationStatus, served by
+  `agent.kubelet.registration` in a thread of its own, without gRPC;
+- DRA v1 + v1beta1 and health v1 + v1alpha1 on `plugins/<driver>/dra.sock` (gRPC).
 
 GetInfo lists exactly the services the DRA socket serves: the kubelet picks the newest health
 version it finds there and, should that service answer Unimplemented, stops watching until the
 plugin registers again. So the health versions are listed only by servers made to serve them
 (`Servers(health=True)`, the default), and those refuse to attach without a health tracker.
 
-Registration runs on its own server so GetInfo (1 s kubelet timeout) never
-queues behind prepares, and it starts first: this module imports the engine's modules only for
-types, so the registration socket answers before discovery and the engine are even imported.
-Handlers never let an exception out as a traceback: errors are per claim, in the response.
+Registration runs on its own server so GetInfo (1 s kubelet timeout) never queues behind prepares,
+and it starts first: `dra-agent run` opens it before this module is even imported, and hands it to
+`Servers`. Handlers never let an exception out as a traceback: errors are per claim, in the response.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
-import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from agent.config import UNIX_PATH_MAX, Settings
+from agent.config import Settings
+from agent.kubelet import sockets
+from agent.kubelet.registration import RegistrationServer, RegistrationState
 from agent.names import ClaimRef, base_request
 from agent.pb import (
     dra_v1_pb2,
@@ -40,8 +40,6 @@ from agent.pb import (
     health_v1_pb2_grpc,
     health_v1alpha1_pb2,
     health_v1alpha1_pb2_grpc,
-    registration_pb2,
-    registration_pb2_grpc,
 )
 
 if TYPE_CHECKING:  # the registration server starts before the engine's modules are imported
@@ -50,48 +48,6 @@ if TYPE_CHECKING:  # the registration server starts before the engine's modules 
     from agent.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-PLUGIN_TYPE = "DRAPlugin"
-DRA_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
-HEALTH_VERSIONS = ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")  # newest first, as the kubelet picks
-
-
-class RegistrationState:
-    """What the kubelet last told us about our registration (for logs, health and metrics)."""
-
-    def __init__(self) -> None:
-        self.registered: bool | None = None
-        self.error = ""
-        self.updated_at = 0.0
-        self.info_calls = 0
-
-
-def supported_versions(health: bool) -> list[str]:
-    """The services GetInfo lists: the DRA versions, and the health versions when they are served."""
-    return [*DRA_VERSIONS, *(HEALTH_VERSIONS if health else ())]
-
-
-class Registration(registration_pb2_grpc.RegistrationServicer):
-    def __init__(self, settings: Settings, state: RegistrationState, health: bool) -> None:
-        self.info = registration_pb2.PluginInfo(
-            type=PLUGIN_TYPE, name=settings.driver_name, endpoint=str(settings.dra_socket),
-            supported_versions=supported_versions(health))
-        self.state = state
-
-    async def GetInfo(self, request: Any, context: Any) -> Any:
-        self.state.info_calls += 1
-        return self.info
-
-    async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
-        self.state.registered = request.plugin_registered
-        self.state.error = request.error
-        self.state.updated_at = time.time()
-        if request.plugin_registered:
-            log.info("the kubelet registered the plugin")
-        else:
-            log.error("THE KUBELET REJECTED THE PLUGIN REGISTRATION: %s", request.error or "(no reason given)")
-        return registration_pb2.RegistrationStatusResponse()
-
 
 def _refs(request: Any) -> list[ClaimRef]:
     return [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
@@ -191,50 +147,14 @@ class Healthv1alpha1(_Health, health_v1alpha1_pb2_grpc.DRAResourceHealthServicer
         super().__init__(tracker, health_v1alpha1_pb2, metrics)
 
 
-def check_replaceable(path: Path) -> None:
-    """A socket left by an earlier run (or held by an agent being replaced) may be replaced; anything
-    else at that path is refused."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise RuntimeError(f"{path} exists and is not a socket: refusing to replace it")
-
-
-SocketIdentity = tuple[int, int]  # (device, inode) of a socket file this process bound
-
-
-def _identity(path: Path) -> SocketIdentity | None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return (st.st_dev, st.st_ino)
-
-
-def remove_own_socket(path: Path, identity: SocketIdentity) -> bool:
-    """Remove the socket file only if it is still the one this process bound: during a restart or
-    a rolling update with default names, a newer agent may have replaced it with its own, and
-    removing that would silently deregister the plugin."""
-    if _identity(path) != identity:
-        log.info("not removing %s: another agent has bound it since", path)
-        return False
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    return True
-
-
-async def _start(server: grpc.aio.Server, path: Path) -> SocketIdentity:
-    if len(os.fsencode(str(path))) >= UNIX_PATH_MAX:
-        raise RuntimeError(f"socket path {path} is {len(os.fsencode(str(path)))} bytes, over the unix limit of "
-                           f"{UNIX_PATH_MAX - 1}: use a shorter --kubelet-dir")
+async def _start(server: grpc.aio.Server, path: Path) -> sockets.SocketIdentity:
+    sockets.check_length(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    check_replaceable(path)
+    sockets.check_replaceable(path)
     # gRPC unlinks the path it bound when the server shuts down, whoever owns that path by then.
     # Binding a private name and renaming it into place keeps a stopping agent from removing the
     # socket of the agent that replaced it; the rename also leaves no moment without a socket.
-    bound = path.parent / f".{secrets.token_hex(4)}.sock"
+    bound = sockets.private_name(path)
     # The kubelet runs as root: nobody else may connect. Bind under a restrictive umask so the
     # socket never exists with wider permissions, even for an instant.
     old = os.umask(0o177)
@@ -244,36 +164,27 @@ async def _start(server: grpc.aio.Server, path: Path) -> SocketIdentity:
         await server.start()
     finally:
         os.umask(old)
-    os.chmod(bound, 0o600)
-    try:
-        check_replaceable(path)  # a non-socket may have appeared meanwhile
-    except RuntimeError:
-        os.unlink(bound)
-        raise
-    os.rename(bound, path)  # atomically replaces an earlier agent's socket
-    identity = _identity(path)
-    if identity is None:
-        raise RuntimeError(f"{path} vanished right after it was bound")
-    return identity
+    return sockets.put_in_place(bound, path)
 
 
 class Servers:
     """Both servers. The registration server needs nothing but the settings (and whether the health
-    stream will be served), so it can start first (the kubelet's GetInfo answered while devices are
-    discovered and records listed); the DRA server gets its servicers from `attach` once the engine
+    stream will be served), so it starts first, before this module is imported (`registration`: one
+    started by `dra-agent run`); the DRA server gets its servicers from `attach` once the engine
     exists, and starts after that."""
 
     def __init__(self, settings: Settings, engine: PrepareEngine | None = None,
-                 tracker: HealthTracker | None = None, *, health: bool = True) -> None:
+                 tracker: HealthTracker | None = None, *, health: bool = True,
+                 registration: RegistrationServer | None = None) -> None:
+        if registration is not None and registration.health != health:
+            raise RuntimeError("the registration server lists other services than these servers serve")
         self.settings = settings
         self.health = health
-        self.registration_state = RegistrationState()
-        self._listening: list[tuple[grpc.aio.Server, Path, SocketIdentity]] = []
+        self.registration = registration or RegistrationServer(settings, health=health)
+        self._dra_listening: tuple[grpc.aio.Server, sockets.SocketIdentity] | None = None
         self._retiring: set[asyncio.Task[None]] = set()  # replaced servers, stopping in the background
-        self._registration_servicer = Registration(settings, self.registration_state, health)
         self._dra_servicers: tuple[DRAv1, DRAv1beta1] | None = None
         self._health_servicers: tuple[Healthv1, Healthv1alpha1] | None = None
-        self.registration = self._new_registration()
         self.dra: grpc.aio.Server | None = None
         if engine is not None:
             self.attach(engine, tracker)
@@ -290,21 +201,20 @@ class Servers:
         self.dra = self._new_dra()
 
     @property
+    def registration_state(self) -> RegistrationState:
+        return self.registration.state
+
+    @property
     def dra_started(self) -> bool:
-        return any(path == self.settings.dra_socket for _, path, _ in self._listening)
+        return self._dra_listening is not None
 
     @property
     def registration_started(self) -> bool:
-        return any(path == self.settings.registration_socket for _, path, _ in self._listening)
+        return self.registration.started
 
     @staticmethod
     def _server() -> grpc.aio.Server:
         return grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)])
-
-    def _new_registration(self) -> grpc.aio.Server:
-        server = self._server()
-        registration_pb2_grpc.add_RegistrationServicer_to_server(self._registration_servicer, server)
-        return server
 
     def _new_dra(self) -> grpc.aio.Server:
         if self._dra_servicers is None:
@@ -322,35 +232,29 @@ class Servers:
     async def start_dra(self) -> None:
         if self.dra is None:
             raise RuntimeError("the DRA servicers are not attached")
-        identity = await _start(self.dra, self.settings.dra_socket)
-        self._listening.append((self.dra, self.settings.dra_socket, identity))
+        self._dra_listening = (self.dra, await _start(self.dra, self.settings.dra_socket))
         log.info("DRA service listening on %s", self.settings.dra_socket)
 
     async def start_registration(self) -> None:
-        identity = await _start(self.registration, self.settings.registration_socket)
-        self._listening.append((self.registration, self.settings.registration_socket, identity))
-        log.info("registration service listening on %s", self.settings.registration_socket)
+        await asyncio.to_thread(self.registration.start)
 
     async def restore_missing(self) -> list[Path]:
         """Re-create each socket whose file was removed from under the agent (a kubelet restart
         cleaning its plugin directories; the parent directory is re-created too). gRPC cannot
-        add a port to a started server, so a fresh server for the same servicers is bound and
+        add a port to a started server, so a fresh DRA server for the same servicers is bound and
         renamed into place, and the old one, unreachable now, stops in the background. A path
         that holds another socket (an agent that replaced this one) is left alone. The kubelet
         re-registers the plugin when it sees the registration socket appear."""
         restored = []
-        for i, (server, path, _) in enumerate(self._listening):
-            if _identity(path) is not None:
-                continue
-            fresh = self._new_registration() if server is self.registration else self._new_dra()
-            identity = await _start(fresh, path)
-            self._listening[i] = (fresh, path, identity)
-            if server is self.registration:
-                self.registration = fresh
-                self.registration_state.registered = None  # until the kubelet registers it again
-            else:
-                self.dra = fresh
-            task = asyncio.create_task(server.stop(2.0))
+        if await asyncio.to_thread(self.registration.restore):
+            restored.append(self.registration.path)
+        path = self.settings.dra_socket
+        if self._dra_listening is not None and sockets.identity(path) is None:
+            old = self._dra_listening[0]
+            fresh = self._new_dra()
+            self._dra_listening = (fresh, await _start(fresh, path))
+            self.dra = fresh
+            task = asyncio.create_task(old.stop(2.0))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
             restored.append(path)
@@ -358,10 +262,12 @@ class Servers:
 
     async def stop(self, grace: float = 2.0) -> None:
         # Registration first: the kubelet stops sending work before the DRA socket goes away.
-        for server, path, identity in reversed(self._listening):
+        await asyncio.to_thread(self.registration.stop)
+        if self._dra_listening is not None:
+            server, identity = self._dra_listening
+            self._dra_listening = None
             await server.stop(grace)
             with contextlib.suppress(OSError):
-                remove_own_socket(path, identity)
-        self._listening.clear()
+                sockets.remove_own_socket(self.settings.dra_socket, identity)
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)

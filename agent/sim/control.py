@@ -8,7 +8,7 @@ commands were written:
     {"command": "lose", "device": "gpu-3"}
     {"command": "recover", "device": "gpu-3"}
 
-A running simulated NVML watches the directory (`watchdog`, inotify), applies each command in
+A running simulated NVML watches the directory (inotify, `agent.inotify.WatchThread`), applies each command in
 name order and deletes its file; the files already there when it starts watching are applied
 then, so a command written while no agent runs waits for the next one. A file that cannot be
 applied (not JSON, an unknown command or device, an XID out of range) is logged and renamed to
@@ -26,12 +26,10 @@ from pathlib import Path
 from typing import Literal, cast
 
 import orjson
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer
-from watchdog.observers.api import BaseObserver
 
 from agent.config import Settings
 from agent.fsutil import is_temp_name, makedirs, unlink_quiet
+from agent.inotify import WatchThread
 from agent.sim.profiles import SimProfile
 
 log = logging.getLogger(__name__)
@@ -122,14 +120,6 @@ def is_command_name(name: str) -> bool:
     return name.endswith(".json") and not is_temp_name(name)
 
 
-class _Handler(FileSystemEventHandler):
-    def __init__(self, wake: threading.Event) -> None:
-        self.wake = wake
-
-    def on_any_event(self, event: FileSystemEvent) -> None:  # watchdog's observer thread
-        self.wake.set()
-
-
 class ControlWatcher:
     """Applies the command files of one directory, in name order, through `apply`.
 
@@ -145,16 +135,15 @@ class ControlWatcher:
         self.rejected = 0
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._observer: BaseObserver | None = None
+        self._watch: WatchThread | None = None
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         makedirs(self.directory)
-        observer = Observer()
-        observer.daemon = True
-        observer.schedule(_Handler(self._wake), str(self.directory), recursive=False)
-        observer.start()
-        self._observer = observer
+        watch = WatchThread(lambda _event: self._wake.set(), "nvml-sim-control-watch")
+        watch.add(str(self.directory))
+        watch.start()
+        self._watch = watch
         # Drained once at start whatever the events say: commands written before the watch began.
         self._wake.set()
         self._thread = threading.Thread(target=self._run, name="nvml-sim-control", daemon=True)
@@ -164,10 +153,9 @@ class ControlWatcher:
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
-        observer, self._observer = self._observer, None
-        if observer is not None:
-            observer.stop()
-            observer.join(5.0)
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(5.0)

@@ -1,9 +1,11 @@
-"""Builds the Go checker (tests/gocheck, main.go) once and keeps it outside the repository.
+"""Builds the Go programs of tests/gocheck once and keeps them outside the repository: the checker
+(main.go) and the kubelet's registration calls (kubeletreg/main.go).
 
-The binary lives in `<cache>/dra-agent/gocheck-<hash>/gocheck`, where `<cache>` is
-$XDG_CACHE_HOME or ~/.cache and the hash covers go.mod, go.sum, every Go source file and the Go
-toolchain's binary: any change to one of them builds anew, anything else reuses the binary (hashing
-a few files). `make test` runs this file first; tests/test_official_readers.py calls `binary()`.
+The binaries live in `<cache>/dra-agent/gocheck-<hash>/`, where `<cache>` is $XDG_CACHE_HOME or
+~/.cache and the hash covers go.mod, go.sum, every Go source file and the Go toolchain's binary: any
+change to one of them builds anew, anything else reuses the binaries (hashing a few files). `make
+test` runs this file first; tests/test_official_readers.py calls `binary()`, tests/test_registration.py
+`binary("kubeletreg")`.
 
     python tests/gocheck/build.py    # prints the binary's path
 
@@ -48,8 +50,8 @@ def source_hash(go: str) -> str:
     tool = Path(go).resolve()
     st = tool.stat()
     digest = hashlib.sha256(f"{tool}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-    for path in sorted([HERE / "go.mod", HERE / "go.sum", *HERE.glob("*.go")]):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted([HERE / "go.mod", HERE / "go.sum", *HERE.glob("**/*.go")]):
+        digest.update(str(path.relative_to(HERE)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 
@@ -58,20 +60,23 @@ def cache_root() -> Path:
     return Path(base) / "dra-agent"
 
 
-def binary() -> Path:
-    """The checker's path, built first when no binary of these sources is cached."""
+PROGRAMS = {"gocheck": ".", "kubeletreg": "./kubeletreg"}  # binary name -> package
+
+
+def binary(program: str = "gocheck") -> Path:
+    """The program's path, built first when no binary of these sources is cached."""
     go = go_tool()
-    target = cache_root() / f"gocheck-{source_hash(go)}" / "gocheck"
+    target = cache_root() / f"gocheck-{source_hash(go)}" / program
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed: a build interrupted, or two at once, never leaves a
     # half-written binary at the final path.
-    fd, tmp = tempfile.mkstemp(prefix=".gocheck-", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{program}-", dir=target.parent)
     os.close(fd)
     try:
         # -mod=readonly: go.sum must already hold every module; a build never rewrites the repository.
-        built = subprocess.run([go, "build", "-mod=readonly", "-trimpath", "-o", tmp, "."], cwd=HERE,
+        built = subprocess.run([go, "build", "-mod=readonly", "-trimpath", "-o", tmp, PROGRAMS[program]], cwd=HERE,
                                capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         if built.returncode != 0:
             raise BuildFailed(f"go build in {HERE} failed (exit {built.returncode}):\n{built.stderr}{built.stdout}")
@@ -83,7 +88,8 @@ def binary() -> Path:
 
 def main() -> int:
     try:
-        print(binary())
+        for program in PROGRAMS:
+            print(binary(program))
     except GoMissing as e:
         if os.environ.get("DRA_TEST_NO_SKIP", "") not in ("", "0"):
             print(f"gocheck: {e}", file=sys.stderr)

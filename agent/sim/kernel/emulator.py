@@ -2,8 +2,8 @@
 
 The agent binds a PCI function to vfio-pci by writing sysfs files (`driver_override`,
 `drivers/<drv>/unbind`, `drivers/<drv>/bind`, `drivers_probe`); on a real host the kernel acts
-inside the write. Here a `watchdog` observer sees each write when the file is closed and applies
-it on its own thread, so the effect shows a moment later: the agent's code waits (bounded) for the
+inside the write. Here an inotify watch (`agent.inotify.WatchThread`) sees each write when the file
+is closed and applies it on its own thread, so the effect shows a moment later: the agent's code waits (bounded) for the
 `driver` link either way, and runs unchanged on both.
 
 What it does, per write (the content is a bus ID, except for `driver_override` and `new_id`):
@@ -54,15 +54,11 @@ import logging
 import os
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from watchdog.events import EVENT_TYPE_CLOSED, FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer
-from watchdog.observers.api import BaseObserver
-
+from agent.inotify import IN_CLOSE_WRITE, Event, WatchThread
 from agent.sim.hardware import SimFunction, sim_functions, sync_net
 from agent.sim.kernel import mdev
 from agent.sim.kernel.opengpus import OpenGpus
@@ -70,11 +66,6 @@ from agent.sim.kernel.tree import COMMAND_FILES, NO_OVERRIDE, VFIO_PCI, SimTree
 from agent.sim.profiles import SimProfile
 
 log = logging.getLogger(__name__)
-
-# watchdog's recursive inotify watch warns when a new directory (vfio-dev/vfioN, made in one go) is
-# found both by its event and by its own scan of the parent: the same watch is kept, nothing is lost.
-warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning,
-                        module=r"watchdog\.observers\.inotify")
 
 
 class WriteKind(StrEnum):
@@ -133,7 +124,7 @@ class KernelEmulator:
         self._faults: list[_Fault] = []
         self._refusals: list[Refusal] = []
         self._lock = threading.Lock()  # one write at a time, as the kernel's device lock makes them
-        self._observer: BaseObserver | None = None
+        self._watch: WatchThread | None = None
         self._open_gpus = OpenGpus(self.tree, {g.bus_id: g.minor for g in profile.gpus}, self._lock,
                                    lambda bdf: self._detach(bdf, mdev.NVIDIA_HOST_DRIVER))
 
@@ -142,17 +133,15 @@ class KernelEmulator:
     def start(self) -> None:
         """Arm the watches (writes from here on are seen), then apply writes left in command files
         while no emulator ran."""
-        observer = Observer()
-        observer.daemon = True
-        handler = _Handler(self)
-        observer.schedule(handler, str(self.tree.sys / "devices"), recursive=True)
+        watch = WatchThread(self._on_event, "sim-kernel")
+        watch.add(str(self.tree.sys / "devices"), recursive=True)
         # Not recursive: drivers/<drv>/ holds links to function directories, which the watch above
         # already covers; watching through them too would deliver each write twice.
-        observer.schedule(handler, str(self.tree.pci), recursive=False)
+        watch.add(str(self.tree.pci))
         for driver in sorted(p for p in self.tree.drivers.iterdir() if p.is_dir()):
-            observer.schedule(handler, str(driver), recursive=False)
-        observer.start()  # the inotify watches exist when this returns
-        self._observer = observer
+            watch.add(str(driver))
+        watch.start()  # the inotify watches exist already
+        self._watch = watch
         for driver in self.tree.drivers.iterdir():
             for command in COMMAND_FILES:
                 self._on_write(driver / command)
@@ -164,10 +153,9 @@ class KernelEmulator:
         log.info("simulated kernel: applying binding writes under %s", self.tree.sys)
 
     def stop(self) -> None:
-        observer, self._observer = self._observer, None
-        if observer is not None:
-            observer.stop()
-            observer.join(5.0)
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
         self._open_gpus.stop()
 
     def __enter__(self) -> KernelEmulator:
@@ -205,7 +193,17 @@ class KernelEmulator:
             return _Write(WriteKind.MDEV_REMOVE, path, None, path.parent.parent.name)
         return None
 
-    def _on_write(self, path: Path) -> None:  # the observer's thread
+    def _on_event(self, event: Event) -> None:  # the watch's thread
+        # A write is complete when its file is closed; reads (closed without writing) are not writes.
+        if event.mask & IN_CLOSE_WRITE and not event.is_dir:
+            try:
+                self._on_write(Path(event.path))
+            except OSError:
+                # A tree changed under the write (a test removing the machine): this write is lost, as
+                # it would be on a host whose device went away; the watch must keep running.
+                log.exception("simulated kernel: could not apply the write to %s", event.path)
+
+    def _on_write(self, path: Path) -> None:  # the watch's thread
         write = self._classify(path)
         if write is None:
             return
@@ -377,21 +375,6 @@ class KernelEmulator:
         refusal = Refusal(kind, bdf, driver, reason)
         self._refusals.append(refusal)
         self.tree.log(f"refused {refusal}")
-
-
-class _Handler(FileSystemEventHandler):
-    def __init__(self, kernel: KernelEmulator) -> None:
-        self.kernel = kernel
-
-    def on_any_event(self, event: FileSystemEvent) -> None:  # the observer's thread
-        # A write is complete when its file is closed; reads (closed without writing) are not writes.
-        if event.event_type == EVENT_TYPE_CLOSED and not event.is_directory:
-            try:
-                self.kernel._on_write(Path(os.fsdecode(event.src_path)))
-            except OSError:
-                # A tree changed under the write (a test removing the machine): this write is lost, as
-                # it would be on a host whose device went away; the observer must keep running.
-                log.exception("simulated kernel: could not apply the write to %s", event.src_path)
 
 
 __all__ = ["KernelEmulator", "Refusal", "WriteKind"]

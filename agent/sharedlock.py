@@ -1,0 +1,54 @@
+"""A lock held by one holder alone, or by any number of holders at once in shared mode: the device
+locks of claims that share a device (`agent.claims.locks`), and the agent's own file changes against
+self-healing's judgment of them (`agent.ownchanges`).
+
+A holder waiting to hold it alone goes before holders asking to share after it, so a stream of
+sharers never starves it. Not reentrant: a thread that holds it must not ask for it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+
+class SharedLock:
+    __slots__ = ("_alone", "_cond", "_shared", "_waiting_alone")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._shared = 0  # holders sharing it
+        self._alone = False  # held by one holder alone
+        self._waiting_alone = 0
+
+    def acquire(self, shared: bool) -> None:
+        with self._cond:
+            if shared:
+                while self._alone or self._waiting_alone:
+                    self._cond.wait()
+                self._shared += 1
+                return
+            self._waiting_alone += 1
+            try:
+                while self._alone or self._shared:
+                    self._cond.wait()
+            finally:
+                self._waiting_alone -= 1
+            self._alone = True
+
+    def release(self, shared: bool) -> None:
+        with self._cond:
+            if shared:
+                self._shared -= 1
+            else:
+                self._alone = False
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def held(self, shared: bool) -> Iterator[None]:
+        self.acquire(shared)
+        try:
+            yield
+        finally:
+            self.release(shared)
