@@ -27,15 +27,16 @@ from agent.bindingconditions import BINDING_CONDITION, BINDING_FAILURE_CONDITION
 from agent.claims.watch import ClaimEvent, watch_claims
 from agent.config import BINDABLE_KINDS, ConfigError, build_settings
 from agent.engine.prebind import PreBinder
+from agent.engine.recovery import recover
 from agent.health.claimstatus import ClaimStatusWriter
 from agent.health.statussinks import DirectoryStatusSink
-from agent.host.vfio.pci import current_driver
+from agent.host.vfio.pci import current_driver, current_override
 from agent.inventory.passthrough import NicVariants
 from agent.kinds import Kind
 from agent.kube import Backoff, NodeInfo
 from agent.names import ClaimRef
 from agent.publish import dropped, slices
-from agent.sim.kernel.emulator import KernelEmulator
+from agent.sim.kernel.emulator import KernelEmulator, WriteKind
 from agent.sim.kernel.tree import SimTree
 from agent.sim.profiles import load_profile
 
@@ -52,9 +53,10 @@ WAITS = {"bindingConditions": [BINDING_CONDITION], "bindingFailureConditions": [
 class Bound:
     """The simulated machine, the engine, a claim status writer to a directory, and the pre-binder."""
 
-    def __init__(self, node: Node, tree: SimTree) -> None:
+    def __init__(self, node: Node, tree: SimTree, kernel: KernelEmulator) -> None:
         self.node = node
         self.tree = tree
+        self.kernel = kernel
         assert node.settings.offline is not None
         self.writer = ClaimStatusWriter(DRIVER, DirectoryStatusSink(node.settings.offline), node.inventory,
                                         node.engine.book, backoff=Backoff(initial=0.01, maximum=0.05),
@@ -92,8 +94,8 @@ async def bound(tmp_path: Path) -> AsyncIterator[Bound]:
     tree = SimTree(root)
     node.nic_source.devices = NicVariants().apply(tree.sys, [nic()])
     await node.inventory.scan(["nic"])
-    with KernelEmulator(load_profile("dgx-h100"), root):
-        b = Bound(node, tree)
+    with KernelEmulator(load_profile("dgx-h100"), root) as kernel:
+        b = Bound(node, tree, kernel)
         yield b
         await b.binder.stop()
         await b.writer.stop()
@@ -177,6 +179,32 @@ async def test_a_prepare_that_fails_says_so_once_per_allocation(bound: Bound) ->
     assert bound.driver() == "vfio-pci"
     assert bound.status("vm")[GPU_VARIANT, BINDING_CONDITION]["status"] == "True"
     assert await bound.node.engine.unprepare([ClaimRef("default", "vm", UID)]) == {UID: ""}
+
+
+async def test_a_bind_the_kernel_refuses_is_rolled_back_and_reported(bound: Bound) -> None:
+    bound.node.engine.passthrough.timeout = 1.0
+    bound.kernel.fail(WriteKind.BIND, GPU_BUS, reason="probe failed")  # the simulated machine fails the bind
+    await bound.seen("ADDED", allocated("vm", UID))
+    failed = bound.status("vm")[GPU_VARIANT, BINDING_FAILURE_CONDITION]
+    assert failed["status"] == "True" and f"bind {GPU_BUS} to vfio-pci: not done after 1s" in failed["message"]
+    assert bound.driver() == "nvidia" and current_override(bound.tree.sys, GPU_BUS) is None
+    assert bound.node.engine.whole_record(UID) is None
+
+
+async def test_a_restarted_agent_unprepares_what_it_prepared_ahead_for_an_allocation_gone_meanwhile(
+        bound: Bound) -> None:
+    obj = allocated("vm", UID)
+    await bound.seen("ADDED", obj)
+    assert bound.driver() == "vfio-pci"
+    # The agent stops; the scheduler gives the allocation up meanwhile. The next agent's watch starts with
+    # the claim as it is now, once its start-up recovery has read the records.
+    engine = restarted(bound.node)
+    await asyncio.to_thread(recover, engine)
+    binder = PreBinder(engine, bound.writer)
+    write_claim(bound.node.claims_dir, deallocated(obj))
+    binder.observe(ClaimEvent("ADDED", deallocated(obj)))
+    await binder.idle()
+    assert bound.driver() == "nvidia" and engine.whole_record(UID) is None
 
 
 async def test_claims_without_binding_conditions_and_the_kubelets_records_are_left_alone(bound: Bound) -> None:
