@@ -38,7 +38,7 @@ test: lint nvml-standin gocheck cluster-components kubelet-components
 gocheck:
 	$(PYTHON) tests/gocheck/build.py >/dev/null
 
-# The real Kubernetes control plane the tests under tests/cluster run against (README "Tests"):
+# The real Kubernetes control plane the tests under tests/cluster run against (docs/tests.md):
 # kube-apiserver, kube-scheduler, kube-controller-manager and etcd, built with Go from
 # tests/cluster/k8s/go.mod into ~/.cache/dra-agent/k8s-<version>/, reused while go.mod, go.sum and
 # the Go version stay the same. `make test-cluster` runs only those tests.
@@ -48,7 +48,7 @@ cluster-components: setup
 test-cluster: cluster-components kubelet-components
 	$(BIN)/python -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS)
 
-# A real node for the cluster tests (README "A real kubelet"): the kubelet of the same release, and
+# A real node for the cluster tests (docs/tests.md, "A real kubelet"): the kubelet of the same release, and
 # containerd, ctr and containerd-shim-runc-v2, built from tests/cluster/kubelet and
 # tests/cluster/containerd into ~/.cache/dra-agent/k8s-<version>/node/. `make test-kubelet` runs the
 # pod-through-the-kubelet test on the control plane (as root: containerd, runc, mounts).
@@ -97,7 +97,7 @@ stress: setup
 hw-check: setup
 	$(BIN)/python -m pytest -q -rs tests/hw
 
-# The container image (Containerfile; README "Container image"): from a registry's Python base, the
+# The container image (Containerfile; docs/image.md): from a registry's Python base, the
 # wheels from PyPI. IMAGE names it, IMAGE_BASE is the base.
 IMAGE      ?= localhost/dra-agent:latest
 IMAGE_BASE ?= docker.io/library/python:3.11-slim-bookworm

@@ -1,7 +1,8 @@
 """One frozen settings object, built from command-line flags and environment variables.
 
 Every setting is a flag and an environment variable (the flag wins). The table
-`OPTIONS` (`agent.options`) is the single source: argparse, `--help` and README are made from it.
+`OPTIONS` (`agent.options`) is the single source: argparse and `--help` are made from it, and the
+settings table of docs/configuration.md is checked against it (tests/test_cli.py).
 """
 
 from __future__ import annotations

@@ -175,8 +175,13 @@ class WatchThread:
                     self._call(Event(os.path.join(parent, name), IN_CLOSE_WRITE))
 
     def _run(self) -> None:
+        # poll, not select: select fails on a descriptor numbered 1024 or above, and a process
+        # holding many files (an agent with open GPUs and sockets) gets such numbers.
+        poller = select.poll()
+        poller.register(self._inotify.fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
         while True:
-            ready, _, _ = select.select([self._inotify.fd, self._stop_r], [], [])
+            ready = {fd for fd, _ in poller.poll()}
             if self._stop_r in ready:
                 return
             for event in self._inotify.read():

@@ -1,6 +1,6 @@
 """Every setting of the agent as a flag and an environment variable: the table `OPTIONS`, with each
 one's default, help text and parser. `agent.config` builds `Settings` from it (and re-exports it);
-argparse, `--help` and README are made from it.
+argparse and `--help` are made from it, and docs/configuration.md is checked against it.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ OPTIONS: tuple[Option, ...] = (
            kind=float, metavar="SECONDS"),
     Option("taint_policy", "--taint-policy", "DRA_TAINT_POLICY", None,
            "YAML file laid over the default taint policy (XID -> effect, lost GPU, link down and its "
-           "hold time; README: Device health and taints)", metavar="FILE"),
+           "hold time; docs/health.md)", metavar="FILE"),
     Option("metrics_address", "--metrics-address", "DRA_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS,
            "HOST:PORT for /metrics, /healthz and /readyz (HTTP; no HOST: every interface; "
            "empty: off)", metavar="HOST:PORT", empty=True),

@@ -13,7 +13,9 @@ what `make image-offline` and the image test (tests/test_image.py, run in CI) do
 3. `podman build --network none` of the Containerfile with that base and that wheelhouse: the
    same two stages as a build from a registry base with PyPI, and nothing fetched from inside.
 
-Needs podman, and mmdebstrap for the base (Debian packages; .ci/run installs them).
+Each stage says what it does as it goes (stderr, one line a step: mmdebstrap's own stages, podman
+build's STEP lines), since the base alone takes a minute or more. Needs podman, and mmdebstrap for the
+base (Debian packages; .ci/run installs them).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import argparse
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 import tomllib
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +59,9 @@ BASE_CONFIG = (
 )
 BASE_REPOSITORY = "localhost/dra-agent-base"
 COMMAND_TIMEOUT = 900
+ERROR_LINES = 200  # the tail of a failed step's output kept for its error message
+# podman build's progress: `STEP 3/9: RUN ...` (`[1/2] STEP ...` in a multi-stage build) and `COMMIT`.
+BUILD_STEP = re.compile(r"^(\[\d+/\d+\] )?(STEP \d+/\d+: |COMMIT )")
 
 
 class BuildError(RuntimeError):
@@ -69,6 +76,38 @@ def _run(argv: Sequence[str], *, timeout: int = COMMAND_TIMEOUT) -> None:
     proc = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise BuildError(f"{' '.join(argv[:3])} ... failed ({proc.returncode}):\n{proc.stderr.strip()[-4000:]}")
+
+
+def _follow(lines: Iterable[bytes], tail: deque[str], progress: Callable[[str], str | None]) -> None:
+    """Keep the last lines of a step's output for its error message, and log the lines that say how far it
+    got (`progress` gives the text to log, or None)."""
+    for raw in lines:
+        line = raw.decode(errors="replace").rstrip()
+        tail.append(line)
+        if (shown := progress(line)) is not None:
+            log(shown)
+
+
+def _run_showing(argv: Sequence[str], progress: Callable[[str], str | None], *,
+                 timeout: int = COMMAND_TIMEOUT) -> None:
+    """`_run`, logging the progress lines of the command's output (stdout and stderr together) as they come."""
+    tail: deque[str] = deque(maxlen=ERROR_LINES)
+    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    timer = threading.Timer(timeout, proc.kill)  # a step that hangs is killed, and fails below
+    timer.start()
+    try:
+        with proc.stdout:
+            _follow(proc.stdout, tail, progress)
+        proc.wait()
+    finally:
+        timer.cancel()
+    if proc.returncode != 0:
+        raise BuildError(f"{' '.join(argv[:3])} ... failed ({proc.returncode}):\n" + "\n".join(tail)[-4000:])
+
+
+def _build_step(line: str) -> str | None:
+    return f"build: {line[:110]}" if BUILD_STEP.match(line) else None
 
 
 def base_tag() -> str:
@@ -88,26 +127,33 @@ def ensure_base(podman: Sequence[str] = ("podman",)) -> str:
     if image_exists(podman, tag):
         log(f"base {tag} (cached)")
         return tag
-    log(f"base {tag}: mmdebstrap {SUITE} {','.join(PACKAGES)} | podman import")
+    log(f"base {tag}: mmdebstrap {SUITE} {','.join(PACKAGES)} | podman import (a minute or two)")
     started = time.monotonic()
     changes = [a for c in BASE_CONFIG for a in ("--change", c)]
-    with tempfile.TemporaryFile() as errors:  # a file, not a pipe: its output cannot block it
-        # The root filesystem streams as a tar from mmdebstrap's stdout into podman import's stdin.
-        debootstrap = subprocess.Popen(
-            ["mmdebstrap", *MMDEBSTRAP_OPTIONS, f"--include={','.join(PACKAGES)}", SUITE, "-"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors)
-        assert debootstrap.stdout is not None
-        try:
-            imported = subprocess.run([*podman, "import", *changes, "-", tag], stdin=debootstrap.stdout,
-                                      capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
-        finally:
-            debootstrap.stdout.close()
-            debootstrap.wait(timeout=COMMAND_TIMEOUT)
-        if debootstrap.returncode != 0:
-            subprocess.run([*podman, "rmi", "--force", tag], stdin=subprocess.DEVNULL, capture_output=True)
-            errors.seek(0)
-            raise BuildError(f"mmdebstrap failed ({debootstrap.returncode}):\n"
-                             f"{errors.read().decode(errors='replace')[-4000:]}")
+
+    def stage(line: str) -> str | None:  # mmdebstrap's own `I: downloading packages with apt...`
+        return f"base: {line[3:]} ({time.monotonic() - started:.0f} s)" if line.startswith("I: ") else None
+
+    tail: deque[str] = deque(maxlen=ERROR_LINES)
+    # The root filesystem streams as a tar from mmdebstrap's stdout into podman import's stdin; its
+    # stderr is read as it comes, by a thread of its own, so that neither output can block it.
+    debootstrap = subprocess.Popen(
+        ["mmdebstrap", *MMDEBSTRAP_OPTIONS, f"--include={','.join(PACKAGES)}", SUITE, "-"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert debootstrap.stdout is not None and debootstrap.stderr is not None
+    follower = threading.Thread(target=_follow, args=(debootstrap.stderr, tail, stage), daemon=True)
+    follower.start()
+    try:
+        imported = subprocess.run([*podman, "import", *changes, "-", tag], stdin=debootstrap.stdout,
+                                  capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    finally:
+        debootstrap.stdout.close()
+        debootstrap.wait(timeout=COMMAND_TIMEOUT)
+        follower.join(timeout=COMMAND_TIMEOUT)
+        debootstrap.stderr.close()
+    if debootstrap.returncode != 0:
+        subprocess.run([*podman, "rmi", "--force", tag], stdin=subprocess.DEVNULL, capture_output=True)
+        raise BuildError(f"mmdebstrap failed ({debootstrap.returncode}):\n" + "\n".join(tail)[-4000:])
     if imported.returncode != 0:
         raise BuildError(f"podman import failed ({imported.returncode}):\n{imported.stderr.strip()}")
     log(f"base {tag} made in {time.monotonic() - started:.0f} s")
@@ -134,6 +180,7 @@ def wheelhouse(python: str = sys.executable) -> Path:
     """Every needed wheel (binary only, for the base's Python) in .image/wheels: what is there
     already when it satisfies pyproject.toml (no network), else downloaded by the host's pip."""
     WHEELS.mkdir(parents=True, exist_ok=True)
+    log(f"wheelhouse {WHEELS.relative_to(ROOT)}: the wheels pyproject.toml needs, for CPython {PYTHON_VERSION}")
     started = time.monotonic()
     download = [python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--only-binary=:all:",
                 "--python-version", PYTHON_VERSION, "--implementation", "cp",
@@ -142,6 +189,7 @@ def wheelhouse(python: str = sys.executable) -> Path:
         _run([*download, "--no-index", "--find-links", str(WHEELS), *requirements()])
         how = "present"
     except BuildError:
+        log("wheelhouse: downloading what is missing (pip)")
         _run([*download, *requirements()])
         how = "downloaded"
     log(f"wheelhouse {WHEELS.relative_to(ROOT)}: {len(list(WHEELS.glob('*.whl')))} wheels {how} "
@@ -154,13 +202,13 @@ def build(tag: str = DEFAULT_TAG, base: str | None = None, podman: Sequence[str]
     """Build the Containerfile offline; returns the image's ID."""
     base = base or ensure_base(podman)
     wheelhouse()
-    log(f"podman build {tag} from {base}, no network")
+    log(f"podman build {tag} from {base}, no network (two stages: the wheel, then the image)")
     started = time.monotonic()
     argv = [*podman, "build", "--network", "none", f"--layers={str(layers).lower()}",
             "--build-arg", f"BASE={base}",
             "--build-arg", f"PIP_OPTIONS=--no-index --find-links {WHEELS_IN_CONTEXT}",
             "--file", str(CONTAINERFILE), "--tag", tag, str(ROOT)]
-    _run(argv)
+    _run_showing(argv, _build_step)
     image_id = subprocess.run([*podman, "image", "inspect", "--format", "{{.Id}}", tag], capture_output=True,
                               text=True, check=True, stdin=subprocess.DEVNULL).stdout.strip()
     log(f"built {tag} ({image_id[:12]}) in {time.monotonic() - started:.0f} s")

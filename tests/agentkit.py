@@ -116,7 +116,7 @@ async def make_node(tmp: Path, nics: Sequence[Device] = (), cpus: Sequence[Devic
 
 @dataclass
 class Quickstart:
-    """README's quickstart in `root`: the environment `make run` sets up, with claims seeded from
+    """README's walk-through in `root`: the environment `make run` sets up, with claims seeded from
     examples/ as it seeds them; `cli` runs `dra-agent ARGS` in that environment."""
 
     root: Path

@@ -1,4 +1,4 @@
-"""The CLI as a person at the node uses it, and README's quickstart: the agent as a process,
+"""The CLI as a person at the node uses it, and README's walk-through: the agent as a process,
 seeded from examples/, driven with `dra-agent kubelet ...` from a second process."""
 
 from __future__ import annotations
@@ -101,6 +101,26 @@ def test_quickstart_prepare_inspect_unprepare(agent_process, run_env):
     assert slices, "the running agent publishes offline"
 
 
+def test_claims_names_one_claim_and_prints_its_metadata_paths(agent_process, run_env):
+    """`cat $(dra-agent claims NAMESPACE/NAME --metadata)`: the device metadata file of each request of that
+    claim, one path a line and nothing else; a claim not prepared here is exit 1, a bad name a usage error."""
+    for claim in ("gpu-one", "trainer-0-gpu-7x2kq"):
+        cli("kubelet", "prepare", f"default/{claim}", env=run_env)
+    paths = cli("claims", "default/gpu-one", "--metadata", env=run_env).stdout.splitlines()
+    (path,) = paths
+    first = json.loads(Path(path).read_text().splitlines()[0])
+    assert first["metadata"]["name"] == "gpu-one" and first["requests"][0]["name"] == "gpu"
+    (record,) = json.loads(cli("claims", "default/gpu-one", "-o", "json", env=run_env).stdout)
+    assert record["name"] == "gpu-one" and path in record["files"]
+    assert "trainer" not in cli("claims", "default/gpu-one", env=run_env).stdout
+    both = cli("claims", "--metadata", env=run_env).stdout.splitlines()
+    assert len(both) == 2 and path in both and all(p.endswith("/metadata.json") for p in both)
+    missing = cli("claims", "default/gpu-eight", "--metadata", env=run_env, check=False)
+    assert missing.returncode == 1 and not missing.stdout and "not prepared" in missing.stderr
+    usage = cli("claims", "gpu-one", env=run_env, check=False)
+    assert usage.returncode == 2 and "default/gpu-one?" in usage.stderr
+
+
 def test_prepare_of_a_missing_claim_says_why(agent_process, run_env):
     proc = cli("kubelet", "prepare", "default/nope", env=run_env, check=False)
     assert proc.returncode == 2 and "not found" in proc.stderr
@@ -118,10 +138,10 @@ def test_bad_settings_are_refused_before_anything_starts(run_env):
     assert proc.returncode == 2 and "--nvml" in proc.stderr
 
 
-def test_readme_documents_every_setting_with_its_environment_variable():
-    readme = (ROOT / "README.md").read_text()
+def test_docs_document_every_setting_with_its_environment_variable():
+    page = (ROOT / "docs" / "configuration.md").read_text()
     for opt in OPTIONS:
-        assert re.search(rf"\| `{re.escape(opt.flag)}` \| `{re.escape(opt.env)}` \|", readme), opt.flag
+        assert re.search(rf"\| `{re.escape(opt.flag)}` \| `{re.escape(opt.env)}` \|", page), opt.flag
     help_text = cli("run", "--help").stdout
     for opt in OPTIONS:
         assert opt.flag in help_text and f"${opt.env}" in help_text

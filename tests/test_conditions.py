@@ -66,10 +66,10 @@ def test_default_policy_follows_the_contract() -> None:
     assert p.link_down.effect == "NoSchedule" and p.link_down.up_hold == 10
 
 
-def readme_policy_table() -> list[tuple[str, str]]:
-    """(cause, default effect) of each row of README's taint table."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("## Device health and taints"):]
+def documented_policy_table() -> list[tuple[str, str]]:
+    """(cause, default effect) of each row of the taint table of docs/health.md."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "health.md").read_text()
+    section = text[text.index("## Conditions and the default policy"):]
     lines = section[section.index("| cause |"):].splitlines()
     rows = []
     for line in lines[2:]:
@@ -80,10 +80,10 @@ def readme_policy_table() -> list[tuple[str, str]]:
     return rows
 
 
-def test_readme_states_the_default_policy() -> None:
+def test_docs_state_the_default_policy() -> None:
     p = TaintPolicy()
     documented: set[int] = set()
-    for cause, effect in readme_policy_table():
+    for cause, effect in documented_policy_table():
         numbers = [int(n) for n in re.findall(r"\d+", cause.partition("(")[0])]
         if cause.startswith("XID"):
             assert numbers and all(p.for_xid(x).effect == effect for x in numbers), cause
@@ -96,7 +96,7 @@ def test_readme_states_the_default_policy() -> None:
         elif "link down" in cause:
             assert effect == p.link_down.effect
         else:
-            raise AssertionError(f"README's taint table has a row this test does not know: {cause}")
+            raise AssertionError(f"docs/health.md's taint table has a row this test does not know: {cause}")
     assert documented == set(p.xid)  # every XID with a rule of its own is in the table
 
 

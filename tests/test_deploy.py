@@ -7,7 +7,9 @@
   that are coming, UPCOMING), checked by reading the source;
 - every DeviceClass selector is evaluated (cel-python) against devices the agent really
   publishes (`render_slices`: simulated GPUs, this host's CPUs and memory, NICs of a network
-  namespace), never errs on any device, and selects exactly the devices it is meant to;
+  namespace), never errs on any device, and selects exactly the devices it is meant to; one that
+  selects nothing with its kustomization's own settings names, in its comment, the setting it needs;
+- every object of every overlay carries the base's labels;
 - the ValidatingAdmissionPolicy's CEL admits the agent's writes to its own node's slices only.
 """
 
@@ -123,6 +125,22 @@ def test_every_object_is_valid_for_1_37(which: str) -> None:
 
 
 # -- one edit: driver name and image ------------------------------------------------------------------
+
+
+def base_labels() -> dict[str, str]:
+    """The labels deploy/base puts on its objects (its kustomization's `labels`)."""
+    kustomization = yaml.safe_load((DEPLOY / "base" / "kustomization.yaml").read_text())
+    return {k: v for entry in kustomization.get("labels", []) for k, v in entry["pairs"].items()}
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_every_object_carries_the_base_labels(which: str) -> None:
+    """What an overlay adds is labelled as the base's objects are (`kubectl get -l` finds all of them)."""
+    labels = base_labels()
+    assert labels, "deploy/base labels its objects"
+    unlabelled = [f"{o['kind']} {o['metadata']['name']}" for o in rendered(which)
+                  if not labels.items() <= (o["metadata"].get("labels") or {}).items()]
+    assert not unlabelled, f"{which}: without {labels}: {unlabelled}"
 
 
 def driver_places(objs: list[dict[str, Any]]) -> dict[str, list[str]]:
@@ -743,6 +761,52 @@ def test_device_classes_select_the_nics_the_agent_publishes(which: str,
     assert sorted(d["name"] for _, d in nic_devices if _kind("vfio")(d)) == [
         f"nic-0000-4b-00-{n}-vfio" for n in range(1, 5)]
     check_classes(which, nic_devices, {"nic", "vfio-nic"})
+
+
+# Classes of devices the agent publishes only with a setting no kustomization here turns on, with the
+# setting's environment variable, which the class's comment in deploy/ must name (the tests above turn
+# these settings on, to see the classes select what they are meant to).
+NEEDS_A_SETTING = {"gpu-shared": "DRA_GPU_SHARING", "vgpu": "DRA_COMPATIBILITY_GROUPS"}
+
+
+@functools.cache
+def _deployed_devices(which: str) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The simulated machine's GPUs and this host's CPUs and memory as the kustomization's DaemonSet
+    publishes them: its own environment, on a node that declares what its overlay is for."""
+    root = Path(tempfile.mkdtemp(prefix="dra-deploy-"))
+    try:
+        env = {**daemonset_env(agent_container(rendered(which))), "NODE_NAME": NODE, "DRA_NVML": "sim",
+               "DRA_NIC_EXCLUDE": "*", "DRA_STATE_DIR": str(root / "state"),
+               "DRA_OFFLINE": str(_offline_dir(root, which == "overlays/node-allocatable"))}
+        return tuple(devices_of(asyncio.run(render_slices(settings_from(None, env=env)))))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def class_source(name: str) -> str:
+    """The text (comments included) of the document in deploy/ that defines DeviceClass `name`."""
+    for path in sorted(DEPLOY.rglob("*.yaml")):
+        for doc in path.read_text().split("\n---\n"):
+            obj = yaml.safe_load(doc)
+            if isinstance(obj, dict) and obj.get("kind") == "DeviceClass" and obj["metadata"]["name"] == name:
+                return doc
+    raise AssertionError(f"no DeviceClass {name} in deploy/")
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_a_class_that_selects_nothing_as_deployed_says_which_setting_it_needs(which: str) -> None:
+    devices = list(_deployed_devices(which))
+    for device_class in all_of(rendered(which), "DeviceClass"):
+        name = device_class["metadata"]["name"]
+        short = name if name in FIXED_NAMES else name.partition(".")[0]
+        if meant(which, short)[0] in ("nic", "vfio-nic"):
+            continue  # the NICs of a network namespace: the test above
+        if any(selects(device_class, drv, d) for drv, d in devices):
+            continue
+        assert short in NEEDS_A_SETTING, f"{which}: DeviceClass {name} selects nothing the agent publishes as deployed"
+        env = NEEDS_A_SETTING[short]
+        assert env not in daemonset_env(agent_container(rendered(which))), (which, name, env)
+        assert env in class_source(short), f"DeviceClass {short}: its comment does not say it needs {env}"
 
 
 def test_the_gpu_class_serves_unchanged_pods_asking_for_example_com_gpu() -> None:

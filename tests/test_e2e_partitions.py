@@ -200,7 +200,7 @@ async def test_forms_of_one_gpu_that_cannot_coexist_are_refused_across_claims(sh
 
 
 def test_make_run_prepares_the_mig_example(short_tmp: Path) -> None:
-    """README's quickstart with the MIG example: seeded from examples/ as `make run` does (the simulated
+    """README's walk-through with the MIG example: seeded from examples/ as `make run` does (the simulated
     machine's last GPU, the smallest profile at its first placement), prepared with `dra-agent kubelet
     prepare` (MIG mode on, one GPU instance), unprepared (none, MIG mode off)."""
     s = roots(short_tmp, node_name="node-mig")

@@ -152,7 +152,7 @@ async def test_kubevirt_gets_a_passthrough_vf_with_its_mac_over_the_dra_socket(s
 
 
 def test_make_run_prepares_the_vm_example(short_tmp: Path) -> None:
-    """README's quickstart with the VM examples (a passthrough GPU, a VF): seeded from examples/ as `make
+    """README's walk-through with the VM examples (a passthrough GPU, a VF): seeded from examples/ as `make
     run` does, prepared with `dra-agent kubelet prepare`, shown by `dra-agent vfio status`, unprepared."""
     quick = Quickstart.seeded(short_tmp, "node-vm")
     cli = quick.cli

@@ -175,6 +175,22 @@ def claim_spec(node: Node, uid: str) -> dict[str, Any]:
     return dict(orjson.loads((node.settings.cdi_dir / f"{DRIVER}-claim_{uid}.json").read_bytes()))
 
 
+async def test_the_mps_limit_is_keyed_by_the_ordinal_cuda_gives_the_shared_gpu(node: Node) -> None:
+    # A whole GPU first and a share of another: CUDA numbers them 0 and 1 in the order of
+    # CUDA_VISIBLE_DEVICES, and MPS applies a limit keyed by that ordinal (not one keyed by UUID).
+    write_claim(node.claims_dir, claim("mixed", UID1, [result("gpu-1", "whole"),
+                                                         result("gpu-2-shared", "gpu", shareID=SHARE1,
+                                                                consumedCapacity={"memory": "6Gi"})]))
+    out = await node.engine.prepare([ClaimRef("default", "mixed", UID1)])
+    assert out[UID1].error == "", out[UID1].error
+    whole, shared = node.inventory.get("gpu-1"), node.inventory.get("gpu-2")
+    assert whole is not None and shared is not None and whole.gpu is not None and shared.gpu is not None
+    envs = {d["name"]: d["containerEdits"]["env"] for d in claim_spec(node, UID1)["devices"]}
+    share_env = next(e for n, e in envs.items() if "shared" in n)
+    assert f"CUDA_VISIBLE_DEVICES={whole.gpu.uuid},{shared.gpu.uuid}" in share_env
+    assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1={6 << 10}M" in share_env
+
+
 def metadata_entry(node: Node, uid: str) -> dict[str, Any]:
     host = metadata.host_file(node.settings.metadata_dir, uid, "gpu")
     (req,) = metadata.parse_stream(host.read_bytes())[0]["requests"]
@@ -197,7 +213,9 @@ async def test_two_claims_share_one_gpu_each_with_its_own_id_and_limit(node: Nod
         assert f"DRA_GPU_0_SHARED_MEMORY_LIMIT={limit}" in env
         assert f"DRA_GPU_0_SHARED_SHARE_ID={share_id}" in env
         assert f"DRA_GPU_0_SHARED_UUID={gpu.node.gpu.uuid}" in env
-        assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={gpu.node.gpu.uuid}={limit >> 20}M" in env
+        # MPS applies a limit keyed by the ordinal CUDA gives the device (0: the claim's only GPU)
+        assert f"CUDA_VISIBLE_DEVICES={gpu.node.gpu.uuid}" in env
+        assert f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={limit >> 20}M" in env
         assert {n["path"] for n in cdev["containerEdits"]["deviceNodes"]} == {
             "/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
         entry = metadata_entry(node, uid)

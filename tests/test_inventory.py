@@ -27,6 +27,7 @@ from agent.inventory import netlink as netlink_mod
 from agent.inventory.gpus import GpuSource
 from agent.kubelet.health import HEALTHY, UNHEALTHY, UNKNOWN, HealthTracker
 from agent.kubelet.server import Healthv1, Healthv1alpha1
+from agent.metrics import Metrics
 from agent.model import Device
 from agent.pb import health_v1_pb2, health_v1alpha1_pb2
 
@@ -417,7 +418,7 @@ async def test_the_grpc_health_handler_sends_unknown_as_unknown(servicer: type, 
     clock.now += 5
     await inventory.scan()
     await tracker.update(inventory.snapshot())
-    stream = servicer(tracker).NodeWatchResources(None, None)
+    stream = servicer(tracker, Metrics(process=False)).NodeWatchResources(None, None)
     response = await anext(stream)
     await stream.aclose()
     [device] = response.devices

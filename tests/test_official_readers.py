@@ -5,7 +5,7 @@ as the kubelet prepares them; then the Go checker of tests/gocheck reads the CDI
 the CDI project's cache (what container runtimes use), injects each claim's CDI IDs from the
 kubelet response into an OCI runtime spec, and reads each device metadata file with the reader of
 k8s.io/dynamic-resource-allocation, in both API versions of the stream. This test holds what those
-libraries report against what README ("What a prepared claim gets") and CONTRACT promise, per
+libraries report against what docs/claims.md ("What a prepared claim gets") and CONTRACT promise, per
 device kind: the metadata file mounted at its contract path, each kind's device nodes and
 environment, and the same devices and attributes (pciBusID, a NIC's networkData) as the kubelet
 response and the published ResourceSlices.
@@ -206,7 +206,7 @@ class Checker:
             assert (node["type"], node["major"], node["minor"]) == ("c", os.major(st.st_rdev), os.minor(st.st_rdev))
 
     def device(self, seeded: Seeded, answered: Any, env: dict[str, str], nodes: Mapping[str, Any]) -> None:
-        """README: each kind's device nodes and variables."""
+        """docs/claims.md: each kind's device nodes and variables."""
         name = answered.device_name
         dev = self.published[name]
         kind, p = attr(dev, "type"), prefix(name)
@@ -215,7 +215,7 @@ class Checker:
         if (bus := attr(dev, PCI_BUS_ID)) is not None:
             assert env[f"{p}_PCI_BUS_ID"] == bus, where
         ctl = {"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
-        if kind in ("gpu", "shared"):  # README: the toolkit's own device ID too, where its spec defines the GPU
+        if kind in ("gpu", "shared"):  # docs/claims.md: the toolkit's own device ID too, where its spec defines the GPU
             assert f"{TOOLKIT_KIND}={attr(dev, 'uuid')}" in answered.cdi_device_ids, where
             assert env[toolkit_env(attr(dev, "uuid"))] == "injected", where
         if kind == "gpu":
@@ -231,14 +231,15 @@ class Checker:
         elif kind == "nic":
             assert env[f"{p}_INTERFACE"] == attr(dev, "ifName"), where
             assert env[f"{p}_MAC"] == attr(dev, "macAddress"), where
-        elif kind == "shared":  # README "Shared GPUs": the GPU's nodes, its UUID, the share and its limit
+        elif kind == "shared":  # docs/partitions.md "Shared GPUs": the GPU's nodes, its UUID, the share and its limit
             result = next(r for r in seeded.results() if r["device"] == name)
             limit = quantity.parse_int(result["consumedCapacity"]["memory"])
             assert {f"/dev/nvidia{attr(dev, 'minor')}", *ctl} <= set(nodes), (where, sorted(nodes))
             assert env[f"{p}_UUID"] == attr(dev, "uuid"), where
             assert env[f"{p}_SHARE_ID"] == result["shareID"], where
             assert env[f"{p}_MEMORY_LIMIT"] == str(limit), where
-            assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{attr(dev, 'uuid')}={limit >> 20}M", where
+            ordinal = env["CUDA_VISIBLE_DEVICES"].split(",").index(str(attr(dev, "uuid")))
+            assert f"{ordinal}={limit >> 20}M" in env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].split(","), where
         elif kind == "vfio":
             group = attr(dev, "iommuGroup")
             assert {"/dev/vfio/vfio", f"/dev/vfio/{group}"} <= set(nodes), (where, sorted(nodes))
@@ -297,9 +298,9 @@ class Checker:
             missing = {k: v for k, v in published.get("attributes", {}).items() if dev["attributes"].get(k) != v}
             assert not missing, (where, dev["name"], missing)
             kind = attr(published, "type")
-            if kind == "mig":  # README: the metadata's `uuid` is the MIG device's
+            if kind == "mig":  # docs/partitions.md: the metadata's `uuid` is the MIG device's
                 assert dev["attributes"]["uuid"]["string"].startswith("MIG-"), where
-            if kind == "vgpu":  # README: the mdev's UUID, which KubeVirt reads before pciBusID
+            if kind == "vgpu":  # docs/partitions.md: the mdev's UUID, which KubeVirt reads before pciBusID
                 assert re.fullmatch(r"[0-9a-f-]{36}", dev["attributes"]["mdevUUID"]["string"]), where
             net = dev.get("networkData")
             if kind == "nic":

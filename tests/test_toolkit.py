@@ -224,9 +224,9 @@ async def test_every_gpu_form_gets_the_toolkit_device_and_names_exactly_its_devi
     assert mig_uuid.startswith("MIG-")
     ids, env = prepared["shared"]
     assert f"nvidia.com/gpu={uuids['gpu-2']}" in ids and env["CUDA_VISIBLE_DEVICES"] == uuids["gpu-2"]
-    # The MPS limit names the same device as CUDA_VISIBLE_DEVICES does (a UUID: what MPS applies, see
-    # agent/claims/plan.py), with the share's memory.
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuids['gpu-2']}=4096M"
+    # The MPS limit is keyed by the device's ordinal in CUDA_VISIBLE_DEVICES (what MPS applies, see
+    # docs/partitions.md), with the share's memory.
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
 
 
 async def test_without_a_toolkit_spec_the_claims_still_name_their_device(tmp_path: Path) -> None:

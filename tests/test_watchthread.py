@@ -46,3 +46,24 @@ def test_writes_below_a_recursive_root_are_handed_over_in_new_directories_too(tm
     other.start()
     other.stop()
     assert len(os.listdir("/proc/self/fd")) == fds  # a stopped watch leaves no descriptor behind
+
+
+def test_a_watch_opened_past_descriptor_1024_still_hands_over_writes(tmp_path: Path) -> None:
+    # A process holding many files (open GPUs, sockets, a long test run) gets descriptors numbered
+    # 1024 and up; the watch's own must work there too.
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        events: queue.Queue[Event] = queue.Queue()
+        watch = WatchThread(events.put, "test-watch-high")
+        watch.add(str(tmp_path))
+        watch.start()
+        try:
+            (tmp_path / "bind").write_text("0000:01:00.0\n")
+            assert closed_writes(events, 1) == {str(tmp_path / "bind")}
+        finally:
+            watch.stop()
+    finally:
+        for fd in held:
+            os.close(fd)

@@ -3,7 +3,7 @@
     dra-agent run                      the agent (what the DaemonSet runs)
     dra-agent devices [-o table|json|yaml]
     dra-agent slices [-o yaml|json]    the exact ResourceSlices that would be published
-    dra-agent claims [-o table|json]   claims prepared on this node (from the state dir)
+    dra-agent claims [NAMESPACE/NAME] [-o table|json] [--files|--metadata]   claims prepared on this node
     dra-agent kubelet info|prepare|unprepare|health
     dra-agent cdi validate [PATH...]
     dra-agent doctor [-o text|json]    check this node the way a person would when a pod is stuck
@@ -150,8 +150,13 @@ def parser(words: Sequence[str] | None = None) -> Parser:
     sp = leaf(sub, "slices", "show the ResourceSlices that would be published", _command("cmd_slices"))
     sp.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml")
     sp = leaf(sub, "claims", "show the claims prepared on this node", _command("cmd_claims"))
+    sp.add_argument("claim", nargs="?", default="", metavar="NAMESPACE/NAME",
+                    help="only this claim (exit 1 when it is not prepared here)")
     sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
     sp.add_argument("--files", action="store_true", help="also list each claim's files")
+    sp.add_argument("--metadata", action="store_true",
+                    help="print only the path of each device metadata file, one a line (`cat $(dra-agent claims "
+                         "NAMESPACE/NAME --metadata)`)")
 
     vsub = sub.add_parser("vfio", help="PCI functions this agent has bound to vfio-pci").add_subparsers(
         dest="action", required=True, metavar="ACTION")

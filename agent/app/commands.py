@@ -99,11 +99,24 @@ def cmd_slices(args: argparse.Namespace, settings: config.Settings) -> int:
 
 
 def cmd_claims(args: argparse.Namespace, settings: config.Settings) -> int:
+    from agent.claims.records import FileRole
     from agent.claims.store import ClaimStore
 
     records, problems = ClaimStore(settings.claims_state_dir).load_all()
     ordered = sorted(records.values(), key=lambda r: (r.namespace, r.name))
-    if args.output == "json":
+    if args.claim:
+        namespace, name = _parse_claim(args)
+        ordered = [r for r in ordered if (r.namespace, r.name) == (namespace, name)]
+        if not ordered:
+            print(f"dra-agent claims: {args.claim} is not prepared on this node (records in "
+                  f"{settings.claims_state_dir})", file=sys.stderr)
+            return 1
+    if args.metadata:
+        for r in ordered:
+            for f in r.files:
+                if f.role is FileRole.METADATA_FILE:
+                    print(f.path)
+    elif args.output == "json":
         print(dump([{
             "namespace": r.namespace, "name": r.name, "uid": r.uid, "podClaimName": r.pod_claim_name,
             "devices": [d.to_json() for d in r.devices], "files": [f.path for f in r.files],
@@ -123,6 +136,15 @@ def cmd_claims(args: argparse.Namespace, settings: config.Settings) -> int:
     return 1 if problems else 0
 
 
+def _parse_claim(args: argparse.Namespace) -> tuple[str, str]:
+    """NAMESPACE/NAME of `args.claim`, or a usage error (exit 2)."""
+    namespace, sep, name = args.claim.partition("/")
+    if not sep or not namespace or not name:
+        guess = f" (default/{args.claim}?)" if args.claim and "/" not in args.claim else ""
+        args.parser.error(f"the claim must be NAMESPACE/NAME, not {args.claim!r}{guess}")
+    return namespace, name
+
+
 class _NoClaim(Exception):
     """The claim's UID could not be read from the claim source."""
 
@@ -134,11 +156,7 @@ def cmd_kubelet(args: argparse.Namespace, settings: config.Settings) -> int:
 
     ref: tuple[str, str] | None = None
     if args.action in ("prepare", "unprepare"):
-        namespace, sep, name = args.claim.partition("/")
-        if not sep or not namespace or not name:
-            guess = f" (default/{args.claim}?)" if args.claim and "/" not in args.claim else ""
-            args.parser.error(f"the claim must be NAMESPACE/NAME, not {args.claim!r}{guess}")
-        ref = namespace, name
+        ref = _parse_claim(args)
     try:
         return asyncio.run(_kubelet(args, settings, kc, ref))
     except grpc.aio.AioRpcError as exc:

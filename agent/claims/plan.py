@@ -8,9 +8,10 @@ device its parent GPU's), and `CUDA_VISIBLE_DEVICES` naming exactly the claim's 
 (`visible_env`). A shared GPU (`agent.inventory.gpushare`) is prepared like its GPU (device nodes, the
 toolkit's CDI device) and its CDI device also sets `DRA_<DEVICE>_UUID`, `DRA_<DEVICE>_MEMORY_LIMIT` (bytes: the sum
 of the claim's shares of that device; one per result in practice) and, for CUDA MPS clients,
-`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<GPU uuid>=<MiB>M[,...]` over every shared GPU of the claim, which the
-MPS server enforces per client. The claim's own opaque configuration may set that variable instead (a
-lower limit, or the ordinal form `0=<N>M`). One container with shares from two claims gets one claim's
+`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<MiB>M[,...]` over every shared GPU of the claim (the
+ordinal: the GPU's place in the claim's `CUDA_VISIBLE_DEVICES`), which the MPS server enforces per
+client. The claim's own opaque configuration may set that variable instead (a lower limit). One
+container with shares from two claims gets one claim's
 value (CDI does not merge variables). Each claim has its own CDI spec and metadata files (named by its
 UID), so claims sharing one GPU are prepared and unprepared independently.
 """
@@ -91,11 +92,8 @@ def toolkit_device(toolkit: ToolkitSpecs, dev: Device) -> str | None:
     return toolkit.device_id(gpu.uuid, gpu.index)
 
 
-def visible_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
-    """Device name -> `CUDA_VISIBLE_DEVICES`, for each GPU form of the claim: the UUIDs of the claim's
-    GPU forms (`GPU-...` of a whole or shared GPU, `MIG-...` of a MIG device), so CUDA uses exactly them,
-    in the claim's order. (A container given GPUs by two claims gets one claim's value: CDI does not
-    merge variables.)"""
+def _visible_uuids(allocated: list[metadata.AllocatedDevice]) -> tuple[list[str], list[str]]:
+    """The CUDA UUIDs of the claim's GPU forms in the claim's order (each once), and those forms' names."""
     uuids: list[str] = []
     names: list[str] = []
     for a in allocated:
@@ -103,11 +101,22 @@ def visible_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str
             names.append(a.device.name)
             if uuid not in uuids:
                 uuids.append(uuid)
+    return uuids, names
+
+
+def visible_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
+    """Device name -> `CUDA_VISIBLE_DEVICES`, for each GPU form of the claim: the UUIDs of the claim's
+    GPU forms (`GPU-...` of a whole or shared GPU, `MIG-...` of a MIG device), so CUDA uses exactly them,
+    in the claim's order. (A container given GPUs by two claims gets one claim's value: CDI does not
+    merge variables.)"""
+    uuids, names = _visible_uuids(allocated)
     return {name: {CUDA_VISIBLE_DEVICES: ",".join(uuids)} for name in names}
 
 
 def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
-    """Device name -> the variables of a shared GPU's share (see the module docstring)."""
+    """Device name -> the variables of a shared GPU's share (see the module docstring). The MPS limit is
+    keyed by the device's ordinal as the container's CUDA numbers it: its place in the claim's
+    `CUDA_VISIBLE_DEVICES` (`visible_env`). MPS does not apply a limit keyed by UUID (docs/partitions.md)."""
     limits: dict[str, int] = {}
     uuids: dict[str, str] = {}
     for a in allocated:
@@ -115,7 +124,10 @@ def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, 
             # allocation.parse_claim has checked that the amount is there and an integer quantity.
             limits[a.device.name] = limits.get(a.device.name, 0) + quantity.parse_int(a.consumed["memory"])
             uuids[a.device.name] = a.device.gpu.uuid if a.device.gpu is not None else ""
-    mps = ",".join(f"{uuids[n]}={limits[n] // MIB}M" for n in sorted(limits))
+    visible, _ = _visible_uuids(allocated)
+    ordinal = {uuid: str(i) for i, uuid in enumerate(visible)}
+    keyed = sorted((int(ordinal[uuids[n]]), n) for n in limits if uuids[n] in ordinal)
+    mps = ",".join(f"{i}={limits[n] // MIB}M" for i, n in keyed)
     return {n: {f"{cdispecs.env_prefix(n)}_UUID": uuids[n],
                 f"{cdispecs.env_prefix(n)}_MEMORY_LIMIT": str(limits[n]), MPS_MEMORY_LIMIT: mps}
             for n in limits}

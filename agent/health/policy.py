@@ -18,7 +18,7 @@ informational rules), or an operator cleared it (`dra-agent taints clear DEVICE`
 taint goes once the link has been up for `upHold` seconds without interruption: a flapping
 link keeps its taint instead of flapping it.
 
-The defaults follow what each effect does (README, "Device health and taints", has the table with
+The defaults follow what each effect does (docs/health.md, "Conditions and the default policy", has the table with
 the reasons). NoExecute evicts the pods using the device at once, so it is kept for conditions
 that leave the device unusable until the hardware recovers, where the pods must leave anyway for a
 reset to be possible: a lost GPU, XID 79 (fallen off the bus), 95 (an uncontained ECC error: every

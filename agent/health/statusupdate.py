@@ -1,7 +1,7 @@
 """A claim's `status.devices` written by an update of the status subresource that keeps the claim's raw
 fields exactly as the API server holds them: for claims whose status no server-side apply can change.
 
-Why (README "When something is stuck"): the API server keeps a claim's opaque configuration
+Why (docs/deployment.md, "When something is stuck"): the API server keeps a claim's opaque configuration
 (`parameters`, copied by the scheduler into `status.allocation.devices.config`) as the bytes it was sent,
 and checks after decoding any status write that the allocation did not change, comparing those bytes. A
 server-side apply decodes the claim into fields and encodes them again (keys sorted, no spaces), a merge or

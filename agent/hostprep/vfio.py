@@ -296,7 +296,7 @@ class Passthrough:
         if holders:
             return "the GPU is open in " + "; ".join(str(h) for h in holders[:5])
         return (f"no process in {self.host.proc} has the GPU open, so one this agent cannot see does (is its /proc "
-                "the host's? README: Deployment)")
+                "the host's? docs/deployment.md: The host's processes)")
 
     def nodes(self, binding: DeviceBinding) -> tuple[DeviceNode, ...]:
         """The VFIO device nodes of a bound device (legacy: the container and its group; iommufd: the

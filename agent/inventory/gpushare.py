@@ -20,7 +20,7 @@ is made, and skips the counter check for further allocations of the same device 
 the passthrough variant, MIG placements and vGPU devices, later shares fit as long as memory is left,
 and the GPU is whole again once the last share is gone. The limit is not enforced by the hardware:
 the container is told its share (`DRA_<DEVICE>_MEMORY_LIMIT`, bytes, and for MPS clients
-`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<uuid>=<MiB>M`, see `agent.claims.plan`), which CUDA's MPS enforces
+`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<MiB>M`, see `agent.claims.plan`), which CUDA's MPS enforces
 per client and a plain CUDA workload must honour itself (cap its allocator, e.g. PyTorch's
 `set_per_process_memory_fraction`).
 

@@ -1,2 +1,2 @@
-"""Tests against the real Kubernetes control plane (README "Tests"); a package, so that its conftest and
+"""Tests against the real Kubernetes control plane (docs/tests.md); a package, so that its conftest and
 helpers never shadow the modules of the same name in tests/."""

@@ -60,7 +60,7 @@ class Rest:
                 content_type: str = "application/json") -> Any:
         # Compact with sorted keys, as kubectl sends what it reads from YAML: the API server 1.37.2
         # compares a claim's opaque configuration byte for byte when its status is patched, against
-        # its own re-encoding (README "The real control plane"), so a claim sent with spaces, or with
+        # its own re-encoding (docs/tests.md, "What the real components do"), so a claim sent with spaces, or with
         # keys in another order, takes another path of the agent's status writes
         # (test_cluster_claim_status.py sends those on purpose, as raw text).
         data = None if body is None else (

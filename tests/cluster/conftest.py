@@ -125,7 +125,7 @@ def agent_kubeconfig(cluster: Cluster) -> Path:
 # The node of `scheduled` (dgx-h100: 8 GPUs) and its agent's flags: MIG placements, shared GPUs, and
 # garbage collection after a second (tests delete claims the kubelet would have unprepared). No GPU
 # host-memory overhead: kube-scheduler 1.37.2 cannot bind a pod asking for `example.com/gpu` when the
-# device it gets has nodeAllocatableResources (README "Unchanged pods"), and such a pod is among the tests.
+# device it gets has nodeAllocatableResources (docs/deployment.md, "Unchanged pods"), and such a pod is among the tests.
 SCHEDULED_NODE = "dra-scheduled"
 SCHEDULED_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gc-grace-period=1", "--gpu-host-memory-overhead=0")
 

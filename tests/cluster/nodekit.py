@@ -21,6 +21,7 @@ network, so the node stays NotReady (`node.kubernetes.io/not-ready`), which the 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -53,6 +54,10 @@ DEVICE_PLUGIN_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")  # f
 HOST_PATHS = (DEVICE_PLUGIN_SOCKET.parent, DEVICE_PLUGIN_SOCKET.parent.parent,
               Path("/run/containerd/s"), Path("/run/containerd"))
 CGROUP = "k8s.io"
+# One test kubelet per host: its device-plugin socket and containerd's /run paths are fixed. Test runs
+# of several checkouts on one machine take turns through this lock instead of refusing each other.
+HOST_LOCK = Path("/run/dra-agent-test-kubelet.lock")
+HOST_LOCK_WAIT = 1200.0  # a bound, not an expectation: another run's kubelet tests take minutes
 START_LIMIT = 120.0  # a bound, not an expectation
 
 
@@ -346,9 +351,33 @@ class Node:
 
 
 @contextlib.contextmanager
+def host_turn(path: Path = HOST_LOCK, wait: float = HOST_LOCK_WAIT) -> Iterator[None]:
+    """This host's test kubelet for the caller alone, while another test run's kubelet is not done
+    (a bounded wait); a kubelet that is not a test's still makes `HostTraces.record` refuse."""
+    with path.open("a") as lock:
+        deadline, said = time.monotonic() + wait, False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise NodeError(f"another test run held {path} (its kubelet) for {wait:g} s") from None
+                if not said:
+                    print(f"waiting for another test run's kubelet on this host ({path})", flush=True)
+                    said = True
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
 def running(node: Node) -> Iterator[Node]:
-    try:
-        node.start()
-        yield node
-    finally:
-        node.stop()
+    with host_turn():
+        try:
+            node.start()
+            yield node
+        finally:
+            node.stop()

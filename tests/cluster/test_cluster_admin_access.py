@@ -78,7 +78,7 @@ def test_a_monitored_gpu_is_passed_through_to_a_vm_and_both_are_prepared(
     assert prepared(scheduled.prepare(monitor)[monitor_uid]) == allocated(monitor)
 
     # What kube-scheduler 1.37.2 does not allow: admin access to a device whose counters another claim's
-    # device consumed (the allocator checks counters for admin access too; README "The real control plane").
+    # device consumed (the allocator checks counters for admin access too; docs/tests.md).
     admin_ns.claim("late-monitor", claim_spec(monitor_request(bus)))
     admin_ns.pod("late-monitor", scheduled.node, claims={"gpu": "late-monitor"})
     assert admin_ns.unschedulable("late-monitor")["reason"] == "Unschedulable"

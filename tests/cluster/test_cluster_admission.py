@@ -66,7 +66,7 @@ def test_the_agent_writes_its_own_nodes_slices(bound: Rest) -> None:
     changed = copy.deepcopy(created)
     changed["spec"]["devices"].append({"name": "dev-1"})
     bound.put(f"{SLICES}/own-node-slice", changed)
-    # A pool named after the node with a further segment is still the node's (README, "What is published").
+    # A pool named after the node with a further segment is still the node's (docs/devices.md).
     bound.post(SLICES, slice_of("own-node-subpool", pool=f"{NODE}/extra"))
     bound.delete(f"{SLICES}/own-node-slice")
     bound.delete(f"{SLICES}/own-node-subpool")

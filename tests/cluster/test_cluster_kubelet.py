@@ -4,7 +4,7 @@ registration socket and calls NodePrepareResources on its DRA socket, containerd
 specs the agent wrote, and the container reads its device metadata at the contract's paths; when
 the pod is deleted the kubelet unprepares and the agent's files go.
 
-Marker `kubelet`, outside `make test` (README "A real kubelet"): `make test-kubelet`."""
+Marker `kubelet`, outside `make test` (docs/tests.md, "A real kubelet"): `make test-kubelet`."""
 
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ def test_a_claim_whose_parameters_the_server_encodes_otherwise_gets_its_status(s
                                                                                ns: Namespace) -> None:
     # The API server 1.37.2 compares the opaque parameters the scheduler copied into the allocation byte for
     # byte after decoding a status apply, against its own encoding of them (keys sorted): parameters sent with
-    # their keys in another order make every status apply of the claim fail (README "The real control plane").
+    # their keys in another order make every status apply of the claim fail (docs/tests.md).
     # The agent writes that claim's status by update instead (test_cluster_claim_status.py has the details).
     params = {"kind": "DeviceConfig", "apiVersion": config_api_version(DRIVER), "env": {"MODE": "fast"}}
     spec = claim_spec(request("cpu", "cpu", capacity={"cpus": "1"}),

@@ -1,4 +1,4 @@
-"""The manifests of examples/workloads, applied with `kubectl apply` as README "Workloads" applies them,
+"""The manifests of examples/workloads, applied with `kubectl apply` as docs/deployment.md "Workloads" applies them,
 against the real scheduler on the shared agent's node (`scheduled`: a simulated DGX H100 with MIG
 placements and shared GPUs, this host's NICs, CPUs and memory): each pod is scheduled (its claims
 allocated, PodScheduled True), and every claim is then prepared through the agent's DRA socket as the
@@ -161,7 +161,8 @@ def test_every_workload_example_is_scheduled_and_prepared(scheduled: NodeAgent, 
     assert string(share, "type") == "shared" and result["shareID"] and result["consumedCapacity"] == {"memory": "10Gi"}
     assert env[f"{env_name(share)}_MEMORY_LIMIT"] == str(10 << 30)
     assert env[f"{env_name(share)}_SHARE_ID"] == result["shareID"]
-    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{string(share, 'uuid')}={10 << 10}M"
+    assert env["CUDA_VISIBLE_DEVICES"] == string(share, "uuid")
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={10 << 10}M"  # keyed by CUDA's ordinal
 
     # nic.yaml: a NIC of the node, its interface in the container.
     nic, env, _ = only("nic-pod", "nic")

@@ -36,7 +36,7 @@ class NodeChecks(Checks):
             if mode.kind == "real" or hardware:
                 seen = f" although NVIDIA hardware is present ({', '.join(hardware)})" if hardware else ""
                 fix = ("set --driver-root to where the NVIDIA driver is installed, mounted into the agent's pod "
-                       "(README: Deployment), or run with --nvml sim") if isinstance(exc, LibraryMissing) else \
+                       "(docs/deployment.md), or run with --nvml sim") if isinstance(exc, LibraryMissing) else \
                     "load the NVIDIA kernel driver (nvidia-smi shows the same), or run with --nvml sim"
                 return [failed(name, f"NVML does not load{seen}: {why}", fix)]
             return [passed(name, f"no NVIDIA GPUs on this node (NVML: {why}); none are published")]

@@ -142,7 +142,7 @@ class RuntimeChecks(Checks):
             return [failed(name, f"no {KIND} CDI spec in {s.static_cdi_dir} or {s.cdi_dir}: containers of GPU "
                            "claims get the GPU's device nodes but not the driver's libraries (a CUDA image finds no "
                            "libcuda.so)", f"on the node: nvidia-ctk cdi generate --output={s.static_cdi_dir}/"
-                           "nvidia.yaml (again after each driver upgrade; README: Deployment)")]
+                           "nvidia.yaml (again after each driver upgrade; docs/claims.md)")]
         gpus = [n for n in names if n.startswith("GPU-") or n.isdigit()]
         return [passed(name, f"{KIND}: {len(gpus)} GPUs ({', '.join(sorted(gpus)[:4])}"
                        f"{', ...' if len(gpus) > 4 else ''}); GPU claims get its devices")]

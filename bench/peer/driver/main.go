@@ -2,7 +2,7 @@
 // (k8s.io/dynamic-resource-allocation/kubeletplugin) that does the per-claim work of a reference
 // driver: it reads each claim through a Kubernetes client, writes one CDI spec per claim, and keeps
 // every prepared claim in one checkpoint file, with each call serialized by the helper. `make bench`
-// runs it beside dra-agent and calls both the same way (README, "Benchmarks").
+// runs it beside dra-agent and calls both the same way (docs/benchmarks.md).
 package main
 
 import (
