@@ -15,18 +15,24 @@ import socket
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.options import DEFAULT_METRICS_ADDRESS as DEFAULT_METRICS_ADDRESS  # re-exported
 from agent.options import OPTIONS as OPTIONS  # re-exported: callers read the table through Settings' module
 from agent.options import Option as Option
 from agent.options import default_state_dir
 
+if TYPE_CHECKING:
+    from agent.kinds import Kind
+
 UNIX_PATH_MAX = 108  # sun_path, including the terminating NUL
 # Device kinds whose claims may skip the kubelet's prepare and unprepare (`--skip-node-operations`): what
 # such a claim gets from prepare is a CPU list or a NUMA node's name in its environment, which a claim
 # taken for node-allocatable accounting alone does without.
 SKIPPABLE_KINDS = ("cpu", "memory")
+# The kinds `--binding-conditions` may name: those whose prepare changes the host (`agent.bindingconditions`,
+# whose `bindable_kinds` derives them from the kinds' traits; a test holds the two together).
+BINDABLE_KINDS = ("vfio", "mig", "vgpu")
 
 
 class ConfigError(ValueError):
@@ -88,6 +94,7 @@ class Settings:
     numa_node_list: str = "auto"
     partition_type_attribute: bool = False
     skip_node_operations: tuple[str, ...] = ()
+    binding_conditions: tuple[str, ...] = ()
     gpu_host_memory_overhead: int = 256 * 2**20
     gpu_probe_interval: float = 1.0
     taint_policy: Path | None = None
@@ -127,8 +134,18 @@ class Settings:
             raise ConfigError(f"--skip-node-operations: {', '.join(bad)} cannot skip prepare (only "
                               f"{', '.join(SKIPPABLE_KINDS)} can: every other device needs its device nodes, "
                               "files or host changes on the node)")
+        if bad := sorted(set(self.binding_conditions) - set(BINDABLE_KINDS)):
+            raise ConfigError(f"--binding-conditions: {', '.join(bad)} not one of {', '.join(BINDABLE_KINDS)} "
+                              "(the kinds whose prepare changes the host)")
         if self.gpu_host_memory_overhead < 0:
             raise ConfigError(f"--gpu-host-memory-overhead must be >= 0, not {self.gpu_host_memory_overhead}")
+
+    @functools.cached_property
+    def binding_kinds(self) -> frozenset[Kind]:
+        """The device kinds published with binding conditions (`--binding-conditions`)."""
+        from agent.kinds import Kind
+
+        return frozenset(Kind(k) for k in self.binding_conditions)
 
     # Paths the kubelet and the runtime know about.
     @functools.cached_property
@@ -258,7 +275,8 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
             continue
         if key == "nvml" and isinstance(value, str):
             value = NvmlMode.parse(value)
-        elif key in ("nic_include", "nic_exclude", "nic_passthrough", "skip_node_operations") \
+        elif key in ("nic_include", "nic_exclude", "nic_passthrough", "skip_node_operations",
+                     "binding_conditions") \
                 and isinstance(value, str):
             value = _globs(value)
         elif key in ("driver_root", "kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root",

@@ -125,6 +125,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("skip_node_operations", "--skip-node-operations", "DRA_SKIP_NODE_OPERATIONS", "",
            "comma list of device kinds (cpu, memory) whose claims need no prepare on the node: their slices "
            "say skipNodeOperations where the Node declares DRAOptionalNodeOperations", metavar="KINDS"),
+    Option("binding_conditions", "--binding-conditions", "DRA_BINDING_CONDITIONS", "",
+           "comma list of device kinds (vfio, mig, vgpu) published with binding conditions: the agent "
+           "prepares their claims as soon as they are allocated here and the scheduler binds the pod once "
+           "that is done (DRADeviceBindingConditions; README: Binding conditions)", metavar="KINDS"),
     Option("gpu_host_memory_overhead", "--gpu-host-memory-overhead", "DRA_GPU_HOST_MEMORY_OVERHEAD", 256 * 2**20,
            "host memory a container using a GPU device costs, published as nodeAllocatableResources "
            "memory overhead when the Node declares DRANodeAllocatableResources (a quantity: 256Mi)",

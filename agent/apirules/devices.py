@@ -5,7 +5,7 @@ consumption entries (their own rules in `countersets`) and its node-allocatable 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent import quantity
@@ -22,6 +22,7 @@ from agent.apirules.formats import (
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_ATTRIBUTE_VALUES = 48
 MAX_TAINTS = 16
+MAX_BINDING_CONDITIONS = 4  # each of bindingConditions and bindingFailureConditions
 MAX_VALID_VALUES = 10
 TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
 NODE_ALLOCATABLE_KEYS = re.compile(r"^(cpu|memory|ephemeral-storage|hugepages-[0-9A-Za-z.]+)\Z")
@@ -171,6 +172,25 @@ def device_wire_errors(dev: Mapping[str, Any]) -> list[str]:
         errs += [f"{where} {e}" for e in consumption_errors(c)]
     for key, res in (dev.get("nodeAllocatableResources") or {}).items():
         errs += node_allocatable_errors(key, res, caps)
+    errs += binding_condition_errors(dev.get("bindingConditions") or [], dev.get("bindingFailureConditions") or [])
+    return errs
+
+
+def binding_condition_errors(conditions: Sequence[str], failures: Sequence[str]) -> list[str]:
+    """A device's `bindingConditions` and `bindingFailureConditions` (DRADeviceBindingConditions): at most
+    4 of each, each a qualified name, no duplicates, the two lists apart, neither without the other."""
+    errs: list[str] = []
+    for field, names in (("bindingConditions", conditions), ("bindingFailureConditions", failures)):
+        if len(names) > MAX_BINDING_CONDITIONS:
+            errs.append(f"{field}: {len(names)} conditions, more than {MAX_BINDING_CONDITIONS}")
+        for name in names:
+            errs += [f"{field} {name!r} {e}" for e in label_key_errors(str(name))]
+        if len(set(names)) != len(names):
+            errs.append(f"{field} has duplicates")
+    if overlap := sorted(set(conditions) & set(failures)):
+        errs.append(f"bindingFailureConditions must not repeat bindingConditions ({', '.join(overlap)})")
+    if bool(conditions) != bool(failures):
+        errs.append("bindingConditions and bindingFailureConditions are each required with the other")
     return errs
 
 

@@ -4,8 +4,7 @@ Start-up order: roots checked -> registration socket (this module and the server
 the rest is imported in a worker thread meanwhile) -> metrics and probes server -> connect -> open
 discovery -> first scan and the listing of claim records (concurrently) -> DRA socket -> background
 work (each record's check, then orphan removal and the claims' status and metadata; publishing,
-rescans, netlink events, health).
-SIGTERM stops the servers and removes the sockets.
+rescans, netlink events, health, preparing ahead of binding). SIGTERM stops the servers and removes the sockets.
 """
 
 from __future__ import annotations
@@ -167,7 +166,7 @@ class Agent:
             await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
             claim_status = ClaimStatusWriter(
                 s.driver_name, sink_for(conn.client, conn.offline, s.driver_name, engine.claims), self.health,
-                engine.book, readiness=self.health, metrics=self.metrics)
+                engine.book, readiness=self.health, metrics=self.metrics, binding_kinds=s.binding_kinds)
             undo.push_async_callback(claim_status.stop)
             engine.listeners.append(claim_status)
             servers.attach(engine, self.tracker)
@@ -199,9 +198,8 @@ class Agent:
         return selfheal
 
     async def _recover(self, running: Running, report: RecoveryReport) -> None:
-        """Check every record listed at start-up, a batch per worker-thread call with the event loop
-        free in between (prepares keep being answered meanwhile), then remove orphaned files and bring
-        the claims' status and metadata up to date."""
+        """Check every record listed at start-up (batches in worker threads, prepares answered in between),
+        remove orphaned files, bring claim status and metadata up to date, start preparing ahead of binding."""
         from agent.engine.recovery import check_records, finish_recovery
 
         engine = running.engine
@@ -215,6 +213,9 @@ class Agent:
         # The API may have missed writes while no agent ran (or they were queued when it stopped).
         running.claim_status.resync(engine.records.values())
         self.recovered.set()
+        if self.settings.binding_conditions and running.conn.client is not None:  # the book knows every claim now
+            from agent.engine.prebind import prebind_claims
+            self._spawn(prebind_claims(engine, running.claim_status, running.conn.client), "prebind")
         await self._refresh_prepared(engine)
 
     async def _refresh_prepared(self, engine: PrepareEngine) -> None:

@@ -70,12 +70,13 @@ class ClaimSummary:
     prepared_at: float
     generation: int
     state: RecordState
+    ahead: bool = False  # prepared for binding conditions, before the kubelet asked (`ClaimRecord.ahead`)
 
     @classmethod
     def of(cls, record: ClaimRecord) -> ClaimSummary:
         return cls(record.uid, sys.intern(record.namespace), record.name, sys.intern(record.pod_claim_name),
                    tuple(DeviceSummary.of(d, record) for d in record.devices), tuple(record.dirs), record.prepared_at,
-                   record.generation, record.state)
+                   record.generation, record.state, record.ahead)
 
     @property
     def prepared(self) -> bool:

@@ -269,6 +269,10 @@ class ClaimRecord:
     state: RecordState = PREPARED
     bindings: list[DeviceBinding] = field(default_factory=list)  # version 2 or 3
     partitions: list[DevicePartition] = field(default_factory=list)  # version 3 only
+    # Prepared as soon as the claim was allocated here, before the kubelet asked, for its devices' binding
+    # conditions (`agent.engine.prebind`): undone when the claim loses that allocation before its pod runs.
+    # An older agent ignores the field and takes the record for a kubelet's prepare, which it also is then.
+    ahead: bool = False
 
     @property
     def version(self) -> int:
@@ -294,6 +298,8 @@ class ClaimRecord:
             "preparedAt": self.prepared_at,
             "generation": self.generation,
         }
+        if self.ahead:
+            body["preparedAhead"] = True
         if self.version >= BINDINGS_VERSION:
             body["bindings"] = [b.wire() for b in self.bindings]
         if self.version >= PARTITIONS_VERSION:
@@ -336,6 +342,7 @@ class ClaimRecord:
                 state=state,
                 bindings=bindings,
                 partitions=partitions,
+                ahead=d.get("preparedAhead") is True,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise RecordError(f"record body is incomplete: {exc!r}") from exc

@@ -73,12 +73,14 @@ class ClaimEngine(Protocol):
     def current_or_purge(self, uid: str) -> ClaimRecord | None: ...
 
 
-def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | None) -> ClaimRecord | None:
+def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | None, *,
+                     ahead: bool = False) -> ClaimRecord | None:
     """Prepare the claim unless it is prepared; with `read` None, only look it up. A prepared claim is
     answered from its record once the record is checked against the host as it is now and made true
     again (`agent.engine.recheck`: the kubelet prepares again after its own restart or a reboot, which
     takes files, bindings and partitions); a claim that had to be rolled back by that check (a device
-    that is another one now) is prepared again from its allocation (with `read`; without, None)."""
+    that is another one now) is prepared again from its allocation (with `read`; without, None).
+    `ahead`: prepared for its devices' binding conditions, before the kubelet asks (`ClaimRecord.ahead`)."""
     with engine.claim_locked(ref.uid):
         checked = engine.ensure_checked(ref.uid)  # the start-up check: the same as `recheck` below
         record = engine.current_or_purge(ref.uid)
@@ -102,7 +104,7 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
                             lookup=engine.inventory.get, withheld=engine.inventory.withheld)
         keys = [engine.effects.lock_key(a.device) for a in alloc.devices]
         with engine.devices_locked(keys, shared=keys if all(a.device.kind.shared for a in alloc.devices) else ()):
-            return _apply(engine, alloc)
+            return _apply(engine, alloc, ahead)
 
 
 def unprepare_blocking(engine: ClaimEngine, ref: ClaimRef) -> ClaimRecord | None:
@@ -145,7 +147,7 @@ def plan_claim(engine: ClaimEngine, alloc: Allocation, bindings: list[DeviceBind
     return plan_record(engine.settings, engine.toolkit, alloc, 1, bindings)
 
 
-def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
+def _apply(engine: ClaimEngine, alloc: Allocation, ahead: bool) -> ClaimRecord:
     effects = engine.effects
     if unknown := sorted(a.device.name for a in alloc.devices if not a.device.kind.preparable):
         # Published ahead of their prepare path: refused before any side effect.
@@ -166,6 +168,7 @@ def _apply(engine: ClaimEngine, alloc: Allocation) -> ClaimRecord:
         record = effects.make(alloc, intent, lambda a, b: plan_claim(engine, a, b), engine.files)
     else:
         record = plan_claim(engine, alloc, [])
+    record.ahead = ahead
     try:
         for f in record.files:
             engine.files.root_of(f.path).write(f.path, f.content, f.mode)

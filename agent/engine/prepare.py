@@ -26,9 +26,9 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.files import ClaimFiles
@@ -197,6 +197,30 @@ class PrepareEngine:
             log.exception("prepare of %s failed unexpectedly", ref)
             return self._failed("prepare", ref, f"internal error: {exc!r}", started)
         _log_later("prepared %s", ref, {
+            "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
+            "devices": [d.device for d in record.devices],
+            "ms": round((time.monotonic() - started) * 1000, 2)})
+        self._tell(lambda listener: listener.claim_prepared(record), record)
+        return PrepareResult(devices=record.devices)
+
+    async def prepare_ahead(self, ref: ClaimRef, claim: Mapping[str, Any]) -> PrepareResult:
+        """Prepare the claim as it was read (`claim`), before the kubelet asks: its devices carry binding
+        conditions and their pod is bound once it is done (`agent.engine.prebind`). The same prepare as the
+        kubelet's, its record marked `ahead`; a claim already prepared is answered from its record."""
+        started = time.monotonic()
+        with self.metrics.claim_operation("prepare") as op:
+            try:
+                check_claim_ref(ref)
+                record = await asyncio.to_thread(prepare_blocking, self, ref, lambda _ns, _n: claim, ahead=True)
+                assert record is not None
+            except (ClaimFailure, InvalidName, UnsafePath) as exc:
+                op.failed = True
+                return self._failed("prepare ahead of binding", ref, str(exc), started)
+            except Exception as exc:
+                op.failed = True
+                log.exception("prepare ahead of binding of %s failed unexpectedly", ref)
+                return self._failed("prepare ahead of binding", ref, f"internal error: {exc!r}", started)
+        log.info("prepared %s ahead of its pod's binding", ref, extra={
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
             "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})

@@ -55,10 +55,12 @@ from typing import Any
 from agent import apirules
 from agent.claims.book import ClaimBook, ClaimSummary, DeviceSummary
 from agent.claims.records import ClaimRecord
+from agent.health.bindingstatus import BindingFailure, binding_condition, failure_entries
 from agent.health.conditions import Readiness
 from agent.health.readytimes import ReadyTransitions
 from agent.health.statusentry import AlwaysReady, DeviceLookup, DeviceReadiness, device_data
 from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed, same_entries
+from agent.kinds import Kind
 from agent.kube import Backoff
 from agent.metrics import Metrics
 from agent.names import ClaimRef
@@ -78,10 +80,12 @@ RESYNC_WINDOW = 16  # claims a resync keeps queued at most; it feeds more as wri
 class _Pending:
     target: ClaimRef
     # What to write: the claim's entries, built from this record when the write is started (so the
-    # prepare that queued it never waits for them); None removes this driver's entries.
+    # prepare that queued it never waits for them); None removes this driver's entries (or, with
+    # `failure`, writes the binding failure instead).
     record: ClaimSummary | None
     failures: int = 0
     due: float = 0.0  # monotonic time before which it is not sent
+    failure: BindingFailure | None = None
 
 
 def _target(record: ClaimView) -> ClaimRef:
@@ -106,6 +110,9 @@ class ClaimStatusWriter:
     concurrency: int = DEFAULT_CONCURRENCY
     clock: Callable[[], float] = time.monotonic
     transitions: ReadyTransitions = field(default_factory=ReadyTransitions)
+    # Devices of these kinds are published with binding conditions (`agent.bindingconditions`): a prepared
+    # one's entry says the binding condition is True, so the scheduler binds its pod.
+    binding_kinds: frozenset[Kind] = frozenset()
 
     def __post_init__(self) -> None:
         # Claims whose latest record was told since the start (prepared, refreshed, or re-written for a
@@ -137,6 +144,12 @@ class ClaimStatusWriter:
         self._gone.discard(record.uid)
         self.transitions.forget(_summary(record))
         self._submit(_target(record), None)
+
+    def binding_failed(self, target: ClaimRef, failure: BindingFailure) -> None:
+        """The claim could not be prepared for its pod's binding: its entries say the binding failure
+        condition is True (the scheduler then gives the allocation up and tries again)."""
+        self._told.discard(target.uid)
+        self._submit(target, None, failure)
 
     # -- the integrator's calls ---------------------------------------------------------------------
 
@@ -234,6 +247,8 @@ class ClaimStatusWriter:
                 log.exception("readiness of %s could not be read", d.device)
                 ready = Readiness(False, "ReadinessUnknown", f"readiness could not be read: {exc!r}")
         entry["conditions"] = [self.transitions.condition(record, d, ready)]
+        if device is not None and device.kind in self.binding_kinds:
+            entry["conditions"].append(binding_condition(record.prepared_at))
         if device is not None:
             # The inventory's device is the published one: a partition made for the claim has its own
             # identity, and a passthrough VF the MAC its claim set.
@@ -245,13 +260,13 @@ class ClaimStatusWriter:
     def _enqueue(self, record: ClaimView) -> None:
         self._submit(_target(record), _summary(record))
 
-    def _submit(self, target: ClaimRef, record: ClaimSummary | None) -> None:
-        if self._closed or (record is not None and target.uid in self._gone):
+    def _submit(self, target: ClaimRef, record: ClaimSummary | None, failure: BindingFailure | None = None) -> None:
+        if self._closed or ((record is not None or failure is not None) and target.uid in self._gone):
             return
         old = self._pending.get(target.uid)
         # A claim in backoff keeps its wait: a newer state does not make the API server answer sooner.
         self._pending[target.uid] = _Pending(target, record, failures=old.failures if old else 0,
-                                             due=old.due if old else 0.0)
+                                             due=old.due if old else 0.0, failure=failure)
         self._update_queue()
         self.start()
         self._wake.set()
@@ -285,7 +300,8 @@ class ClaimStatusWriter:
                 # claim whose stored conditions are to be read first are built by its write, after the read.
                 unread = item.record is not None and self.transitions.unread(item.record)
                 try:
-                    entries = None if unread else [] if item.record is None else self.entries(item.record)
+                    entries = None if unread else self.entries(item.record) if item.record is not None \
+                        else failure_entries(self.driver, item.failure) if item.failure is not None else []
                 except Exception as exc:
                     log.exception("building the status of %s failed", item.target)
                     self._gave_up(item, repr(exc))

@@ -43,6 +43,7 @@ COMPATIBILITY_GROUPS = "devices[].consumesCounters[].compatibilityGroups"
 LIST_VALUES = "devices[].attributes.*.ints"
 PARTITION_TYPE_ATTRIBUTE = "partitionTypeAttribute"
 SKIP_NODE_OPERATIONS = "skipNodeOperations"
+BINDING_CONDITIONS = "devices[].bindingConditions"
 # The gate that, switched off, makes the API server drop a field (pkg/features of 1.37).
 GATES: Mapping[str, str] = {
     COMPATIBILITY_GROUPS: "DRADeviceCompatibilityGroups",
@@ -55,6 +56,8 @@ GATES: Mapping[str, str] = {
     LIST_VALUES: "DRAListTypeAttributes",
     PARTITION_TYPE_ATTRIBUTE: "DRAPartitionableDevicesType",
     SKIP_NODE_OPERATIONS: "DRAOptionalNodeOperations",
+    BINDING_CONDITIONS: "DRADeviceBindingConditions",
+    "devices[].bindingFailureConditions": "DRADeviceBindingConditions",
 }
 # The fields of gates that are off by default in 1.37 (alpha): a cluster without them is common, so
 # a pool that carries one is tried in a dry run before its first write (`ApiPublisher`).
@@ -75,13 +78,19 @@ def layout(settings: Settings, node: kube.NodeInfo, dropped: Iterable[str] = ())
     what the API server is known to drop: partition types with `--partition-type-attribute`; skipped
     node operations for `--skip-node-operations` kinds where the Node declares DRAOptionalNodeOperations
     (the scheduler puts a claim whose devices skip them only on such a node: declared elsewhere, the
-    devices could not be allocated at all); list attributes unless refused."""
+    devices could not be allocated at all); list attributes unless refused; binding conditions on the
+    `--binding-conditions` kinds unless dropped."""
     gone = set(dropped)
     partition = f"{settings.driver_name}/{PARTITION_TYPE}" if settings.partition_type_attribute and \
         PARTITION_TYPE_ATTRIBUTE not in gone else ""
     skip = frozenset(Kind(k) for k in settings.skip_node_operations) if node.optional_node_operations and \
         SKIP_NODE_OPERATIONS not in gone else frozenset()
-    return SliceLayout(partition_type_attribute=partition, skip_kinds=skip, list_attributes=LIST_VALUES not in gone)
+    # Binding conditions dropped (the gate off): the scheduler would not wait for them, and the devices are
+    # prepared by the kubelet as any other.
+    binding = frozenset(Kind(k) for k in settings.binding_conditions) if BINDING_CONDITIONS not in gone \
+        else frozenset()
+    return SliceLayout(partition_type_attribute=partition, skip_kinds=skip, list_attributes=LIST_VALUES not in gone,
+                       binding_kinds=binding)
 
 
 def list_attributes(spec: Mapping[str, Any]) -> set[str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent import apirules, counters
+from agent.bindingconditions import BINDING_CONDITIONS, BINDING_FAILURE_CONDITIONS
 from agent.inventory.published import PARTITION_TYPE
 from agent.kinds import Kind
 from agent.model import Device, IntList
@@ -80,11 +81,13 @@ class SliceLayout:
     devices go into slices of their own that name it. `skip_kinds`: devices of these kinds go into
     slices of their own whose claims skip the kubelet's prepare and unprepare. `list_attributes` False:
     a list attribute is published in its scalar form (the API server refuses lists without
-    DRAListTypeAttributes)."""
+    DRAListTypeAttributes). `binding_kinds`: devices of these kinds carry the binding conditions
+    (`agent.bindingconditions`), the scheduler then waits for the agent before it binds their pods."""
 
     partition_type_attribute: str = ""
     skip_kinds: frozenset[Kind] = frozenset()
     list_attributes: bool = True
+    binding_kinds: frozenset[Kind] = frozenset()
 
 
 @dataclass(slots=True)
@@ -137,6 +140,8 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
         wire, problems = sanitize_device(dev)
         out.dropped += problems
         if wire is not None:
+            if dev.kind in layout.binding_kinds:
+                wire |= binding_fields()
             valid.append((dev, wire))
     packed = counters.pack(valid)
     out.dropped += packed.dropped
@@ -162,6 +167,11 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
         reported.clear()
         reported.update(out.dropped, out.errors)
     return out
+
+
+def binding_fields() -> dict[str, Any]:
+    """What a device published with binding conditions carries (`agent.bindingconditions`)."""
+    return {"bindingConditions": list(BINDING_CONDITIONS), "bindingFailureConditions": list(BINDING_FAILURE_CONDITIONS)}
 
 
 def _chunk(wires: list[dict[str, Any]], partition_attr: str, skip: tuple[str, ...]) -> Chunk:

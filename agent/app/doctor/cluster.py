@@ -27,14 +27,16 @@ class Permission:
         return f"{self.verb} {self.resource}{'.' + self.group if self.group else ''}"
 
 
-# Every API call the agent makes: agent/kube.py (the Node), agent/claims/sources.py (claims), agent/publish/apiserver.py
-# (slices), agent/health/statussinks.py and statusupdate.py (claim status), agent/health/taintrules.py (`dra-agent
-# taints`), agent/events.py (Events). A
-# permission the agent does not use is not asked for.
+# Every API call the agent makes: agent/kube.py (the Node), agent/claims/sources.py and watch.py (claims),
+# agent/publish/apiserver.py (slices), agent/health/statussinks.py and statusupdate.py (claim status),
+# agent/health/taintrules.py (`dra-agent taints`), agent/events.py (Events). A permission the agent does not use
+# is not asked for.
 PERMISSIONS: tuple[Permission, ...] = (
     Permission("get", "", "nodes", "read this Node: its UID (slice owner) and declared features", named="node"),
     Permission("get", "resource.k8s.io", "resourceclaims", "read a claim the kubelet asks to prepare",
                namespaced=True),
+    Permission("watch", "resource.k8s.io", "resourceclaims",
+               "watch claims, to prepare those allocated here before their pods are bound (--binding-conditions)"),
     Permission("list", "resource.k8s.io", "resourceslices", "read this node's published slices"),
     Permission("get", "resource.k8s.io", "resourceslices", "read back a slice whose create answer was lost"),
     Permission("create", "resource.k8s.io", "resourceslices", "publish devices"),
