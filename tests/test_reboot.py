@@ -292,7 +292,7 @@ async def test_after_a_reboot_iommufd_device_files_follow_the_binding_order(tmp_
     a, b = uid(1), uid(0)  # claim b is checked (and bound) first after the reboot
     write_claim(first.node.claims_dir, claim("vm-a", a, [result("gpu-0000-ba-00-0-vfio", "vm")],
                                              config=vfio(iommu="iommufd")))
-    write_claim(first.node.claims_dir, claim("vm-b", b, [result("gpu-0000-db-00-0-vfio", "vm")],
+    write_claim(first.node.claims_dir, claim("vm-b", b, [result("gpu-0000-ab-00-0-vfio", "vm")],
                                              config=vfio(iommu="iommufd")))
     for name, u in (("vm-a", a), ("vm-b", b)):
         (res,) = (await first.node.engine.prepare([ClaimRef("default", name, u)])).values()
@@ -306,7 +306,7 @@ async def test_after_a_reboot_iommufd_device_files_follow_the_binding_order(tmp_
     report = begin_recovery(after.node.engine)
     check_records(after.node.engine, after.node.engine.unverified())
     finish_recovery(after.node.engine, report)
-    assert os.listdir(function_dir(after.tree.sys, "0000:db:00.0") / "vfio-dev") == ["vfio0"]  # b bound first
+    assert os.listdir(function_dir(after.tree.sys, "0000:ab:00.0") / "vfio-dev") == ["vfio0"]  # b bound first
     for i, u in ((1, a), (0, b)):
         assert u in report.records
         consistent(after, i)

@@ -40,6 +40,7 @@ from agent.claims.respec import claim_spec_of, entries, respecified
 from agent.engine.claimops import ClaimEngine
 from agent.errors import ClaimFailure
 from agent.fsutil import UnsafePath
+from agent.host.vfio.pci import physical_function
 from agent.kinds import PartitionKind
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ def identity_changes(engine: ClaimEngine, record: ClaimRecord) -> None:
             changes.append(f"device {name} is GPU {gpu.uuid} now, not {uuid}")
         if (part := parts.get(name)) is not None and gpu is not None:
             was = gpu.uuid if part.kind is PartitionKind.MIG else gpu.pci_bus_id
-            if part.parent != was:
+            # A vGPU on a GPU's SR-IOV VF has that VF as its parent: the GPU's all the same.
+            if part.parent != was and physical_function(engine.effects.passthrough.host.sysfs, part.parent) != was:
                 changes.append(f"device {name} is a partition of GPU {was} now, not of {part.parent}")
         if (b := bound.get(name)) is not None and dev.pci_bus_id and b.plan.target != dev.pci_bus_id:
             changes.append(f"device {name} is PCI function {dev.pci_bus_id} now, not {b.plan.target}")

@@ -59,13 +59,11 @@ NVIDIA_DRIVER = "nvidia"
 
 
 class GroupChanged(VfioError):
-    """After a reboot, a prepared passthrough function's IOMMU group holds other functions than its record
-    says (or there is none): its recorded binding plan would move the wrong functions."""
+    """After a reboot, a function's IOMMU group holds other functions than recorded, or is gone."""
 
 
 class FormConflict(ClaimFailure):
-    """The other form of a PCI function (native device or passthrough variant) is prepared for a claim
-    on this node: the scheduler's counters would have kept them apart, but the gate may be off."""
+    """The other form of a PCI function is prepared here (the scheduler's counters keep them apart)."""
 
 
 def function_of(device: Device) -> str | None:
@@ -277,8 +275,10 @@ class Passthrough:
                     record = self._run(record, i, steps, write, "restore")
         return record
 
-    def _set_vf(self, b: DeviceBinding) -> None:
-        """The claim's MAC and VLAN on the VF (idempotent), over what it had before the claim."""
+    def _set_vf(self, b: DeviceBinding, if_lost: bool = False) -> None:
+        """The claim's MAC and VLAN on the VF, over what it had before the claim (`if_lost`: unless set)."""
+        if if_lost and (now := read_vf(self.host.sysfs, self.links, b.plan.target)) == now.changed(b.mac, b.vlan):
+            return
         before = b.previous or read_vf(self.host.sysfs, self.links, b.plan.target)  # a record from before `previous`
         failpoints.hit("vf-before-set")
         set_vf(self.host.sysfs, self.links, b.plan.target, before.changed(b.mac, b.vlan), with_mac=bool(b.mac))
@@ -356,6 +356,8 @@ class Passthrough:
                 with self._letting_go([b], check=True):
                     for step in b.plan.steps:
                         apply_step(self.host.sysfs, step, timeout=self.timeout)
+            elif b.sets_vf:  # still bound: its PF may have forgotten the claim's MAC/VLAN (a reboot, a reload)
+                self._set_vf(b, if_lost=True)
             self.nodes(b)  # the nodes its CDI spec names exist again
         if any(b.boot_id != boot for b in record.bindings):
             record = dataclasses.replace(record, bindings=[dataclasses.replace(b, boot_id=boot)

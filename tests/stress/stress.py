@@ -406,6 +406,11 @@ def power_cycle(settings: Settings) -> None:
     come back empty. The next agent (killed anywhere in its recovery too) must make every prepared claim
     whole again, its files naming what the devices are in the new boot."""
     reboot(load_profile(PROFILE), settings.sim_root)
+    # The PF forgets every VF's MAC and VLAN; the host's own network configuration sets the previous
+    # tenant's again at boot (what `check_vf_links` expects of a VF no record sets). A record's are the
+    # recovery's to set again.
+    for (pf, n), link in TENANT_VF_LINKS.items():
+        SimVfLinks(VfioHost.of(settings).sysfs.parent).set(pf, n, link)
     for tmpfs in (settings.cdi_dir, settings.kubelet_dir):
         shutil.rmtree(tmpfs, ignore_errors=True)
         tmpfs.mkdir(parents=True)
