@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from agent import quantity
 from agent.claims import metadata
-from agent.claims.records import ClaimRecord, FileRole
+from agent.claims.records import ClaimRecord
 from agent.errors import ClaimFailure
 from agent.facts import CpuFacts
 from agent.inventory.numa import parse_cpulist
@@ -96,19 +96,13 @@ def assign(devices: Sequence[metadata.AllocatedDevice], held: Mapping[str, set[i
 def recorded_cpus(record: ClaimRecord) -> dict[tuple[str, str, str], tuple[int, ...]]:
     """(request, device, share ID) -> the CPUs the claim's metadata files say it got."""
     out: dict[tuple[str, str, str], tuple[int, ...]] = {}
-    for f in record.files:
-        if f.role is not FileRole.METADATA_FILE:
-            continue
-        objs = metadata.parse_stream(f.content)
-        for req in (objs[0].get("requests") or []) if objs else []:
-            for dev in req.get("devices") or []:
-                text = dev.get("cpuset")
-                if isinstance(text, str) and text:
-                    try:
-                        cpus = tuple(parse_cpulist(text))
-                    except ValueError:
-                        continue
-                    out[str(req.get("name")), str(dev.get("name")), str(dev.get("shareID", ""))] = cpus
+    for key, dev in metadata.recorded_entries(record):
+        text = dev.get("cpuset")
+        if isinstance(text, str) and text:
+            try:
+                out[key] = tuple(parse_cpulist(text))
+            except ValueError:
+                continue
     return out
 
 

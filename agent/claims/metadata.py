@@ -15,7 +15,7 @@ unaffected).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import orjson
 
 from agent import apirules
 from agent.claims.filenames import METADATA_FILE_NAME
-from agent.claims.records import DevicePartition, partition_attributes
+from agent.claims.records import ClaimRecord, DevicePartition, FileRole, partition_attributes
 from agent.facts import CpuFacts, NicFacts, PassthroughFacts
 from agent.inventory.numa import format_cpulist
 from agent.kinds import Kind, PartitionKind
@@ -158,6 +158,18 @@ def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: 
 def parse_stream(data: bytes) -> list[dict[str, Any]]:
     """The objects of a metadata file, in order (for readers and checks)."""
     return [orjson.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def recorded_entries(record: ClaimRecord) -> Iterator[tuple[tuple[str, str, str], dict[str, Any]]]:
+    """((request, device, share ID), the device's entry) of each device the claim's recorded metadata
+    files describe: what a refresh keeps of what prepare chose (a share's capacity, a CPU set)."""
+    for f in record.files:
+        if f.role is not FileRole.METADATA_FILE:
+            continue
+        objs = parse_stream(f.content)
+        for req in (objs[0].get("requests") or []) if objs else []:
+            for dev in req.get("devices") or []:
+                yield (str(req.get("name")), str(dev.get("name")), str(dev.get("shareID", ""))), dev
 
 
 def group_by_base_request(devices: Iterable[AllocatedDevice]) -> dict[str, list[AllocatedDevice]]:

@@ -136,17 +136,8 @@ def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, 
 def _recorded_consumption(record: ClaimRecord) -> dict[tuple[str, str, str], dict[str, str]]:
     """(request, device, share ID) -> consumedCapacity, as the claim's metadata files in the record say:
     the record keeps no other copy of what each share got, and a refresh must not lose it."""
-    out: dict[tuple[str, str, str], dict[str, str]] = {}
-    for f in record.files:
-        if f.role is not FileRole.METADATA_FILE:
-            continue
-        objs = metadata.parse_stream(f.content)
-        for req in (objs[0].get("requests") or []) if objs else []:
-            for dev in req.get("devices") or []:
-                if consumed := dev.get("consumedCapacity"):
-                    out[str(req.get("name")), str(dev.get("name")), str(dev.get("shareID", ""))] = \
-                        {str(k): str(v) for k, v in consumed.items()}
-    return out
+    return {key: {str(k): str(v) for k, v in consumed.items()}
+            for key, dev in metadata.recorded_entries(record) if (consumed := dev.get("consumedCapacity"))}
 
 
 def recorded_allocation(record: ClaimRecord,

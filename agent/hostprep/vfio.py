@@ -79,8 +79,7 @@ def lock_key(device: Device) -> str:
 
 
 class Passthrough:
-    """The engine's passthrough side, and the `HostEffect` of a record's `bindings`. Blocking: call from the
-    claim's worker thread, with its locks."""
+    """The engine's passthrough side and the `HostEffect` of `bindings`; blocking (claim's thread, its locks)."""
 
     name = "PCI functions bound to vfio-pci"
 
@@ -277,9 +276,10 @@ class Passthrough:
 
     def _set_vf(self, b: DeviceBinding, if_lost: bool = False) -> None:
         """The claim's MAC and VLAN on the VF, over what it had before the claim (`if_lost`: unless set)."""
-        if if_lost and (now := read_vf(self.host.sysfs, self.links, b.plan.target)) == now.changed(b.mac, b.vlan):
+        now = read_vf(self.host.sysfs, self.links, b.plan.target) if if_lost or b.previous is None else b.previous
+        if if_lost and now == now.changed(b.mac, b.vlan):
             return
-        before = b.previous or read_vf(self.host.sysfs, self.links, b.plan.target)  # a record from before `previous`
+        before = b.previous or now  # `now` for a record from before `previous`
         failpoints.hit("vf-before-set")
         set_vf(self.host.sysfs, self.links, b.plan.target, before.changed(b.mac, b.vlan), with_mac=bool(b.mac))
         failpoints.hit("vf-after-set")
