@@ -353,6 +353,33 @@ def test_a_create_the_emulator_began_and_a_kill_cut_short_is_finished_or_undone(
     assert not (parent / bare).exists() and mdev.mdevs_of(sysfs, GPU) == {typed: "nvidia-1022"}
 
 
+def test_a_finished_create_gets_an_iommu_group_no_other_mediated_device_has(tmp_path: Path) -> None:
+    # The machine's next start gives a create a kill cut short (no IOMMU group yet) a group of its own,
+    # never one a mediated device of a GPU later in the scan already has: the PCI tree's rewrite drops
+    # every mdev group from iommu_groups/ until its device's turn. Two mdevs in one group made the
+    # removal of one take the other's /dev/vfio/<group> node (the crash suite's vGPU claim on a VF
+    # that "was prepared but is not").
+    root = tmp_path / "sim"
+    profile = load_profile("dgx-h100")
+    materialize(profile, root)
+    simmdev.materialize(profile, root)
+    tree = SimTree(root)
+    later = "4f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"  # on gpu-7's first VF, after GPU in the scan order
+    simmdev.create(tree, VFS[0], simmdev.types_for({"vendor": "0x10de", "device": "0x2330"}), "nvidia-1023", later)
+    assert mdev.iommu_group(root / "sys", later) == 0
+    cut = "5f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"  # on gpu-0: its type linked, no group yet
+    parent = tree.function(GPU)
+    (parent / cut).mkdir()
+    os.symlink(os.path.relpath(parent / "mdev_supported_types" / "nvidia-1022", parent / cut),
+               parent / cut / "mdev_type")
+    materialize(profile, root)
+    simmdev.materialize(profile, root)
+    sysfs = root / "sys"
+    assert mdev.iommu_group(sysfs, later) == 0 and mdev.iommu_group(sysfs, cut) not in (None, 0)
+    simmdev.remove(tree, parent / cut)
+    assert mdev.vfio_nodes(sysfs, root / "dev", later)  # its group's node is still there
+
+
 # -- a GPU whose vGPU types are on its SR-IOV VFs (gpu-7 of dgx-h100) ------------------------------------------
 
 SRIOV_GPU = "0000:db:00.0"

@@ -417,8 +417,14 @@ def power_cycle(settings: Settings) -> None:
 
 
 def _child(settings: Settings, uids: list[str], seed: int, kill_at: int, lose_gpu: bool, out_fd: int,
-           in_fd: int) -> None:
+           in_fd: int, log_path: Path) -> None:
     rng = random.Random(seed)
+    # The round's agent logs to a file of its own (kept with the work directory: `--work`), so that an
+    # inconsistency can be traced to what the agent did and why.
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.root.handlers[:] = [handler]
+    logging.root.setLevel(logging.INFO)
     out = os.fdopen(out_fd, "w", buffering=1)
 
     def say(*words: str) -> None:
@@ -498,6 +504,8 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
         agentkit.write_claim(settings.offline / "resourceclaims", obj)
     uids = [c["metadata"]["uid"] for c in claims]
     report = CrashReport()
+    logs = work / "logs"  # each round's agent log: round-<N>.log
+    logs.mkdir(parents=True, exist_ok=True)
     expect: dict[str, str] = {}
     failpoints.configure("")
     while report.kills < kills and time.monotonic() < deadline:
@@ -514,7 +522,8 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
             try:
                 os.close(out_r)
                 os.close(in_w)
-                _child(settings, uids, rng.randrange(2**32), kill_at, lose_gpu, out_w, in_r)
+                _child(settings, uids, rng.randrange(2**32), kill_at, lose_gpu, out_w, in_r,
+                       logs / f"round-{report.rounds}.log")
                 os._exit(0)
             except BaseException:
                 import traceback
@@ -533,6 +542,8 @@ def crash_rounds(work: Path, kills: int, seed: int, deadline: float, daemon_kill
                     if problems:
                         report.inconsistencies += len(problems)
                         report.problems += [f"round {report.rounds}: {p}" for p in problems[:5]]
+                        report.problems.append(f"round {report.rounds}: the agents' logs are {logs}/round-"
+                                               f"{report.rounds - 1}.log and round-{report.rounds}.log")
                     os.write(in_w, b"g")
                 elif kind == "L":
                     lost = True
@@ -841,7 +852,8 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
             assert files_of(uid) == [], files_of(uid)
 
     try:
-        one_claim()
+        if engine_inputs:  # (`--fuzz 0`: the crash rounds alone)
+            one_claim()
     except Exception as exc:
         report.failures += 1
         report.problems.append(f"engine: {exc!r}"[:2000])

@@ -176,6 +176,7 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
     mdev_devices(tree).mkdir(parents=True, exist_ok=True)
     (tree.sys / "bus" / "mdev" / "drivers" / MDEV_DRIVER).mkdir(parents=True, exist_ok=True)
     mdev_bus(tree).mkdir(parents=True, exist_ok=True)
+    ungrouped: list[Path] = []  # finished cut-short creates: a new group once every kept one is back
     for gpu in profile.gpus:
         if not gpu.in_sysfs or not (tree.devices / gpu.bus_id).exists():
             continue
@@ -184,12 +185,18 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False) -> None:
         for parent in vgpu_parents(tree, gpu.bus_id):
             _finish_cut_creates(tree, parent)
             for u in list(mdevs_of(tree, parent)):
+                where = tree.function(parent) / u
                 if boot or not kinds:
-                    remove(tree, tree.function(parent) / u)
+                    remove(tree, where)
+                elif _group_of(where) is None:
+                    ungrouped.append(where)
                 else:
-                    _give_group(tree, u, tree.function(parent) / u)
+                    _give_group(tree, u, where)
         if kinds:
             sync_types(tree, gpu.bus_id, kinds)
+    # Only now is every kept device's group back in iommu_groups/: the lowest free number is free.
+    for where in ungrouped:
+        _give_group(tree, where.name, where)
     # Links to devices of a GPU the profile no longer has.
     for name in os.listdir(mdev_devices(tree)):
         if not (mdev_devices(tree) / name).exists():
