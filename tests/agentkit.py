@@ -139,19 +139,27 @@ class Quickstart:
         return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120,
                               env=self.env, cwd=REPO)
 
-    def agent(self) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
-        """`dra-agent run` in this environment, once its registration socket exists."""
+    def agent(self, log: Path | None = None,
+              env: dict[str, str] | None = None) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+        """`dra-agent run` in this environment (plus `env`), once its registration socket exists; its
+        output goes to `log` when given."""
         reg = self.root / "kubelet" / "plugins_registry" / f"{DRIVER}-reg.sock"
-        return agent_process(["run", "--metrics-address", ""], self.env, reg, REPO)
+        return agent_process(["run", "--metrics-address", ""], {**self.env, **(env or {})}, reg, REPO, log=log)
 
 
 @contextlib.contextmanager
 def agent_process(args: Sequence[str], env: dict[str, str], registration_socket: Path,
-                  cwd: Path) -> Iterator[subprocess.Popen[str]]:
+                  cwd: Path, log: Path | None = None) -> Iterator[subprocess.Popen[str]]:
     """`python -m agent ARGS` in its own process, from when its registration socket exists until the
-    block ends (SIGTERM, then waited for)."""
-    proc = subprocess.Popen([sys.executable, "-m", "agent", *args], env={**os.environ, **env}, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    block ends (SIGTERM, then waited for); its output goes to `log` when given."""
+    out = log.open("w") if log is not None else None
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "agent", *args], env={**os.environ, **env}, cwd=cwd,
+                                stdout=out or subprocess.PIPE, stderr=subprocess.STDOUT if out else subprocess.PIPE,
+                                text=True)
+    finally:
+        if out is not None:
+            out.close()  # (the child has its own descriptor)
     deadline = time.monotonic() + 60
     while not registration_socket.exists():
         if proc.poll() is not None:

@@ -4,8 +4,10 @@ probes read the agent through frozen views (`agent.app.probes.Observed`) only.""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
+from agentkit import Quickstart
 from test_layout import graph
 
 from agent.app import probes
@@ -96,3 +98,23 @@ async def test_readyz_says_why_from_the_views(tmp_path: Path) -> None:
     assert checks[1].detail == "9 devices in 2 slices, generation 4"
     assert checks[2].detail.startswith("4 unreadable claim records set aside since the start")
     assert checks[2].detail.endswith(": /s/1.rec.corrupt, /s/2.rec.corrupt, /s/3.rec.corrupt ...")
+
+
+API_CLIENT = ("lightkube", "httpx2")  # the API client and its HTTP transport
+
+
+def test_offline_the_running_agent_never_loads_the_api_client(short_tmp: Path) -> None:
+    # Offline there is no API server to talk to: the client's modules (tens of MiB of RSS with their
+    # dependencies, and start-up time) stay unloaded. The running daemon's own imports, as the
+    # interpreter reports each one (PYTHONPROFILEIMPORTTIME), after it has started, scanned, served a
+    # prepare and an unprepare, and stopped.
+    quick = Quickstart.seeded(short_tmp, "node-offline")
+    log = short_tmp / "agent.log"
+    with quick.agent(log=log, env={"PYTHONPROFILEIMPORTTIME": "1"}):
+        for action in ("prepare", "unprepare"):
+            done = quick.cli("kubelet", action, "default/gpu-one")
+            assert done.returncode == 0 and '"error"' not in done.stdout, (done.stdout, done.stderr)
+    text = log.read_text()
+    # (A report line may be cut by a log line written at the same time: each is looked for on its own.)
+    assert re.search(r"^import time:.*\|\s+agent\.kubelet\.server$", text, re.M)  # the running agent's report
+    assert not re.findall(rf"^import time:.*\|\s+((?:{'|'.join(API_CLIENT)})[.\w]*)$", text, re.M)

@@ -9,12 +9,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from agent.events import NodeEvent, NodeEvents
-
 if TYPE_CHECKING:
     from agent.app.connection import Connection
     from agent.config import Settings
     from agent.engine.prepare import Quarantined
+    from agent.events import NodeEvent, NodeEvents
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +21,8 @@ REASON = "ClaimRecordQuarantined"
 
 
 def event_of(q: Quarantined) -> NodeEvent:
+    from agent.events import NodeEvent
+
     return NodeEvent(REASON, "SetAside", f"the record of claim UID {q.uid} could not be read ({q.reason}): it is set "
                      f"aside as {q.path}, the claim's CDI specs and metadata files are removed, and the claim is no "
                      "longer prepared on this node")
@@ -35,8 +36,12 @@ class QuarantineReporter:
         self.loop = loop
         self.node = settings.node_name
         self.conn = conn
-        self.events = None if conn.client is None else NodeEvents(
-            conn.client, settings.node_name, conn.node.uid if conn.node is not None else "", settings.driver_name)
+        self.events: NodeEvents | None = None
+        if conn.client is not None:  # (offline the API client, which the Events need, is never loaded)
+            from agent.events import NodeEvents
+
+            self.events = NodeEvents(conn.client, settings.node_name, conn.node.uid if conn.node is not None else "",
+                                     settings.driver_name)
         self._tasks: set[asyncio.Task[bool]] = set()
 
     def __call__(self, q: Quarantined) -> None:
