@@ -9,7 +9,7 @@ with --idle (every thread, waiting or not). First, unsampled, each thread's CPU 
 collapsed stacks, one per thread (`--threads`), under .bench/profile/, and summed up: each group of
 threads' share of the samples, and the functions most often at the top of the stack.
 
-    .venv/bin/python bench/pyspy.py [--seconds 20] [--in-flight 16] [--native]
+    .venv/bin/python bench/pyspy.py [--seconds 20] [--in-flight 16] [--native] [--dir /dev/shm]
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ async def drive(side: Side, claims: Claims, in_flight: int, seconds: float) -> f
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far: the main thread (the event loop), the other Python threads
-    (the workers among them; the kernel knows them all as `python`) and gRPC's own threads."""
+    """CPU seconds so far, in user space and in the kernel (system calls, and the futex waits of threads
+    handing the GIL to each other): the main thread (the event loop), the other Python threads (the
+    workers among them; the kernel knows them all as `python`) and gRPC's own threads."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = collections.defaultdict(float)
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -61,7 +62,8 @@ def thread_cpu(pid: int) -> dict[str, float]:
             continue  # the thread ended
         group = ("main thread (event loop)" if task.name == str(pid)
                  else "other Python threads" if name == "python" else f"{name} threads")
-        out[group] += (int(fields[11]) + int(fields[12])) / tick
+        out[f"{group}, user"] += int(fields[11]) / tick
+        out[f"{group}, kernel"] += int(fields[12]) / tick
     return dict(out)
 
 
@@ -139,7 +141,7 @@ async def main_async(args: argparse.Namespace) -> int:
     if py_spy is None:
         raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
     args.out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="drap-", dir="/tmp"))
+    work = Path(tempfile.mkdtemp(prefix="drap-", dir=args.dir))
     claims = Claims(work / "offline")
     agent = OurAgent(work / "agent", claims.offline)
     try:
@@ -183,6 +185,8 @@ def main() -> int:
     p.add_argument("--native", action="store_true",
                    help="also sample C frames (gRPC's core, the interpreter): where the event loop's callbacks go")
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "profile")
+    p.add_argument("--dir", default="/tmp", help="where the agent's directories are (default: /tmp, the disk; "
+                   "/dev/shm: a tmpfs, no fsync cost)")
     return asyncio.run(main_async(p.parse_args()))
 
 

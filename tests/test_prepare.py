@@ -301,3 +301,31 @@ async def test_metadata_is_rewritten_with_generation_plus_one_when_a_device_chan
     records, _ = ClaimStore(node.settings.claims_state_dir).load_all()
     assert records[UID1].generation == 2
     assert {f.path: f.content for f in records[UID1].files}[str(host)] == host.read_bytes()
+
+
+async def test_a_burst_of_claims_runs_in_a_few_worker_threads_and_every_one_is_prepared(node, monkeypatch):
+    # 16 claims in one burst: at most CLAIM_WORKERS of their operations hold a thread at once (a few
+    # threads overlap the fsyncs; many only hand the GIL to each other), and each one is prepared.
+    from agent.engine import prepare as engine_prepare
+
+    running, most = 0, 0
+    real = engine_prepare.prepare_blocking
+
+    def counted(*args, **kwargs):
+        nonlocal running, most
+        running += 1  # (the GIL makes these counts exact enough: a race could only hide a breach)
+        most = max(most, running)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(engine_prepare, "prepare_blocking", counted)
+    refs = []
+    for i in range(16):
+        uid = f"b0000000-0000-4000-8000-{i:012d}"
+        write_claim(node.settings.offline / "resourceclaims", claim(f"burst-{i}", uid, [result(f"gpu-{i % 8}")]))
+        refs.append(ref(f"burst-{i}", uid))
+    results = await asyncio.gather(*(node.engine.prepare([r]) for r in refs))
+    assert [res[r.uid].error for res, r in zip(results, refs, strict=True)] == [""] * 16
+    assert 1 < most <= engine_prepare.CLAIM_WORKERS

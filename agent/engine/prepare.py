@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.files import ClaimFiles
@@ -57,6 +57,17 @@ from agent.names import ClaimRef, InvalidName, check_claim_ref
 from agent.ownchanges import OwnChanges
 
 log = logging.getLogger(__name__)
+
+# Claim operations running in worker threads at once, at most; more wait their turn on the loop. A
+# prepare is mostly Python (holding the GIL) between a few system calls and an fsync: with every call
+# of a burst in a thread of its own (16 in flight, 16 threads) the threads spend their time handing the
+# GIL to each other (the kernel time per claim quadruples, docs/benchmarks.md), where a few threads
+# already overlap one claim's fsync with another's planning. Enough that a slow host change (a bind
+# waiting for a device to be let go, a MIG instance being made) leaves the other claims threads to run.
+CLAIM_WORKERS = 4
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def _log_later(message: str, ref: ClaimRef, extra: dict[str, object]) -> None:
@@ -132,6 +143,7 @@ class PrepareEngine:
         # Records listed at start-up but not yet checked (`agent.engine.recovery`): any operation on one of
         # these claims runs the check first, under the claim's lock, and never serves the record unchecked.
         self.deferred = DeferredChecks()
+        self._workers: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None  # (`_in_worker`)
 
     @property
     def quarantined(self) -> list[str]:
@@ -150,6 +162,15 @@ class PrepareEngine:
         return found[0] if found is not None else None
 
     # -- kubelet entry points -------------------------------------------------------------------
+
+    async def _in_worker(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """`fn` (a blocking claim operation) in a worker thread, at most CLAIM_WORKERS at once. (A call
+        cancelled while its thread runs lets another one start: the thread pool bounds them still.)"""
+        loop = asyncio.get_running_loop()
+        if self._workers is None or self._workers[0] is not loop:  # (tests drive one engine from several loops)
+            self._workers = (loop, asyncio.Semaphore(CLAIM_WORKERS))
+        async with self._workers[1]:
+            return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def prepare(self, refs: Iterable[ClaimRef]) -> dict[str, PrepareResult]:
         unique = {ref.uid: ref for ref in refs}
@@ -187,7 +208,7 @@ class PrepareEngine:
             check_claim_ref(ref)
             if (read := self._local_reader()) is not None:
                 # A local source is read in the same worker thread as the side effects.
-                record = await asyncio.to_thread(prepare_blocking, self, ref, read)
+                record = await self._in_worker(prepare_blocking, self, ref, read)
                 assert record is not None  # with a reader, prepare_blocking prepares or raises
             else:
                 record = await self._prepare_remote(ref, self.claims)
@@ -211,7 +232,7 @@ class PrepareEngine:
         with self.metrics.claim_operation("prepare") as op:
             try:
                 check_claim_ref(ref)
-                record = await asyncio.to_thread(prepare_blocking, self, ref, lambda _ns, _n: claim, ahead=True)
+                record = await self._in_worker(prepare_blocking, self, ref, lambda _ns, _n: claim, ahead=True)
                 assert record is not None
             except (ClaimFailure, InvalidName, UnsafePath) as exc:
                 op.failed = True
@@ -230,11 +251,11 @@ class PrepareEngine:
     async def _prepare_remote(self, ref: ClaimRef, source: ClaimSource) -> ClaimRecord:
         # A prepared claim (by this agent or another one on the node) is answered from its record,
         # without asking the API server, which may no longer have it.
-        record = await asyncio.to_thread(prepare_blocking, self, ref, None)
+        record = await self._in_worker(prepare_blocking, self, ref, None)
         if record is not None:
             return record
         claim = await source.get(ref.namespace, ref.name)
-        record = await asyncio.to_thread(prepare_blocking, self, ref, lambda _ns, _n: claim)
+        record = await self._in_worker(prepare_blocking, self, ref, lambda _ns, _n: claim)
         assert record is not None
         return record
 
@@ -248,7 +269,7 @@ class PrepareEngine:
         started = time.monotonic()
         try:
             check_claim_ref(ref)
-            record = await asyncio.to_thread(unprepare_blocking, self, ref)
+            record = await self._in_worker(unprepare_blocking, self, ref)
         except (ClaimFailure, InvalidName, UnsafePath) as exc:
             return self._failed("unprepare", ref, str(exc), started).error
         except Exception as exc:
@@ -274,7 +295,7 @@ class PrepareEngine:
         updated = 0
         for uid in uids:
             try:
-                new = await asyncio.to_thread(refresh_blocking, self, uid)
+                new = await self._in_worker(refresh_blocking, self, uid)
             except Exception:
                 log.exception("refreshing the metadata of claim %s failed", uid)
                 continue
