@@ -94,3 +94,65 @@ def side_by_side(results: dict[str, Any], mid: int) -> str:
 def every_key(results: dict[str, Any]) -> str:
     width = max(len(k) for k in results)
     return "\n".join(f"{k.ljust(width)}  {fmt(v).rjust(9)}  {target(k, v)}".rstrip() for k, v in results.items())
+
+
+def _cell(value: Any) -> str:
+    text = fmt(value)
+    return "" if text == "n/a" else text
+
+
+def _spread(runs: list[dict[str, Any]], key: str) -> str:
+    values = [r[key] for r in runs if isinstance(r.get(key), int | float)]
+    if len(runs) < 2 or not values:
+        return ""
+    return f"{fmt(min(values))} to {fmt(max(values))}" if min(values) != max(values) else fmt(values[0])
+
+
+def markdown(runs: list[dict[str, Any]], mid: int, fill: int) -> str:
+    """docs/benchmarks.md's reference table: the first run's figures, and with more runs the spread of each
+    ratio (or of the figure itself, where it has a target) across them."""
+    first = runs[0]
+    spread = len(runs) > 1
+    head = "| figure | key | agent | peer | agent/peer | target |"
+    head += f" spread of {len(runs)} runs |" if spread else ""
+    lines = [head, "|---|---|---:|---:|---:|---|" + ("---|" if spread else "")]
+
+    def row(what: str, ours: str, peer: str, ratio: str) -> None:
+        judged = ratio if ratio in TARGETS else ours
+        mark = target(judged, first.get(judged)).replace("target ", "").replace("NOT MET", "(not met)")
+        mark = mark.replace("  met", " (met)").replace("  (not met)", " (not met)")
+        cells = [what, f"`{ours}`", _cell(first.get(ours)), _cell(first.get(peer)) if peer else "",
+                 _cell(first.get(ratio)) if ratio else "", mark]
+        if spread:
+            cells.append(_spread(runs, ratio if ratio and ratio in first else ours))
+        lines.append("| " + " | ".join(cells) + " |")
+
+    for what, ours, peer, ratio in SIDE_BY_SIDE:
+        what, ours, peer, ratio = (s.replace("{mid}", str(mid)) for s in (what, ours, peer, ratio))
+        row(what, ours, peer, ratio)
+    for what, key in (("the agent's own time per prepare, tmpfs (ms)", "agent_ms_per_prepare_tmpfs"),
+                      (f"exec -> DRA socket answers, {fill} claims prepared (s)",
+                       f"startup_to_dra_ready_with_{fill}_claims_s"),
+                      (f"prepare p50 with {fill} claims / with 10", f"p50_{fill}_vs_10_claims"),
+                      ("`dra-agent kubelet info` (s)", "cli_info_s")):
+        row(what, key, "", "")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description="docs/benchmarks.md's table from .bench/results.json files: the first "
+                                "run's figures, and the spread across all of them")
+    p.add_argument("results", nargs="+", type=Path)
+    p.add_argument("--mid", type=int, default=1_000)
+    p.add_argument("--fill", type=int, default=10_000)
+    args = p.parse_args(argv)
+    print(markdown([json.loads(path.read_text()) for path in args.results], args.mid, args.fill))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
