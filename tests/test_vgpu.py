@@ -330,24 +330,38 @@ def test_with_compatibility_groups_the_scheduler_never_mixes_what_the_driver_ref
     assert not allocatable([whole, small_mig[0]]) and not allocatable([whole, types["nvidia-1021"][0]])
 
 
+def fresh_machine(tmp_path: Path) -> tuple[Path, SimTree]:
+    """A simulated machine's files (PCI tree and mediated devices), as its first start writes them."""
+    root = tmp_path / "sim"
+    restart(root)
+    return root, SimTree(root)
+
+
+def restart(root: Path) -> None:
+    """The simulated machine's next start (not a reboot): what is there is kept, and made whole."""
+    profile = load_profile("dgx-h100")
+    materialize(profile, root)
+    simmdev.materialize(profile, root)
+
+
+def cut_create(tree: SimTree, bdf: str, u: str, type_id: str | None) -> None:
+    """A create a kill cut short in the emulator: the device's directory, and its type when `type_id`."""
+    parent = tree.function(bdf)
+    (parent / u).mkdir()
+    if type_id is not None:
+        os.symlink(os.path.relpath(parent / "mdev_supported_types" / type_id, parent / u), parent / u / "mdev_type")
+
+
 def test_a_create_the_emulator_began_and_a_kill_cut_short_is_finished_or_undone(tmp_path: Path) -> None:
     # The emulator runs in the agent's process: a SIGKILL can stop it mid-create, which a kernel
     # never does. The next start of the simulated machine finishes one that got its type, and undoes
     # one that did not, so no half device is left that nobody can see or remove.
-    root = tmp_path / "sim"
-    profile = load_profile("dgx-h100")
-    materialize(profile, root)
-    simmdev.materialize(profile, root)
-    tree = SimTree(root)
-    parent = tree.function(GPU)
+    root, tree = fresh_machine(tmp_path)
     typed, bare = "2f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01", "3f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"
-    (parent / typed).mkdir()
-    os.symlink(os.path.relpath(parent / "mdev_supported_types" / "nvidia-1022", parent / typed),
-               parent / typed / "mdev_type")
-    (parent / bare).mkdir()
-    materialize(profile, root)
-    simmdev.materialize(profile, root)
-    sysfs = root / "sys"
+    cut_create(tree, GPU, typed, "nvidia-1022")
+    cut_create(tree, GPU, bare, None)
+    restart(root)
+    sysfs, parent = root / "sys", tree.function(GPU)
     assert mdev.exists(sysfs, typed) and mdev.type_of(sysfs, typed) == "nvidia-1022"
     assert mdev.iommu_group(sysfs, typed) is not None and (parent / typed / "remove").is_file()
     assert not (parent / bare).exists() and mdev.mdevs_of(sysfs, GPU) == {typed: "nvidia-1022"}
@@ -359,24 +373,16 @@ def test_a_finished_create_gets_an_iommu_group_no_other_mediated_device_has(tmp_
     # every mdev group from iommu_groups/ until its device's turn. Two mdevs in one group made the
     # removal of one take the other's /dev/vfio/<group> node (the crash suite's vGPU claim on a VF
     # that "was prepared but is not").
-    root = tmp_path / "sim"
-    profile = load_profile("dgx-h100")
-    materialize(profile, root)
-    simmdev.materialize(profile, root)
-    tree = SimTree(root)
+    root, tree = fresh_machine(tmp_path)
     later = "4f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"  # on gpu-7's first VF, after GPU in the scan order
     simmdev.create(tree, VFS[0], simmdev.types_for({"vendor": "0x10de", "device": "0x2330"}), "nvidia-1023", later)
-    assert mdev.iommu_group(root / "sys", later) == 0
-    cut = "5f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"  # on gpu-0: its type linked, no group yet
-    parent = tree.function(GPU)
-    (parent / cut).mkdir()
-    os.symlink(os.path.relpath(parent / "mdev_supported_types" / "nvidia-1022", parent / cut),
-               parent / cut / "mdev_type")
-    materialize(profile, root)
-    simmdev.materialize(profile, root)
     sysfs = root / "sys"
+    assert mdev.iommu_group(sysfs, later) == 0
+    cut = "5f7a4d39-2c4e-4a43-9d8b-7c1f6a2b9e01"  # on gpu-0: its type linked, no group yet
+    cut_create(tree, GPU, cut, "nvidia-1022")
+    restart(root)
     assert mdev.iommu_group(sysfs, later) == 0 and mdev.iommu_group(sysfs, cut) not in (None, 0)
-    simmdev.remove(tree, parent / cut)
+    simmdev.remove(tree, tree.function(GPU) / cut)
     assert mdev.vfio_nodes(sysfs, root / "dev", later)  # its group's node is still there
 
 
