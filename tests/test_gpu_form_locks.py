@@ -178,3 +178,46 @@ async def test_recovery_settles_a_partition_holding_its_gpus_lock(node: Node) ->
     other.close()
     assert waited.is_set(), "recovery settled the GPU's partition without its lock"
     assert report.settled == [UID_A] and engine.whole_record(UID_A) is None
+
+
+async def test_a_claim_another_agent_prepared_and_left_is_seen_by_the_agent_alone_again(node: Node) -> None:
+    """Agent A has checked forms alone (and so stopped reading the records directory); agent B (a second
+    engine on the same state directory) prepares the whole GPU 0 and goes away. A's next forms check
+    reads the records again and finds B's claim: B's arrival is counted in `<state>/writers.lock`."""
+    write_claim(node.claims_dir, claim("first", UID_A, [result("gpu-1", "gpu")]))
+    assert (await node.engine.prepare([ClaimRef("default", "first", UID_A)]))[UID_A].error == ""
+    other = restarted(node)
+    write_claim(node.claims_dir, claim("whole", UID_B, [result("gpu-0", "gpu")]))
+    assert (await other.prepare([ClaimRef("default", "whole", UID_B)]))[UID_B].error == ""
+    other.close()
+    uid_c = "f0a10000-0000-4000-8000-00000000000c"
+    write_claim(node.claims_dir, claim("mig", uid_c, [result(MIG, "part")]))
+    error = (await node.engine.prepare([ClaimRef("default", "mig", uid_c)]))[uid_c].error
+    assert f"GPU {GPU0_BUS} is prepared as gpu-0 for claim default/whole ({UID_B})" in error, error
+
+
+async def test_an_agent_alone_lists_the_records_once(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no other writer of records, the forms checks read the records directory once, not at every
+    prepare (a listing costs milliseconds with thousands of claims); with one, at every check."""
+    listings = 0
+    real = node.engine.store.uids
+
+    def counted() -> list[str]:
+        nonlocal listings
+        listings += 1
+        return real()
+
+    monkeypatch.setattr(node.engine.store, "uids", counted)
+    refs = []
+    for i in range(4):
+        uid = f"f0a10000-0000-4000-8000-0000000001{i:02d}"
+        write_claim(node.claims_dir, claim(f"c{i}", uid, [result(f"gpu-{i}", "gpu")]))
+        refs.append(ClaimRef("default", f"c{i}", uid))
+    for ref in refs[:2]:
+        assert (await node.engine.prepare([ref]))[ref.uid].error == ""
+    assert listings == 1
+    other = restarted(node)  # another writer is there: every check lists
+    for ref in refs[2:]:
+        assert (await node.engine.prepare([ref]))[ref.uid].error == ""
+    assert listings == 3
+    other.close()

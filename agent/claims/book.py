@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from agent.claims.records import ClaimRecord, PreparedDevice, RecordError, RecordState, partition_attributes
 from agent.claims.store import ClaimStore, RecordStamp
+from agent.claims.writers import RecordWriters
 from agent.names import InvalidName
 
 RECENT = 64  # whole records kept (the claims operated on last)
@@ -84,8 +85,12 @@ class ClaimSummary:
 
 
 class ClaimBook:
-    def __init__(self, store: ClaimStore, recent: int = RECENT) -> None:
+    def __init__(self, store: ClaimStore, recent: int = RECENT, writers: RecordWriters | None = None) -> None:
         self.store = store
+        # The other writers of the records (`agent.claims.writers`): without, `sync` always lists.
+        self.writers = writers
+        self._sync_guard = threading.Lock()  # one listing at a time; a check waits for one in progress
+        self._listed_alone: int | None = None  # the arrivals count before the last listing made alone
         self._guard = threading.Lock()  # over the indexes below
         self._summaries: dict[str, ClaimSummary] = {}
         self._recent: collections.OrderedDict[str, tuple[ClaimRecord, RecordStamp]] = collections.OrderedDict()
@@ -145,7 +150,22 @@ class ClaimBook:
         agent's, or ones listed at start-up and not yet checked) are read, and records gone from disk
         forgotten. The forms checks call it holding the devices' locks, so which claim holds a form of a
         GPU is read from the durable records, not from this process's memory. Costs a directory listing;
-        reads only the records new to this book. An unreadable record is left to its own claim's check."""
+        reads only the records new to this book. An unreadable record is left to its own claim's check.
+        Skipped while no other writer has been there since the last listing (`agent.claims.writers`):
+        then the book already knows every record."""
+        with self._sync_guard:
+            if self.writers is None:
+                self._list()
+                return
+            others, arrivals = self.writers.others()  # (read before the listing: an arrival after it counts)
+            if not others and arrivals == self._listed_alone:
+                return
+            self._listed_alone = None
+            self._list()
+            if not others:
+                self._listed_alone = arrivals
+
+    def _list(self) -> None:
         on_disk = set(self.store.uids())
         with self._guard:
             known = set(self._summaries)

@@ -38,6 +38,7 @@ from agent.claims.records import ClaimRecord, PreparedDevice, RecordError
 from agent.claims.sources import ClaimSource, LocalClaimSource
 from agent.claims.store import ClaimStore
 from agent.claims.toolkit import ToolkitSpecs
+from agent.claims.writers import WRITERS_LOCK_FILE, RecordWriters
 from agent.config import Settings
 from agent.engine.claimops import ClaimReader, prepare_blocking, unprepare_blocking
 from agent.engine.deferred import DeferredChecks
@@ -122,7 +123,10 @@ class PrepareEngine:
         self.claim_lock.open()  # now, so a prepare that fails leaves no trace of the first use
         self.device_lock = KeyFileLock(settings.state_dir / DEVICES_LOCK_FILE)  # devices, across agents
         self.device_lock.open()
-        self.book = ClaimBook(store)
+        # This engine writes claim records here: registered, for the book's syncs (`agent.claims.writers`).
+        self.writers = RecordWriters(settings.state_dir / WRITERS_LOCK_FILE)
+        self.writers.open()
+        self.book = ClaimBook(store, writers=self.writers)
         self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
         # Partitions created at prepare, one partitioner per `Kind.partition_kind` (`agent.hostprep.partitions`).
         # Host changes an unprepare could not undo (`agent.claims.leftovers`): the daemon sets `on_change`.
@@ -366,6 +370,13 @@ class PrepareEngine:
         """A prepared record checked against the host as it is now, and made true again
         (`agent.engine.recheck`); None when the claim had to be rolled back. Call with the claim locked."""
         return recheck(self, record)
+
+    def close(self) -> None:
+        """Let go of the engine's lock files and its registration as a writer of records (a process that
+        ends lets go of them all the same)."""
+        self.writers.close()
+        self.device_lock.close()
+        self.claim_lock.close()
 
     def root_of(self, path: str) -> Root:
         return self.files.root_of(path)
