@@ -78,7 +78,7 @@ class LockTable:
 
 # struct flock on Linux (x86-64 and arm64): short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid, padded to 32 bytes. Open file description locks need l_pid = 0.
-_FLOCK = "@hhqqi4x"
+FLOCK_FORMAT = "@hhqqi4x"  # struct flock (l_type, l_whence, l_start, l_len, l_pid)
 _OFFSET_BITS = 62
 
 
@@ -146,8 +146,7 @@ class KeyFileLock:
 
     @staticmethod
     def _set(fd: int, kind: int, start: int, *, wait: bool) -> None:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK,
-                    struct.pack(_FLOCK, kind, os.SEEK_SET, start, 1, 0))
+        set_byte_lock(fd, kind, start, wait=wait)
 
     @contextlib.contextmanager
     def hold_all(self, keys: Iterable[str], shared: Collection[str] = ()) -> Iterator[None]:
@@ -168,3 +167,9 @@ class KeyFileLock:
 ClaimFileLock = KeyFileLock  # `<state>/claims.lock`, keyed by claim UID
 CLAIMS_LOCK_FILE = "claims.lock"
 DEVICES_LOCK_FILE = "devices.lock"  # keyed by device lock key (`pci/<bus>`, `device/<name>`)
+
+
+def set_byte_lock(fd: int, kind: int, start: int, *, wait: bool) -> None:
+    """An open file description lock (`kind`: F_RDLCK, F_WRLCK or F_UNLCK) on the byte at `start`."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK,
+                struct.pack(FLOCK_FORMAT, kind, os.SEEK_SET, start, 1, 0))

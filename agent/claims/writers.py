@@ -27,8 +27,9 @@ import struct
 import threading
 from pathlib import Path
 
+from agent.claims.locks import FLOCK_FORMAT, set_byte_lock
+
 WRITERS_LOCK_FILE = "writers.lock"
-_FLOCK = "@hhqqi4x"  # struct flock (l_type, l_whence, l_start, l_len, l_pid)
 _PRESENT = 0  # the byte every writer holds shared for its life
 _COUNTING = 1  # the byte held alone while the arrivals count changes
 _COUNT_AT = 8
@@ -50,12 +51,12 @@ class RecordWriters:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
-                _lock(fd, fcntl.F_RDLCK, _PRESENT)
-                _lock(fd, fcntl.F_WRLCK, _COUNTING)
+                set_byte_lock(fd, fcntl.F_RDLCK, _PRESENT, wait=True)
+                set_byte_lock(fd, fcntl.F_WRLCK, _COUNTING, wait=True)
                 try:
                     os.pwrite(fd, struct.pack("<Q", _count(fd) + 1), _COUNT_AT)
                 finally:
-                    _lock(fd, fcntl.F_UNLCK, _COUNTING)
+                    set_byte_lock(fd, fcntl.F_UNLCK, _COUNTING, wait=False)
             except BaseException:
                 os.close(fd)
                 raise
@@ -67,8 +68,9 @@ class RecordWriters:
             fd = self._fd
             if fd is None:
                 raise RuntimeError("not registered as a writer of claim records")
-            probe = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, _PRESENT, 1, 0))
-            present = struct.unpack(_FLOCK, probe)[0] != fcntl.F_UNLCK
+            asked = struct.pack(FLOCK_FORMAT, fcntl.F_WRLCK, os.SEEK_SET, _PRESENT, 1, 0)
+            probe = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, asked)
+            present = struct.unpack(FLOCK_FORMAT, probe)[0] != fcntl.F_UNLCK
             return present, _count(fd)
 
     def close(self) -> None:
@@ -76,10 +78,6 @@ class RecordWriters:
             if self._fd is not None:
                 os.close(self._fd)  # (its locks go with it)
                 self._fd = None
-
-
-def _lock(fd: int, kind: int, byte: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, struct.pack(_FLOCK, kind, os.SEEK_SET, byte, 1, 0))
 
 
 def _count(fd: int) -> int:
