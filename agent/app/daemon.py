@@ -1,8 +1,7 @@
 """The running agent: discovery, publishing, the kubelet's sockets, and keeping it all current.
 
-Start-up order: roots checked -> registration socket (this module and the servers' import light;
-the rest is imported in a worker thread meanwhile) -> metrics and probes server -> connect -> open
-discovery -> first scan and the listing of claim records (concurrently) -> DRA socket -> background
+Start-up order: roots checked -> metrics and probes server -> connect -> open discovery -> first
+scan and the listing of claim records (concurrently) -> DRA socket -> registration socket -> background
 work (each record's check, then orphan removal and the claims' status and metadata; publishing,
 rescans, netlink events, health, preparing ahead of binding). SIGTERM stops the servers and removes the sockets.
 """
@@ -27,8 +26,8 @@ from agent.app.assembly import (
 from agent.config import Settings
 from agent.kubelet.server import Servers
 
-# This module is imported light: the registration socket opens before discovery, the engine, the
-# API client and their dependencies are imported. They are imported where first used.
+# This module is imported light: discovery, the engine, the API client and their dependencies are
+# imported where first used (`agent.app.process` imports them in a worker thread meanwhile).
 if TYPE_CHECKING:
     from agent.app.connection import Connection
     from agent.app.httpserver import Check
@@ -65,7 +64,7 @@ class Running:
 
 class Agent:
     def __init__(self, settings: Settings, servers: Servers | None = None) -> None:
-        """`servers`: with the registration server listening already (`open_registration`)."""
+        """`servers`: the kubelet's sockets, opened by `start`."""
         from agent.app.httpserver import MetricsServer, identity_headers
         from agent.claims.store import ClaimStore
         from agent.health.service import DeviceHealthService
@@ -115,10 +114,8 @@ class Agent:
         return self._running.publish if self._running is not None else None
 
     async def start(self) -> None:
-        """Registration first (unless `run` opened it already), then the rest; a start that fails
-        closes the sockets before the error goes on."""
-        if not self.servers.registration_started:
-            await open_registration(self.settings, self.servers)
+        """Everything, the kubelet's sockets last; a start that fails closes the sockets before the
+        error goes on."""
         try:
             await self._start(self.servers)
         except BaseException:
@@ -171,6 +168,10 @@ class Agent:
             engine.listeners.append(claim_status)
             servers.attach(engine, self.tracker)
             await servers.start_dra()
+            # Only now does the kubelet learn of the plugin: right after registering it, it calls the
+            # endpoint GetInfo names (NodeWatchResources, then the prepares of pods waiting for the
+            # driver), and a call refused there failed a pod's start that kubelet 1.37 did not retry.
+            await servers.start_registration()
             running = Running(conn, engine, claim_status, kernel, await self._self_healing(engine), reporter)
             self._running = running
             undo.pop_all()
@@ -388,13 +389,3 @@ class Agent:
                            health_watchers=self.tracker.watchers, prepared_claims=len(engine.book) if engine else 0,
                            prepared_devices=engine.book.device_count() if engine else 0,
                            quarantined=tuple(engine.quarantined) if engine else ())
-
-
-async def open_registration(settings: Settings, servers: Servers | None = None) -> Servers:
-    """The agent's roots checked and its registration server listening: the kubelet's GetInfo is
-    answered while discovery and the engine start (the kubelet retries its calls to the DRA socket,
-    GetInfo's endpoint, until that socket answers)."""
-    await asyncio.to_thread(prepare_roots, settings)
-    servers = servers if servers is not None else Servers(settings)
-    await servers.start_registration()
-    return servers

@@ -1,12 +1,12 @@
-"""The agent as a process (`dra-agent run`): the first log line, the registration socket, the worker
+"""The agent as a process (`dra-agent run`): the first log line, the roots checked, the worker
 threads, the signals, and the exit status.
 
-The registration socket opens first, before asyncio, gRPC, protobuf or any of the agent's heavier
-modules are imported: its server needs none of them (`agent.kubelet.registration`, a thread of its
-own), so the kubelet's GetInfo is answered from the first moment. Then the event loop starts, and the
-rest of the agent's modules are imported in a worker thread while the loop sets up. SIGTERM, SIGINT
-and SIGHUP stop the agent, from the moment the socket exists; with `--stop-with-parent` so does the
-exit of the process that started it (the kernel sends SIGTERM).
+The agent's roots are checked first, before asyncio, gRPC, protobuf or any of the agent's heavier
+modules are imported, so a bad directory is said at once. Then the event loop starts, and the rest
+of the agent's modules are imported in a worker thread while the loop sets up. The kubelet's sockets
+open in `agent.app.daemon` (the registration socket last, once the DRA socket it names answers).
+SIGTERM, SIGINT and SIGHUP stop the agent from the start, and remove whatever socket exists; with
+`--stop-with-parent` so does the exit of the process that started it (the kernel sends SIGTERM).
 """
 
 from __future__ import annotations
@@ -14,15 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
-from typing import TYPE_CHECKING
 
 from agent import __version__
 from agent import config as config_mod
 from agent.config import Settings
-
-if TYPE_CHECKING:
-    from agent.kubelet.registration import RegistrationServer
 
 # The lines the agent logs as a process keep the logger name they had in the daemon module.
 log = logging.getLogger("agent.app.daemon")
@@ -30,10 +25,6 @@ log = logging.getLogger("agent.app.daemon")
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 M_ARENA_MAX = -8  # <malloc.h>
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal of `make run` went away
-# While the rest of the agent is imported (seconds of work holding the interpreter), the registration
-# thread gets the interpreter within this many seconds of asking (the default is 5 ms): GetInfo is
-# answered within milliseconds meanwhile. Back to the default once the agent has started.
-STARTUP_SWITCH_INTERVAL = 0.0005
 
 _MODULES = (
     "agent.app.daemon",
@@ -89,41 +80,24 @@ def main(settings: Settings) -> int:
             log.error("cannot start: --stop-with-parent: %s", exc)
             return 1
     try:
-        registration = open_registration(settings)
+        from agent.app.assembly import prepare_roots
+
+        prepare_roots(settings)
     except (OSError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         return 1
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(STARTUP_SWITCH_INTERVAL)
     limit_malloc_arenas()
     try:
         import asyncio
 
-        return asyncio.run(run(settings, registration, early, interval))
+        return asyncio.run(run(settings, early))
     finally:
-        registration.stop()  # stopped already, unless the loop never got to it
-        sys.setswitchinterval(interval)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def open_registration(settings: Settings) -> RegistrationServer:
-    """The agent's roots checked and its registration server listening: the kubelet's GetInfo is
-    answered while the rest starts (the kubelet retries its calls to the DRA socket, GetInfo's
-    endpoint, until that socket answers)."""
-    from agent.app.assembly import prepare_roots
-    from agent.kubelet.registration import RegistrationServer
-
-    prepare_roots(settings)
-    registration = RegistrationServer(settings)
-    registration.start()
-    return registration
-
-
-async def run(settings: Settings, registration: RegistrationServer, early: list[int],
-              switch_interval: float) -> int:
-    """The agent on the event loop, its registration open already; `early`: stop signals that came
-    before the loop; `switch_interval`: the interpreter's, back once the agent has started."""
+async def run(settings: Settings, early: list[int]) -> int:
+    """The agent on the event loop; `early`: stop signals that came before the loop."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
@@ -144,7 +118,7 @@ async def run(settings: Settings, registration: RegistrationServer, early: list[
     from agent.inventory import DiscoveryError
     from agent.kubelet.server import Servers
 
-    servers = Servers(settings, registration=registration)
+    servers = Servers(settings)
     agent: Agent | None = None
     try:
         agent = Agent(settings, servers)
@@ -154,10 +128,9 @@ async def run(settings: Settings, registration: RegistrationServer, early: list[
         await (agent.stop() if agent is not None else servers.stop())
         return 1
     except BaseException:
-        # The registration socket is open already: it goes before the error does.
+        # A socket may be open already: it goes before the error does.
         await (agent.stop() if agent is not None else servers.stop())
         raise
-    sys.setswitchinterval(switch_interval)
     await stop.wait()
     log.info("stopping")
     await agent.stop()

@@ -10,8 +10,9 @@ plugin registers again. So the health versions are listed only by servers made t
 (`Servers(health=True)`, the default), and those refuse to attach without a health tracker.
 
 Registration runs on its own server so GetInfo (1 s kubelet timeout) never queues behind prepares,
-and it starts first: `dra-agent run` opens it before this module is even imported, and hands it to
-`Servers`. Handlers never let an exception out as a traceback: errors are per claim, in the response.
+and it starts last (`agent.app.daemon`): GetInfo names the DRA socket, which the kubelet calls right
+after registering, so that socket answers before the registration socket appears. Handlers never
+let an exception out as a traceback: errors are per claim, in the response.
 """
 
 from __future__ import annotations
@@ -168,10 +169,8 @@ async def _start(server: grpc.aio.Server, path: Path) -> sockets.SocketIdentity:
 
 
 class Servers:
-    """Both servers. The registration server needs nothing but the settings (and whether the health
-    stream will be served), so it starts first, before this module is imported (`registration`: one
-    started by `dra-agent run`); the DRA server gets its servicers from `attach` once the engine
-    exists, and starts after that."""
+    """Both servers. The DRA server gets its servicers from `attach` once the engine exists, and starts
+    after that; the registration server (`registration`: one made elsewhere, for tests) after it."""
 
     def __init__(self, settings: Settings, engine: PrepareEngine | None = None,
                  tracker: HealthTracker | None = None, *, health: bool = True,

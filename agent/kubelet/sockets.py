@@ -1,6 +1,6 @@
 """The agent's unix socket files in the kubelet's directories: put in place atomically, replaced only
-when they are sockets, removed only while they are still this process's own. Light to import: the
-registration socket opens before anything heavy is loaded (`agent.kubelet.registration`).
+when they are sockets, removed only while they are still this process's own. Light to import (the registration server,
+`agent.kubelet.registration`, imports it and needs neither gRPC nor asyncio).
 """
 
 from __future__ import annotations
