@@ -48,10 +48,10 @@ cluster-components: setup
 test-cluster: cluster-components kubelet-components
 	$(BIN)/python -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS)
 
-# A real node for the cluster tests (docs/tests.md, "A real kubelet"): the kubelet of the same release, and
-# containerd, ctr and containerd-shim-runc-v2, built from tests/cluster/kubelet and
-# tests/cluster/containerd into ~/.cache/dra-agent/k8s-<version>/node/. `make test-kubelet` runs the
-# pod-through-the-kubelet test on the control plane (as root: containerd, runc, mounts).
+# A real node for the cluster tests (docs/tests.md, "A real kubelet"): the kubelet of the same release,
+# containerd, ctr and containerd-shim-runc-v2, runc, and the CNI plugins of the pod network, built from
+# tests/cluster/{kubelet,containerd,runc,cni} into ~/.cache/dra-agent/k8s-<version>/node/.
+# `make test-kubelet` runs the real-node tests (as root: containerd, runc, mounts, the pods' bridge).
 kubelet-components: setup
 	$(BIN)/python tests/cluster/build.py --node >/dev/null
 

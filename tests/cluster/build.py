@@ -8,8 +8,11 @@ repository:
 - the control plane (`bin/`): kube-apiserver, kube-scheduler and kube-controller-manager from
   `k8s.io/kubernetes`, and etcd from `go.etcd.io/etcd/server/v3`, pinned by `tests/cluster/k8s`;
 - the node (`node/bin/`, `--node`): the kubelet of the same `k8s.io/kubernetes` release
-  (`tests/cluster/kubelet`), and containerd, ctr and containerd-shim-runc-v2 from
-  `github.com/containerd/containerd/v2` (`tests/cluster/containerd`).
+  (`tests/cluster/kubelet`), containerd, ctr and containerd-shim-runc-v2 from
+  `github.com/containerd/containerd/v2` (`tests/cluster/containerd`), runc from
+  `github.com/opencontainers/runc` (`tests/cluster/runc`; cgo and libseccomp, as runc's release
+  builds it) and the CNI plugins bridge, host-local and loopback from
+  `github.com/containernetworking/plugins` (`tests/cluster/cni`).
 
 A stamp beside each set records what it was built from (each module's go.mod, go.sum and tools.go,
 the Go version, the packages, tags and flags): the binaries are reused while it matches, and rebuilt
@@ -51,9 +54,17 @@ HERE = Path(__file__).resolve().parent
 MODULE_DIR = HERE / "k8s"
 KUBELET_DIR = HERE / "kubelet"
 CONTAINERD_DIR = HERE / "containerd"
+RUNC_DIR = HERE / "runc"
+CNI_DIR = HERE / "cni"
 KUBERNETES = "k8s.io/kubernetes"
 ETCD = "go.etcd.io/etcd/server/v3"
 CONTAINERD = "github.com/containerd/containerd/v2"
+RUNC = "github.com/opencontainers/runc"
+CNI_PLUGINS = "github.com/containernetworking/plugins"
+# The CNI plugins of the node's pod network (nodekit.cni_config): a bridge, its addresses, and lo.
+CNI_PROGRAMS = {"bridge": f"{CNI_PLUGINS}/plugins/main/bridge",
+                "host-local": f"{CNI_PLUGINS}/plugins/ipam/host-local",
+                "loopback": f"{CNI_PLUGINS}/plugins/main/loopback"}
 # Program name -> Go package. etcd's main package is its server module's root.
 PROGRAMS = {
     "kube-apiserver": f"{KUBERNETES}/cmd/kube-apiserver",
@@ -69,6 +80,9 @@ VERSION_PACKAGES = ("k8s.io/component-base/version", "k8s.io/client-go/pkg/versi
 # it does not serve. CGO off: static binaries, no C toolchain needed.
 CONTAINERD_TAGS = ("urfave_cli_no_docs", "no_btrfs", "no_devmapper", "no_zfs")
 SHIM_TAGS = (*CONTAINERD_TAGS, "no_grpc")
+# runc's release build: seccomp through libseccomp (cgo; Debian's libseccomp-dev), so that a pod's
+# seccomp profile is applied, not refused as unsupported. runc's nsenter is C as well.
+RUNC_TAGS = ("seccomp",)
 
 
 class BuildError(RuntimeError):
@@ -160,6 +174,14 @@ def containerd_ldflags(version: str) -> str:
     return f"-s -X {CONTAINERD}/version.Version={version}"
 
 
+def runc_ldflags(version: str) -> str:
+    return f"-s -X main.version={version.removeprefix('v')}"
+
+
+def cni_ldflags(version: str) -> str:
+    return f"-s -X {CNI_PLUGINS}/pkg/utils/buildversion.BuildVersion={version}"
+
+
 def _module_files(digest: hashlib._Hash, module: Path) -> None:
     for name in ("go.mod", "go.sum", "tools.go"):
         digest.update(name.encode() + b"\0" + (module / name).read_bytes() + b"\0")
@@ -231,6 +253,8 @@ def control_plane(pin: Pins) -> Bundle:
 def node(pin: Pins) -> Bundle:
     kubelet_mod = (KUBELET_DIR / "go.mod").read_text()
     containerd = required((CONTAINERD_DIR / "go.mod").read_text(), CONTAINERD, CONTAINERD_DIR)
+    runc = required((RUNC_DIR / "go.mod").read_text(), RUNC, RUNC_DIR)
+    cni = required((CNI_DIR / "go.mod").read_text(), CNI_PLUGINS, CNI_DIR)
     static = {"CGO_ENABLED": "0"}
     groups = (
         Group(KUBELET_DIR, {"kubelet": f"{KUBERNETES}/cmd/kubelet"}, ldflags(pin)),
@@ -238,11 +262,13 @@ def node(pin: Pins) -> Bundle:
               containerd_ldflags(containerd), CONTAINERD_TAGS, static),
         Group(CONTAINERD_DIR, {"containerd-shim-runc-v2": f"{CONTAINERD}/cmd/containerd-shim-runc-v2"},
               containerd_ldflags(containerd), SHIM_TAGS, static),
+        Group(RUNC_DIR, {"runc": RUNC}, runc_ldflags(runc), RUNC_TAGS, {"CGO_ENABLED": "1"}),
+        Group(CNI_DIR, CNI_PROGRAMS, cni_ldflags(cni), (), static),
     )
 
     def want() -> str:
         digest = hashlib.sha256()
-        for module in (KUBELET_DIR, CONTAINERD_DIR):
+        for module in (KUBELET_DIR, CONTAINERD_DIR, RUNC_DIR, CNI_DIR):
             _module_files(digest, module)
         digest.update(_go("env", "GOVERSION").strip().encode() + b"\0")
         for g in groups:
@@ -257,12 +283,15 @@ def node(pin: Pins) -> Bundle:
         check_replaces(kubelet_mod, pin, KUBELET_DIR)
 
     return Bundle(
-        title=f"the Kubernetes {pin.kubernetes} kubelet and containerd {containerd}", subdir="node",
+        title=f"the Kubernetes {pin.kubernetes} kubelet, containerd {containerd}, runc {runc} and the CNI "
+              f"plugins {cni}", subdir="node",
         groups=groups,
         versions={"kubelet": ("--version", f"Kubernetes {pin.kubernetes}"),
                   "containerd": ("--version", f"{CONTAINERD} {containerd}"),
                   "ctr": ("--version", f"{CONTAINERD} {containerd}"),
-                  "containerd-shim-runc-v2": ("-v", f"Version:  {containerd}")},
+                  "containerd-shim-runc-v2": ("-v", f"Version:  {containerd}"),
+                  "runc": ("--version", f"runc version {runc.removeprefix('v')}"),
+                  **{p: ("--version", f"CNI {p} plugin {cni}") for p in CNI_PROGRAMS}},
         want=want, check=check, note="a few minutes on two cores after the control plane; reused afterwards")
 
 

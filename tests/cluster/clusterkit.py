@@ -26,6 +26,8 @@ from .controlplane import ControlPlane, kubeconfig, tail
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
 KUBECTL = VENV_BIN / "kubectl"
+DEPLOY = REPO / "deploy"
+OVERLAYS = sorted(p for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 DRIVER = "dra.example.com"
 NAMESPACE = "dra-agent"  # deploy/base/namespace.yaml
 SERVICE_ACCOUNT = "dra-agent"  # deploy/base/serviceaccount.yaml
@@ -189,14 +191,15 @@ class Cluster:
 
     # -- the agent's credentials ----------------------------------------------------------------------
 
-    def pod_on(self, node: str, name: str, *, namespace: str = NAMESPACE,
-               service_account: str = SERVICE_ACCOUNT) -> dict[str, Any]:
-        """A Pod object bound to `node` (no kubelet runs it): what a service-account token is bound to."""
+    def pod_on(self, node: str, name: str, *, namespace: str = NAMESPACE, service_account: str = SERVICE_ACCOUNT,
+               container: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """A Pod object bound to `node`: what a service-account token is bound to. No kubelet runs it
+        unless the node has one; then `container` is what it runs (an image the node has)."""
         return self.admin.post(f"/api/v1/namespaces/{namespace}/pods", {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
             "spec": {"nodeName": node, "serviceAccountName": service_account, "automountServiceAccountToken": False,
                      "tolerations": [{"operator": "Exists"}],
-                     "containers": [{"name": "agent", "image": "dra-agent:latest"}]}})
+                     "containers": [{"name": "agent", "image": "dra-agent:latest", **(container or {})}]}})
 
     def token(self, *, pod: Mapping[str, Any] | None = None, namespace: str = NAMESPACE,
               service_account: str = SERVICE_ACCOUNT, seconds: int = 3600) -> str:
@@ -209,10 +212,10 @@ class Cluster:
                                  {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})
         return str(answer["status"]["token"])
 
-    def agent_kubeconfig(self, node: str) -> Path:
+    def agent_kubeconfig(self, node: str, container: Mapping[str, Any] | None = None) -> Path:
         """A kubeconfig with the agent's own ServiceAccount token bound to a Pod on `node` (the token
         carries the node, as the DaemonSet pod's projected token does)."""
-        pod = self.pod_on(node, f"dra-agent-{node}")
+        pod = self.pod_on(node, f"dra-agent-{node}", container=container)
         return self.kubeconfig(f"agent-{node}", self.token(pod=pod))
 
     def whoami(self, token: str) -> dict[str, Any]:

@@ -22,14 +22,11 @@ from types import ModuleType
 
 import pytest
 
-from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, REPO, AgentRuns, Cluster, eventually
+from .clusterkit import DEPLOY, NODE, NODE_ALLOCATABLE, OTHER_NODE, OVERLAYS, AgentRuns, Cluster, eventually
 from .controlplane import ControlPlaneError, start_plane, tail
-from .nodekit import Node
+from .nodekit import NodeReport
 from .pki import Pki
 from .workloads import Namespace, NodeAgent, node_agent
-
-DEPLOY = REPO / "deploy"
-OVERLAYS = sorted(p for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
 
 
 def _build_module() -> ModuleType:
@@ -169,20 +166,41 @@ def agent_runs(cluster_root: Path, request: pytest.FixtureRequest) -> Iterator[A
         proc.stop()
 
 
+def events(cluster: Cluster) -> str:
+    """Every Event of the cluster, oldest first, a line each: what the scheduler, the kubelet and the
+    controllers said about pods, claims and nodes."""
+    items = cluster.admin.get("/api/v1/events")["items"]
+    items.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    lines = []
+    for e in items:
+        about = e["involvedObject"]
+        lines.append(f"{e.get('lastTimestamp') or e.get('eventTime')} {e['type']} {about.get('kind')}/"
+                     f"{e['metadata']['namespace']}/{about.get('name')} {e.get('reason')}: "
+                     f"{e.get('message', '').strip()}")
+    return "\n".join(lines)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
     if not report.failed:
         return
-    cluster = getattr(item, "funcargs", {}).get("cluster")
-    if isinstance(cluster, Cluster):
-        report.sections.append(("control plane logs", cluster.plane.logs()))
-    node = getattr(item, "real_node", None)
-    if isinstance(node, Node):
-        report.sections.append((f"node {node.name}", node.logs()))
-    runs = [getattr(item, "agent_runs", None)]
-    runs += [a.runs for a in getattr(item, "funcargs", {}).values() if isinstance(a, NodeAgent)]
+    funcargs = getattr(item, "funcargs", {})
+    reports = [v for v in funcargs.values() if isinstance(v, NodeReport)]
+    clusters = [v for v in funcargs.values() if isinstance(v, Cluster)] + [r.cluster for r in reports if r.cluster]
+    for cluster in {id(c): c for c in clusters}.values():
+        report.sections.append((f"control plane logs ({cluster.plane.root})", cluster.plane.logs()))
+    for r in reports:
+        if r.cluster is not None:
+            try:
+                report.sections.append(("events", events(r.cluster)))
+            except Exception as exc:  # the report of a failure must not fail itself
+                report.sections.append(("events", f"could not be listed: {exc}"))
+        if r.node is not None:
+            report.sections.append((f"node {r.node.name}", r.node.logs()))
+    runs = [getattr(item, "agent_runs", None), *(r.runs for r in reports)]
+    runs += [a.runs for a in funcargs.values() if isinstance(a, NodeAgent)]
     # A shared agent may be in more than one fixture, and a restarted one appends to the same log.
     logs = {p.log for r in runs if isinstance(r, AgentRuns) for p in r.started}
     for log in sorted(logs):

@@ -118,6 +118,17 @@ def kubeconfig(path: Path, server: str, ca: Path, *, cert: Pair | None = None, t
     return path
 
 
+# The controllers of a plane whose Nodes have no kubelet (`Cluster.add_node`). No kubelet renews their
+# leases: the node lifecycle controller would mark them unreachable and evict the pod the agent's token
+# is bound to (the token would die with it). The agent runs as a process of the test, not as the
+# DaemonSet's pod: a real kubelet (nodekit) given that pod would make its host paths on this machine.
+WITHOUT_KUBELETS = "*,-node-lifecycle-controller,-daemonset-controller"
+# The controllers of a plane whose node is a real kubelet (test_cluster_kubelet.py): the node lifecycle
+# controller, which takes the `node.kubernetes.io/not-ready` taint the kubelet registers its Node with
+# away once the Node is Ready, as in any cluster.
+WITH_KUBELETS = "*,-daemonset-controller"
+
+
 @dataclass
 class ControlPlane:
     """etcd and the API server, plus the scheduler and controller-manager when `full`."""
@@ -128,6 +139,7 @@ class ControlPlane:
     gates: Mapping[str, bool] = field(default_factory=dict)  # over DRA_GATES (all on)
     full: bool = True
     runtime_config: str = RUNTIME_CONFIG
+    controllers: str = WITHOUT_KUBELETS
     components: list[Component] = field(default_factory=list)
     server: str = ""
     admin: Pair | None = None
@@ -216,11 +228,7 @@ class ControlPlane:
             # Each controller as its own service account: the bootstrap RBAC policy grants the
             # controllers' permissions to those, not to the controller-manager's own user.
             "--use-service-account-credentials=true", f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # No kubelet renews the test Nodes' leases: the node lifecycle controller would mark them
-            # unreachable and evict the pod the agent's token is bound to (the token would die with it).
-            # The agent runs as a process of the test, not as the DaemonSet's pod: a real kubelet
-            # (test_cluster_kubelet.py) given that pod would make its host paths on this machine.
-            "--controllers=*,-node-lifecycle-controller,-daemonset-controller",
+            f"--controllers={self.controllers}",
             f"--feature-gates={self.feature_gates()}"])
         c.start()
         self.controller_manager_health = f"https://127.0.0.1:{port}/healthz"

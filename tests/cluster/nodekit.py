@@ -14,8 +14,13 @@ What the node leaves on the host, and what it does not:
 Everything else (state, sockets, logs, containers' files) lives under the node's root directory.
 
 The image is a static busybox root filesystem made here as an OCI archive and imported with ctr;
-it is also the sandbox ("pause") image. Pods use the host's network: the runtime has no CNI
-network, so the node stays NotReady (`node.kubernetes.io/not-ready`), which the test pods tolerate.
+it is also the sandbox ("pause") image. Containers run with the runc built beside the kubelet (1.5:
+CDI's `netDevices` need runc >= 1.4), and pods get a network of their own: containerd's CNI
+configuration (`cni_config`) puts each pod's network namespace on a bridge of this node's own
+(`Node.bridge`, deleted at `stop`) with an address from a node-local range that has no gateway and no
+route on the host: pods reach each other, nothing else, and nothing reaches them. With it the
+runtime reports its network ready, the kubelet reports the Node Ready, and the node lifecycle
+controller takes the `node.kubernetes.io/not-ready` taint away as on any node.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from .clusterkit import AgentRuns, Cluster
 from .controlplane import DEPENDENCY_GATES, DRA_GATES, Component, ControlPlane, free_port, kubeconfig, tail
 
 IMAGE = "localhost/dra-test-busybox:node"
@@ -54,6 +60,10 @@ DEVICE_PLUGIN_SOCKET = Path("/var/lib/kubelet/device-plugins/kubelet.sock")  # f
 HOST_PATHS = (DEVICE_PLUGIN_SOCKET.parent, DEVICE_PLUGIN_SOCKET.parent.parent,
               Path("/run/containerd/s"), Path("/run/containerd"))
 CGROUP = "k8s.io"
+# The pod network's addresses: one /24 for the node's pods, on the node's bridge alone. The bridge gets no
+# address and the host no route to it (`isGateway` off), so no host traffic is ever sent there.
+POD_SUBNET = "10.217.0.0/24"
+CNI_NETWORK = "dra-test-pods"
 # One test kubelet per host: its device-plugin socket and containerd's /run paths are fixed. Test runs
 # of several checkouts on one machine take turns through this lock instead of refusing each other.
 HOST_LOCK = Path("/run/dra-agent-test-kubelet.lock")
@@ -114,9 +124,20 @@ def oci_archive(path: Path, name: str, busybox: Path) -> None:
             "manifests": [manifest]}).encode())
 
 
-def containerd_config(root: Path, cdi_dir: Path, runc: Path) -> str:
-    """containerd's configuration (version 3): everything under `root`, CDI specs read from
-    `cdi_dir` only, the busybox image as the sandbox image, runc with cgroupfs, and no container
+def cni_config(bridge: str, ipam_dir: Path) -> dict[str, Any]:
+    """The pod network: each pod's interface on `bridge` with an address of POD_SUBNET, no gateway,
+    no masquerading (no iptables, no forwarding set on the host), the addresses' leases kept in
+    `ipam_dir` (host-local's default, /var/lib/cni, is the host's). containerd adds the loopback
+    network itself."""
+    return {"cniVersion": "1.1.0", "name": CNI_NETWORK, "plugins": [{
+        "type": "bridge", "bridge": bridge, "isGateway": False, "ipMasq": False,
+        "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET}]], "dataDir": str(ipam_dir)}}]}
+
+
+def containerd_config(root: Path, cdi_dir: Path, bin_dir: Path) -> str:
+    """containerd's configuration (version 3): everything under `root` (the pods' network namespaces
+    mounted under its state directory, not /var/run/netns), CDI specs read from `cdi_dir` only, the
+    busybox image as the sandbox image, the CNI plugins and runc of `bin_dir`, cgroupfs, and no container
     given an oom_score_adj below containerd's own (lowering it needs CAP_SYS_RESOURCE, which these
     machines lack; the kubelet asks -998 for sandboxes)."""
     return f"""version = 3
@@ -134,15 +155,17 @@ state = "{root / 'state'}"
   cdi_spec_dirs = ["{cdi_dir}"]
   restrict_oom_score_adj = true
   disable_apparmor = true
+  netns_mounts_under_state_dir = true
   [plugins."io.containerd.cri.v1.runtime".cni]
-    bin_dirs = ["{root / 'cni' / 'bin'}"]
+    bin_dirs = ["{bin_dir}"]
     conf_dir = "{root / 'cni' / 'conf'}"
+    max_conf_num = 1
   [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
-        BinaryName = "{runc}"
+        BinaryName = "{bin_dir / 'runc'}"
         Root = "{root / 'runc'}"
         SystemdCgroup = false
 """
@@ -221,6 +244,7 @@ class Node:
     traces: HostTraces = field(default_factory=HostTraces)
     holder: Component | None = None
     started_in: float = 0.0
+    healthz_port: int = 0
 
     @property
     def socket(self) -> Path:
@@ -229,6 +253,11 @@ class Node:
     @property
     def pod_logs(self) -> Path:
         return self.root / "pod-logs"
+
+    @property
+    def bridge(self) -> str:
+        """The pod network's bridge on the host: a name of this node's own (15 characters at most)."""
+        return "drapods" + hashlib.sha256(str(self.root).encode()).hexdigest()[:8]
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run([str(self.bin / "ctr"), f"--address={self.socket}", f"--namespace={NAMESPACE}", *args],
@@ -282,13 +311,12 @@ class Node:
         self.traces.record()
         self._start_holder()
         runtime_root = self.root / "containerd"
-        for d in (runtime_root / "cni" / "bin", runtime_root / "cni" / "conf", self.cdi_dir, self.pod_logs):
+        for d in (runtime_root / "cni" / "conf", self.cdi_dir, self.pod_logs):
             d.mkdir(parents=True, exist_ok=True)
+        (runtime_root / "cni" / "conf" / f"10-{CNI_NETWORK}.conflist").write_text(
+            json.dumps(cni_config(self.bridge, runtime_root / "cni" / "ipam"), indent=1))
         config = self.root / "containerd.toml"
-        runc = shutil.which("runc")
-        if runc is None:
-            raise NodeError("no runc on PATH (Debian's runc package)")
-        config.write_text(containerd_config(runtime_root, self.cdi_dir, Path(runc)))
+        config.write_text(containerd_config(runtime_root, self.cdi_dir, self.bin))
         containerd = self._in_namespace("containerd", [str(self.bin / "containerd"), f"--config={config}"])
         self._wait(containerd, lambda: self.ctr("version", check=False).returncode == 0, "it answers ctr")
         archive = self.root / "image.tar"
@@ -309,15 +337,25 @@ class Node:
             f"--root-dir={self.kubelet_dir}", f"--cert-dir={self.root / 'kubelet-pki'}",
             f"--hostname-override={self.name}", "--v=2"])
 
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{healthz}/healthz", timeout=2) as r:
-                    return bool(r.status == 200)
-            except (OSError, urllib.error.URLError):
-                return False
-
-        self._wait(kubelet, healthy, "its /healthz answers")
+        self.healthz_port = healthz
+        self._wait(kubelet, self.kubelet_healthy, "its /healthz answers")
         self.started_in = time.monotonic() - started
+
+    def kubelet_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.healthz_port}/healthz", timeout=2) as r:
+                return bool(r.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def restart_kubelet(self) -> None:
+        """The kubelet stopped (SIGTERM) and started again with the same configuration and directories,
+        as a node's service manager restarts it (an upgrade, a crash): containerd and the pods' containers
+        go on meanwhile."""
+        kubelet = next(c for c in self.components if c.name == "kubelet")
+        kubelet.stop(grace=10)
+        kubelet.start()
+        self._wait(kubelet, self.kubelet_healthy, "its /healthz answers again")
 
     def container_log(self, pod: Mapping[str, Any], container: str) -> str:
         """What the container wrote (stdout and stderr), from the log file the runtime keeps for the
@@ -347,6 +385,9 @@ class Node:
             self._remove_tasks()
         for c in reversed(self.components):
             c.stop(grace=10)
+        # The pods' network namespaces went with the node's mount namespace, and their veth pairs with
+        # them; the bridge the CNI plugin made on the host is the node's to remove.
+        subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, timeout=30, check=False)
         self.traces.clean()
 
 
@@ -381,3 +422,14 @@ def running(node: Node) -> Iterator[Node]:
             yield node
         finally:
             node.stop()
+
+
+@dataclass
+class NodeReport:
+    """What a failing real-node test's report shows, filled in as the module's fixtures come up (so a
+    node that never became Ready is reported too): its cluster's Events and components' logs, the
+    kubelet's and containerd's logs, and the agent's."""
+
+    cluster: Cluster | None = None
+    node: Node | None = None
+    runs: AgentRuns | None = None

@@ -1,39 +1,74 @@
-"""The whole chain on a real node: the scheduler allocates a pod's claims from the slices the agent
-published, the kubelet (1.37, `make kubelet-components`) finds the agent through its plugin
-registration socket and calls NodePrepareResources on its DRA socket, containerd applies the CDI
-specs the agent wrote, and the container reads its device metadata at the contract's paths; when
-the pod is deleted the kubelet unprepares and the agent's files go.
+"""The whole chain on a real node: the kubelet (1.37), containerd, runc and a CNI pod network, built by
+`make kubelet-components`, on a control plane of its own whose node lifecycle controller treats the
+node as any cluster does. The Node becomes Ready by itself (nothing patches it or tolerates
+`not-ready`), pods get their own network namespace and address, the scheduler allocates a pod's claims
+from the slices the agent published, the kubelet finds the agent through its plugin registration
+socket and calls NodePrepareResources on its DRA socket, containerd applies the CDI specs the agent
+wrote, and the container reads its device metadata at the contract's paths; when the pod is deleted
+the kubelet unprepares and the agent's files go.
 
-Marker `kubelet`, outside `make test` (docs/tests.md, "A real kubelet"): `make test-kubelet`."""
+One node, one control plane and one agent serve the tests of this module (starting them takes
+some 20 s); each test works in a namespace of its own. Every wait is on a condition with a bound
+(`eventually`); a failing test's report has the cluster's Events, the kubelet's and containerd's logs
+and the agent's (conftest.py).
+
+Marker `kubelet` (docs/tests.md, "A real kubelet"): `make test-kubelet` runs these alone."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from .clusterkit import DRIVER, AgentRuns, ApiFailure, Cluster, devices_of, eventually, slices_of
-from .nodekit import IMAGE, Node, NodeError, running
+from .clusterkit import (
+    DEPLOY,
+    DRIVER,
+    OVERLAYS,
+    REPO,
+    VENV_BIN,
+    AgentProcess,
+    AgentRuns,
+    ApiFailure,
+    Cluster,
+    devices_of,
+    eventually,
+    slices_of,
+)
+from .clusterkit import NAMESPACE as AGENT_NAMESPACE
+from .controlplane import WITH_KUBELETS, ControlPlaneError, start_plane
+from .nodekit import IMAGE, POD_SUBNET, Node, NodeError, NodeReport, running
+from .pki import Pki
+from .workloads import Namespace, results_of, string
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
 
 NODE_NAME = "dra-kubelet-1"
 NAMESPACE = "kubelet-e2e"
 ATTRIBUTES = "/var/run/kubernetes.io/dra-device-attributes"
-# What the container prints, in sections the test splits on.
+# The bound the node gets to become Ready after the kubelet answers /healthz: a bound, not an expectation.
+READY_WITHIN = 120.0
+# What every test container prints, in sections the test splits on: each metadata file the kubelet's CDI
+# mounts gave it, its environment, and the device nodes CDI made (type, hex major:minor).
 SCRIPT = f"""
-for f in {ATTRIBUTES}/*/*/*/*; do echo "=== file $f"; cat "$f"; done
+for f in {ATTRIBUTES}/*/*/*/*; do [ -e "$f" ] && {{ echo "=== file $f"; cat "$f"; }}; done
 echo "=== env"; env
-echo "=== dev"; stat -c '%n %F %t:%T' /dev/nvidia*
+echo "=== dev"; for d in /dev/nvidia* /dev/vfio/*; do [ -e "$d" ] && stat -c '%n %F %t:%T' "$d"; done
 echo "=== end"
 trap 'exit 0' TERM
 sleep 2147483647 & wait
 """
+# The agent as the workload examples need it (tests/cluster/conftest.py's SCHEDULED_FLAGS say why).
+AGENT_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gpu-host-memory-overhead=0")
+SLEEPER = {"image": IMAGE, "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; "
+                                                                    "sleep 2147483647 & wait"]}
 
 
 def _busybox() -> Path:
@@ -46,20 +81,97 @@ def _busybox() -> Path:
     return Path(found).resolve()
 
 
-@pytest.fixture
-def real_node(cluster: Cluster, node_components: Path, agent_runs: AgentRuns, cluster_root: Path,
-              request: pytest.FixtureRequest) -> Iterator[Node]:
-    """containerd and the kubelet for NODE_NAME; its kubelet directory and CDI directory are the
-    ones the agent run `kn` of this test uses."""
-    agent_root = agent_runs.base / "kn"
-    node = Node(node_components, Path(tempfile.mkdtemp(prefix="node-", dir=cluster_root)), NODE_NAME,
-                cluster.plane, agent_root / "kubelet", agent_root / "cdi", _busybox())
-    request.node.real_node = node
+@pytest.fixture(scope="module", autouse=True)
+def node_report() -> NodeReport:
+    """Filled in by the fixtures below as they come up; conftest puts it in a failing test's report."""
+    return NodeReport()
+
+
+@pytest.fixture(scope="module")
+def node_cluster(components: Path, cluster_root: Path, pki: Pki, node_report: NodeReport) -> Iterator[Cluster]:
+    """A control plane for the real node alone, with deploy/ applied (the agent's RBAC, admission policy
+    and device classes, the KubeVirt overlay's among them)."""
+    try:
+        plane = start_plane(components, cluster_root / "node-plane", pki, controllers=WITH_KUBELETS)
+    except ControlPlaneError as exc:
+        pytest.fail(f"the control plane did not start: {exc}", pytrace=False)
+    c = Cluster(plane, cluster_root / "node-plane")
+    try:
+        for overlay in OVERLAYS:  # as the session's plane: each overlay's classes, then the base's objects
+            c.applied[overlay.name] = c.apply_kustomization(overlay)
+        c.applied["base"] = c.apply_kustomization(DEPLOY / "base")
+        plane.wait_components()
+    except Exception as exc:
+        logs = plane.logs()
+        c.close()
+        plane.stop()
+        pytest.fail(f"setting up the cluster failed: {exc}\n{logs}", pytrace=False)
+    node_report.cluster = c
+    try:
+        yield c
+    finally:
+        node_report.cluster = None
+        c.close()
+        plane.stop()
+
+
+@pytest.fixture(scope="module")
+def node_runs(cluster_root: Path, node_report: NodeReport) -> Iterator[AgentRuns]:
+    runs = node_report.runs = AgentRuns(Path(tempfile.mkdtemp(prefix="agent-", dir=cluster_root)))
+    yield runs
+    for proc in runs.started:
+        proc.stop()
+
+
+def node_object(cluster: Cluster) -> dict[str, Any] | None:
+    try:
+        node: dict[str, Any] = cluster.admin.get(f"/api/v1/nodes/{NODE_NAME}")
+    except ApiFailure as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return node
+
+
+def ready(node: dict[str, Any] | None) -> bool:
+    """The Node Ready and schedulable: its Ready condition True and the taints that go with not being
+    ready (the kubelet registers with one, the node lifecycle controller removes it) gone."""
+    if node is None:
+        return False
+    conditions = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions") or []}
+    taints = {t["key"] for t in node.get("spec", {}).get("taints") or []}
+    return conditions.get("Ready") == "True" and not taints & {"node.kubernetes.io/not-ready",
+                                                                "node.kubernetes.io/network-unavailable"}
+
+
+@pytest.fixture(scope="module")
+def real_node(node_cluster: Cluster, node_components: Path, node_runs: AgentRuns,
+              node_report: NodeReport) -> Iterator[Node]:
+    """containerd and the kubelet for NODE_NAME, Ready; its kubelet directory and CDI directory are
+    the agent's (`node_agent`)."""
+    agent_root = node_runs.base / "kn"
+    node = node_report.node = Node(node_components, Path(tempfile.mkdtemp(prefix="node-", dir=node_runs.base)),
+                                   NODE_NAME, node_cluster.plane, agent_root / "kubelet", agent_root / "cdi",
+                                   _busybox())
     try:
         with running(node):
+            eventually(lambda: ready(node_object(node_cluster)), "the Node is Ready with no not-ready taint",
+                       READY_WITHIN)
             yield node
     except NodeError as exc:
         pytest.fail(f"the node did not start: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def node_agent(node_cluster: Cluster, real_node: Node, node_runs: AgentRuns) -> Iterator[AgentProcess]:
+    """The agent of the node, with a token bound to its own pod, which the kubelet runs (a sleeper in
+    place of the DaemonSet's image); registered with the kubelet."""
+    kubeconfig = node_cluster.agent_kubeconfig(NODE_NAME, container=SLEEPER)
+    with node_runs.run("kn", kubeconfig, *AGENT_FLAGS, node=NODE_NAME) as agent:
+        agent.wait_published()
+        # The kubelet's plugin watcher found the registration socket and told the agent it took it.
+        eventually(lambda: agent.metric("dra_agent_kubelet_registered") == 1.0, "the kubelet registers the plugin")
+        yield agent
 
 
 def _sections(text: str) -> dict[str, str]:
@@ -81,14 +193,30 @@ def _first(stream: str) -> dict[str, Any]:
     return obj
 
 
-def _node_registered(cluster: Cluster) -> bool:
-    try:
-        cluster.admin.get(f"/api/v1/nodes/{NODE_NAME}")
-    except ApiFailure as exc:
-        if exc.status == 404:
-            return False
-        raise
-    return True
+def _phase(cluster: Cluster, namespace: str, name: str, wanted: str) -> dict[str, Any] | None:
+    """The pod once in phase `wanted`; a pod that ended otherwise fails at once."""
+    pod: dict[str, Any] = cluster.admin.get(f"/api/v1/namespaces/{namespace}/pods/{name}")
+    phase = pod["status"].get("phase")
+    if phase == wanted:
+        return pod
+    assert phase in ("Pending", "Running"), json.dumps(pod["status"], indent=1)
+    return None
+
+
+def test_the_node_is_ready_and_its_pods_have_a_network_of_their_own(node_cluster: Cluster, real_node: Node,
+                                                                     node_agent: AgentProcess) -> None:
+    node = node_object(node_cluster)
+    assert node is not None and ready(node), node
+    # The kubelet registered the Node with the not-ready taint; the node lifecycle controller took it
+    # away. No test wrote the Node: every manager of its fields is the kubelet or a controller.
+    managers = {m["manager"] for m in node["metadata"].get("managedFields") or []}
+    assert managers <= {"kubelet", "kube-controller-manager"}, managers
+    # The agent's own pod (what its token is bound to) runs in a network namespace of its own, with an
+    # address of the node's pod network.
+    pod = eventually(lambda: _phase(node_cluster, AGENT_NAMESPACE, f"dra-agent-{NODE_NAME}", "Running"),
+                     "the agent's pod runs")
+    assert not pod["spec"].get("hostNetwork")
+    assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(POD_SUBNET), pod["status"]
 
 
 def _objects(cluster: Cluster) -> dict[str, Any]:
@@ -112,9 +240,6 @@ def _objects(cluster: Cluster) -> dict[str, Any]:
         "spec": {
             # Placed by the scheduler, not named: only this node's slices can satisfy it.
             "nodeSelector": {"kubernetes.io/hostname": NODE_NAME},
-            # The runtime has no CNI network (nodekit): the host's network, and the not-ready taint tolerated.
-            "hostNetwork": True,
-            "tolerations": [{"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoSchedule"}],
             "automountServiceAccountToken": False, "restartPolicy": "Never",
             "resourceClaims": [{"name": "gpu", "resourceClaimName": "trainer-gpu"},
                                {"name": "spare", "resourceClaimTemplateName": "spare-gpu"}],
@@ -125,77 +250,336 @@ def _objects(cluster: Cluster) -> dict[str, Any]:
 
 
 def test_a_scheduled_pod_reads_its_device_metadata_through_kubelet_containerd_and_cdi(
-        cluster: Cluster, real_node: Node, agent_runs: AgentRuns) -> None:
-    api = cluster.admin
-    eventually(lambda: _node_registered(cluster), "the kubelet registers its Node")
-    # The Pod this token is bound to is on the node too: the kubelet never starts it (it does not
-    # use the host's network, and the runtime has no other).
-    kubeconfig = cluster.agent_kubeconfig(NODE_NAME)
-    with agent_runs.run("kn", kubeconfig, node=NODE_NAME) as agent:
-        agent.wait_published()
-        # The kubelet's plugin watcher found the registration socket and told the agent it took it.
-        eventually(lambda: agent.metric("dra_agent_kubelet_registered") == 1.0, "the kubelet registers the plugin")
-        published = devices_of(slices_of(api, NODE_NAME))
+        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
+    api = node_cluster.admin
+    agent = node_agent
+    published = devices_of(slices_of(api, NODE_NAME))
+    named = _objects(node_cluster)
+    pods = f"/api/v1/namespaces/{NAMESPACE}/pods"
 
-        named = _objects(cluster)
-        pods = f"/api/v1/namespaces/{NAMESPACE}/pods"
+    def printed() -> tuple[dict[str, Any], dict[str, str]] | None:
+        # Running, and through its script: its claims stay allocated to it while it waits.
+        p = _phase(node_cluster, NAMESPACE, "reader", "Running")
+        if p is None:
+            return None
+        sections = _sections(real_node.container_log(p, "reader"))
+        return (p, sections) if "end" in sections else None
 
-        def printed() -> tuple[dict[str, Any], dict[str, str]] | None:
-            # Running, and through its script: its claims stay allocated to it while it waits.
-            p: dict[str, Any] = api.get(f"{pods}/reader")
-            assert p["status"].get("phase") in ("Pending", "Running"), json.dumps(p["status"], indent=1)
-            if p["status"].get("phase") != "Running":
-                return None
-            sections = _sections(real_node.container_log(p, "reader"))
-            return (p, sections) if "end" in sections else None
+    running_pod, out = eventually(printed, "the container prints its devices")
+    assert running_pod["spec"]["nodeName"] == NODE_NAME
+    assert ipaddress.ip_address(running_pod["status"]["podIP"]) in ipaddress.ip_network(POD_SUBNET)
+    generated = {s["name"]: s["resourceClaimName"] for s in running_pod["status"]["resourceClaimStatuses"]}
+    claims = {"gpu": api.get(f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaims/trainer-gpu"),
+              "spare": api.get(f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaims/"
+                               f"{generated['spare']}")}
+    assert claims["gpu"]["metadata"]["uid"] == named["metadata"]["uid"]
+    paths = {"gpu": f"{ATTRIBUTES}/resourceclaims/trainer-gpu/gpu/{DRIVER}-metadata.json",
+             "spare": f"{ATTRIBUTES}/resourceclaimtemplates/spare/gpu/{DRIVER}-metadata.json"}
+    assert sorted(k for k in out if k.startswith("file ")) == sorted(f"file {p}" for p in paths.values()), out
+    minors = []
+    for pod_claim, claim in claims.items():
+        result, = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"]) == (DRIVER, NODE_NAME)
+        meta = _first(out[f"file {paths[pod_claim]}"])
+        assert meta["apiVersion"] == "metadata.resource.k8s.io/v1beta1"
+        assert meta["metadata"]["name"] == claim["metadata"]["name"]
+        assert meta["metadata"]["uid"] == claim["metadata"]["uid"]
+        assert meta.get("podClaimName") == ("spare" if pod_claim == "spare" else None)
+        request, = meta["requests"]
+        device, = request["devices"]
+        assert request["name"] == "gpu"
+        assert (device["driver"], device["pool"], device["name"]) == (DRIVER, NODE_NAME, result["device"])
+        # Every attribute the slice publishes for the device, as published.
+        assert device["attributes"] == published[result["device"]]["attributes"]
+        attrs = device["attributes"]
+        assert f"DRA_GPU_{attrs['index']['int']}_UUID={attrs['uuid']['string']}" in out["env"]
+        minors.append(attrs["minor"]["int"])
+    # The GPUs' device nodes, made by runc from the CDI specs (hex major:minor; 195 is NVIDIA's).
+    dev = out["dev"].splitlines()
+    for minor in minors:
+        assert f"/dev/nvidia{minor} character special file c3:{minor:x}" in dev, dev
 
-        running_pod, out = eventually(printed, "the container prints its devices")
-        assert running_pod["spec"]["nodeName"] == NODE_NAME
-        generated = {s["name"]: s["resourceClaimName"] for s in running_pod["status"]["resourceClaimStatuses"]}
-        claims = {"gpu": api.get(f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaims/trainer-gpu"),
-                  "spare": api.get(f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaims/"
-                                   f"{generated['spare']}")}
-        assert claims["gpu"]["metadata"]["uid"] == named["metadata"]["uid"]
-        paths = {"gpu": f"{ATTRIBUTES}/resourceclaims/trainer-gpu/gpu/{DRIVER}-metadata.json",
-                 "spare": f"{ATTRIBUTES}/resourceclaimtemplates/spare/gpu/{DRIVER}-metadata.json"}
-        assert sorted(k for k in out if k.startswith("file ")) == sorted(f"file {p}" for p in paths.values()), out
-        minors = []
-        for pod_claim, claim in claims.items():
-            result, = claim["status"]["allocation"]["devices"]["results"]
-            assert (result["driver"], result["pool"]) == (DRIVER, NODE_NAME)
-            meta = _first(out[f"file {paths[pod_claim]}"])
-            assert meta["apiVersion"] == "metadata.resource.k8s.io/v1beta1"
-            assert meta["metadata"]["name"] == claim["metadata"]["name"]
-            assert meta["metadata"]["uid"] == claim["metadata"]["uid"]
-            assert meta.get("podClaimName") == ("spare" if pod_claim == "spare" else None)
-            request, = meta["requests"]
-            device, = request["devices"]
-            assert request["name"] == "gpu"
-            assert (device["driver"], device["pool"], device["name"]) == (DRIVER, NODE_NAME, result["device"])
-            # Every attribute the slice publishes for the device, as published.
-            assert device["attributes"] == published[result["device"]]["attributes"]
-            attrs = device["attributes"]
-            assert f"DRA_GPU_{attrs['index']['int']}_UUID={attrs['uuid']['string']}" in out["env"]
-            minors.append(attrs["minor"]["int"])
-        # The GPUs' device nodes, made by runc from the CDI specs (hex major:minor; 195 is NVIDIA's).
-        dev = out["dev"].splitlines()
-        for minor in minors:
-            assert f"/dev/nvidia{minor} character special file c3:{minor:x}" in dev, dev
+    uids = [c["metadata"]["uid"] for c in claims.values()]
+    cdi_dir = agent.root / "cdi"
+    metadata_dir = agent.root / "kubelet" / "plugins" / DRIVER / "dra-device-metadata"
 
-        uids = [c["metadata"]["uid"] for c in claims.values()]
-        cdi_dir = agent.root / "cdi"
-        metadata_dir = agent.root / "kubelet" / "plugins" / DRIVER / "dra-device-metadata"
+    def left(uid: str) -> bool:
+        return bool(list(cdi_dir.glob(f"*{uid}*"))) or (metadata_dir / uid).exists()
 
-        def left(uid: str) -> bool:
-            return bool(list(cdi_dir.glob(f"*{uid}*"))) or (metadata_dir / uid).exists()
+    assert all(left(uid) for uid in uids)
+    api.delete(f"{pods}/reader")
+    eventually(lambda: not api.get(pods)["items"], "the kubelet lets the pod go")
+    # The kubelet unprepared both claims: the agent removed their CDI specs and metadata.
+    eventually(lambda: not any(left(uid) for uid in uids), "the claims' CDI specs and metadata go")
+    unprepared = [m for m in agent.messages() if m.startswith("unprepared claim")]
+    assert sorted(unprepared) == sorted(f"unprepared claim {NAMESPACE}/{c['metadata']['name']} "
+                                        f"({c['metadata']['uid']})" for c in claims.values())
+    assert agent.messages("error") == []
 
-        assert all(left(uid) for uid in uids)
-        api.delete(f"{pods}/reader")
-        eventually(lambda: not api.get(pods)["items"], "the kubelet lets the pod go")
-        # The kubelet unprepared both claims: the agent removed their CDI specs and metadata.
-        eventually(lambda: not any(left(uid) for uid in uids), "the claims' CDI specs and metadata go")
-        unprepared = [m for m in agent.messages() if m.startswith("unprepared claim")]
-        assert sorted(unprepared) == sorted(f"unprepared claim {NAMESPACE}/{c['metadata']['name']} "
-                                            f"({c['metadata']['uid']})" for c in claims.values())
-        assert agent.messages("error") == []
 
+# -- every workload example, as a pod through the real kubelet -----------------------------------------
+
+EXAMPLES = REPO / "examples" / "workloads"
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+NUMA = "resource.kubernetes.io/numaNode"
+KUBEVIRT_METADATA = "metadata.resource.k8s.io/v1alpha1"  # the one version KubeVirt 1.9 reads
+EXAMPLE_PODS = {"numa.yaml": "numa-pod", "gpu.yaml": "gpu-pod", "mig.yaml": "mig-pod",
+                "gpu-share.yaml": "share-pod", "nic.yaml": "nic-pod", "extended-resource.yaml": "cuda-app"}
+VM_FILE = "kubevirt-vm.yaml"
+
+
+def on_the_node(doc: dict[str, Any]) -> dict[str, Any]:
+    """An example's pod as the test runs it: on this node, each container the test image printing what
+    it got (its resources, claims and limits as the example has them)."""
+    if doc["kind"] == "Pod":
+        doc["spec"]["nodeSelector"] = {"kubernetes.io/hostname": NODE_NAME}
+        doc["spec"]["automountServiceAccountToken"] = False
+        for c in doc["spec"]["containers"]:
+            c.update(image=IMAGE, imagePullPolicy="Never", command=["/bin/sh", "-c", SCRIPT])
+            c.pop("args", None)
+    return doc
+
+
+class Printed:
+    """What one container printed: its metadata files (path -> objects), environment and device nodes."""
+
+    def __init__(self, sections: dict[str, str]) -> None:
+        self.files = {k.removeprefix("file "): [json.loads(line) for line in v.splitlines() if line.strip()]
+                      for k, v in sections.items() if k.startswith("file ")}
+        self.env = dict(line.split("=", 1) for line in sections["env"].splitlines() if "=" in line)
+        self.dev = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in sections["dev"].splitlines() if line}
+
+    def char_device(self, path: str) -> bool:
+        return self.dev.get(path, "").startswith("character special file")
+
+
+def running_and_printed(cluster: Cluster, node: Node, namespace: str, pod: str) -> tuple[dict[str, Any], Printed]:
+    def probe() -> tuple[dict[str, Any], Printed] | None:
+        p = _phase(cluster, namespace, pod, "Running")
+        if p is None:
+            return None
+        sections = _sections(node.container_log(p, p["spec"]["containers"][0]["name"]))
+        return (p, Printed(sections)) if "end" in sections else None
+
+    found: tuple[dict[str, Any], Printed] = eventually(probe, f"pod {namespace}/{pod} runs and prints its devices")
+    return found
+
+
+def kubevirt_reads(printed: Printed, pod_claim: str, request: str) -> dict[str, Any]:
+    """The device KubeVirt 1.9's virt-launcher takes for a template claim's request, by its rules: the
+    request's directory (named by the pod's claim name) holds exactly one `*-metadata.json`; its object
+    of the version KubeVirt knows lists the request with exactly one device; an `mdevUUID` attribute is
+    taken before `pciBusID`."""
+    directory = f"{ATTRIBUTES}/resourceclaimtemplates/{pod_claim}/{request}/"
+    (path,) = [p for p in printed.files if p.startswith(directory) and p.endswith("-metadata.json")]
+    first = next(o for o in printed.files[path] if o["apiVersion"] == KUBEVIRT_METADATA)
+    (device,) = next(r["devices"] for r in first["requests"] if r["name"] == request)
+    return dict(device)
+
+
+def test_every_workload_example_runs_as_a_pod_through_the_real_kubelet(
+        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
+    ns = Namespace(node_cluster, "examples").create()
+    try:
+        devices = devices_of(slices_of(node_cluster.admin, NODE_NAME))
+        assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted([*EXAMPLE_PODS, VM_FILE])
+        for name in EXAMPLE_PODS:
+            docs = [on_the_node(d) for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
+            node_cluster.kubectl("apply", "--validate=strict", f"--namespace={ns.name}", "-f", "-",
+                                 stdin=yaml.safe_dump_all(docs))
+            ns.scheduled(EXAMPLE_PODS[name])
+        # The VM: its claim templates, and in place of KubeVirt's virt-launcher a pod with the VM's claims
+        # whose `compute` container uses each device's claim and request, as virt-controller makes it.
+        vm_docs = [d for d in yaml.safe_load_all((EXAMPLES / VM_FILE).read_text()) if d]
+        (vm,) = [d for d in vm_docs if d["kind"] == "VirtualMachine"]
+        spec = vm["spec"]["template"]["spec"]
+        vm_devices = spec["domain"]["devices"]
+        uses = [{"name": d["claimName"], "request": d["requestName"]}
+                for d in (*vm_devices.get("gpus", ()), *vm_devices.get("hostDevices", ()))]
+        launcher = on_the_node({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "virt-launcher-vm-1"},
+                                "spec": {"resourceClaims": spec["resourceClaims"], "containers": [
+                                    {"name": "compute", "resources": {"claims": uses}}]}})
+        node_cluster.kubectl("apply", "--validate=strict", f"--namespace={ns.name}", "-f", "-",
+                             stdin=yaml.safe_dump_all([d for d in vm_docs if d["kind"] == "ResourceClaimTemplate"]
+                                                      + [launcher]))
+
+        pods = {pod: running_and_printed(node_cluster, real_node, ns.name, pod)
+                for pod in [*EXAMPLE_PODS.values(), "virt-launcher-vm-1"]}
+
+        def only(pod: str, pod_claim: str | None) -> tuple[dict[str, Any], Printed, dict[str, Any]]:
+            """The one device of the pod's claim, what its container printed, and its allocation result."""
+            claim = ns.extended_claim(pod) if pod_claim is None else ns.claims_of(pod)[pod_claim]
+            (result,) = results_of(claim)
+            return devices[result["device"]], pods[pod][1], result
+
+        def env_name(device: dict[str, Any]) -> str:
+            return "DRA_" + device["name"].upper().replace("-", "_")
+
+        def gpu_node(printed: Printed, device: dict[str, Any]) -> bool:
+            minor = device["attributes"]["minor"]["int"]
+            return printed.dev.get(f"/dev/nvidia{minor}") == f"character special file c3:{minor:x}"
+
+        # gpu.yaml: one whole GPU, its UUID and device node, and the metadata file its command reads.
+        gpu, out, result = only("gpu-pod", "gpu")
+        assert string(gpu, "type") == "gpu" and out.env[f"{env_name(gpu)}_UUID"] == string(gpu, "uuid")
+        assert gpu_node(out, gpu), out.dev
+        (meta,) = out.files[f"{ATTRIBUTES}/resourceclaimtemplates/gpu/gpu/{DRIVER}-metadata.json"][:1]
+        assert meta["requests"][0]["devices"][0]["name"] == result["device"]
+
+        # mig.yaml: a 1g.10gb MIG device, its own UUID, its parent GPU's device node.
+        mig, out, _ = only("mig-pod", "mig")
+        assert string(mig, "type") == "mig" and string(mig, "profile") == "1g.10gb"
+        assert out.env[f"{env_name(mig)}_UUID"].startswith("MIG-")
+        parent = next(d for d in devices.values() if string(d, "type") == "gpu"
+                      and string(d, "uuid") == string(mig, "parentUUID"))
+        assert gpu_node(out, parent), out.dev
+
+        # gpu-share.yaml: 10Gi of a shared GPU: its limit, share ID and the MPS limit CUDA's ordinal 0 gets.
+        share, out, result = only("share-pod", "share")
+        assert string(share, "type") == "shared" and result["consumedCapacity"] == {"memory": "10Gi"}
+        assert out.env[f"{env_name(share)}_MEMORY_LIMIT"] == str(10 << 30)
+        assert out.env[f"{env_name(share)}_SHARE_ID"] == result["shareID"]
+        assert out.env["CUDA_VISIBLE_DEVICES"] == string(share, "uuid")
+        assert out.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={10 << 10}M"
+
+        # nic.yaml: a NIC of the node: its interface and MAC, and its metadata's networkData.
+        nic, out, _ = only("nic-pod", "nic")
+        assert string(nic, "type") == "nic" and out.env[f"{env_name(nic)}_INTERFACE"] == string(nic, "ifName")
+        (path,) = [p for p in out.files if "/resourceclaimtemplates/nic/nic/" in p]
+        assert out.files[path][0]["requests"][0]["devices"][0]["networkData"]["interfaceName"] == string(nic, "ifName")
+
+        # numa.yaml: a GPU, CPUs and memory of one NUMA node, and the CPUs the container may use.
+        claim = ns.claims_of("numa-pod")["local"]
+        local = {r["request"]: devices[r["device"]] for r in results_of(claim)}
+        assert {r: string(d, "type") for r, d in local.items()} == {"gpu": "gpu", "cpu": "cpu", "memory": "memory"}
+        assert len({json.dumps(d["attributes"][NUMA]) for d in local.values()}) == 1, local
+        out = pods["numa-pod"][1]
+        assert out.env[f"{env_name(local['cpu'])}_CPUS"] and gpu_node(out, local["gpu"])
+
+        # extended-resource.yaml: the scheduler's claim for `example.com/gpu: 1`, one GPU in the container.
+        gpu, out, _ = only("cuda-app", None)
+        assert string(gpu, "type") == "gpu" and out.env[f"{env_name(gpu)}_UUID"] == string(gpu, "uuid")
+        assert gpu_node(out, gpu), out.dev
+
+        # kubevirt-vm.yaml: a GPU and a VF passed through, read where and as KubeVirt reads them, with the
+        # VFIO container node and each function's group node in the container.
+        out = pods["virt-launcher-vm-1"][1]
+        templates = {d["metadata"]["name"]: d for d in vm_docs if d["kind"] == "ResourceClaimTemplate"}
+        mac = templates["passthrough-vf"]["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"]["mac"]
+        assert out.char_device("/dev/vfio/vfio"), out.dev
+        for pod_claim, request, native in (("gpu", "gpu", "gpu"), ("net", "vf", "nic")):
+            dev, _, _ = only("virt-launcher-vm-1", pod_claim)
+            assert (string(dev, "type"), string(dev, "nativeType")) == ("vfio", native)
+            read = kubevirt_reads(out, pod_claim, request)
+            assert "mdevUUID" not in read["attributes"]
+            assert read["name"] == dev["name"] and read["attributes"][PCI_BUS_ID] == dev["attributes"][PCI_BUS_ID]
+            group = dev["attributes"]["iommuGroup"]["int"]
+            assert out.char_device(f"/dev/vfio/{group}"), out.dev
+            if native == "nic":
+                assert read["networkData"] == {"hardwareAddress": mac}
+    finally:
+        ns.clean()
+    # Every pod gone: the kubelet unprepared every claim, and the agent holds none.
+    eventually(lambda: not list((node_agent.root / "cdi").glob(f"{DRIVER}-claim_*")), "every claim is unprepared")
+
+
+# -- device health in the pod's status -----------------------------------------------------------------
+
+def agent_cli(agent: AgentProcess, *args: str) -> str:
+    """`dra-agent ARGS` for the node's agent (its node, NVML and directories)."""
+    cmd = [str(VENV_BIN / "dra-agent"), *args, f"--node-name={NODE_NAME}", "--nvml=sim:dgx-h100",
+           f"--state-dir={agent.root / 'state'}", f"--kubelet-dir={agent.root / 'kubelet'}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, f"dra-agent {' '.join(args)}: exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_an_xid_on_a_prepared_gpu_shows_in_the_pods_status_through_the_kubelet(
+        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
+    """The health stream the agent serves reaches the pod: the kubelet (ResourceHealthStatus) puts each
+    device of a container's claims in `containerStatuses[].allocatedResourcesStatus`, Unhealthy after an
+    XID that takes the GPU off the bus, Healthy again after the GPU's reset."""
+    ns = Namespace(node_cluster, "health").create()
+    try:
+        ns.cluster.admin.post(ns.path("resourceclaimtemplates"), {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": f"gpu.{DRIVER}"}}]}}}})
+        ns.cluster.admin.post(ns.path("pods"), on_the_node({
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer"},
+            "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
+                     "containers": [{"name": "train", "resources": {"claims": [{"name": "gpu"}]}}]}}))
+        running_and_printed(node_cluster, real_node, ns.name, "trainer")
+        claim = ns.claims_of("trainer")["gpu"]
+        (result,) = results_of(claim)
+        # The kubelet names a device in the pod's status by the first CDI device ID of the agent's answer.
+        device = f"{DRIVER}/claim={claim['metadata']['uid']}-{result['device']}"
+
+        seen: list[dict[tuple[str, str], str]] = [{}]
+
+        def health(wanted: str) -> bool:
+            statuses = ns.get("pods", "trainer")["status"].get("containerStatuses") or []
+            # The container names its claim without a request: the kubelet reports it as `claim:<name>`.
+            seen[0] = {(a["name"], r["resourceID"]): r.get("health") for s in statuses
+                       for a in s.get("allocatedResourcesStatus") or [] for r in a.get("resources") or []}
+            return seen[0] == {("claim:gpu", device): wanted}
+
+        for step, wanted in ((None, "Healthy"), (("xid", result["device"], "79"), "Unhealthy"),
+                             (("recover", result["device"]), "Healthy")):
+            if step is not None:
+                agent_cli(node_agent, "sim", *step)
+            try:
+                eventually(lambda w=wanted: health(w), f"the pod's status says {device} is {wanted}")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; it says {seen[0]}") from None
+    finally:
+        ns.clean()
+
+
+# -- the kubelet restarted -------------------------------------------------------------------------------
+
+def test_a_restarted_kubelet_keeps_every_prepared_claim_and_unprepares_it_once(
+        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
+    """The kubelet restarted under a running pod: it registers the plugin again, the pod's container
+    goes on, the claim is prepared once (whatever the kubelet asks again is answered from the agent's
+    record), and deleting the pod afterwards unprepares it once, every file gone."""
+    ns = Namespace(node_cluster, "restart").create()
+    try:
+        ns.cluster.admin.post(ns.path("resourceclaimtemplates"), {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": f"gpu.{DRIVER}"}}]}}}})
+        ns.cluster.admin.post(ns.path("pods"), on_the_node({
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "keeper"},
+            "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
+                     "containers": [{"name": "work", "resources": {"claims": [{"name": "gpu"}]}}]}}))
+        before, _ = running_and_printed(node_cluster, real_node, ns.name, "keeper")
+        claim = ns.claims_of("keeper")["gpu"]
+        uid = claim["metadata"]["uid"]
+        ref = f"{ns.name}/{claim['metadata']['name']} ({uid})"
+
+        def said(message: str) -> int:
+            return sum(m == message for m in node_agent.messages())
+
+        registered = said("the kubelet registered the plugin")
+        assert said(f"prepared claim {ref}") == 1
+        real_node.restart_kubelet()
+        eventually(lambda: said("the kubelet registered the plugin") > registered,
+                   "the kubelet registers the plugin again")
+        eventually(lambda: ready(node_object(node_cluster)), "the Node is Ready again")
+        container = before["status"]["containerStatuses"][0]
+
+        def same_container() -> bool:
+            (now,) = ns.get("pods", "keeper")["status"]["containerStatuses"]
+            return bool(now.get("state", {}).get("running")) and now["containerID"] == container["containerID"] \
+                and now["restartCount"] == container["restartCount"]
+
+        eventually(same_container, "the pod's container runs on, the same one")
+        assert said(f"prepared claim {ref}") == 1
+        assert list((node_agent.root / "cdi").glob(f"*{uid}*"))
+        ns.cluster.admin.delete(ns.path("pods", "keeper"))
+        eventually(lambda: not list((node_agent.root / "cdi").glob(f"*{uid}*")), "the claim's CDI specs go")
+        assert said(f"unprepared claim {ref}") == 1
+        assert node_agent.messages("error") == []
+    finally:
+        ns.clean()
