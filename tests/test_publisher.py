@@ -173,6 +173,27 @@ async def test_a_stale_resource_version_is_a_real_conflict(
     assert all(d["attributes"]["mtu"] == {"int": 9000} for s in ours(kube_api) for d in s["spec"]["devices"])
 
 
+async def test_a_slice_deleted_between_the_read_and_the_write_is_re_read_and_created_again(
+        kube_api: KubeApi, publisher: ApiPublisher, caplog: pytest.LogCaptureFixture) -> None:
+    # A kubelet deletes every slice of its node when it starts: between our LIST and our PUT the slice
+    # is gone. The PUT's 404 is a changed pool, read again and written again at once, not a failed
+    # publish (an error in the log and a retry seconds later; seen through the real kubelet).
+    await publisher.sync(nics(10))
+    gate = kube_api.hold("PUT", f"{SLICES}/*")
+    sync = asyncio.create_task(publisher.sync(nics(10, mtu=9000)))
+    await eventually(lambda: kube_api.emulator.in_flight == 1, "the PUT reached the server")
+    (name,) = [s["metadata"]["name"] for s in ours(kube_api)]
+    kube_api.remove(RESOURCE_SLICES, name)
+    kube_api.emulator.faults.clear()
+    gate.set()
+    caplog.set_level(logging.INFO, logger="agent.publish")
+    result = await sync
+    assert len(result.created) == 1 and not result.updated
+    assert [r.status for r in kube_api.requests if r.method in ("PUT", "POST")][-2:] == [404, 201]
+    assert all(d["attributes"]["mtu"] == {"int": 9000} for s in ours(kube_api) for d in s["spec"]["devices"])
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 async def test_server_errors_are_retried(kube_api: KubeApi, publisher: ApiPublisher) -> None:
     kube_api.fail("GET", SLICES, status=503)
     kube_api.fail("POST", SLICES, times=2, status=500)

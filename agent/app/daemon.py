@@ -252,6 +252,14 @@ class Agent:
                               verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
         publish.on_published = lambda devices: self.tracker.pool_published([d.name for d in devices])
         running.publish = publish
+        # A kubelet deletes every ResourceSlice of its node when it starts, and registers the plugin
+        # again a little later: the slices are checked, and published again, at each registration.
+        loop = asyncio.get_running_loop()
+
+        def registered() -> None:  # in the registration server's thread
+            loop.call_soon_threadsafe(publish.verify_now)
+
+        self.servers.registration_state.on_registered = registered
         publish.update(self.health.published(self.inventory.snapshot()))
         await publish.run()
 

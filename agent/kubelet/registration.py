@@ -19,6 +19,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from agent.config import Settings
 from agent.kubelet import sockets
@@ -40,6 +41,10 @@ class RegistrationState:
         self.error = ""
         self.updated_at = 0.0
         self.info_calls = 0
+        # Called (in the registration server's thread) each time the kubelet says it registered the
+        # plugin: a kubelet that starts deletes every ResourceSlice of its node, so the agent publishes
+        # again (`agent.app.daemon`).
+        self.on_registered: Callable[[], None] | None = None
 
 
 def supported_versions(health: bool) -> list[str]:
@@ -174,6 +179,8 @@ class RegistrationServer:
         self.state.registered, self.state.error, self.state.updated_at = registered, error, time.time()
         if registered:
             log.info("the kubelet registered the plugin")
+            if self.state.on_registered is not None:
+                self.state.on_registered()
         else:
             log.error("THE KUBELET REJECTED THE PLUGIN REGISTRATION: %s", error or "(no reason given)")
         return b""  # RegistrationStatusResponse: no fields

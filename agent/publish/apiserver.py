@@ -171,13 +171,15 @@ class ApiPublisher:
         return PublishError(msg)
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """One API request, retried while the failure is transient; 409 goes up as _Conflict."""
+        """One API request, retried while the failure is transient. 409, and 404 for a slice that was
+        read (someone deleted it since: a kubelet does at its start), go up as _Conflict: the pool is
+        read again and the sync planned again."""
         failures = 0
         while True:
             try:
                 return await fn()
             except Exception as exc:
-                if kube.is_conflict(exc):
+                if kube.is_conflict(exc) or kube.is_not_found(exc):
                     raise _Conflict(f"{what}: {kube.describe(exc)}") from exc
                 failures += 1
                 await self._pause(what, exc, failures)

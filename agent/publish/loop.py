@@ -95,6 +95,11 @@ class PublishLoop:
         self._version += 1
         self._wake.set()
 
+    def verify_now(self) -> None:
+        """Compare what the API server holds with the inventory now, not at the next verification
+        (someone else may have deleted the slices: a kubelet does at its start)."""
+        self._wake.set()
+
     @property
     def up_to_date(self) -> bool:
         return self._devices is not None and self.published_version == self._version
