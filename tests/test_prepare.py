@@ -329,3 +329,19 @@ async def test_a_burst_of_claims_runs_in_a_few_worker_threads_and_every_one_is_p
     results = await asyncio.gather(*(node.engine.prepare([r]) for r in refs))
     assert [res[r.uid].error for res, r in zip(results, refs, strict=True)] == [""] * 16
     assert 1 < most <= engine_prepare.CLAIM_WORKERS
+
+
+async def test_a_claim_asked_for_by_three_calls_at_once_is_prepared_once_and_said_once(node, caplog):
+    # The kubelet asks once per pod when the pods of a PodGroup share a claim (seen through the real
+    # kubelet: three calls within a millisecond): one prepares it, the others are answered from its
+    # record, and the log says "prepared" once, not three times.
+    import logging
+
+    caplog.set_level(logging.INFO, logger="agent.engine.prepare")
+    write_claim(node.claims_dir, claim("shared-gpu", UID1, [result("gpu-3", "gpu")]))
+    answers = await asyncio.gather(*(prepare_one(node, "shared-gpu", UID1) for _ in range(3)))
+    await asyncio.sleep(0)  # the line is logged once the loop is back from answering
+    assert [a.error for a in answers] == [""] * 3
+    assert len({tuple(d.cdi_device_ids for d in a.devices) for a in answers}) == 1
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepared ")]
+    assert said == [f"prepared claim default/shared-gpu ({UID1})"]

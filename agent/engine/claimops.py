@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from agent import failpoints
 from agent.claims import cpuset
@@ -73,8 +73,17 @@ class ClaimEngine(Protocol):
     def current_or_purge(self, uid: str) -> ClaimRecord | None: ...
 
 
+class Prepared(NamedTuple):
+    """A prepared claim's record, and whether this call prepared it (else it was answered from the
+    record an earlier call made: the kubelet asks again after its restart, and asks once per pod when
+    the pods of a PodGroup share the claim)."""
+
+    record: ClaimRecord
+    fresh: bool
+
+
 def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | None, *,
-                     ahead: bool = False) -> ClaimRecord | None:
+                     ahead: bool = False) -> Prepared | None:
     """Prepare the claim unless it is prepared; with `read` None, only look it up. A prepared claim is
     answered from its record once the record is checked against the host as it is now and made true
     again (`agent.engine.recheck`: the kubelet prepares again after its own restart or a reboot, which
@@ -96,7 +105,7 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
             record = found[0] if found is not None else None
         if record is not None:
             log.debug("%s already prepared", ref)
-            return record
+            return Prepared(record, fresh=False)
         if read is None:
             return None
         claim = read(ref.namespace, ref.name)
@@ -104,7 +113,7 @@ def prepare_blocking(engine: ClaimEngine, ref: ClaimRef, read: ClaimReader | Non
                             lookup=engine.inventory.get, withheld=engine.inventory.withheld)
         keys = [engine.effects.lock_key(a.device) for a in alloc.devices]
         with engine.devices_locked(keys, shared=keys if all(a.device.kind.shared for a in alloc.devices) else ()):
-            return _apply(engine, alloc, ahead)
+            return Prepared(_apply(engine, alloc, ahead), fresh=True)
 
 
 def unprepare_blocking(engine: ClaimEngine, ref: ClaimRef) -> ClaimRecord | None:

@@ -40,7 +40,7 @@ from agent.claims.store import ClaimStore
 from agent.claims.toolkit import ToolkitSpecs
 from agent.claims.writers import WRITERS_LOCK_FILE, RecordWriters
 from agent.config import Settings
-from agent.engine.claimops import ClaimReader, prepare_blocking, unprepare_blocking
+from agent.engine.claimops import ClaimReader, Prepared, prepare_blocking, unprepare_blocking
 from agent.engine.deferred import DeferredChecks
 from agent.engine.metarefresh import refresh_blocking
 from agent.engine.recheck import recheck
@@ -212,19 +212,21 @@ class PrepareEngine:
             check_claim_ref(ref)
             if (read := self._local_reader()) is not None:
                 # A local source is read in the same worker thread as the side effects.
-                record = await self._in_worker(prepare_blocking, self, ref, read)
-                assert record is not None  # with a reader, prepare_blocking prepares or raises
+                done = await self._in_worker(prepare_blocking, self, ref, read)
+                assert done is not None  # with a reader, prepare_blocking prepares or raises
             else:
-                record = await self._prepare_remote(ref, self.claims)
+                done = await self._prepare_remote(ref, self.claims)
         except (ClaimFailure, InvalidName, UnsafePath) as exc:
             return self._failed("prepare", ref, str(exc), started)
         except Exception as exc:
             log.exception("prepare of %s failed unexpectedly", ref)
             return self._failed("prepare", ref, f"internal error: {exc!r}", started)
-        _log_later("prepared %s", ref, {
-            "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
-            "devices": [d.device for d in record.devices],
-            "ms": round((time.monotonic() - started) * 1000, 2)})
+        record = done.record
+        if done.fresh:  # an answer from the record of an earlier call says nothing new
+            _log_later("prepared %s", ref, {
+                "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
+                "devices": [d.device for d in record.devices],
+                "ms": round((time.monotonic() - started) * 1000, 2)})
         self._tell(lambda listener: listener.claim_prepared(record), record)
         return PrepareResult(devices=record.devices)
 
@@ -236,8 +238,8 @@ class PrepareEngine:
         with self.metrics.claim_operation("prepare") as op:
             try:
                 check_claim_ref(ref)
-                record = await self._in_worker(prepare_blocking, self, ref, lambda _ns, _n: claim, ahead=True)
-                assert record is not None
+                done = await self._in_worker(prepare_blocking, self, ref, lambda _ns, _n: claim, ahead=True)
+                assert done is not None
             except (ClaimFailure, InvalidName, UnsafePath) as exc:
                 op.failed = True
                 return self._failed("prepare ahead of binding", ref, str(exc), started)
@@ -245,23 +247,24 @@ class PrepareEngine:
                 op.failed = True
                 log.exception("prepare ahead of binding of %s failed unexpectedly", ref)
                 return self._failed("prepare ahead of binding", ref, f"internal error: {exc!r}", started)
-        log.info("prepared %s ahead of its pod's binding", ref, extra={
+        record = done.record
+        log.log(logging.INFO if done.fresh else logging.DEBUG, "prepared %s ahead of its pod's binding", ref, extra={
             "claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid,
             "devices": [d.device for d in record.devices],
             "ms": round((time.monotonic() - started) * 1000, 2)})
         self._tell(lambda listener: listener.claim_prepared(record), record)
         return PrepareResult(devices=record.devices)
 
-    async def _prepare_remote(self, ref: ClaimRef, source: ClaimSource) -> ClaimRecord:
+    async def _prepare_remote(self, ref: ClaimRef, source: ClaimSource) -> Prepared:
         # A prepared claim (by this agent or another one on the node) is answered from its record,
         # without asking the API server, which may no longer have it.
-        record = await self._in_worker(prepare_blocking, self, ref, None)
-        if record is not None:
-            return record
+        done = await self._in_worker(prepare_blocking, self, ref, None)
+        if done is not None:
+            return done
         claim = await source.get(ref.namespace, ref.name)
-        record = await self._in_worker(prepare_blocking, self, ref, lambda _ns, _n: claim)
-        assert record is not None
-        return record
+        done = await self._in_worker(prepare_blocking, self, ref, lambda _ns, _n: claim)
+        assert done is not None
+        return done
 
     async def unprepare_claim(self, ref: ClaimRef) -> str:
         with self.metrics.claim_operation("unprepare") as op:
