@@ -65,8 +65,9 @@ echo "=== end"
 trap 'exit 0' TERM
 sleep 2147483647 & wait
 """
-# The agent as the workload examples need it (tests/cluster/conftest.py's SCHEDULED_FLAGS say why).
-AGENT_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gpu-host-memory-overhead=0")
+# The agent as the workload examples need it (tests/cluster/conftest.py's SCHEDULED_FLAGS say why), and
+# collecting claims after a second's grace: a claim whose pods the kubelet still runs must never be.
+AGENT_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gpu-host-memory-overhead=0", "--gc-grace-period=1")
 SLEEPER = {"image": IMAGE, "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; "
                                                                     "sleep 2147483647 & wait"]}
 
@@ -311,9 +312,13 @@ def test_a_scheduled_pod_reads_its_device_metadata_through_kubelet_containerd_an
     eventually(lambda: not api.get(pods)["items"], "the kubelet lets the pod go")
     # The kubelet unprepared both claims: the agent removed their CDI specs and metadata.
     eventually(lambda: not any(left(uid) for uid in uids), "the claims' CDI specs and metadata go")
-    unprepared = [m for m in agent.messages() if m.startswith("unprepared claim")]
-    assert sorted(unprepared) == sorted(f"unprepared claim {NAMESPACE}/{c['metadata']['name']} "
-                                        f"({c['metadata']['uid']})" for c in claims.values())
+    wanted = sorted(f"unprepared claim {NAMESPACE}/{c['metadata']['name']} ({c['metadata']['uid']})"
+                    for c in claims.values())
+
+    def unprepared() -> list[str]:  # the agent logs in the background: the files may go first
+        return sorted(m for m in agent.messages() if m.startswith(f"unprepared claim {NAMESPACE}/"))
+
+    eventually(lambda: unprepared() == wanted, "the agent says it unprepared both claims, once each")
     assert agent.messages("error") == []
 
 
@@ -498,13 +503,15 @@ def test_an_xid_on_a_prepared_gpu_shows_in_the_pods_status_through_the_kubelet(
         node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
     """The health stream the agent serves reaches the pod: the kubelet (ResourceHealthStatus) puts each
     device of a container's claims in `containerStatuses[].allocatedResourcesStatus`, Unhealthy after an
-    XID that takes the GPU off the bus, Healthy again after the GPU's reset."""
+    XID that takes the GPU off the bus, Healthy again after the GPU's reset. The claim tolerates the
+    XID's NoExecute taint (else the device taint eviction controller deletes the pod at once)."""
     ns = Namespace(node_cluster, "health").create()
     try:
         ns.cluster.admin.post(ns.path("resourceclaimtemplates"), {
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
             "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": f"gpu.{DRIVER}"}}]}}}})
+                "deviceClassName": f"gpu.{DRIVER}",
+                "tolerations": [{"key": f"{DRIVER}/xid", "operator": "Exists", "effect": "NoExecute"}]}}]}}}})
         ns.cluster.admin.post(ns.path("pods"), on_the_node({
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer"},
             "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
@@ -540,8 +547,9 @@ def test_an_xid_on_a_prepared_gpu_shows_in_the_pods_status_through_the_kubelet(
 
 def test_a_restarted_kubelet_keeps_every_prepared_claim_and_unprepares_it_once(
         node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
-    """The kubelet restarted under a running pod: it registers the plugin again, the pod's container
-    goes on, the claim is prepared once (whatever the kubelet asks again is answered from the agent's
+    """The kubelet restarted under a running pod: it deletes every ResourceSlice of its node as it starts
+    and registers the plugin again, upon which the agent publishes them again; the pod's container goes
+    on, the claim is prepared once (whatever the kubelet asks again is answered from the agent's
     record), and deleting the pod afterwards unprepares it once, every file gone."""
     ns = Namespace(node_cluster, "restart").create()
     try:
@@ -563,6 +571,7 @@ def test_a_restarted_kubelet_keeps_every_prepared_claim_and_unprepares_it_once(
 
         registered = said("the kubelet registered the plugin")
         assert said(f"prepared claim {ref}") == 1
+        published = devices_of(slices_of(node_cluster.admin, NODE_NAME))
         real_node.restart_kubelet()
         eventually(lambda: said("the kubelet registered the plugin") > registered,
                    "the kubelet registers the plugin again")
@@ -575,11 +584,77 @@ def test_a_restarted_kubelet_keeps_every_prepared_claim_and_unprepares_it_once(
                 and now["restartCount"] == container["restartCount"]
 
         eventually(same_container, "the pod's container runs on, the same one")
+        # The agent's publishing runs with an hour between verifications here: only the registration
+        # brings the slices back within the bound.
+        eventually(lambda: devices_of(slices_of(node_cluster.admin, NODE_NAME)) == published,
+                   "the node's devices are published again")
         assert said(f"prepared claim {ref}") == 1
         assert list((node_agent.root / "cdi").glob(f"*{uid}*"))
         ns.cluster.admin.delete(ns.path("pods", "keeper"))
         eventually(lambda: not list((node_agent.root / "cdi").glob(f"*{uid}*")), "the claim's CDI specs go")
-        assert said(f"unprepared claim {ref}") == 1
+        eventually(lambda: said(f"unprepared claim {ref}") == 1, "the agent says it unprepared the claim")
+        assert said(f"prepared claim {ref}") == 1
         assert node_agent.messages("error") == []
     finally:
+        ns.clean()
+
+
+# -- a claim of a PodGroup -------------------------------------------------------------------------------
+
+def test_a_podgroups_claim_is_prepared_once_for_its_pods_and_unprepared_after_the_last(
+        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
+    """DRAWorkloadResourceClaims (beta, with GenericWorkload and scheduling.k8s.io/v1beta1): one claim
+    reserved for a PodGroup of three pods on the node. The scheduler reserves it for the PodGroup, not
+    for each pod; the kubelet prepares it once and the three containers get the same GPU; it stays
+    prepared (collection after a second's grace leaves it, `dra-agent claims` lists it) while any pod
+    of the group runs, and is unprepared once the last one is gone."""
+    ns = Namespace(node_cluster, "podgroup").create()
+    api = node_cluster.admin
+    pods = ("trainer-0", "trainer-1", "trainer-2")
+    try:
+        claim = api.post(ns.path("resourceclaims"), {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "group-gpu"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": f"gpu.{DRIVER}"}}]}}})
+        group = api.post(f"/apis/scheduling.k8s.io/v1beta1/namespaces/{ns.name}/podgroups", {
+            "apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup", "metadata": {"name": "trainers"},
+            "spec": {"schedulingPolicy": {"basic": {}},
+                     "resourceClaims": [{"name": "shared", "resourceClaimName": "group-gpu"}]}})
+        for pod in pods:
+            api.post(ns.path("pods"), on_the_node({
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
+                "spec": {"schedulingGroup": {"podGroupName": "trainers"},
+                         "resourceClaims": [{"name": "shared", "resourceClaimName": "group-gpu"}],
+                         "terminationGracePeriodSeconds": 1,
+                         "containers": [{"name": "train", "resources": {"claims": [{"name": "shared"}]}}]}}))
+        printed = {pod: running_and_printed(node_cluster, real_node, ns.name, pod)[1] for pod in pods}
+        now = ns.get("resourceclaims", "group-gpu")
+        assert now["status"]["reservedFor"] == [{"apiGroup": "scheduling.k8s.io", "resource": "podgroups",
+                                                 "name": "trainers", "uid": group["metadata"]["uid"]}]
+        (result,) = results_of(now)
+        uuids = {out.env[f"DRA_{result['device'].upper().replace('-', '_')}_UUID"] for out in printed.values()}
+        assert len(uuids) == 1, uuids
+        uid = claim["metadata"]["uid"]
+        ref = f"{ns.name}/group-gpu ({uid})"
+
+        def said(message: str) -> int:
+            return sum(m == message for m in node_agent.messages())
+
+        assert said(f"prepared claim {ref}") == 1
+        listed = json.loads(agent_cli(node_agent, "claims", "-o", "json"))
+        assert uid in json.dumps(listed), listed
+        for pod in pods[:2]:
+            api.delete(ns.path("pods", pod))
+        eventually(lambda: [p["metadata"]["name"] for p in api.get(ns.path("pods"))["items"]] == [pods[2]],
+                   "two of the group's pods go")
+        # The collection's grace is a second: a claim that exists is never collected, whoever holds it.
+        eventually(lambda: node_agent.metric("dra_agent_gc_sweeps_total") >= 3, "three collection sweeps")
+        assert list((node_agent.root / "cdi").glob(f"*{uid}*")) and said(f"unprepared claim {ref}") == 0
+        api.delete(ns.path("pods", pods[2]))
+        eventually(lambda: not list((node_agent.root / "cdi").glob(f"*{uid}*")), "the claim is unprepared")
+        eventually(lambda: said(f"unprepared claim {ref}") == 1, "the agent says it unprepared the claim")
+        assert said(f"prepared claim {ref}") == 1
+        assert node_agent.messages("error") == []
+    finally:
+        # The group first: its claim is reserved for it while it exists, and cannot go before.
+        api.request("DELETE", f"/apis/scheduling.k8s.io/v1beta1/namespaces/{ns.name}/podgroups")
         ns.clean()
