@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 # key -> (comparison, bound): what the project aims for; printed beside the figure, not enforced.
+# `peer_ratio_start_to_getinfo` is reported, no longer a target: the registration socket now opens once
+# the DRA socket answers (a GetInfo answered before that sent the kubelet to a socket that was not there).
 TARGETS: dict[str, tuple[str, float]] = {
     "peer_ratio_rt_10_tmpfs": ("<=", 1.3),
     "peer_ratio_rt_10_ext4": ("<=", 1.1),
@@ -14,7 +16,6 @@ TARGETS: dict[str, tuple[str, float]] = {
     "peer_ratio_conc16_claims_per_s_ext4": (">=", 1.0),
     "node_fill_110_vs_serial": ("<=", 0.6),
     "peer_ratio_node_fill_110": ("<=", 1.0),
-    "peer_ratio_start_to_getinfo": ("<=", 1.5),
     "rss_idle_mib": ("<=", 60),
     "peer_ratio_rss_1000": ("<=", 1.4),
     "agent_ms_per_prepare_tmpfs": ("<=", 1.0),

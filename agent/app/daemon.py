@@ -254,12 +254,7 @@ class Agent:
         running.publish = publish
         # A kubelet deletes every ResourceSlice of its node when it starts, and registers the plugin
         # again a little later: the slices are checked, and published again, at each registration.
-        loop = asyncio.get_running_loop()
-
-        def registered() -> None:  # in the registration server's thread
-            loop.call_soon_threadsafe(publish.verify_now)
-
-        self.servers.registration_state.on_registered = registered
+        self.servers.registration_state.on_registered = publish.verify_now
         publish.update(self.health.published(self.inventory.snapshot()))
         await publish.run()
 

@@ -1,11 +1,10 @@
 """The registration service the kubelet's plugin watcher calls (`plugins_registry/<driver>-reg.sock`):
-GetInfo, then NotifyRegistrationStatus.
+GetInfo, then NotifyRegistrationStatus, served by grpcio with the messages generated from
+proto/registration.proto, as the DRA and health services are.
 
-It is the first thing `dra-agent run` opens, before gRPC, asyncio, protobuf or any of the agent's
-heavier modules are imported (they take most of a second on a small node), and it answers from then
-on for the life of the process: in a thread of its own (`agent.kubelet.h2server`), never queued
-behind the event loop or a prepare. Its two messages (proto/registration.proto) are four strings
-out and a bool and a string in, encoded here by hand for that reason.
+It opens last (`agent.app.daemon`): GetInfo names the DRA socket, which the kubelet calls right after
+registering, so that socket answers first. It is a gRPC server of its own, so a GetInfo (1 s kubelet
+timeout) never waits in a queue behind prepares on the DRA socket.
 
 GetInfo lists exactly the services the DRA socket serves: the kubelet picks the newest health
 version it finds there and, should that service answer Unimplemented, stops watching until the
@@ -14,23 +13,24 @@ plugin registers again. So the health versions are listed only where they are se
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import socket
-import threading
 import time
 from collections.abc import Callable
+from typing import Any
+
+import grpc
 
 from agent.config import Settings
 from agent.kubelet import sockets
-from agent.kubelet.h2server import INTERNAL, GrpcError, UnaryServer
+from agent.pb import registration_pb2, registration_pb2_grpc
 
 log = logging.getLogger("agent.kubelet.server")
 
 PLUGIN_TYPE = "DRAPlugin"
 DRA_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 HEALTH_VERSIONS = ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")  # newest first, as the kubelet picks
-SERVICE = "/pluginregistration.Registration/"
 
 
 class RegistrationState:
@@ -41,9 +41,8 @@ class RegistrationState:
         self.error = ""
         self.updated_at = 0.0
         self.info_calls = 0
-        # Called (in the registration server's thread) each time the kubelet says it registered the
-        # plugin: a kubelet that starts deletes every ResourceSlice of its node, so the agent publishes
-        # again (`agent.app.daemon`).
+        # Called on the event loop each time the kubelet says it registered the plugin: a kubelet that
+        # starts deletes every ResourceSlice of its node, so the agent publishes again (`agent.app.daemon`).
         self.on_registered: Callable[[], None] | None = None
 
 
@@ -52,68 +51,26 @@ def supported_versions(health: bool) -> list[str]:
     return [*DRA_VERSIONS, *(HEALTH_VERSIONS if health else ())]
 
 
-# -- the messages (protobuf wire format: a key of field number and wire type, then the value) -------
+class RegistrationServicer(registration_pb2_grpc.RegistrationServicer):
+    def __init__(self, info: registration_pb2.PluginInfo, state: RegistrationState) -> None:
+        self.info = info
+        self.state = state
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    async def GetInfo(self, request: Any, context: Any) -> registration_pb2.PluginInfo:
+        self.state.info_calls += 1
+        return self.info
 
-
-def plugin_info(kind: str, name: str, endpoint: str, versions: list[str]) -> bytes:
-    """PluginInfo: type = 1, name = 2, endpoint = 3, repeated supported_versions = 4 (all strings)."""
-    out = bytearray()
-    for number, value in ((1, kind), (2, name), (3, endpoint), *((4, v) for v in versions)):
-        data = value.encode()
-        if data or number == 4:  # proto3 leaves empty singular strings out
-            out += _varint(number << 3 | 2) + _varint(len(data)) + data
-    return bytes(out)
-
-
-def registration_status(data: bytes) -> tuple[bool, str]:
-    """RegistrationStatus: plugin_registered = 1 (bool), error = 2 (string); other fields skipped."""
-    registered, error, pos = False, "", 0
-
-    def varint() -> int:
-        nonlocal pos
-        value = shift = 0
-        while True:
-            if pos >= len(data) or shift > 63:
-                raise GrpcError(INTERNAL, "malformed RegistrationStatus")
-            byte = data[pos]
-            pos += 1
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                return value
-
-    while pos < len(data):
-        key = varint()
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value = varint()
-            if number == 1:
-                registered = value != 0
-        elif wire == 2:
-            length = varint()
-            if pos + length > len(data):
-                raise GrpcError(INTERNAL, "malformed RegistrationStatus")
-            if number == 2:
-                error = data[pos:pos + length].decode(errors="replace")
-            pos += length
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
+    async def NotifyRegistrationStatus(self, request: Any, context: Any) -> registration_pb2.RegistrationStatusResponse:
+        state = self.state
+        state.registered, state.error, state.updated_at = request.plugin_registered, request.error, time.time()
+        if request.plugin_registered:
+            log.info("the kubelet registered the plugin")
+            if state.on_registered is not None:
+                state.on_registered()
         else:
-            raise GrpcError(INTERNAL, "malformed RegistrationStatus")
-    if pos > len(data):
-        raise GrpcError(INTERNAL, "malformed RegistrationStatus")
-    return registered, error
+            log.error("THE KUBELET REJECTED THE PLUGIN REGISTRATION: %s", request.error or "(no reason given)")
+        return registration_pb2.RegistrationStatusResponse()
 
-
-# -- the server -----------------------------------------------------------------------------------
 
 class RegistrationServer:
     """The registration socket and its server. `start` binds it (the socket put in place atomically,
@@ -124,63 +81,53 @@ class RegistrationServer:
         self.path = settings.registration_socket
         self.health = health
         self.state = state or RegistrationState()
-        self._info = plugin_info(PLUGIN_TYPE, settings.driver_name, str(settings.dra_socket),
-                                 supported_versions(health))
-        self._server = UnaryServer({SERVICE + "GetInfo": self._get_info,
-                                    SERVICE + "NotifyRegistrationStatus": self._notify}, "registration")
-        self._lock = threading.Lock()
-        self._listener: socket.socket | None = None
+        self._servicer = RegistrationServicer(registration_pb2.PluginInfo(
+            type=PLUGIN_TYPE, name=settings.driver_name, endpoint=str(settings.dra_socket),
+            supported_versions=supported_versions(health)), self.state)
+        self._server: grpc.aio.Server | None = None
+        self._retiring: set[asyncio.Task[None]] = set()  # replaced servers, stopping in the background
         self.identity: sockets.SocketIdentity | None = None
 
     @property
     def started(self) -> bool:
-        return self._listener is not None
+        return self._server is not None
 
-    def start(self) -> None:
-        with self._lock:
-            if self._listener is not None:
-                return
-            self._listener, self.identity = sockets.listen(self.path)
-            self._server.serve(self._listener)
-            self._server.start()
+    def _new(self) -> grpc.aio.Server:
+        server = grpc.aio.server()
+        registration_pb2_grpc.add_RegistrationServicer_to_server(self._servicer, server)
+        return server
+
+    async def start(self) -> None:
+        if self._server is not None:
+            return
+        server = self._new()
+        self.identity = await sockets.serve_at(server, self.path)
+        self._server = server
         log.info("registration service listening on %s", self.path)
 
-    def restore(self) -> bool:
+    async def restore(self) -> bool:
         """Bind a fresh socket when the file is gone (a kubelet restart cleaning its plugin
         directories); the kubelet registers the plugin again when it sees it appear. A path that
-        holds another socket (an agent that replaced this one) is left alone."""
-        with self._lock:
-            if self._listener is None or sockets.identity(self.path) is not None:
-                return False
-            fresh, self.identity = sockets.listen(self.path)
-            self._server.retire(self._listener)
-            self._listener = fresh
-            self._server.serve(fresh)
-            self.state.registered = None  # until the kubelet registers it again
+        holds another socket (an agent that replaced this one) is left alone. gRPC cannot add a port
+        to a started server: a fresh one is bound, and the old one stops in the background."""
+        if self._server is None or sockets.identity(self.path) is not None:
+            return False
+        old, fresh = self._server, self._new()
+        self.identity = await sockets.serve_at(fresh, self.path)
+        self._server = fresh
+        self.state.registered = None  # until the kubelet registers it again
+        task = asyncio.create_task(old.stop(1.0))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
         return True
 
-    def stop(self) -> None:
-        with self._lock:
-            listener, self._listener = self._listener, None
-            own, self.identity = self.identity, None
-        if listener is None:
-            return
-        self._server.stop()
-        if own is not None:
-            with contextlib.suppress(OSError):
-                sockets.remove_own_socket(self.path, own)
-
-    def _get_info(self, request: bytes) -> bytes:
-        self.state.info_calls += 1
-        return self._info
-
-    def _notify(self, request: bytes) -> bytes:
-        registered, error = registration_status(request)
-        self.state.registered, self.state.error, self.state.updated_at = registered, error, time.time()
-        if registered:
-            log.info("the kubelet registered the plugin")
-            if self.state.on_registered is not None:
-                self.state.on_registered()
-        else:
-            log.error("THE KUBELET REJECTED THE PLUGIN REGISTRATION: %s", error or "(no reason given)")
-        return b""  # RegistrationStatusResponse: no fields
+    async def stop(self, grace: float = 1.0) -> None:
+        server, self._server = self._server, None
+        own, self.identity = self.identity, None
+        if server is not None:
+            await server.stop(grace)
+            if own is not None:
+                with contextlib.suppress(OSError):
+                    sockets.remove_own_socket(self.path, own)
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)

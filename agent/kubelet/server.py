@@ -1,7 +1,7 @@
 """The servers the kubelet talks to, on unix sockets.
 
-- registration (`plugins_registry/<driver>-reg.sock`): GetInfo, NotifyRegistrationStatus, served by
-  `agent.kubelet.registration` in a thread of its own, without gRPC;
+- registration (`plugins_registry/<driver>-reg.sock`): GetInfo, NotifyRegistrationStatus
+  (`agent.kubelet.registration`);
 - DRA v1 + v1beta1 and health v1 + v1alpha1 on `plugins/<driver>/dra.sock` (gRPC).
 
 GetInfo lists exactly the services the DRA socket serves: the kubelet picks the newest health
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -43,7 +42,7 @@ from agent.pb import (
     health_v1alpha1_pb2_grpc,
 )
 
-if TYPE_CHECKING:  # the registration server starts before the engine's modules are imported
+if TYPE_CHECKING:
     from agent.engine.prepare import PrepareEngine
     from agent.kubelet.health import HealthTracker
     from agent.metrics import Metrics
@@ -148,24 +147,6 @@ class Healthv1alpha1(_Health, health_v1alpha1_pb2_grpc.DRAResourceHealthServicer
         super().__init__(tracker, health_v1alpha1_pb2, metrics)
 
 
-async def _start(server: grpc.aio.Server, path: Path) -> sockets.SocketIdentity:
-    sockets.check_length(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sockets.check_replaceable(path)
-    # gRPC unlinks the path it bound when the server shuts down, whoever owns that path by then.
-    # Binding a private name and renaming it into place keeps a stopping agent from removing the
-    # socket of the agent that replaced it; the rename also leaves no moment without a socket.
-    bound = sockets.private_name(path)
-    # The kubelet runs as root: nobody else may connect. Bind under a restrictive umask so the
-    # socket never exists with wider permissions, even for an instant.
-    old = os.umask(0o177)
-    try:
-        if server.add_insecure_port(f"unix://{bound}") == 0:
-            raise RuntimeError(f"cannot listen on {bound}")
-        await server.start()
-    finally:
-        os.umask(old)
-    return sockets.put_in_place(bound, path)
 
 
 class Servers:
@@ -231,11 +212,11 @@ class Servers:
     async def start_dra(self) -> None:
         if self.dra is None:
             raise RuntimeError("the DRA servicers are not attached")
-        self._dra_listening = (self.dra, await _start(self.dra, self.settings.dra_socket))
+        self._dra_listening = (self.dra, await sockets.serve_at(self.dra, self.settings.dra_socket))
         log.info("DRA service listening on %s", self.settings.dra_socket)
 
     async def start_registration(self) -> None:
-        await asyncio.to_thread(self.registration.start)
+        await self.registration.start()
 
     async def restore_missing(self) -> list[Path]:
         """Re-create each socket whose file was removed from under the agent (a kubelet restart
@@ -245,13 +226,13 @@ class Servers:
         that holds another socket (an agent that replaced this one) is left alone. The kubelet
         re-registers the plugin when it sees the registration socket appear."""
         restored = []
-        if await asyncio.to_thread(self.registration.restore):
+        if await self.registration.restore():
             restored.append(self.registration.path)
         path = self.settings.dra_socket
         if self._dra_listening is not None and sockets.identity(path) is None:
             old = self._dra_listening[0]
             fresh = self._new_dra()
-            self._dra_listening = (fresh, await _start(fresh, path))
+            self._dra_listening = (fresh, await sockets.serve_at(fresh, path))
             self.dra = fresh
             task = asyncio.create_task(old.stop(2.0))
             self._retiring.add(task)
@@ -261,7 +242,7 @@ class Servers:
 
     async def stop(self, grace: float = 2.0) -> None:
         # Registration first: the kubelet stops sending work before the DRA socket goes away.
-        await asyncio.to_thread(self.registration.stop)
+        await self.registration.stop(grace)
         if self._dra_listening is not None:
             server, identity = self._dra_listening
             self._dra_listening = None

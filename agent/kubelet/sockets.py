@@ -1,6 +1,6 @@
-"""The agent's unix socket files in the kubelet's directories: put in place atomically, replaced only
-when they are sockets, removed only while they are still this process's own. Light to import (the registration server,
-`agent.kubelet.registration`, imports it and needs neither gRPC nor asyncio).
+"""The agent's unix socket files in the kubelet's directories: served by a gRPC server bound under a
+private name and put in place atomically (`serve_at`), replaced only when they are sockets, removed
+only while they are still this process's own.
 """
 
 from __future__ import annotations
@@ -8,11 +8,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.config import UNIX_PATH_MAX
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger("agent.kubelet.server")
 
@@ -65,29 +68,6 @@ def put_in_place(bound: Path, path: Path) -> SocketIdentity:
     return found
 
 
-def listen(path: Path) -> tuple[socket.socket, SocketIdentity]:
-    """A listening socket at `path`, bound under a private name and renamed into place."""
-    check_length(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    check_replaceable(path)
-    bound = private_name(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        # Bound under a restrictive umask: the socket never exists with wider permissions, even for an instant.
-        old = os.umask(0o177)
-        try:
-            sock.bind(str(bound))
-        finally:
-            os.umask(old)
-        sock.listen(64)
-        return sock, put_in_place(bound, path)
-    except BaseException:
-        sock.close()
-        with contextlib.suppress(OSError):
-            os.unlink(bound)
-        raise
-
-
 def remove_own_socket(path: Path, own: SocketIdentity) -> bool:
     """Remove the socket file only if it is still the one this process bound: during a restart or
     a rolling update with default names, a newer agent may have replaced it with its own, and
@@ -98,3 +78,25 @@ def remove_own_socket(path: Path, own: SocketIdentity) -> bool:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     return True
+
+
+async def serve_at(server: grpc.aio.Server, path: Path) -> SocketIdentity:
+    """Start `server` on the unix socket `path`: bound under a private name, 0600, renamed into place
+    (replacing an earlier agent's socket); the identity of the file, for `remove_own_socket`."""
+    check_length(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    check_replaceable(path)
+    # gRPC unlinks the path it bound when the server shuts down, whoever owns that path by then.
+    # Binding a private name and renaming it into place keeps a stopping agent from removing the
+    # socket of the agent that replaced it; the rename also leaves no moment without a socket.
+    bound = private_name(path)
+    # The kubelet runs as root: nobody else may connect. Bind under a restrictive umask so the
+    # socket never exists with wider permissions, even for an instant.
+    old = os.umask(0o177)
+    try:
+        if server.add_insecure_port(f"unix://{bound}") == 0:
+            raise RuntimeError(f"cannot listen on {bound}")
+        await server.start()
+    finally:
+        os.umask(old)
+    return put_in_place(bound, path)

@@ -635,7 +635,7 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
             "--log-format", "json", "--metrics-address", ""]
 
     async def ready(proc: subprocess.Popen[bytes]) -> None:
-        """Until the new process answers on its DRA socket (it opens after the registration socket): a
+        """Until the new process answers on both sockets (the registration socket opens after the DRA socket): a
         socket file left by a killed agent says nothing."""
         for _ in range(300):
             if proc.poll() is not None:
