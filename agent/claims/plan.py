@@ -10,7 +10,7 @@ toolkit's CDI device) and its CDI device also sets `DRA_<DEVICE>_UUID`, `DRA_<DE
 of the claim's shares of that device; one per result in practice) and, for CUDA MPS clients,
 `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<MiB>M[,...]` over every shared GPU of the claim (the
 ordinal: the GPU's place in the claim's `CUDA_VISIBLE_DEVICES`), which the MPS server enforces per
-client. The claim's own opaque configuration may set that variable instead (a lower limit). One
+client. A class's or the claim's own opaque configuration may lower that limit, never raise it (`claim_env`). One
 container with shares from two claims gets one claim's
 value (CDI does not merge variables). Each claim has its own CDI spec and metadata files (named by its
 UID), so claims sharing one GPU are prepared and unprepared independently.
@@ -25,7 +25,14 @@ from typing import Any
 
 from agent import quantity
 from agent.claims import cdispecs, cpuset, filenames, metadata
-from agent.claims.allocation import Allocation
+from agent.claims.allocation import (
+    MPS_LIMITS,
+    MPS_MEMORY_LIMIT,
+    Allocation,
+    ClaimError,
+    lower_limit,
+    mps_memory_limits,
+)
 from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, FileRole, PreparedDevice
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
@@ -42,10 +49,7 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
     ref = alloc.ref
     vendor = s.cdi_vendor
     files: list[FileRecord] = []
-    shares = share_env(alloc.devices)
-    visible = visible_env(alloc.devices)
-    env = {name: {**visible.get(name, {}), **shares.get(name, {}), **alloc.config_env.get(name, {})}
-           for name in set(visible) | set(shares) | set(alloc.config_env)}
+    env = claim_env(alloc)
     spec = cdispecs.claim_spec(vendor, ref.uid, alloc.devices, env)
     files.append(FileRecord(str(s.cdi_dir / filenames.claim_spec_name(vendor, ref.uid)), encode_spec(spec),
                             role=FileRole.CLAIM_SPEC))
@@ -77,8 +81,28 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
                        prepared_at=time.time(), generation=generation, bindings=list(bindings))
 
 
-MPS_MEMORY_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+def claim_env(alloc: Allocation) -> dict[str, dict[str, str]]:
+    """Device name -> the variables of its CDI device beyond those that describe it: the agent's
+    (`visible_env`, `share_env`) and the configurations' (`Allocation.config_env`, which holds no
+    reserved name but the MPS limits: `agent.claims.allocation`). A limit both set is the lower one,
+    per CUDA ordinal: a configuration may lower a share's limit; one above it is refused (ClaimError)."""
+    visible, shares = visible_env(alloc.devices), share_env(alloc.devices)
+    out: dict[str, dict[str, str]] = {}
+    for name in set(visible) | set(shares) | set(alloc.config_env):
+        mine = {**visible.get(name, {}), **shares.get(name, {})}
+        configured = alloc.config_env.get(name, {})
+        if MPS_MEMORY_LIMIT in configured and MPS_MEMORY_LIMIT in mine:
+            given, asked = mps_memory_limits(mine[MPS_MEMORY_LIMIT]), mps_memory_limits(configured[MPS_MEMORY_LIMIT])
+            if above := sorted(i for i, mib in asked.items() if i in given and mib > given[i]):
+                raise ClaimError(f"the configuration's {MPS_MEMORY_LIMIT}={configured[MPS_MEMORY_LIMIT]} is above "
+                                 f"what the claim's shares give ({mine[MPS_MEMORY_LIMIT]}; ordinal "
+                                 f"{', '.join(map(str, above))}): a configuration may only lower it")
+        limits = {k: lower_limit(k, mine.get(k), v) for k, v in configured.items() if k in MPS_LIMITS}
+        out[name] = {**configured, **mine, **limits}
+    return out
 
 
 def toolkit_device(toolkit: ToolkitSpecs, dev: Device) -> str | None:
