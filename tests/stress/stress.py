@@ -47,6 +47,7 @@ import signal
 import sys
 import tempfile
 import time
+import uuid as uuid_mod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -801,8 +802,9 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
     }, optional={"iommu": st.one_of(st.sampled_from(["legacy", "iommufd"]), json_value),
                  "mac": st.one_of(st.sampled_from(["02:00:00:00:00:09", "03:00:00:00:00:01"]), json_value),
                  "vlan": st.one_of(st.integers(-1, 5000), json_value),
-                 "env": st.dictionaries(st.one_of(label.map(str.upper), text), st.one_of(text, json_value),
-                                        max_size=3), "extra": json_value})
+                 "env": st.dictionaries(st.one_of(label.map(str.upper), text, st.sampled_from(RESERVED_NAMES)),
+                                        st.one_of(text, json_value, st.sampled_from(TENANT_VALUES)), max_size=3),
+                 "extra": json_value})
     config = st.fixed_dictionaries({
         "opaque": st.fixed_dictionaries({"driver": st.sampled_from([s.driver_name, "x.example.com"]),
                                          "parameters": st.one_of(opaque, json_value)}),
@@ -846,14 +848,55 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
             assert found is not None
             for f in found[0].files:
                 assert Path(f.path).read_bytes() == f.content
+            # Nothing reserved that a configuration set ever reaches a spec (the MPS limits only lower).
+            spec_env = {e for f in found[0].files if f.role is FileRole.CLAIM_SPEC
+                        for d in orjson.loads(f.content)["devices"] for e in d["containerEdits"].get("env", [])}
+            assert not {e for e in _configured_env(configs) if e in spec_env and _reserved(e.split("=", 1)[0])}, \
+                spec_env
         err = loop.run_until_complete(node.engine.unprepare([ref]))[uid]
         assert "internal error" not in err, err
         if not err:
             assert files_of(uid) == [], files_of(uid)
 
+    # A tenant's environment on claims that are otherwise valid (most drawn above fail before their
+    # configuration counts): a GPU, a share or a MIG device, with variables a tenant would try.
+    plain = [d.name for d in node.inventory.devices() if d.kind in ("gpu", "mig") or d.kind.shared]
+    tenant_env = st.dictionaries(st.one_of(st.sampled_from(RESERVED_NAMES), label.map(str.upper)),
+                                 st.one_of(st.sampled_from(TENANT_VALUES), text), min_size=1, max_size=3)
+    tenant_case = st.tuples(label, st.uuids().map(str), st.sampled_from(plain), st.sampled_from(["4Gi", "1Gi"]),
+                            st.lists(st.tuples(st.sampled_from(["FromClass", "FromClaim"]), tenant_env), min_size=1,
+                                     max_size=2))
+
+    @settings(max_examples=max(engine_inputs // 4, 1), derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(tenant_case)
+    def tenant_claim(case: Any) -> None:
+        name, uid, device, memory, envs = case
+        report.inputs += 1
+        extra = {"shareID": str(uuid_mod.uuid4()), "consumedCapacity": {"memory": memory}} \
+            if device.endswith("-shared") else {}
+        configs = [{"source": source, "opaque": {"driver": s.driver_name, "parameters": {
+            "apiVersion": f"{s.driver_name}/v1alpha1", "kind": "DeviceConfig", "env": env}}} for source, env in envs]
+        source.claims[("default", name)] = agentkit.claim(name, uid, [agentkit.result(device, "gpu", **extra)],
+                                                          config=configs)
+        ref = ClaimRef("default", name, uid)
+        res = loop.run_until_complete(node.engine.prepare([ref]))[uid]
+        assert "internal error" not in res.error, res.error
+        if not res.error:
+            found = node.engine.store.read(uid)
+            assert found is not None
+            spec_env = {e for f in found[0].files if f.role is FileRole.CLAIM_SPEC
+                        for d in orjson.loads(f.content)["devices"] for e in d["containerEdits"].get("env", [])}
+            assert not {e for e in _configured_env(configs) if e in spec_env and _reserved(e.split("=", 1)[0])}, \
+                spec_env
+        else:
+            assert files_of(uid) == [], (res.error, files_of(uid))
+        assert "internal error" not in loop.run_until_complete(node.engine.unprepare([ref]))[uid]
+
     try:
         if engine_inputs:  # (`--fuzz 0`: the crash rounds alone)
             one_claim()
+            tenant_claim()
     except Exception as exc:
         report.failures += 1
         report.problems.append(f"engine: {exc!r}"[:2000])
@@ -871,6 +914,32 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
         changed = sorted(set(outside_after.items()) ^ set(outside_before.items()))
         report.problems.append(f"written outside the roots: {changed[:5]}")
     return report
+
+
+# Environment a tenant's configuration tries (tests/test_reserved_env.py has each family by hand).
+RESERVED_NAMES = ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "LD_PRELOAD",
+                  "LD_LIBRARY_PATH", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                  "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "DRA_GPU_0_UUID"]
+TENANT_VALUES = ["all", "0=999999M", "0=1M", "/tmp/x.so", "50", "150", "void"]
+
+
+def _reserved(name: str) -> bool:
+    """The agent's variables, as docs/claims.md lists them, but for the MPS limits a configuration may lower
+    (the oracle is the page, not the agent's own predicate)."""
+    limits = ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    return name not in limits and (name == "CUDA_VISIBLE_DEVICES" or name.startswith(("NVIDIA_", "CUDA_MPS_",
+                                                                                       "LD_", "DRA_")))
+
+
+def _configured_env(configs: list[Any]) -> set[str]:
+    """`NAME=value` for every string variable any drawn configuration sets."""
+    out = set()
+    for c in configs:
+        params = (c.get("opaque") or {}).get("parameters") if isinstance(c, dict) else None
+        env = params.get("env") if isinstance(params, dict) else None
+        if isinstance(env, dict):
+            out |= {f"{k}={v}" for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
+    return out
 
 
 def _fuzz_grpc(node: Any, n: int, names: Any, uids: Any, report: FuzzReport, loop: asyncio.AbstractEventLoop) -> None:
