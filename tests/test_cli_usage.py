@@ -121,6 +121,8 @@ def test_a_claim_that_is_not_found_gets_the_closest_name(run_env: dict[str, str]
     proc = cli("kubelet", "prepare", "default/gpu-onee", env=run_env)
     assert proc.returncode == 2 and "not found" in proc.stderr
     assert "did you mean default/gpu-one?" in proc.stderr, proc.stderr
+    typo = cli("kubelet", "prepare", "defualt/gpu-one", env=run_env)  # the namespace mistyped
+    assert typo.returncode == 2 and "did you mean default/gpu-one?" in typo.stderr, typo.stderr
     far = cli("kubelet", "unprepare", "default/zzzzzzzz", env=run_env)
     assert far.returncode == 2 and "not found" in far.stderr and "did you mean" not in far.stderr
 
@@ -151,6 +153,14 @@ def test_help_shows_the_commands_own_options_first(command: tuple[str, ...]) -> 
         assert own in text and text.index(own) < text.index("dra-agent help settings")
     # Not every shared setting: those that matter to the command, the rest in `dra-agent help settings`.
     assert sum(opt.flag in text for opt in OPTIONS) <= 10
+
+
+@pytest.mark.parametrize("command", sorted({c[:1] for c in COMMANDS} | set(COMMANDS)), ids=" ".join)
+def test_help_command_is_command_help(command: tuple[str, ...]) -> None:
+    # docs/cli.md: `help COMMAND` is `COMMAND --help`, for a command of actions too (`help kubelet`).
+    asked = cli("help", *command)
+    assert asked.returncode == 0, asked.stderr
+    assert asked.stdout == cli(*command, "--help").stdout
 
 
 def test_help_settings_lists_every_setting_once() -> None:

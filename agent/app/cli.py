@@ -144,6 +144,12 @@ def parser(words: Sequence[str] | None = None) -> Parser:
         topics[path] = sp
         return sp
 
+    def group(where: Any, name: str, help: str) -> Any:
+        """A command of actions (`kubelet prepare`): its own help is a topic too (`help kubelet`)."""
+        gp = where.add_parser(name, help=help, description=help)
+        topics[name] = gp
+        return gp.add_subparsers(dest="action", required=True, metavar="ACTION")
+
     leaf(sub, "run", "run the agent", cmd_run)
     sp = leaf(sub, "devices", "discover and show this node's devices", _command("cmd_devices"))
     sp.add_argument("-o", "--output", choices=("table", "json", "yaml"), default="table")
@@ -158,15 +164,13 @@ def parser(words: Sequence[str] | None = None) -> Parser:
                     help="print only the path of each device metadata file, one a line (`cat $(dra-agent claims "
                          "NAMESPACE/NAME --metadata)`)")
 
-    vsub = sub.add_parser("vfio", help="PCI functions this agent has bound to vfio-pci").add_subparsers(
-        dest="action", required=True, metavar="ACTION")
+    vsub = group(sub, "vfio", "PCI functions this agent has bound to vfio-pci")
     sp = leaf(vsub, "status", "what the agent has bound to vfio-pci and for which claim (from the claim records), "
               "with each function's driver now; exit 1 when one is not bound as its record says",
               _command("cmd_vfio"), "vfio status")
     sp.add_argument("-o", "--output", choices=("table", "json"), default="table")
 
-    psub = sub.add_parser("pool", help="this node's pool").add_subparsers(dest="action", required=True,
-                                                                         metavar="ACTION")
+    psub = group(sub, "pool", "this node's pool")
     sp = leaf(psub, "status", "this node's pool as the cluster sees it (a ResourcePoolStatusRequest) beside the "
               "node's own view (prepared claims, taints, free devices); exit 1 without a cluster view",
               _command("cmd_pool"), "pool status")
@@ -174,8 +178,7 @@ def parser(words: Sequence[str] | None = None) -> Parser:
     sp.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                     help="how long to wait for the cluster's answer (default: 30)")
 
-    ksub = sub.add_parser("kubelet", help="call the running agent like the kubelet does").add_subparsers(
-        dest="action", required=True, metavar="ACTION")
+    ksub = group(sub, "kubelet", "call the running agent like the kubelet does")
     for action, help in (("info", "GetInfo on the registration socket (1 s timeout)"),
                          ("prepare", "NodePrepareResources for one claim"),
                          ("unprepare", "NodeUnprepareResources for one claim"),
@@ -189,8 +192,7 @@ def parser(words: Sequence[str] | None = None) -> Parser:
             ap.add_argument("--api", choices=("v1", "v1alpha1"), default="v1")
             ap.add_argument("--once", action="store_true", help="print the first list and exit")
 
-    csub = sub.add_parser("cdi", help="CDI spec tools").add_subparsers(dest="action", required=True,
-                                                                        metavar="ACTION")
+    csub = group(sub, "cdi", "CDI spec tools")
     vp = leaf(csub, "validate", "strictly check CDI specs: the spec files in each directory PATH, or a spec file "
               "PATH (default: the CDI directories); exit 1 on any problem, and for a PATH that holds no spec",
               _command("cmd_cdi"), "cdi validate")
@@ -224,6 +226,7 @@ def parser(words: Sequence[str] | None = None) -> Parser:
 
     taintctl.add_parser(sub, settings_of("taints"))
     simctl.add_sim_parser(sub, settings_of("sim"))
+    topics.setdefault("sim", sub.choices["sim"])  # `help sim`, as `help kubelet`
     return p
 
 

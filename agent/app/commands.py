@@ -213,9 +213,9 @@ async def _claim_ref(args: argparse.Namespace, settings: config.Settings, namesp
         try:
             claim = await oneshot.fetch_claim(settings, namespace, name)
         except ClaimNotFound as exc:
-            known = await oneshot.claim_names(settings, namespace)
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean {namespace}/{close[0]}?" if close else ""
+            known = await oneshot.claim_names(settings)
+            close = difflib.get_close_matches(f"{namespace}/{name}", known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
             raise _NoClaim(f"{exc}{hint} (or give --uid)") from exc
         except (ClaimSourceError, StartupError) as exc:
             raise _NoClaim(f"{exc} (give --uid, or the agent's --offline DIR / cluster settings)") from exc

@@ -65,18 +65,19 @@ async def fetch_claim(settings: Settings, namespace: str, name: str) -> dict[str
         await conn.close()
 
 
-async def claim_names(settings: Settings, namespace: str) -> list[str]:
-    """The claims of `namespace` an offline claim directory holds and those prepared on this node: what a
-    name that was not found is compared with. (The API server is not asked: the agent's role may get a
-    claim, not list them.)"""
+async def claim_names(settings: Settings) -> list[str]:
+    """`namespace/name` of the claims an offline claim directory holds and of those prepared on this
+    node: what a claim that was not found is compared with, its namespace as much as its name. (The API
+    server is not asked: the agent's role may get a claim, not list them.)"""
     from agent.claims.store import ClaimStore
 
     records, _ = await asyncio.to_thread(ClaimStore(settings.claims_state_dir).load_all)
-    names = {r.name for r in records.values() if r.namespace == namespace}
+    names = {f"{r.namespace}/{r.name}" for r in records.values()}
     offline = settings.offline or settings.offline_fallback
     if offline is not None:
-        directory = offline / "resourceclaims" / namespace
-        names |= {p.stem for p in await asyncio.to_thread(lambda: list(directory.glob("*.yaml")))}
+        directory = offline / "resourceclaims"
+        files = await asyncio.to_thread(lambda: list(directory.glob("*/*.yaml")))
+        names |= {f"{p.parent.name}/{p.stem}" for p in files}
     return sorted(names)
 
 
