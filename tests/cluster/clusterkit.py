@@ -162,6 +162,13 @@ class Cluster:
                      "-f", "-", stdin=rendered.stdout)
         return [d for d in yaml.safe_load_all(rendered.stdout) if d]
 
+    def apply_deploy(self) -> None:
+        """deploy/ as a user installs it: each overlay, then the base (so the base's objects are what is
+        left), every overlay's device classes beside the base's."""
+        for overlay in OVERLAYS:
+            self.applied[overlay.name] = self.apply_kustomization(overlay)
+        self.applied["base"] = self.apply_kustomization(DEPLOY / "base")
+
     # -- nodes ----------------------------------------------------------------------------------------
 
     def add_node(self, name: str, declared: Sequence[str] = ()) -> dict[str, Any]:

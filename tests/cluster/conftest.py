@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-from .clusterkit import DEPLOY, NODE, NODE_ALLOCATABLE, OTHER_NODE, OVERLAYS, AgentRuns, Cluster, eventually
+from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, AgentRuns, Cluster, eventually
 from .controlplane import ControlPlaneError, start_plane, tail
 from .nodekit import NodeReport
 from .pki import Pki
@@ -92,9 +92,7 @@ def cluster(components: Path, cluster_root: Path, pki: Pki) -> Iterator[Cluster]
         pytest.fail(f"the control plane did not start: {exc}", pytrace=False)
     c = Cluster(plane, cluster_root)
     try:
-        for overlay in OVERLAYS:
-            c.applied[overlay.name] = c.apply_kustomization(overlay)
-        c.applied["base"] = c.apply_kustomization(DEPLOY / "base")
+        c.apply_deploy()
         c.add_node(NODE, declared=[NODE_ALLOCATABLE])
         c.add_node(OTHER_NODE)
         plane.wait_components()

@@ -29,9 +29,7 @@ import pytest
 import yaml
 
 from .clusterkit import (
-    DEPLOY,
     DRIVER,
-    OVERLAYS,
     REPO,
     VENV_BIN,
     AgentProcess,
@@ -98,9 +96,7 @@ def node_cluster(components: Path, cluster_root: Path, pki: Pki, node_report: No
         pytest.fail(f"the control plane did not start: {exc}", pytrace=False)
     c = Cluster(plane, cluster_root / "node-plane")
     try:
-        for overlay in OVERLAYS:  # as the session's plane: each overlay's classes, then the base's objects
-            c.applied[overlay.name] = c.apply_kustomization(overlay)
-        c.applied["base"] = c.apply_kustomization(DEPLOY / "base")
+        c.apply_deploy()
         plane.wait_components()
     except Exception as exc:
         logs = plane.logs()
