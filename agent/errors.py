@@ -9,6 +9,10 @@ class ClaimFailure(Exception):
     """Why one claim could not be prepared or unprepared; the message names the cause precisely."""
 
 
+class ClaimError(ClaimFailure, ValueError):
+    """Why a claim cannot be prepared here (the message goes to the kubelet)."""
+
+
 class WholeGpuInMigMode(ClaimFailure):
     """The whole GPU (or a share of it) is asked for while the GPU is in MIG mode: CUDA cannot use the
     whole GPU then, only its MIG devices (a claim allocated before the operator turned the mode on)."""

@@ -17,8 +17,9 @@ from agentkit import DRIVER, NODE, make_node
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.claims.allocation import Allocation, ClaimError, decode_config, parse_claim
+from agent.claims.allocation import Allocation, decode_config, parse_claim
 from agent.claims.metadata import POD_CLAIM_NAME
+from agent.errors import ClaimError
 from agent.kinds import Kind
 from agent.model import Device
 from agent.names import ClaimRef

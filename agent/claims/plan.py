@@ -25,17 +25,12 @@ from typing import Any
 
 from agent import quantity
 from agent.claims import cdispecs, cpuset, filenames, metadata
-from agent.claims.allocation import (
-    MPS_LIMITS,
-    MPS_MEMORY_LIMIT,
-    Allocation,
-    ClaimError,
-    lower_limit,
-    mps_memory_limits,
-)
+from agent.claims.allocation import Allocation
+from agent.claims.claimenv import MPS_LIMITS, MPS_MEMORY_LIMIT, lower_limit, mps_memory_limits
 from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, FileRole, PreparedDevice
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
+from agent.errors import ClaimError
 from agent.inventory.gpushare import MIB
 from agent.model import Device
 from agent.names import base_request
