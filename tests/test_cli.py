@@ -123,12 +123,12 @@ def test_claims_names_one_claim_and_prints_its_metadata_paths(agent_process, run
 
 def test_prepare_of_a_missing_claim_says_why(agent_process, run_env):
     proc = cli("kubelet", "prepare", "default/nope", env=run_env, check=False)
-    assert proc.returncode == 2 and "not found" in proc.stderr
+    assert proc.returncode == 3 and "not found" in proc.stderr  # docs/cli.md: 3, not found
 
 
 def test_kubelet_info_without_an_agent_fails_clearly(run_env):
     proc = cli("kubelet", "info", env=run_env, check=False)
-    assert proc.returncode == 2 and "UNAVAILABLE" in proc.stderr
+    assert proc.returncode == 4 and "UNAVAILABLE" in proc.stderr  # docs/cli.md: 4, no agent answers
 
 
 def test_bad_settings_are_refused_before_anything_starts(run_env):

@@ -62,7 +62,7 @@ def test_a_closed_pipe_ends_the_command_quietly(run_env: dict[str, str], args: t
                                    "6a1e0c00-0000-4000-8000-000000000001")])
 def test_no_agent_to_call_says_what_to_check(run_env: dict[str, str], args: tuple[str, ...]) -> None:
     proc = cli(*args, env=run_env)
-    assert proc.returncode == 2 and "UNAVAILABLE" in proc.stderr
+    assert proc.returncode == 4 and "UNAVAILABLE" in proc.stderr  # no agent: its own status, not a usage error
     assert "is the agent running" in proc.stderr and "--kubelet-dir" in proc.stderr, proc.stderr
     assert run_env["DRA_KUBELET_DIR"] in proc.stderr and "dra-agent doctor" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -119,12 +119,12 @@ def test_a_claim_that_is_not_found_gets_the_closest_name(run_env: dict[str, str]
                             text=True, env={**os.environ, **run_env}, cwd=ROOT, timeout=60)
     assert seeded.returncode == 0, seeded.stderr
     proc = cli("kubelet", "prepare", "default/gpu-onee", env=run_env)
-    assert proc.returncode == 2 and "not found" in proc.stderr
+    assert proc.returncode == 3 and "not found" in proc.stderr  # not found: its own status, not a usage error
     assert "did you mean default/gpu-one?" in proc.stderr, proc.stderr
     typo = cli("kubelet", "prepare", "defualt/gpu-one", env=run_env)  # the namespace mistyped
-    assert typo.returncode == 2 and "did you mean default/gpu-one?" in typo.stderr, typo.stderr
+    assert typo.returncode == 3 and "did you mean default/gpu-one?" in typo.stderr, typo.stderr
     far = cli("kubelet", "unprepare", "default/zzzzzzzz", env=run_env)
-    assert far.returncode == 2 and "not found" in far.stderr and "did you mean" not in far.stderr
+    assert far.returncode == 3 and "not found" in far.stderr and "did you mean" not in far.stderr
 
 
 # -- help --------------------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ async def test_clear_refuses_a_device_this_node_does_not_have(tmp_path: Path) ->
     settings = roots(tmp_path)
     held(settings)
     rc, out, err = await taints_cli(settings, "clear", "gpu-99")
-    assert rc == 2 and out == "" and "no device gpu-99 on this node" in err, err
+    assert rc == 3 and out == "" and "no device gpu-99 on this node" in err, err  # 3: not found
     assert not list(requests_dir(settings).glob("*.json"))  # nothing queued for an agent
     # One the saved conditions name is known even when discovery would not find it (a lost GPU).
     rc, out, _ = await taints_cli(settings, "clear", "gpu-4")

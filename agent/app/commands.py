@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import config
-from agent.app.output import dump, table
+from agent.app.output import EXIT_FAILED, EXIT_NO_AGENT, EXIT_NOT_FOUND, dump, table
 
 
 def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
@@ -153,7 +153,12 @@ def _parse_claim(args: argparse.Namespace) -> tuple[str, str]:
 
 
 class _NoClaim(Exception):
-    """The claim's UID could not be read from the claim source."""
+    """The claim's UID could not be read from the claim source: `status` says whether it is not there
+    (EXIT_NOT_FOUND) or the source could not be read (EXIT_FAILED)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def cmd_kubelet(args: argparse.Namespace, settings: config.Settings) -> int:
@@ -173,10 +178,11 @@ def cmd_kubelet(args: argparse.Namespace, settings: config.Settings) -> int:
             print(f"  is the agent running (dra-agent run, or its pod), and is --kubelet-dir / $DRA_KUBELET_DIR "
                   f"({settings.kubelet_dir}) the agent's? It listens on {socket}. `dra-agent doctor` with the "
                   "agent's settings checks both.", file=sys.stderr)
-        return 2
+            return EXIT_NO_AGENT
+        return EXIT_FAILED
     except _NoClaim as exc:
         print(f"dra-agent kubelet {args.action}: {exc}", file=sys.stderr)
-        return 2
+        return exc.status
 
 
 async def _kubelet(args: argparse.Namespace, settings: config.Settings, kc: Any, ref: tuple[str, str] | None) -> int:
@@ -216,9 +222,9 @@ async def _claim_ref(args: argparse.Namespace, settings: config.Settings, namesp
             known = await oneshot.claim_names(settings)
             close = difflib.get_close_matches(f"{namespace}/{name}", known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
-            raise _NoClaim(f"{exc}{hint} (or give --uid)") from exc
+            raise _NoClaim(f"{exc}{hint} (or give --uid)", EXIT_NOT_FOUND) from exc
         except (ClaimSourceError, StartupError) as exc:
-            raise _NoClaim(f"{exc} (give --uid, or the agent's --offline DIR / cluster settings)") from exc
+            raise _NoClaim(f"{exc} (give --uid, or the agent's --offline DIR / cluster settings)", EXIT_FAILED) from exc
         uid = (claim.get("metadata") or {}).get("uid", "")
     return ClaimRef(namespace, name, uid)
 

@@ -1,9 +1,15 @@
-"""How the CLI prints: tables for people, JSON and YAML for programs."""
+"""How the CLI prints: tables for people, JSON and YAML for programs; and what its exit statuses mean
+(docs/cli.md, "Exit status")."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+EXIT_FAILED = 1  # the command ran and failed: it says why
+EXIT_USAGE = 2  # the command line is wrong: one line, and a pointer to --help
+EXIT_NOT_FOUND = 3  # what the command names (a claim, a device) is not there
+EXIT_NO_AGENT = 4  # no agent answers on the sockets these settings name
 
 
 def dump(obj: Any, fmt: str) -> str:

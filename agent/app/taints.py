@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agent import kube
-from agent.app.output import dump, table
+from agent.app.output import EXIT_NOT_FOUND, dump, table
 from agent.config import Settings
 from agent.health.conditions import Cause, read_saved
 from agent.health.requests import CLEAR_WAIT, health_dir, read_result, submit_clear
@@ -111,7 +111,7 @@ def _clear(settings: Settings, device: str) -> int:
         check_device_name(device)
         if (unknown := _not_here(settings, device)) is not None:
             print(f"dra-agent: {unknown}", file=sys.stderr)
-            return 2
+            return EXIT_NOT_FOUND
         path = submit_clear(settings, device)
     except InvalidName as exc:
         print(f"dra-agent: {exc}", file=sys.stderr)
