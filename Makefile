@@ -76,7 +76,8 @@ $(STANDIN)/libnvidia-ml.so.1 $(STANDIN)/legacy/libnvidia-ml.so.1: $(STANDIN_SRC)
 
 # Simulated GPUs unless the NVML library loads; the host's NICs; offline under $(RUN)/
 # unless a cluster is reachable and knows this node; everything else under $(RUN)/.
-# Metrics and probes on a free local port (logged); DRA_METRICS_ADDRESS picks one, empty turns them off.
+# Metrics and probes on 127.0.0.1:9477, where `dra-agent doctor` looks by default (a port taken is retried in
+# the background); DRA_METRICS_ADDRESS picks another, empty turns them off.
 # The agent is make's own child (exec), and stops when make does, whatever signal stopped make.
 run: setup
 	$(BIN)/python examples/seed.py $(RUN)
@@ -85,7 +86,7 @@ run: setup
 	  --offline-fallback $(RUN)/offline \
 	  --kubelet-dir $(RUN)/kubelet --cdi-dir $(RUN)/cdi --static-cdi-dir $(RUN)/cdi-static \
 	  --state-dir $(RUN)/state \
-	  --metrics-address "$${DRA_METRICS_ADDRESS-127.0.0.1:0}" $(ARGS)
+	  --metrics-address "$${DRA_METRICS_ADDRESS-127.0.0.1:9477}" $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/bench.py $(ARGS)

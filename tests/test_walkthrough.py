@@ -10,6 +10,7 @@ variable), so the test never touches the checkout's `.run` or an agent a person 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -135,6 +136,18 @@ def test_every_block_of_the_walkthrough_works_as_pasted(workdir: Path) -> None:
         rc, outputs = run_blocks(blocks, workdir)
         check(blocks, rc, outputs)
     assert "ready in" in log.read_text()
+
+
+def test_doctor_with_the_walkthroughs_settings_finds_the_agents_probes(workdir: Path) -> None:
+    # The walk-through's export line names no metrics address: doctor looks where `make run` serves.
+    agent, export, *_ = walkthrough((ROOT / "README.md").read_text())
+    export_line = next(line for line in export.splitlines() if line.startswith("export "))
+    with started(workdir, agent_command(agent), workdir / "make-run.log"):
+        proc = subprocess.run(["bash", "-c", f"{export_line}\n.venv/bin/dra-agent doctor -o json"], cwd=workdir,
+                              capture_output=True, text=True, timeout=300,
+                              env={k: v for k, v in os.environ.items() if not k.startswith("DRA_")})
+    probes = [c for c in json.loads(proc.stdout) if c["check"].startswith("probes")]
+    assert [(c["ok"], c["detail"].split(" ")[0]) for c in probes] == [(True, "dra-agent")], probes
 
 
 def test_a_broken_block_fails_the_walkthrough(workdir: Path) -> None:
