@@ -13,8 +13,6 @@ plugin registers again. So the health versions are listed only where they are se
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -84,13 +82,11 @@ class RegistrationServer:
         self._servicer = RegistrationServicer(registration_pb2.PluginInfo(
             type=PLUGIN_TYPE, name=settings.driver_name, endpoint=str(settings.dra_socket),
             supported_versions=supported_versions(health)), self.state)
-        self._server: grpc.aio.Server | None = None
-        self._retiring: set[asyncio.Task[None]] = set()  # replaced servers, stopping in the background
-        self.identity: sockets.SocketIdentity | None = None
+        self._socket = sockets.ServedSocket(self.path, self._new)
 
     @property
     def started(self) -> bool:
-        return self._server is not None
+        return self._socket.started
 
     def _new(self) -> grpc.aio.Server:
         server = grpc.aio.server()
@@ -98,36 +94,17 @@ class RegistrationServer:
         return server
 
     async def start(self) -> None:
-        if self._server is not None:
-            return
-        server = self._new()
-        self.identity = await sockets.serve_at(server, self.path)
-        self._server = server
-        log.info("registration service listening on %s", self.path)
+        if not self._socket.started:
+            await self._socket.start()
+            log.info("registration service listening on %s", self.path)
 
     async def restore(self) -> bool:
-        """Bind a fresh socket when the file is gone (a kubelet restart cleaning its plugin
-        directories); the kubelet registers the plugin again when it sees it appear. A path that
-        holds another socket (an agent that replaced this one) is left alone. gRPC cannot add a port
-        to a started server: a fresh one is bound, and the old one stops in the background."""
-        if self._server is None or sockets.identity(self.path) is not None:
+        """Bind a fresh socket when the file is gone (`sockets.ServedSocket.restore`); the kubelet
+        registers the plugin again when it sees it appear."""
+        if not await self._socket.restore(1.0):
             return False
-        old, fresh = self._server, self._new()
-        self.identity = await sockets.serve_at(fresh, self.path)
-        self._server = fresh
         self.state.registered = None  # until the kubelet registers it again
-        task = asyncio.create_task(old.stop(1.0))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
         return True
 
     async def stop(self, grace: float = 1.0) -> None:
-        server, self._server = self._server, None
-        own, self.identity = self.identity, None
-        if server is not None:
-            await server.stop(grace)
-            if own is not None:
-                with contextlib.suppress(OSError):
-                    sockets.remove_own_socket(self.path, own)
-        if self._retiring:
-            await asyncio.gather(*self._retiring, return_exceptions=True)
+        await self._socket.stop(grace)

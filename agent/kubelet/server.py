@@ -17,8 +17,6 @@ let an exception out as a traceback: errors are per claim, in the response.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -161,11 +159,9 @@ class Servers:
         self.settings = settings
         self.health = health
         self.registration = registration or RegistrationServer(settings, health=health)
-        self._dra_listening: tuple[grpc.aio.Server, sockets.SocketIdentity] | None = None
-        self._retiring: set[asyncio.Task[None]] = set()  # replaced servers, stopping in the background
+        self._dra = sockets.ServedSocket(settings.dra_socket, self._new_dra)
         self._dra_servicers: tuple[DRAv1, DRAv1beta1] | None = None
         self._health_servicers: tuple[Healthv1, Healthv1alpha1] | None = None
-        self.dra: grpc.aio.Server | None = None
         if engine is not None:
             self.attach(engine, tracker)
 
@@ -178,15 +174,19 @@ class Servers:
         self._dra_servicers = (DRAv1(engine), DRAv1beta1(engine))
         self._health_servicers = None if tracker is None else (Healthv1(tracker, engine.metrics),
                                                                Healthv1alpha1(tracker, engine.metrics))
-        self.dra = self._new_dra()
 
     @property
     def registration_state(self) -> RegistrationState:
         return self.registration.state
 
     @property
+    def dra(self) -> grpc.aio.Server | None:
+        """The DRA socket's server while it is started."""
+        return self._dra.server
+
+    @property
     def dra_started(self) -> bool:
-        return self._dra_listening is not None
+        return self._dra.started
 
     @property
     def registration_started(self) -> bool:
@@ -210,9 +210,7 @@ class Servers:
         return server
 
     async def start_dra(self) -> None:
-        if self.dra is None:
-            raise RuntimeError("the DRA servicers are not attached")
-        self._dra_listening = (self.dra, await sockets.serve_at(self.dra, self.settings.dra_socket))
+        await self._dra.start()  # `_new_dra` refuses servicers that are not attached
         log.info("DRA service listening on %s", self.settings.dra_socket)
 
     async def start_registration(self) -> None:
@@ -228,26 +226,11 @@ class Servers:
         restored = []
         if await self.registration.restore():
             restored.append(self.registration.path)
-        path = self.settings.dra_socket
-        if self._dra_listening is not None and sockets.identity(path) is None:
-            old = self._dra_listening[0]
-            fresh = self._new_dra()
-            self._dra_listening = (fresh, await sockets.serve_at(fresh, path))
-            self.dra = fresh
-            task = asyncio.create_task(old.stop(2.0))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
-            restored.append(path)
+        if await self._dra.restore(2.0):
+            restored.append(self._dra.path)
         return restored
 
     async def stop(self, grace: float = 2.0) -> None:
         # Registration first: the kubelet stops sending work before the DRA socket goes away.
         await self.registration.stop(grace)
-        if self._dra_listening is not None:
-            server, identity = self._dra_listening
-            self._dra_listening = None
-            await server.stop(grace)
-            with contextlib.suppress(OSError):
-                sockets.remove_own_socket(self.settings.dra_socket, identity)
-        if self._retiring:
-            await asyncio.gather(*self._retiring, return_exceptions=True)
+        await self._dra.stop(grace)

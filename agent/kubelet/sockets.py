@@ -1,14 +1,16 @@
 """The agent's unix socket files in the kubelet's directories: served by a gRPC server bound under a
-private name and put in place atomically (`serve_at`), replaced only when they are sockets, removed
-only while they are still this process's own.
+private name and put in place atomically (`serve_at`, `ServedSocket`), replaced only when they are
+sockets, removed only while they are still this process's own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,3 +102,50 @@ async def serve_at(server: grpc.aio.Server, path: Path) -> SocketIdentity:
     finally:
         os.umask(old)
     return put_in_place(bound, path)
+
+
+class ServedSocket:
+    """A gRPC server on a socket of the kubelet's directories; `make` builds a fresh server with its
+    servicers. `restore` binds a fresh one when the file was removed from under the agent (a kubelet
+    restart cleaning its plugin directories; gRPC cannot add a port to a started server) and stops the
+    old one, unreachable now, in the background; a path that holds another socket (an agent that
+    replaced this one) is left alone. `stop` removes the file only while it is still this process's."""
+
+    def __init__(self, path: Path, make: Callable[[], grpc.aio.Server]) -> None:
+        self.path = path
+        self.make = make
+        self.server: grpc.aio.Server | None = None
+        self._identity: SocketIdentity | None = None
+        self._retiring: set[asyncio.Task[None]] = set()  # replaced servers, stopping in the background
+
+    @property
+    def started(self) -> bool:
+        return self.server is not None
+
+    async def start(self) -> None:
+        if self.server is None:
+            server = self.make()
+            self._identity = await serve_at(server, self.path)
+            self.server = server
+
+    async def restore(self, grace: float) -> bool:
+        if self.server is None or identity(self.path) is not None:
+            return False
+        old, fresh = self.server, self.make()
+        self._identity = await serve_at(fresh, self.path)
+        self.server = fresh
+        task = asyncio.create_task(old.stop(grace))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return True
+
+    async def stop(self, grace: float) -> None:
+        server, self.server = self.server, None
+        own, self._identity = self._identity, None
+        if server is not None:
+            await server.stop(grace)
+            if own is not None:
+                with contextlib.suppress(OSError):
+                    remove_own_socket(self.path, own)
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
