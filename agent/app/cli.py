@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from agent import __version__, config
+from agent.app.output import EXIT_USAGE
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -99,7 +100,7 @@ class Parser(argparse.ArgumentParser):
     whole usage, which for the agent's commands is a page)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\nSee '{self.prog} --help'.\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\nSee '{self.prog} --help'.\n")
 
     def print_help(self, file: SupportsWrite[str] | None = None) -> None:
         # Written here, not by argparse, which swallows the error of a reader that went away.
@@ -264,7 +265,7 @@ def _main(words: list[str]) -> int:
         settings = config.settings_from(args)
     except config.ConfigError as exc:
         print(f"dra-agent: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.command == "run":
         from agent import log
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from agent.app.output import EXIT_USAGE
 from agent.config import Settings
 from agent.fsutil import atomic_write, makedirs
 from agent.health.conditions import GPU_LOST, XID, read_saved
@@ -145,7 +146,7 @@ def cmd_sim(args: argparse.Namespace, settings: Settings) -> int:
         path = submit(settings, command)
     except SimctlError as exc:
         print(f"dra-agent sim: {exc}", flush=True, file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     what = f"{command.command} {command.device}" + (f" XID {command.xid}" if command.xid is not None else "")
     applied = wait_applied(path, float(args.wait))
     if applied:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agent import kube
-from agent.app.output import EXIT_NOT_FOUND, dump, table
+from agent.app.output import EXIT_NOT_FOUND, EXIT_USAGE, dump, table
 from agent.config import Settings
 from agent.health.conditions import Cause, read_saved
 from agent.health.requests import CLEAR_WAIT, health_dir, read_result, submit_clear
@@ -115,7 +115,7 @@ def _clear(settings: Settings, device: str) -> int:
         path = submit_clear(settings, device)
     except InvalidName as exc:
         print(f"dra-agent: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     deadline = time.monotonic() + CLEAR_WAIT
     while path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -16,7 +16,7 @@ from agent.errors import ClaimError
 # its choice (docs/security.md).
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES"})
 RESERVED_ENV_PREFIXES = ("NVIDIA_", "CUDA_MPS_", "LD_", "DRA_")
-RESERVED_ENV_TEXT = "CUDA_VISIBLE_DEVICES, NVIDIA_*, CUDA_MPS_*, LD_*, DRA_*"
+RESERVED_ENV_TEXT = ", ".join([*sorted(RESERVED_ENV), *(f"{prefix}*" for prefix in RESERVED_ENV_PREFIXES)])
 # The exception: the MPS limits, which a DeviceClass's configuration (the administrator's) or the claim's
 # own may set, only ever lower. Prepare keeps the lowest of the agent's value (from the consumed
 # capacity) and every configuration's, per CUDA ordinal (`agent.claims.plan`).
