@@ -100,6 +100,14 @@ GPUS: dict[str, Gpu] = {
     "h200-141gb": Gpu("H200 141GB", 8, 7, _gh100("18gb", "35gb", "71gb", "141gb")),
 }
 
+# Memory per profile as a real GPU's NVML gives it (memorySizeMB), where one was read (tests/hw on a lent
+# machine): an H200 (driver 580.159.04) answered 16 GiB for 1g.18gb, an eighth of its memory slices but
+# 11.4% of the whole instance's 140 GiB, so the guide's fractions hold only roughly there.
+MEASURED_MIB: dict[str, dict[str, int]] = {
+    "h200-141gb": {"1g.18gb": 16384, "1g.18gb+me": 16384, "1g.35gb": 33280, "2g.35gb": 33280, "3g.71gb": 71424,
+                   "4g.71gb": 71424, "7g.141gb": 143360},
+}
+
 # GPU instances the guide shows made side by side on an A100-SXM4-40GB: (profile, start) each.
 A100_SIDE_BY_SIDE: tuple[tuple[tuple[str, int], ...], ...] = (
     (("3g.20gb", 0), ("3g.20gb", 4)),

@@ -19,6 +19,7 @@ import pynvml
 import pytest
 from conftest import need_command
 
+from agent.inventory.gpu_event_types import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
 from agent.inventory.gpu_events import (
     DoubleBitEcc,
     GpuAnswering,
@@ -442,3 +443,35 @@ def test_real_pynvml_through_the_standin_library(short_tmp: Path, build: str) ->
         assert out["events"] == [["XidError", "gpu-3", 79, "unknown"], ["GpuLost", "gpu-0", None, None],
                                  ["GpuAnswering", "gpu-0", None, "unknown"]]
     assert out["stopped"]
+
+
+def test_recovery_codes_are_nvmls() -> None:
+    # The agent keeps nvmlGpuRecoveryAction_t's numbers itself; where the installed bindings name them,
+    # they must agree.
+    for code in NvmlRecoveryCode:
+        named = getattr(pynvml, f"NVML_GPU_RECOVERY_ACTION_{code.name}", None)
+        assert named in (None, int(code)), code
+    assert getattr(pynvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None) in (None, FI_DEV_GET_GPU_RECOVERY_ACTION)
+
+
+def test_the_agent_loads_and_scans_with_bindings_that_lack_the_recovery_names(tmp_path: Path) -> None:
+    # A real node (the lent H200's image) carried nvidia-ml-py 13.610.43, which has no
+    # NVML_GPU_RECOVERY_ACTION_BUS_RESET: `dra-agent run` died importing the health watcher. Here the
+    # bindings lose every name newer than nvidia-ml-py 12.560 that the agent could reach for.
+    script = textwrap.dedent("""
+        import importlib, runpy, sys
+        import pynvml
+        for name in [n for n in dir(pynvml) if n.startswith("NVML_GPU_RECOVERY_ACTION_")]:
+            delattr(pynvml, name)
+        del pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+        from agent.app.process import _CLUSTER_MODULES, _MODULES
+        for module in (*_MODULES, *_CLUSTER_MODULES):
+            importlib.import_module(module)
+        sys.argv = ["dra-agent", "devices", "--nvml", "sim", "-o", "json"]
+        runpy.run_module("agent", run_name="__main__")
+    """)
+    env = {**os.environ, "DRA_STATE_DIR": str(tmp_path / "state"), "DRA_OFFLINE": str(tmp_path / "offline")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
+    assert any(d["kind"] == "gpu" for d in json.loads(proc.stdout))

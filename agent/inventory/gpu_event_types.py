@@ -10,7 +10,26 @@ import enum
 from dataclasses import dataclass
 from datetime import datetime
 
-import pynvml
+
+class NvmlRecoveryCode(enum.IntEnum):
+    """nvmlGpuRecoveryAction_t's values, the ABI's numbers: nvidia-ml-py names them only from 13.580
+    (BUS_RESET and SYSTEM_REBOOT later still), and a node may carry an older one beside a newer driver
+    (the driver answers the field whatever the bindings know), so the agent keeps them itself.
+    tests/test_gpu_events.py holds them to the installed pynvml's names."""
+
+    NONE = 0
+    GPU_RESET = 1
+    NODE_REBOOT = 2
+    DRAIN_P2P = 3
+    DRAIN_AND_RESET = 4
+    RECOVER_IMEX_DOMAIN = 5
+    BUS_RESET = 6
+    SYSTEM_REBOOT = 7
+
+
+# NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: the field id (nvml.h) the recovery action is read from; named by
+# nvidia-ml-py from 13.580 only, for the reason above.
+FI_DEV_GET_GPU_RECOVERY_ACTION = 230
 
 
 class RecoveryAction(enum.Enum):
@@ -31,16 +50,7 @@ class RecoveryAction(enum.Enum):
         return _ACTIONS.get(code, cls.UNKNOWN)
 
 
-_ACTIONS = {
-    pynvml.NVML_GPU_RECOVERY_ACTION_NONE: RecoveryAction.NONE,
-    pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET: RecoveryAction.GPU_RESET,
-    pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT: RecoveryAction.NODE_REBOOT,
-    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P: RecoveryAction.DRAIN_P2P,
-    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET: RecoveryAction.DRAIN_AND_RESET,
-    pynvml.NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN: RecoveryAction.RECOVER_IMEX_DOMAIN,
-    pynvml.NVML_GPU_RECOVERY_ACTION_BUS_RESET: RecoveryAction.BUS_RESET,
-    pynvml.NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT: RecoveryAction.SYSTEM_REBOOT,
-}
+_ACTIONS = {int(code): RecoveryAction[code.name] for code in NvmlRecoveryCode}
 
 
 @dataclass(frozen=True)

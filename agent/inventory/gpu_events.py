@@ -43,6 +43,7 @@ from typing import Any
 import pynvml
 
 from agent.inventory.gpu_event_types import (
+    FI_DEV_GET_GPU_RECOVERY_ACTION,
     DoubleBitEcc,
     GpuAnswering,
     GpuBaseline,
@@ -307,7 +308,7 @@ class GpuEventWatcher:
         if not gpu.fields:
             return RecoveryAction.UNKNOWN
         try:
-            values = self.nvml.nvmlDeviceGetFieldValues(gpu.handle, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
+            values = self.nvml.nvmlDeviceGetFieldValues(gpu.handle, [FI_DEV_GET_GPU_RECOVERY_ACTION])
         except pynvml.NVMLError as exc:
             if exc.value not in ABSENT:
                 raise

@@ -30,6 +30,7 @@ import orjson
 import pynvml
 
 from agent.fsutil import atomic_write
+from agent.inventory.gpu_event_types import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class SimEvents:
         self._sets: dict[int, _EventSet] = {}
         self._next_set = 1
         self._supported: list[int] = [SUPPORTED_EVENTS] * gpu_count
-        self._actions: list[int] = [pynvml.NVML_GPU_RECOVERY_ACTION_NONE] * gpu_count
+        self._actions: list[int] = [NvmlRecoveryCode.NONE] * gpu_count
         self._closed = False  # the library was shut down: waiters give up
         self._kept: tuple[Path, Callable[[], str]] | None = None  # (file, boot ID) once `keep_actions`
         self._waiting = 0  # threads blocked in wait() now
@@ -235,7 +236,7 @@ def field_values(field_ids: list[int] | list[tuple[int, int]], recovery_action: 
             entry.fieldId = field_id
         entry.timestamp = now_us
         entry.latencyUsec = 0
-        if entry.fieldId == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+        if entry.fieldId == FI_DEV_GET_GPU_RECOVERY_ACTION:
             entry.nvmlReturn = pynvml.NVML_SUCCESS
             entry.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
             entry.value.uiVal = recovery_action

@@ -6,7 +6,8 @@ each profile's name, compute slices (fraction of SMs), instance count, copy engi
 OFA engines, and its placements (the guide's `nvidia-smi mig -lgipp` listing and placement figures:
 8 memory slices and 7 compute slices on A100, H100 and H200, 4 and 4 on A30). From NVML as
 `nvidia-smi mig -lgip` shows it: the profile ids (19, 20, 15, 14, 9, 5, 0 on the 8-slice GPUs; 14, 21,
-5, 6, 0 on A30) and the H100 80GB's multiprocessors and memory. The other models' multiprocessors
+5, 6, 0 on A30), the H100 80GB's multiprocessors and memory, and the H200's memory (a real H200's NVML,
+read by tests/hw, agreed with every other field of its table here). The other models' multiprocessors
 (14 per compute slice on GA100) and memory sizes (a little under the profile's share of the GPU, its
 name's GB rounded up) are the simulator's own. tests/test_mig.py holds the tables to the guide.
 """
@@ -73,7 +74,9 @@ _GH100_ENGINES = ((1, 1, 1, 0), (1, 1, 1, 1), (1, 1, 1, 0), (2, 2, 2, 0), (3, 3,
 H100_80GB = _eight_slices(("10gb", "20gb", "40gb", "80gb"), (9984, 20096, 40448, 81152), _GH100_SMS, _GH100_ENGINES)
 H100_94GB = _eight_slices(("12gb", "24gb", "47gb", "94gb"), (11776, 23808, 47872, 95744), _GH100_SMS, _GH100_ENGINES)
 H100_96GB = _eight_slices(("12gb", "24gb", "48gb", "96gb"), (12032, 24064, 48640, 97792), _GH100_SMS, _GH100_ENGINES)
-H200_141GB = _eight_slices(("18gb", "35gb", "71gb", "141gb"), (17920, 35584, 72192, 143616), _GH100_SMS,
+# As a real H200 answered (driver 580.159.04, `make hw-check`): memory 16 GiB, 32.5, 69.75 and 140 GiB, a
+# smaller share of the GPU's 143771 MiB than the H100s' profiles take of theirs.
+H200_141GB = _eight_slices(("18gb", "35gb", "71gb", "141gb"), (16384, 33280, 71424, 143360), _GH100_SMS,
                            _GH100_ENGINES)
 A100_40GB = _eight_slices(("5gb", "10gb", "20gb", "40gb"), (4864, 9856, 19968, 40192), _GA100_SMS, _GA100_ENGINES)
 A100_80GB = _eight_slices(("10gb", "20gb", "40gb", "80gb"), (9728, 19968, 40192, 81152), _GA100_SMS, _GA100_ENGINES)

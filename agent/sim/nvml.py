@@ -68,6 +68,7 @@ from typing import Any
 import pynvml
 
 from agent.host.pci import normalize_bus_id
+from agent.inventory.gpu_event_types import NvmlRecoveryCode
 from agent.sim.control import ControlWatcher
 from agent.sim.events import SimEvents
 from agent.sim.hardware import machine_profile, materialize
@@ -154,7 +155,7 @@ class SimulatedNvml(SimHealth):
                 errors.clear()
             self._lost = [False] * len(self._lost)
         for index in range(len(self.profile.gpus)):
-            self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
+            self._events.set_action(index, NvmlRecoveryCode.NONE)
 
     # Library lifetime.
     def nvmlInitWithFlags(self, flags: int) -> None:

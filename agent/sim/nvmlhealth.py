@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import pynvml
 
+from agent.inventory.gpu_event_types import NvmlRecoveryCode
 from agent.sim.control import ControlWatcher, SimCommand, device_index
 from agent.sim.events import APPLICATION_XIDS, SimEvent, SimEvents, event_data, field_values
 from agent.sim.machine import SimGpu, SimProfile
@@ -73,22 +74,22 @@ class SimHealth:
         Returns how many event sets received it."""
         if isinstance(xid, bool) or not isinstance(xid, int) or not 0 < xid < 1000:
             raise ValueError(f"XID must be an integer 1..999, not {xid!r}")
-        action = (pynvml.NVML_GPU_RECOVERY_ACTION_NONE if xid in APPLICATION_XIDS
-                  else pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+        action = (NvmlRecoveryCode.NONE if xid in APPLICATION_XIDS
+                  else NvmlRecoveryCode.GPU_RESET)
         event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeXidCriticalError, xid, raised_at)
         return self._events.queue(event, action)
 
     def raise_double_bit_ecc(self: _Nvml, index: int) -> int:
         """An uncorrectable (double-bit) ECC error on GPU `index`; the GPU then needs a reset."""
         event = SimEvent(self._checked_index(index), pynvml.nvmlEventTypeDoubleBitEccError, 0)
-        return self._events.queue(event, pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET)
+        return self._events.queue(event, NvmlRecoveryCode.GPU_RESET)
 
     def recover(self: _Nvml, index: int) -> None:
         """A GPU reset: the GPU answers again and needs nothing (recovery action NONE)."""
         with self._lock:
             self._lost[self._checked_index(index)] = False
             self._resets[index] += 1
-        self._events.set_action(index, pynvml.NVML_GPU_RECOVERY_ACTION_NONE)
+        self._events.set_action(index, NvmlRecoveryCode.NONE)
 
     def reset_count(self: _Nvml, index: int) -> int:
         """How many resets (`recover`) the GPU at NVML index `index` has had: not an NVML call, but the one

@@ -1,4 +1,5 @@
-"""Real hardware: discovery through the real NVML, checked against nvidia-smi (`make hw-check`).
+"""Real hardware: discovery through the real NVML, checked against nvidia-smi and the simulated MIG
+tables (`make hw-check`).
 
 Not part of `make test`: it needs an NVIDIA GPU, its driver and nvidia-smi on the machine. Every
 check is read-only: queries, never a configuration change. In CI the same code path runs against
@@ -27,8 +28,11 @@ from agent.config import NvmlMode, Settings
 from agent.host.pci import normalize_bus_id
 from agent.inventory import DiscoveryError
 from agent.inventory.gpus import GpuSource, driver_minors
+from agent.inventory.mig import read_layout
+from agent.kinds import Kind
 from agent.model import PCI_BUS_ID, Device, Version
 from agent.sim.hardware import NVIDIA_MAJOR
+from agent.sim.migprofiles import MIG_TABLES
 
 QUERY = "uuid,pci.bus_id,memory.total,driver_version"
 MiB = 1024 * 1024
@@ -64,9 +68,10 @@ def optional_query(field: str) -> dict[str, str]:
 
 
 def scanned(source: GpuSource) -> dict[str, Device]:
+    """The whole GPUs by UUID (the scan also gives each GPU's MIG placements and passthrough form)."""
     result = source.scan()
     assert result.failed_devices == [] and result.problems == [], (result.failed_devices, result.problems)
-    return {str(d.attributes["uuid"]): d for d in result.devices}
+    return {str(d.attributes["uuid"]): d for d in result.devices if d.kind is Kind.GPU}
 
 
 def test_discovery_matches_nvidia_smi(real_gpus: GpuSource, capsys: pytest.CaptureFixture[str]) -> None:
@@ -74,7 +79,7 @@ def test_discovery_matches_nvidia_smi(real_gpus: GpuSource, capsys: pytest.Captu
     smi = nvidia_smi()
     assert result.failed_devices == [] and result.problems == [], (result.failed_devices, result.problems)
     assert smi, "nvidia-smi lists no GPU although NVML initialized"
-    by_uuid = {d.attributes["uuid"]: d for d in result.devices}
+    by_uuid = {d.attributes["uuid"]: d for d in result.devices if d.kind is Kind.GPU}
     assert sorted(by_uuid) == sorted(row["uuid"] for row in smi)
     table = [("device", "uuid", "pciBusID", "memory MiB", "driver", "nvidia-smi agrees")]
     for row in smi:
@@ -145,5 +150,44 @@ def test_the_cli_shows_what_discovery_finds(real_gpus: GpuSource, tmp_path: Path
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr
     shown = {d["name"]: d for d in json.loads(proc.stdout) if d["kind"] == "gpu"}
+    # The CLI adds the PCI function's driver and IOMMU group, which the published device does not carry.
+    functions = {name: d.pop("pciFunction", None) for name, d in shown.items()}
     expected = {d.name: d.summary() for d in scanned(real_gpus).values()}
     assert shown == expected
+    assert all(f is not None and f["driver"] == "nvidia" for f in functions.values()), functions
+
+
+def test_mig_profiles_match_the_simulated_tables(real_gpus: GpuSource, capsys: pytest.CaptureFixture[str]) -> None:
+    # The simulated GPUs' MIG tables (agent/sim/migprofiles.py) against what the real NVML answers,
+    # read-only: profile info and possible placements, never a mode change or an instance.
+    nvml = real_gpus.nvml
+    compared = 0
+    for dev in scanned(real_gpus).values():
+        if not dev.attributes["migCapable"]:
+            continue
+        handle = nvml.nvmlDeviceGetHandleByUUID(str(dev.attributes["uuid"]))
+        layout = read_layout(nvml, handle)
+        with capsys.disabled():
+            print(f"\n{dev.name} ({dev.attributes['productName']}): "
+                  f"{'no MIG layout' if layout is None else f'{layout.memory_slices} memory slices'}")
+            for p in layout.profiles if layout else ():
+                print(f"  id {p.id:2} {p.name:12} slices {p.compute_slices} instances {p.instances} "
+                      f"engines(sm,ce,dec,enc,jpg,ofa) {p.engines} memory {p.memory // MiB} MiB "
+                      f"starts {p.starts} size {p.size}")
+        if layout is None:
+            continue
+        whole = max(layout.profiles, key=lambda p: p.size).name
+        table = next((t for t in MIG_TABLES.values() if max(t, key=lambda s: s.size).name == whole), None)
+        if table is None:
+            with capsys.disabled():
+                print(f"note: no simulated table has a {whole} profile")
+            continue
+        real = {p.id: (p.name, p.compute_slices, p.instances, p.engines, p.memory // MiB, p.starts, p.size)
+                for p in layout.profiles}
+        simulated = {s.id: (s.name, s.slices, s.instances, (s.multiprocessors, s.copy_engines, s.decoders,
+                                                              s.encoders, s.jpegs, s.ofas),
+                            s.memory_mib, s.starts, s.size) for s in table}
+        assert real == simulated
+        compared += 1
+    if compared == 0:
+        pytest.skip("no MIG-capable GPU here whose profiles a simulated table models")
