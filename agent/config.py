@@ -77,6 +77,7 @@ class Settings:
     offline: Path | None = None
     offline_fallback: Path | None = None
     nic_include: tuple[str, ...] = ()
+    node_ips: tuple[str, ...] = ()  # the Node's addresses (status.hostIPs): the NIC holding one is an uplink
     nic_exclude: tuple[str, ...] = ()
     nic_passthrough: tuple[str, ...] = ()
     rescan_interval: float = 60.0
@@ -275,7 +276,7 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
             continue
         if key == "nvml" and isinstance(value, str):
             value = NvmlMode.parse(value)
-        elif key in ("nic_include", "nic_exclude", "nic_passthrough", "skip_node_operations",
+        elif key in ("nic_include", "nic_exclude", "nic_passthrough", "node_ips", "skip_node_operations",
                      "binding_conditions") \
                 and isinstance(value, str):
             value = _globs(value)

@@ -109,6 +109,9 @@ class NicFacts:
     ips: tuple[str, ...] = ()  # CIDR, IPv4 first
     link_up: bool = False
     pci_bus_id: str = ""
+    # It carries the namespace's default route (`agent.host.routes`): never moved into a pod nor passed
+    # through, which would cut the node off.
+    uplink: bool = False
 
     @property
     def kind(self) -> Kind:

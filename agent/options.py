@@ -80,6 +80,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("nic_passthrough", "--nic-passthrough", "DRA_NIC_PASSTHROUGH", "",
            "comma-separated interface-name globs: PFs without SR-IOV VFs that also get a passthrough (VFIO) "
            "variant (every VF gets one anyway; --nic-exclude wins)", metavar="GLOBS"),
+    Option("node_ips", "--node-ips", "DRA_NODE_IPS", "",
+           "comma-separated addresses of this Node (the DaemonSet gives status.hostIPs): a NIC holding one is "
+           "the node's uplink, like the NIC of the default route, and never moved into a pod or passed "
+           "through", metavar="IPS"),
     Option("rescan_interval", "--rescan-interval", "DRA_RESCAN_INTERVAL", 60.0,
            "seconds between NVML and sysfs rescans", kind=float, metavar="SECONDS"),
     Option("netlink_debounce", "--netlink-debounce", "DRA_NETLINK_DEBOUNCE", 0.5,

@@ -28,14 +28,16 @@ from agent.sim.profiles import load_profile
 HERE = Path(__file__).resolve().parent
 
 
-def first_nic(settings) -> str | None:  # type: ignore[no-untyped-def]
+def first_nic(settings) -> tuple[str, bool] | None:  # type: ignore[no-untyped-def]
+    """The first NIC discovery publishes that is not the node's uplink, else the uplink; and whether
+    it is the uplink (which prepare never moves into a pod: the example then leaves it on the host)."""
     source = NicSource(settings)
     source.open()
     try:
-        devices = sorted(source.scan().devices, key=lambda d: d.name)
+        devices = sorted(source.scan().devices, key=lambda d: (bool(d.attributes.get("uplink")), d.name))
     finally:
         source.close()
-    return devices[0].name if devices else None
+    return (devices[0].name, bool(devices[0].attributes.get("uplink"))) if devices else None
 
 
 def _simulated(settings) -> bool:  # type: ignore[no-untyped-def]
@@ -87,11 +89,12 @@ def mig_device(settings) -> tuple[str, str] | None:  # type: ignore[no-untyped-d
 
 def seed(run_dir: Path) -> list[Path]:
     settings = settings_from(None)
-    nic = first_nic(settings)
+    nic, uplink = first_nic(settings) or ("", False)
     gpu = vfio_gpu(settings)
     vf = vfio_vf(settings)
     mig, mig_profile = mig_device(settings) or ("", "")
-    values = {"DRIVER": settings.driver_name, "NODE_NAME": settings.node_name, "NIC_DEVICE": nic or "",
+    values = {"DRIVER": settings.driver_name, "NODE_NAME": settings.node_name, "NIC_DEVICE": nic,
+              "NIC_MOVE": "false" if uplink else "true",
               "VFIO_GPU_DEVICE": gpu or "", "VFIO_VF_DEVICE": vf or "", "MIG_DEVICE": mig,
               "MIG_PROFILE": mig_profile}
     written = []

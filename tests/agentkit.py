@@ -66,14 +66,15 @@ class StaticSource:
 
 
 def nic(name: str = "nic-0000-3b-00-0", ifname: str = "ens1f0", mac: str = "02:00:00:00:00:01",
-        ips: Sequence[str] = ("10.0.0.5/24",)) -> Device:
+        ips: Sequence[str] = ("10.0.0.5/24",), uplink: bool = False) -> Device:
     bus = "0000:3b:00.0"
     attrs: dict[str, Any] = {"type": "nic", "ifName": ifname, "macAddress": mac, "mtu": 9000, "linkUp": True,
-                             PCI_BUS_ID: bus, PCIE_ROOT: "pci0000:3a", NUMA_NODE: 0}
+                             "uplink": uplink, PCI_BUS_ID: bus, PCIE_ROOT: "pci0000:3a", NUMA_NODE: 0}
     if ips:
         attrs["ipv4"] = ips[0]
     return Device(name=name, kind=Kind.NIC, attributes=attrs,
-                  node=NicFacts(interface=ifname, mac=mac, ips=tuple(ips), link_up=True, pci_bus_id=bus))
+                  node=NicFacts(interface=ifname, mac=mac, ips=tuple(ips), link_up=True, pci_bus_id=bus,
+                                uplink=uplink))
 
 
 def cpu(node: int = 0, cpus: Iterable[int] = range(0, 8)) -> Device:

@@ -150,7 +150,7 @@ BAD_SHAPES: list[tuple[Path_, Any, str]] = [
     ((*AT_CONFIG, 0, "opaque", "parameters", "env"), {1: "x"},
      f"{PARAMS}.env: name '1' is not a valid variable name"),
     ((*AT_CONFIG, 0, "opaque", "parameters", "kind"), ["DeviceConfig"],
-     f"{PARAMS}.kind must be 'DeviceConfig' or 'VfioConfig', not ['DeviceConfig']"),
+     f"{PARAMS}.kind must be 'DeviceConfig', 'NetworkConfig' or 'VfioConfig', not ['DeviceConfig']"),
     ((*AT_CONFIG, 0, "opaque", "parameters", 7), "x",
      f"{PARAMS}: unknown field(s) '7'"),
 ]

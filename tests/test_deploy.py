@@ -203,7 +203,7 @@ def test_driver_name_and_image_are_one_edit_each(tmp_path: Path) -> None:
 
 # -- the DaemonSet against the agent's settings ------------------------------------------------------
 
-DOWNWARD = {"spec.nodeName": NODE, "metadata.uid": POD_UID}
+DOWNWARD = {"spec.nodeName": NODE, "metadata.uid": POD_UID, "status.hostIPs": "192.0.2.10,2001:db8::10"}
 
 
 def daemonset_env(container: Mapping[str, Any]) -> dict[str, str]:
@@ -231,7 +231,9 @@ def test_daemonset_environment_and_command_are_the_agents_settings(which: str) -
     assert len(names) == len(set(names))
     assert set(names) <= known, f"not settings of agent/config.py: {set(names) - known}"
     fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
-    assert fields == {"NODE_NAME": "spec.nodeName", "DRA_ROLLING_UPDATE_POD_UID": "metadata.uid"}
+    assert fields == {"NODE_NAME": "spec.nodeName", "DRA_ROLLING_UPDATE_POD_UID": "metadata.uid",
+                      "DRA_NODE_IPS": "status.hostIPs"}
+    assert effective_settings(objs).node_ips == ("192.0.2.10", "2001:db8::10")
 
     # The command is the installed console script and a subcommand the CLI knows.
     pyproject = (REPO / "pyproject.toml").read_text()

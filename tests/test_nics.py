@@ -89,6 +89,7 @@ def test_interface_facts_from_netlink(ns: NetNS) -> None:
         "macAddress": "02:a1:b2:c3:d4:e5",
         "mtu": 1400,
         "linkUp": True,
+        "uplink": False,
         "speedMbps": 10000,  # what veth reports in sysfs while it is up
         "isVf": False,
         "rdma": False,
@@ -503,3 +504,20 @@ async def test_debounce_an_event_storm_still_triggers_rescans() -> None:
     finally:
         storming.cancel()
         await rescans.aclose()
+
+
+def test_the_links_of_the_default_routes_are_uplinks(ns: NetNS) -> None:
+    # Moved into a pod or passed to a VM, the link of the node's default route cuts the node off: each
+    # such link (IPv4 or IPv6) is published as an uplink, which prepare never moves.
+    for name in ("va", "wa", "xa"):
+        ns.veth(name, f"{name[0]}b")
+    ns.ip("addr", "add", "10.9.0.2/24", "dev", "va")
+    ns.ip("route", "add", "default", "via", "10.9.0.1")
+    ns.ip("-6", "addr", "add", "fd09::2/64", "dev", "wa", "nodad")
+    ns.ip("-6", "route", "add", "default", "via", "fd09::1", "dev", "wa")
+    scan = discover(ns, nic_include="va,wa,xa")
+    assert {name: scan.attrs(name)["uplink"] for name in ("va", "wa", "xa")} == {"va": True, "wa": True, "xa": False}
+    ns.ip("route", "del", "default")
+    assert discover(ns, nic_include="va").attrs("va")["uplink"] is False
+    # The NIC holding one of the Node's addresses (the DaemonSet passes status.hostIPs) is one too.
+    assert discover(ns, nic_include="va", node_ips="10.9.0.2").attrs("va")["uplink"] is True

@@ -10,6 +10,7 @@ where an object belongs, a number where a name belongs or a null anywhere is a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from agent.claims.claimenv import (
 )
 from agent.claims.metadata import POD_CLAIM_NAME, AllocatedDevice
 from agent.errors import ClaimError
-from agent.facts import PassthroughFacts
+from agent.facts import NicFacts, PassthroughFacts
 from agent.inventory import Withheld
 from agent.kinds import Kind
 from agent.model import Device
@@ -39,6 +40,11 @@ CONFIG_KIND = "DeviceConfig"
 CONFIG_FIELDS = {"apiVersion", "kind", "env"}
 VFIO_KIND = "VfioConfig"  # passthrough (VFIO) devices: the VFIO interface, a VF's MAC and VLAN
 VFIO_FIELDS = {"apiVersion", "kind", "iommu", "mac", "vlan"}
+# NICs: the name the interface takes in the pod, or `move: false` to leave it in the host's namespace
+# (a host-network pod, a runtime that reads no CDI 1.1 `netDevices`).
+NETWORK_KIND = "NetworkConfig"
+NETWORK_FIELDS = {"apiVersion", "kind", "interfaceName", "move"}
+IFNAMSIZ = 16  # the kernel's limit on an interface name, its NUL included
 IOMMU_BACKENDS = ("legacy", "iommufd")
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}\Z")
 MAX_VLAN = 4094
@@ -66,6 +72,17 @@ class Allocation:
     devices: list[AllocatedDevice] = field(default_factory=list)
     config_env: dict[str, dict[str, str]] = field(default_factory=dict)  # device name -> env
     vfio: dict[str, VfioSettings] = field(default_factory=dict)  # passthrough device name -> its config
+    network: dict[str, NetworkSettings] = field(default_factory=dict)  # NIC device name -> its config
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkSettings:
+    """What a claim's `NetworkConfig` asks for one NIC: the interface's name in the pod ("" keeps the
+    host's) and whether it moves there at all."""
+
+    interface: str = ""
+    move: bool = True
+    where: str = ""
 
 
 def config_api_version(driver: str) -> str:
@@ -198,7 +215,23 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
         out.devices.append(AllocatedDevice(request=request, pool=pool, device=device, share_id=share_id,
                                            consumed=consumed, admin_access=bool(admin_access)))
     _apply_configs(out, _list(device_alloc.get("config"), _CONFIG), driver)
+    out.devices = [_placed(alloc, out.network.get(alloc.device.name)) for alloc in out.devices]
     return out
+
+
+def _placed(alloc: AllocatedDevice, config: NetworkSettings | None) -> AllocatedDevice:
+    """A NIC allocated for a pod moves into the pod's network namespace (CDI `netDevices`), under the
+    name its `NetworkConfig` gives or its host name; not one allocated with admin access (the device as
+    it is), nor one whose configuration says `move: false`. The node's uplink never moves."""
+    facts = alloc.device.node
+    if not isinstance(facts, NicFacts) or alloc.admin_access or (config is not None and not config.move):
+        return alloc
+    if facts.uplink:
+        raise ClaimError(f"device {alloc.device.name} ({facts.interface}) carries this node's default route: "
+                         "moved into a pod it would cut the node off, so it is never moved (its `uplink` "
+                         f"attribute says so; a {NETWORK_KIND} with move: false leaves it on the host, for a "
+                         "host-network pod)")
+    return dataclasses.replace(alloc, pod_interface=(config.interface if config else "") or facts.interface)
 
 
 def _consumed(value: object, path: str) -> dict[str, str]:
@@ -284,6 +317,13 @@ def _apply_configs(out: Allocation, configs: list[Any], driver: str) -> None:
         for alloc in out.devices:
             if c.requests and alloc.request not in c.requests and base_request(alloc.request) not in c.requests:
                 continue
+            if isinstance(decoded, NetworkSettings):
+                if alloc.device.kind is not Kind.NIC:
+                    raise ClaimError(f"{where}: a {NETWORK_KIND} applies to NICs only; device "
+                                     f"{alloc.device.name} of request {alloc.request!r} is a {alloc.device.kind} "
+                                     "device")
+                out.network[alloc.device.name] = decoded
+                continue
             if isinstance(decoded, dict):
                 env = out.config_env.setdefault(alloc.device.name, {})
                 for key, value in decoded.items():
@@ -316,15 +356,18 @@ class _VfioEntry:
     fields: frozenset[str]  # the fields the entry sets (later entries override only those)
 
 
-def decode_config(params: Any, driver: str, where: str = "parameters") -> dict[str, str] | _VfioEntry:
+def decode_config(params: Any, driver: str,
+                  where: str = "parameters") -> dict[str, str] | _VfioEntry | NetworkSettings:
     """Strictly decode `{"apiVersion": "<driver>/v1alpha1", "kind": "DeviceConfig", "env": {...}}`
     (its variables) or `{..., "kind": "VfioConfig", "iommu", "mac", "vlan"}`; `where` is the path of
     `params` in the claim, for messages."""
     if not isinstance(params, Mapping):
         raise ClaimError(f"{where} must be an object, not {_kind(params)}")
     vfio = params.get("kind") == VFIO_KIND
+    network = params.get("kind") == NETWORK_KIND
+    allowed = VFIO_FIELDS if vfio else NETWORK_FIELDS if network else CONFIG_FIELDS
     # Keys of a YAML document need not be strings: compare and sort them as text.
-    unknown = sorted(str(k) for k in params if k not in (VFIO_FIELDS if vfio else CONFIG_FIELDS))
+    unknown = sorted(str(k) for k in params if k not in allowed)
     if unknown:
         shown = ", ".join(_key(k) for k in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
         raise ClaimError(f"{where}: unknown field(s) {shown}")
@@ -333,8 +376,10 @@ def decode_config(params: Any, driver: str, where: str = "parameters") -> dict[s
                          f"not {_value(params.get('apiVersion'))}")
     if vfio:
         return _decode_vfio(params, where)
+    if network:
+        return _decode_network(params, where)
     if params.get("kind") != CONFIG_KIND:
-        raise ClaimError(f"{where}.kind must be {CONFIG_KIND!r} or {VFIO_KIND!r}, "
+        raise ClaimError(f"{where}.kind must be {CONFIG_KIND!r}, {NETWORK_KIND!r} or {VFIO_KIND!r}, "
                          f"not {_value(params.get('kind'))}")
     env = params.get("env")
     if env is None:
@@ -374,3 +419,24 @@ def _decode_vfio(params: Mapping[Any, Any], where: str) -> _VfioEntry:
         raise ClaimError(f"{where}.vlan must be a VLAN ID from 0 (none) to {MAX_VLAN}, not {_value(vlan)}")
     fields = frozenset(k for k in ("iommu", "mac", "vlan") if k in params)
     return _VfioEntry(VfioSettings(iommu=str(iommu), mac=mac, vlan=vlan, where=where), fields)
+
+
+def _decode_network(params: Mapping[Any, Any], where: str) -> NetworkSettings:
+    name, move = params.get("interfaceName", ""), params.get("move", True)
+    if not isinstance(name, str):
+        raise ClaimError(f"{where}.interfaceName must be a string, not {_kind(name)}")
+    if name and (problem := interface_name_errors(name)):
+        raise ClaimError(f"{where}.interfaceName must be a network interface name: {problem}")
+    if not isinstance(move, bool):
+        raise ClaimError(f"{where}.move must be true or false, not {_value(move)}")
+    return NetworkSettings(interface=name, move=move, where=where)
+
+
+def interface_name_errors(name: str) -> str:
+    """Why the kernel would refuse `name` for an interface ("" when it takes it): 1 to 15 bytes, not
+    `.` or `..`, no `/`, `:` or white space."""
+    if not 0 < len(name.encode()) < IFNAMSIZ:
+        return f"{name[:40]!r} is not 1 to {IFNAMSIZ - 1} bytes long"
+    if name in (".", "..") or any(c in "/:" or c.isspace() or not c.isprintable() for c in name):
+        return f"{name!r} has '/', ':', white space or an unprintable character, or is '.' or '..'"
+    return ""

@@ -45,6 +45,7 @@ class DeviceSummary:
     made: tuple[tuple[str, str], ...] = ()
     mac: str = ""
     admin_access: bool = False  # held with admin access: it excludes no other claim
+    pod_interface: str = ""  # a NIC moved into the pod: its name there
 
     @classmethod
     def of(cls, d: PreparedDevice, record: ClaimRecord) -> DeviceSummary:
@@ -54,7 +55,7 @@ class DeviceSummary:
         mac = next((b.mac for b in record.bindings if b.device == d.device and b.mac), "")
         # A node has a few pools and devices, held by thousands of claims: one string each.
         return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "", made, mac,
-                   d.admin_access)
+                   d.admin_access, d.pod_interface)
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,6 +67,10 @@ def claim_spec(vendor: str, uid: str, allocated: Sequence[AllocatedDevice],
         nodes = [{"path": n.path, "hostPath": n.host_path} for n in alloc.device.device_nodes]
         if nodes:
             edits["deviceNodes"] = nodes
+        if alloc.pod_interface and isinstance(alloc.device.node, NicFacts):
+            # CDI 1.1 `netDevices` (OCI `linux.netDevices`): the runtime moves the interface into the
+            # container's network namespace, with its addresses, under the pod's name for it.
+            edits["netDevices"] = [{"hostInterfaceName": alloc.device.node.interface, "name": alloc.pod_interface}]
         devices.append({"name": f"{uid}-{name}", "containerEdits": edits})
     spec: dict[str, Any] = {"cdiVersion": "", "kind": f"{vendor}/{CLAIM_CLASS}", "devices": devices}
     spec["cdiVersion"] = minimum_version(spec)

@@ -53,6 +53,8 @@ class AllocatedDevice:
     # The result's `adminAccess`: the device as it is, shared with whoever holds it (monitoring), never
     # reconfigured and never checked for exclusivity (`agent.engine.claimops`).
     admin_access: bool = False
+    # A NIC that moves into the pod (CDI `netDevices`): its name there; "" for one that stays on the host.
+    pod_interface: str = ""
 
     @property
     def cpuset(self) -> tuple[int, ...]:
@@ -95,7 +97,7 @@ def container_file(driver: str, claim_name: str, base_request: str, pod_claim_na
     return f"{parent}/{base_request}/{driver}-metadata.json"
 
 
-def device_network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
+def device_network_data(device: Device, mac: str = "", pod_interface: str = "") -> dict[str, Any] | None:
     """A NIC's interface, IPs and MAC; a passthrough NIC function only its MAC (`mac` when the claim
     set one), which is what a VM's SR-IOV network matches (it has no interface on the host). What the
     metadata file says and the claim's status reports; None for a device with no network data.
@@ -110,15 +112,17 @@ def device_network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
     elif not isinstance(facts, NicFacts) or not facts.interface:
         return None
     else:
-        out = {"interfaceName": facts.interface, "ips": list(facts.ips), "hardwareAddress": facts.mac}
+        # A NIC moved into the pod keeps its MAC and addresses there (the runtime moves them with it).
+        out = {"interfaceName": pod_interface or facts.interface, "ips": list(facts.ips),
+               "hardwareAddress": facts.mac}
     return {k: v for k, v in out.items() if v} or None
 
 
-def network_data(device: Device, mac: str = "") -> dict[str, Any] | None:
+def network_data(device: Device, mac: str = "", pod_interface: str = "") -> dict[str, Any] | None:
     """`device_network_data` cut to what the API type allows (at most 16 IPs, each valid and once; a
     bounded interface name and address), as the claim's status is, so a reader that validates the
     file accepts it."""
-    raw = device_network_data(device, mac)
+    raw = device_network_data(device, mac, pod_interface)
     out = {k: v for k, v in apirules.clip_network_data(raw)[0].items() if v} if raw is not None else {}
     return out or None
 
@@ -134,7 +138,7 @@ def render(*, driver: str, namespace: str, name: str, uid: str, pod_claim_name: 
             "name": alloc.device.name,
             "attributes": {k: attribute_wire(v) for k, v in sorted(alloc.attributes.items())},
         }
-        if (net := network_data(alloc.device, alloc.mac)) is not None:
+        if (net := network_data(alloc.device, alloc.mac, alloc.pod_interface)) is not None:
             entry["networkData"] = net
         # A share of a device (consumable capacity): which one, and how much of the device it holds,
         # under the names the allocation result gives them.

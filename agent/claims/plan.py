@@ -59,7 +59,8 @@ def plan_record(s: Settings, toolkit: ToolkitSpecs, alloc: Allocation, generatio
             first_of_request.add(base)
             ids.append(cdispecs.metadata_device_id(vendor, ref.uid, base))
         devices.append(PreparedDevice(request=a.request, pool=a.pool, device=a.device.name,
-                                      cdi_device_ids=tuple(ids), share_id=a.share_id, admin_access=a.admin_access))
+                                      cdi_device_ids=tuple(ids), share_id=a.share_id, admin_access=a.admin_access,
+                                      pod_interface=a.pod_interface))
     for base, allocs in metadata.group_by_base_request(alloc.devices).items():
         host = metadata.host_file(s.metadata_dir, ref.uid, base)
         content = metadata.render(driver=s.driver_name, namespace=ref.namespace, name=ref.name,
@@ -176,7 +177,8 @@ def recorded_allocation(record: ClaimRecord,
         key = (d.request, d.device, d.share_id)
         allocated.append(metadata.AllocatedDevice(d.request, d.pool, device, d.share_id, macs.get(d.device, ""),
                                                   consumed.get(key, {}), made.get(d.device),
-                                                  cpus.get(key, ()) if d.share_id else ()))
+                                                  cpus.get(key, ()) if d.share_id else (),
+                                                  pod_interface=d.pod_interface))
     return allocated
 
 

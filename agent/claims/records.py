@@ -95,6 +95,9 @@ class PreparedDevice:
     # Allocated with admin access: held beside other claims, excluding none (an older agent, which does not
     # read the field, takes it for an ordinary holder: stricter, never looser).
     admin_access: bool = False
+    # A NIC moved into the pod: its name there. Its absence from the host's namespace is then expected
+    # (recheck, metadata refresh), and its networkData names it so.
+    pod_interface: str = ""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"request": self.request, "pool": self.pool, "device": self.device,
@@ -103,6 +106,8 @@ class PreparedDevice:
             out["shareId"] = self.share_id
         if self.admin_access:
             out["adminAccess"] = True
+        if self.pod_interface:
+            out["podInterface"] = self.pod_interface
         return out
 
     @classmethod
@@ -112,7 +117,7 @@ class PreparedDevice:
             raise TypeError("cdiDeviceIds must be a list of strings")
         return cls(request=str(d["request"]), pool=str(d["pool"]), device=str(d["device"]),
                    cdi_device_ids=tuple(ids), share_id=str(d.get("shareId", "")),
-                   admin_access=d.get("adminAccess") is True)
+                   admin_access=d.get("adminAccess") is True, pod_interface=str(d.get("podInterface", "")))
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,9 +73,12 @@ def identity_changes(engine: ClaimEngine, record: ClaimRecord) -> None:
     parts = {p.device: p for p in record.partitions}
     bound = {b.device: b for b in record.bindings}
     changes: list[str] = []
+    moved = {d.device for d in record.devices if d.pod_interface}
     for name in dict.fromkeys(d.device for d in record.devices):
         dev = inventory.get(name)
         if dev is None:
+            if name in moved:
+                continue  # a NIC moved into the pod is not in the host's namespace: where it should be
             if inventory.judges(name):
                 changes.append(f"device {name} is not on this node any more")
             continue  # discovery cannot tell now: judged at the next prepare answered from the record

@@ -63,6 +63,7 @@ from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed, s
 from agent.kinds import Kind
 from agent.kube import Backoff
 from agent.metrics import Metrics
+from agent.model import Device
 from agent.names import ClaimRef
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,9 @@ class ClaimStatusWriter:
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         # Claims found gone or re-created: a UID never comes back, so they are not written again.
         self._gone: set[str] = set()
+        # NICs moved into pods, as last seen on the host (device name -> device): their status entries
+        # once they have left the host's namespace. A few per node; replaced, never grown, per device.
+        self._moved: dict[str, Device] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -238,7 +242,15 @@ class ClaimStatusWriter:
         if d.share_id:
             entry["shareID"] = d.share_id
         device = self.inventory.get(d.device)
-        if device is None:
+        if d.pod_interface and device is not None:
+            self._moved[d.device] = device
+        if device is None and d.pod_interface:
+            # A NIC moved into the pod has left the host's namespace, as it should: reported as last seen.
+            device = self._moved.get(d.device)
+            ready = Readiness(True, "MovedIntoPod", f"interface {d.pod_interface} in the pod's network namespace")
+            if device is None:  # not seen since this agent started: its name in the pod is still known
+                entry["networkData"] = {"interfaceName": d.pod_interface}
+        elif device is None:
             ready = Readiness(False, "DeviceMissing", f"device {d.device} is no longer found on the node")
         else:
             try:
@@ -252,7 +264,7 @@ class ClaimStatusWriter:
         if device is not None:
             # The inventory's device is the published one: a partition made for the claim has its own
             # identity, and a passthrough VF the MAC its claim set.
-            entry |= device_data(device, dict(d.made), d.mac)
+            entry |= device_data(device, dict(d.made), d.mac, d.pod_interface)
         return entry
 
     # -- the queue ----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ class DeviceLookup(Protocol):
     def get(self, name: str) -> Device | None: ...
 
 
-def device_data(device: Device, made: Mapping[str, str], mac: str) -> dict[str, Any]:
+def device_data(device: Device, made: Mapping[str, str], mac: str, pod_interface: str = "") -> dict[str, Any]:
     """The entry's `data` of a form of a GPU that NVML knows (with the identity of a partition made for
     the claim: a MIG device's own `uuid`, a mediated device's `mdevUUID`), and the `networkData` of a NIC
     or a passthrough VF (with the MAC the claim set), as its metadata file says it
@@ -43,6 +43,6 @@ def device_data(device: Device, made: Mapping[str, str], mac: str) -> dict[str, 
             data["productName"] = product
         data.update(made)
         out["data"] = data
-    if (net := device_network_data(device, mac)) is not None:
+    if (net := device_network_data(device, mac, pod_interface)) is not None:
         out["networkData"] = net
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import ipaddress
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ from agent.apirules import attribute_value_errors
 from agent.config import Settings
 from agent.facts import NicFacts
 from agent.host.pci import PciFunction, pci_function_of
+from agent.host.routes import default_route_interfaces
 from agent.inventory import DeviceFailure, ScanResult, SourceProblem
 from agent.inventory.netlink import Address, Link, dump
 from agent.inventory.passthrough import NicVariants
@@ -118,6 +120,12 @@ class NicSource:
         self.settings = settings
         # Each PCI function's counter set, and the passthrough variants (agent.inventory.passthrough).
         self._variants = NicVariants(passthrough=tuple(passthrough), exclude=tuple(settings.nic_exclude))
+        self._node_ips: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+        for ip in settings.node_ips:
+            try:
+                self._node_ips.add(ipaddress.ip_address(ip))
+            except ValueError:
+                log.warning("--node-ips: %r is not an IP address: left out", ip[:80])
 
     def open(self) -> None:
         pass
@@ -128,12 +136,13 @@ class NicSource:
     def scan(self) -> ScanResult:
         links, addresses = dump()
         picked = _Picked()
+        uplinks = default_route_interfaces()
         for link in links:  # by index: on a name collision the older link keeps the name
-            self._consider(link, addresses.get(link.index, []), picked)
+            self._consider(link, addresses.get(link.index, []), picked, link.ifname in uplinks)
         devices = self._variants.apply(self.settings.sysfs_root, picked.devices)
         return ScanResult(devices=devices, failed_devices=picked.failed_devices, problems=picked.problems)
 
-    def _consider(self, link: Link, addresses: list[Address], picked: _Picked) -> None:
+    def _consider(self, link: Link, addresses: list[Address], picked: _Picked, uplink: bool) -> None:
         try:
             ident = self._identify(link)
         except NicUnreadable as exc:
@@ -148,7 +157,7 @@ class NicSource:
                                                  f"device name {ident.name} is already taken by {owner}"))
             return
         try:
-            device = self._device(link, ident, addresses)
+            device = self._device(link, ident, addresses, uplink)
         except NicUnreadable as exc:
             picked.failed_devices.append(DeviceFailure(ident.name, f"interface {link.ifname}: {exc}"))
             return
@@ -191,13 +200,16 @@ class NicSource:
             raise NicUnreadable(f"{netdir} is now interface index {index}, not {link.index} "
                                 "(renamed during the scan?)")
 
-    def _device(self, link: Link, ident: _Identity, addresses: list[Address]) -> Device:
+    def _device(self, link: Link, ident: _Identity, addresses: list[Address], uplink: bool) -> Device:
         netdir, pci = ident.netdir, ident.pci
         usable = [a for a in addresses if a.usable_global]
         v4 = [a.cidr for a in usable if a.family == socket.AF_INET]
         v6 = [a.cidr for a in usable if a.family == socket.AF_INET6]
+        # The NIC of the default route, or the one holding an address of the Node, is how the node is
+        # reached: its uplink.
+        uplink = uplink or any(ipaddress.ip_interface(a.cidr).ip in self._node_ips for a in addresses)
         facts = NicFacts(interface=link.ifname, mac=link.mac, ips=tuple(v4 + v6), link_up=link.link_up,
-                         pci_bus_id=pci.bus_id if pci is not None else "")
+                         pci_bus_id=pci.bus_id if pci is not None else "", uplink=uplink)
         attrs = attributes(facts)
         attrs["mtu"] = link.mtu
         speed = _read_int(netdir / "speed")

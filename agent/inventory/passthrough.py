@@ -201,16 +201,22 @@ class NicVariants:
         for dev in natives:
             if (bus := _bus_of(dev)) is not None:
                 by_bus.setdefault(bus, []).append(dev)
+        uplinks: set[str] = set()  # functions whose port carries the default route: never passed through
         for bus, devs in by_bus.items():
             self._ports[bus] = max(self._ports.get(bus, 0), len(devs))
             ports = [d.node for d in sorted(devs, key=lambda d: d.name) if isinstance(d.node, NicFacts)]
             self._learn(bus, [p.interface for p in ports if p.interface], ports[0].mac if ports else "")
+            if any(p.uplink for p in ports):
+                uplinks.add(bus)
         out = [d if (bus := _bus_of(d)) is None
                else dataclasses.replace(d, consumes_counters=(counters.one_port(self._counter_set(bus)),))
                for d in natives]
         if not self.variants.groups_present(sysfs):
             return out
         for bus in self._candidates(sysfs):
+            if bus in uplinks:
+                log.debug("NIC function %s carries the default route: no passthrough variant", bus)
+                continue
             fn = self.variants.passable(sysfs, bus)
             if fn is None:
                 continue

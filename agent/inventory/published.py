@@ -68,6 +68,7 @@ def attributes(facts: DeviceFacts) -> dict[str, AttrValue]:
         if facts.mac:
             out[MAC_ADDRESS] = facts.mac
         out["linkUp"] = facts.link_up
+        out["uplink"] = facts.uplink
         v4 = [ip for ip in facts.ips if ":" not in ip]
         v6 = [ip for ip in facts.ips if ":" in ip]
         if v4:

@@ -21,7 +21,8 @@ import json
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,18 @@ SCRIPT = f"""
 for f in {ATTRIBUTES}/*/*/*/*; do [ -e "$f" ] && {{ echo "=== file $f"; cat "$f"; }}; done
 echo "=== env"; env
 echo "=== dev"; for d in /dev/nvidia* /dev/vfio/*; do [ -e "$d" ] && stat -c '%n %F %t:%T' "$d"; done
+echo "=== net"; for i in /sys/class/net/*; do echo "${{i##*/}} $(cat $i/address)"; done
 echo "=== end"
 trap 'exit 0' TERM
 sleep 2147483647 & wait
 """
 # The agent as the workload examples need it (tests/cluster/conftest.py's SCHEDULED_FLAGS say why), and
 # collecting claims after a second's grace: a claim whose pods the kubelet still runs must never be.
-AGENT_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gpu-host-memory-overhead=0", "--gc-grace-period=1")
+# NICs the tests make in the host's namespace (`host_nic`): veth links, software ones, published only when
+# named.
+NIC_PREFIX = "dranic"
+AGENT_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gpu-host-memory-overhead=0", "--gc-grace-period=1",
+               f"--nic-include={NIC_PREFIX}*")
 SLEEPER = {"image": IMAGE, "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; "
                                                                     "sleep 2147483647 & wait"]}
 
@@ -169,6 +175,53 @@ def node_agent(node_cluster: Cluster, real_node: Node, node_runs: AgentRuns) -> 
         # The kubelet's plugin watcher found the registration socket and told the agent it took it.
         eventually(lambda: agent.metric("dra_agent_kubelet_registered") == 1.0, "the kubelet registers the plugin")
         yield agent
+
+
+class HostNic:
+    """A veth link in the host's namespace (this machine's kernel has no dummy links), as a NIC for a pod
+    to claim: the agent publishes it (`--nic-include`; its peer's name is not included), runc moves it
+    into the pod, and the kernel destroys it and its peer with the pod's namespace (a physical function
+    would come back to the host instead)."""
+
+    def __init__(self, index: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.name, self.peer = f"{NIC_PREFIX}{tag}", f"drapeer{tag}"
+        self.mac = f"02:d7:00:00:00:{index:02x}"
+        self.cidr = f"10.218.{index}.2/24"
+        subprocess.run(["ip", "link", "add", self.name, "address", self.mac, "type", "veth", "peer", "name",
+                        self.peer], check=True)
+        subprocess.run(["ip", "addr", "add", self.cidr, "dev", self.name], check=True)
+        for link in (self.name, self.peer):
+            subprocess.run(["ip", "link", "set", link, "up"], check=True)
+
+    def on_the_host(self) -> bool:
+        return subprocess.run(["ip", "link", "show", self.name], capture_output=True).returncode == 0
+
+    def remove(self) -> None:
+        if self.on_the_host():
+            subprocess.run(["ip", "link", "del", self.name], check=False)
+
+
+@pytest.fixture
+def host_nic() -> Iterator[Callable[[], HostNic]]:
+    made: list[HostNic] = []
+
+    def make() -> HostNic:
+        made.append(HostNic(len(made) + 1))
+        return made[-1]
+
+    yield make
+    for nic in made:
+        nic.remove()
+
+
+def published_nic(cluster: Cluster, nic: HostNic) -> str:
+    """The device name the agent publishes `nic` under, once it does."""
+    def find() -> str | None:
+        return next((name for name, d in devices_of(slices_of(cluster.admin, NODE_NAME)).items()
+                     if string(d, "type") == "nic" and string(d, "ifName") == nic.name), None)
+    found: str = eventually(find, f"the agent publishes {nic.name}")
+    return found
 
 
 def _sections(text: str) -> dict[str, str]:
@@ -349,6 +402,8 @@ class Printed:
                       for k, v in sections.items() if k.startswith("file ")}
         self.env = dict(line.split("=", 1) for line in sections["env"].splitlines() if "=" in line)
         self.dev = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in sections["dev"].splitlines() if line}
+        # The container's network interfaces: name -> MAC.
+        self.net = dict(line.split(" ", 1) for line in sections["net"].splitlines() if " " in line)
 
     def char_device(self, path: str) -> bool:
         return self.dev.get(path, "").startswith("character special file")
@@ -379,10 +434,16 @@ def kubevirt_reads(printed: Printed, pod_claim: str, request: str) -> dict[str, 
 
 
 def test_every_workload_example_runs_as_a_pod_through_the_real_kubelet(
-        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
+        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess,
+        host_nic: Callable[[], HostNic]) -> None:
     ns = Namespace(node_cluster, "examples").create()
     try:
+        # nic.yaml's NIC: the node's own (its uplink) is never offered to a pod.
+        spare = host_nic()
+        published_nic(node_cluster, spare)
         devices = devices_of(slices_of(node_cluster.admin, NODE_NAME))
+        assert any(d["attributes"].get("uplink") == {"bool": True} for d in devices.values()), \
+            "the NIC of the node's default route is published as its uplink"
         assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted([*EXAMPLE_PODS, VM_FILE])
         for name in EXAMPLE_PODS:
             docs = [on_the_node(d) for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
@@ -443,9 +504,12 @@ def test_every_workload_example_runs_as_a_pod_through_the_real_kubelet(
         assert out.env["CUDA_VISIBLE_DEVICES"] == string(share, "uuid")
         assert out.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={10 << 10}M"
 
-        # nic.yaml: a NIC of the node: its interface and MAC, and its metadata's networkData.
+        # nic.yaml: a NIC of the node, moved into the pod under its host name, with its MAC; its metadata's
+        # networkData says so; the host no longer has it.
         nic, out, _ = only("nic-pod", "nic")
         assert string(nic, "type") == "nic" and out.env[f"{env_name(nic)}_INTERFACE"] == string(nic, "ifName")
+        assert string(nic, "ifName") == spare.name and out.net.get(spare.name) == spare.mac, out.net
+        assert not spare.on_the_host()
         (path,) = [p for p in out.files if "/resourceclaimtemplates/nic/nic/" in p]
         assert out.files[path][0]["requests"][0]["devices"][0]["networkData"]["interfaceName"] == string(nic, "ifName")
 
@@ -654,3 +718,41 @@ def test_a_podgroups_claim_is_prepared_once_for_its_pods_and_unprepared_after_th
         # The group first: its claim is reserved for it while it exists, and cannot go before.
         api.request("DELETE", f"/apis/scheduling.k8s.io/v1beta1/namespaces/{ns.name}/podgroups")
         ns.clean()
+
+
+def test_a_claimed_nic_moves_into_the_pod_under_the_name_the_claim_gives(
+        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess, host_nic: Callable[[], HostNic]) -> None:
+    nic = host_nic()
+    device = published_nic(node_cluster, nic)
+    ns = Namespace(node_cluster, "netdev").create()
+    try:
+        params = {"apiVersion": f"{DRIVER}/v1alpha1", "kind": "NetworkConfig", "interfaceName": "net1"}
+        ns.claim("data-net", {"devices": {
+            "requests": [{"name": "nic", "exactly": {
+                "deviceClassName": f"nic.{DRIVER}",
+                "selectors": [{"cel": {"expression": f"device.attributes['{DRIVER}'].ifName == '{nic.name}'"}}]}}],
+            "config": [{"requests": ["nic"], "opaque": {"driver": DRIVER, "parameters": params}}]}})
+        node_cluster.admin.post(ns.path("pods"), on_the_node({
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "netdev-pod", "namespace": ns.name},
+            "spec": {"restartPolicy": "Never", "resourceClaims": [{"name": "net", "resourceClaimName": "data-net"}],
+                     "containers": [{"name": "app", "resources": {"claims": [{"name": "net"}]}}]}}))
+        _, out = running_and_printed(node_cluster, real_node, ns.name, "netdev-pod")
+        # In the pod as net1, with its MAC; gone from the host's namespace.
+        assert out.net.get("net1") == nic.mac and nic.name not in out.net, out.net
+        assert not nic.on_the_host()
+        # The claim's status says where it is: its name in the pod, the addresses it took along.
+        def network_data() -> dict[str, Any] | None:
+            claim = node_cluster.admin.get(ns.path("resourceclaims", "data-net"))
+            entries = [d for d in claim.get("status", {}).get("devices") or [] if d["device"] == device]
+            return entries[0].get("networkData") if entries else None
+        net = eventually(network_data, "the claim's status reports the NIC's networkData")
+        assert net["interfaceName"] == "net1" and nic.cidr in net["ips"] and net["hardwareAddress"] == nic.mac
+        (path,) = [p for p in out.files if "/resourceclaims/data-net/nic/" in p]
+        assert out.files[path][0]["requests"][0]["devices"][0]["networkData"]["interfaceName"] == "net1"
+    finally:
+        ns.clean()
+    # A veth link ends with the pod's network namespace (a physical function would come back to the host):
+    # the slice stops publishing it.
+    eventually(lambda: device not in devices_of(slices_of(node_cluster.admin, NODE_NAME)),
+               f"{device} leaves the slice once its pod's namespace is gone")
+    assert not nic.on_the_host()
