@@ -13,9 +13,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -122,11 +124,29 @@ def agent_kubeconfig(cluster: Cluster) -> Path:
 # host-memory overhead: kube-scheduler 1.37.2 cannot bind a pod asking for `example.com/gpu` when the
 # device it gets has nodeAllocatableResources (docs/deployment.md, "Unchanged pods"), and such a pod is among the tests.
 SCHEDULED_NODE = "dra-scheduled"
-SCHEDULED_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gc-grace-period=1", "--gpu-host-memory-overhead=0")
+# A NIC for the workloads' NIC claims: this machine's own NIC is its uplink, which the `nic` class never
+# offers, so the session makes a veth pair whose one end (`dratest*`) the scheduled agent publishes.
+SCHEDULED_NIC = "dratest"
+SCHEDULED_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gc-grace-period=1", "--gpu-host-memory-overhead=0",
+                   f"--nic-include={SCHEDULED_NIC}*")
 
 
 @pytest.fixture(scope="session")
-def scheduled_agent(cluster: Cluster, cluster_root: Path) -> Iterator[NodeAgent]:
+def scheduled_nic() -> Iterator[str]:
+    """The veth end the scheduled agent publishes (its peer's name is not included); deleted at the end."""
+    tag = uuid.uuid4().hex[:6]
+    name = f"{SCHEDULED_NIC}{tag}"
+    subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", f"dtpeer{tag}"], check=True)
+    for link in (name, f"dtpeer{tag}"):
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "link", "del", name], check=False, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def scheduled_agent(cluster: Cluster, cluster_root: Path, scheduled_nic: str) -> Iterator[NodeAgent]:
     with node_agent(cluster, SCHEDULED_NODE, cluster_root / "scheduled", *SCHEDULED_FLAGS,
                     declared=[NODE_ALLOCATABLE]) as running:
         yield running
