@@ -100,6 +100,7 @@ class Settings:
     gpu_probe_interval: float = 1.0
     taint_policy: Path | None = None
     metrics_address: str = DEFAULT_METRICS_ADDRESS
+    probe_address: str = ""  # a listener of the probes' own (loopback in the DaemonSet); "": on the metrics one
     stop_with_parent: bool = False
     log_format: str = "auto"
     log_level: str = "info"
@@ -123,6 +124,8 @@ class Settings:
             raise ConfigError(f"--gc-grace-period must be >= 0, not {self.gc_grace_period!r}")
         if self.metrics_address:
             parse_address(self.metrics_address)
+        if self.probe_address:
+            parse_address(self.probe_address, "--probe-address")
         from agent.vgpupolicy import VgpuPolicy
 
         try:
@@ -194,16 +197,21 @@ class Settings:
         """(host, port) for the metrics and probes server; host None is every interface; None: off."""
         return parse_address(self.metrics_address) if self.metrics_address else None
 
+    @functools.cached_property
+    def probe_endpoint(self) -> tuple[str | None, int] | None:
+        """(host, port) of the probes' own listener; None: the probes are served on the metrics listener."""
+        return parse_address(self.probe_address, "--probe-address") if self.probe_address else None
 
-def parse_address(text: str) -> tuple[str | None, int]:
+
+def parse_address(text: str, flag: str = "--metrics-address") -> tuple[str | None, int]:
     """`HOST:PORT`, `:PORT` (every interface) or `[IPV6]:PORT`; port 0 lets the kernel choose."""
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"--metrics-address must be HOST:PORT or :PORT, not {text!r}")
+        raise ConfigError(f"{flag} must be HOST:PORT or :PORT, not {text!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     elif ":" in host:
-        raise ConfigError(f"--metrics-address {text!r}: write an IPv6 address in brackets, [ADDRESS]:PORT")
+        raise ConfigError(f"{flag} {text!r}: write an IPv6 address in brackets, [ADDRESS]:PORT")
     return host or None, int(port)
 
 

@@ -144,8 +144,11 @@ OPTIONS: tuple[Option, ...] = (
            "YAML file laid over the default taint policy (XID -> effect, lost GPU, link down and its "
            "hold time; docs/health.md)", metavar="FILE"),
     Option("metrics_address", "--metrics-address", "DRA_METRICS_ADDRESS", DEFAULT_METRICS_ADDRESS,
-           "HOST:PORT for /metrics, /healthz and /readyz (HTTP; no HOST: every interface; "
-           "empty: off)", metavar="HOST:PORT", empty=True),
+           "HTTP /metrics, and probes without --probe-address (no HOST: any; empty: off)",
+           metavar="HOST:PORT", empty=True),
+    Option("probe_address", "--probe-address", "DRA_PROBE_ADDRESS", "",
+           "HTTP listener of the probes alone (the DaemonSet: 127.0.0.1:9478)", metavar="HOST:PORT",
+           empty=True),
     Option("stop_with_parent", "--stop-with-parent", "DRA_STOP_WITH_PARENT", False,
            "run: stop, as on SIGTERM, when the process that started the agent exits (`make run` sets it) "
            "(true/false)", kind=bool, metavar="BOOL"),

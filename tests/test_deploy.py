@@ -22,6 +22,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -203,19 +204,23 @@ def test_driver_name_and_image_are_one_edit_each(tmp_path: Path) -> None:
 
 # -- the DaemonSet against the agent's settings ------------------------------------------------------
 
-DOWNWARD = {"spec.nodeName": NODE, "metadata.uid": POD_UID, "status.hostIPs": "192.0.2.10,2001:db8::10"}
+NODE_IP = "192.0.2.10"
+DOWNWARD = {"spec.nodeName": NODE, "metadata.uid": POD_UID, "status.hostIPs": f"{NODE_IP},2001:db8::10",
+            "status.hostIP": NODE_IP}
+# Variables that only feed `$(NAME)` in later values, as the kubelet expands them.
+HELPERS = {"NODE_IP"}
 
 
 def daemonset_env(container: Mapping[str, Any]) -> dict[str, str]:
-    env = {}
+    env: dict[str, str] = {}
     for e in container["env"]:
         if "valueFrom" in e:
             ref = e["valueFrom"]["fieldRef"]["fieldPath"]
             assert ref in DOWNWARD, f"{e['name']}: unexpected downward API field {ref}"
             env[e["name"]] = DOWNWARD[ref]
         else:
-            env[e["name"]] = e["value"]
-    return env
+            env[e["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), e["value"])
+    return {k: v for k, v in env.items() if k not in HELPERS}
 
 
 def effective_settings(objs: list[dict[str, Any]]) -> config.Settings:
@@ -226,13 +231,13 @@ def effective_settings(objs: list[dict[str, Any]]) -> config.Settings:
 def test_daemonset_environment_and_command_are_the_agents_settings(which: str) -> None:
     objs = rendered(which)
     c = agent_container(objs)
-    known = {o.env for o in OPTIONS}
+    known = {o.env for o in OPTIONS} | HELPERS
     names = [e["name"] for e in c["env"]]
     assert len(names) == len(set(names))
     assert set(names) <= known, f"not settings of agent/config.py: {set(names) - known}"
     fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
     assert fields == {"NODE_NAME": "spec.nodeName", "DRA_ROLLING_UPDATE_POD_UID": "metadata.uid",
-                      "DRA_NODE_IPS": "status.hostIPs"}
+                      "DRA_NODE_IPS": "status.hostIPs", "NODE_IP": "status.hostIP"}
     assert effective_settings(objs).node_ips == ("192.0.2.10", "2001:db8::10")
 
     # The command is the installed console script and a subcommand the CLI knows.
@@ -319,16 +324,15 @@ def test_daemonset_overlaps_safely_and_is_probed_on_the_metrics_port(which: str)
     assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
     assert pod["serviceAccountName"] == one(objs, "ServiceAccount")["metadata"]["name"]
 
-    option = {o.dest: o for o in OPTIONS}.get("metrics_address")
-    assert option is not None, "agent/config.py has no --metrics-address: the probes have nothing to ask"
-    host, _, port = str(option.default).rpartition(":")
-    assert "DRA_METRICS_ADDRESS" not in daemonset_env(c)  # the default, which is what this test ties to
-    assert effective_settings(objs).metrics_address == option.default
-    assert host in ("", "0.0.0.0", "[::]"), "the kubelet probes the node's address (hostNetwork)"
+    # The probes on a listener of their own on the loopback, which the kubelet reaches with host networking
+    # and no pod does; metrics on the node's address alone, serving /metrics and nothing else.
+    settings = effective_settings(objs)
+    assert settings.probe_endpoint == ("127.0.0.1", 9478)
+    assert settings.metrics_endpoint == (NODE_IP, 9477)
     probes = {k: c[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
-    assert {k: (p["path"], p["port"]) for k, p in probes.items()} == {
-        "startupProbe": ("/healthz", int(port)), "livenessProbe": ("/healthz", int(port)),
-        "readinessProbe": ("/readyz", int(port))}
+    assert {k: (p["host"], p["path"], p["port"]) for k, p in probes.items()} == {
+        "startupProbe": ("127.0.0.1", "/healthz", 9478), "livenessProbe": ("127.0.0.1", "/healthz", 9478),
+        "readinessProbe": ("127.0.0.1", "/readyz", 9478)}
 
 
 def test_privilege_is_dropped_where_no_gpu_is_opened() -> None:

@@ -329,3 +329,19 @@ async def test_the_probe_check_knows_another_process_on_the_port(short_tmp, agen
                                           node_name="node-b")).probes()
     assert not probes.ok and probes.blocking
     assert f"the agent of driver {DRIVER} on node {NODE}, not node-b" in probes.detail, probes.detail
+
+
+async def test_doctor_finds_the_probes_on_their_own_listener(short_tmp, agents):
+    # As the DaemonSet runs it: the probes on a listener of their own, /metrics alone on the other.
+    settings = roots(short_tmp, metrics_address="127.0.0.1:0", probe_address="127.0.0.1:0", rescan_interval=3600.0)
+    agent = Agent(settings)
+    agents.append(agent)
+    await agent.start()
+    await kc.notify_registration(settings.registration_socket, True)
+    assert agent.publish is not None
+    await agent.publish.wait_published()
+    assert agent.http is not None and agent.metrics_http is not None
+    checked = roots(short_tmp, metrics_address=f"127.0.0.1:{agent.metrics_http.addresses[0][1]}",
+                    probe_address=f"127.0.0.1:{agent.http.addresses[0][1]}")
+    (probes,) = await doctor.Doctor(checked).probes()
+    assert probes.ok and "kubelet-registration ok" in probes.detail, probes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -305,3 +306,72 @@ async def test_an_unreadable_record_is_counted_and_shown_by_readyz_offline(start
     assert value(samples, "dra_agent_records_quarantined_total") == 3
     assert value(samples, "dra_agent_recovery_actions_total", action="quarantined") == 2  # start-up only
     assert "3 unreadable claim records" in (await http.get(f"{agent.http.url}/readyz")).text
+
+
+# -- the probe listener and the metrics listener (docs/security.md) -----------------------------------
+
+async def hold(address: tuple[str, int], count: int, partial: bool) -> list[asyncio.StreamWriter]:
+    """`count` connections held open: idle, or sending half a request head (slowloris)."""
+    writers = []
+    for _ in range(count):
+        try:
+            _, writer = await asyncio.open_connection(*address)
+        except OSError:
+            continue  # the listener's backlog is full: as good as held
+        if partial:
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        writers.append(writer)
+    return writers
+
+
+async def test_connections_held_on_the_metrics_listener_never_delay_a_probe(started, http):
+    """Any pod that reaches the node's address may open connections to the metrics listener and hold them:
+    200 idle and partial ones, and the probes still answer within the liveness probe's timeout, /metrics
+    past the cap is closed at once rather than queued, and the agent prepares a claim meanwhile. (With
+    one listener for both, as before, /healthz waited behind 48 such connections for 29.5 s.)"""
+    agent = await started(probe_address="127.0.0.1:0")
+    assert agent.http is not None and agent.metrics_http is not None
+    held = await hold(agent.metrics_http.addresses[0], 100, partial=False)
+    held += await hold(agent.metrics_http.addresses[0], 100, partial=True)
+    try:
+        async with asyncio.timeout(5.0):  # the DaemonSet's livenessProbe.timeoutSeconds
+            for path in ("/healthz", "/readyz"):
+                assert (await http.get(f"{agent.http.url}{path}")).status_code in (200, 503)
+        # Past the cap: closed at once (a reset, or the end of the stream before any answer).
+        reader, writer = await asyncio.open_connection(*agent.metrics_http.addresses[0])
+        writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+        async with asyncio.timeout(5.0):
+            with contextlib.suppress(ConnectionError):
+                assert await reader.read() == b""
+        writer.close()
+        assert agent.metrics_http.refused > 0
+        write_claim(agent.settings.offline / "resourceclaims",
+                    claim("held", UID1, [result("gpu-0", "gpu", driver=agent.settings.driver_name)]))
+        async with kc.DRAClient(agent.settings.dra_socket) as client:
+            out = await client.prepare([ClaimRef("default", "held", UID1)])
+        assert out.claims[UID1].error == ""
+    finally:
+        for writer in held:
+            writer.close()
+    # The held connections gone (closed, or timed out waiting for their heads), /metrics answers again.
+    async def scraped() -> bool:
+        with contextlib.suppress(httpx2.HTTPError):
+            return (await http.get(f"{agent.metrics_http.url}/metrics")).status_code == 200
+        return False
+    await eventually(scraped, "/metrics answers once the held connections are gone")
+
+
+async def test_the_metrics_listener_serves_metrics_alone_and_names_nothing(started, http):
+    agent = await started(probe_address="127.0.0.1:0")
+    assert agent.http is not None and agent.metrics_http is not None
+    metrics = await http.get(f"{agent.metrics_http.url}/metrics")
+    assert metrics.status_code == 200 and "dra_agent_prepared_claims" in metrics.text
+    answers = [metrics]
+    for path in ("/healthz", "/readyz", "/livez"):
+        answers.append(await http.get(f"{agent.metrics_http.url}{path}"))
+        assert answers[-1].status_code == 404 and "[+]" not in answers[-1].text
+    for answer in answers:
+        assert not {k for k in answer.headers if k.lower().startswith("dra-agent-")}, answer.headers
+    # The probe listener (the loopback in the DaemonSet) names the agent and gives the details.
+    ready = await http.get(f"{agent.http.url}/readyz")
+    assert ready.headers[httpserver.NODE_HEADER] == agent.settings.node_name and "[+]" in ready.text

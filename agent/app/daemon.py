@@ -65,7 +65,7 @@ class Running:
 class Agent:
     def __init__(self, settings: Settings, servers: Servers | None = None) -> None:
         """`servers`: the kubelet's sockets, opened by `start`."""
-        from agent.app.httpserver import MetricsServer, identity_headers
+        from agent.app.httpserver import MAX_PROBE_CONNECTIONS, MetricsServer, Serves, identity_headers
         from agent.claims.store import ClaimStore
         from agent.health.service import DeviceHealthService
         from agent.inventory import Inventory
@@ -81,9 +81,21 @@ class Agent:
         self.metrics = Metrics()
         self.metrics.state = self.metrics_state
         self.inventory.on_scan = self.metrics.scanned
-        endpoint = settings.metrics_endpoint
-        self.http = None if endpoint is None else MetricsServer(
-            self.metrics, *endpoint, healthz=self.healthz, readyz=self.readyz, identity=identity_headers(settings))
+        # `http`: the listener that answers the probes (their own with --probe-address, else the metrics
+        # one); `metrics_http`: the metrics listener when the probes have their own (`agent.app.httpserver`).
+        endpoint, probe_endpoint = settings.metrics_endpoint, settings.probe_endpoint
+        identity = identity_headers(settings)
+        self.http: MetricsServer | None = None
+        self.metrics_http: MetricsServer | None = None
+        if probe_endpoint is not None:
+            self.http = MetricsServer(self.metrics, *probe_endpoint, healthz=self.healthz, readyz=self.readyz,
+                                      identity=identity, serves=Serves.PROBES, max_connections=MAX_PROBE_CONNECTIONS)
+            if endpoint is not None:
+                self.metrics_http = MetricsServer(self.metrics, *endpoint, healthz=self.healthz, readyz=self.readyz,
+                                                  serves=Serves.METRICS)
+        elif endpoint is not None:
+            self.http = MetricsServer(self.metrics, *endpoint, healthz=self.healthz, readyz=self.readyz,
+                                      identity=identity)
         self._running: Running | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._devices: dict[str, Device] = {}
@@ -134,8 +146,9 @@ class Agent:
 
         s = self.settings
         started = time.monotonic()
-        if self.http is not None:
-            await self.http.start()
+        for server in (self.http, self.metrics_http):
+            if server is not None:
+                await server.start()
         async with contextlib.AsyncExitStack() as undo:  # a start that fails stops what started below
             conn = await connect(s)
             undo.push_async_callback(conn.close)
@@ -335,8 +348,9 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.servers.stop()
-        if self.http is not None:
-            await self.http.stop()
+        for server in (self.http, self.metrics_http):
+            if server is not None:
+                await server.stop()
         if running is not None:  # what is still queued is written again by the next start's resync
             await running.claim_status.stop()
             await running.quarantines.stop()

@@ -2,15 +2,26 @@
 
 The server runs on the agent's event loop (`asyncio.start_server`), so a probe that gets an
 answer has also shown that the loop is not stuck. It speaks just enough HTTP/1.1 for Prometheus
-and the kubelet's probes: GET and HEAD, one request per connection. Every answer names the agent that
-gives it (`identity_headers`: version, driver, node, pod UID), so that a client can tell it from
-another program on the port (`dra-agent doctor` does).
+and the kubelet's probes: GET and HEAD, one request per connection.
+
+Two roles (`Serves`). With `--probe-address` the probes have a listener of their own (the DaemonSet
+puts it on the loopback: the kubelet reaches it with host networking, pods do not), which serves the
+probes with their details, `/metrics`, and names the agent in each answer (`identity_headers`: version,
+driver, node, pod UID, so that `dra-agent doctor` tells it from another program on the port); the
+`--metrics-address` listener (the node's address) then serves `/metrics` alone and names nothing.
+Without it one listener serves everything, as for `make run`.
+
+A listener holds at most `max_connections` connections: one past that is closed at once, never queued,
+and a request's head must arrive within `header_timeout`. So connections held open on the metrics
+listener (any pod that reaches the node's address may open them) never delay a probe on its own
+listener (tests/test_metrics.py holds 200 idle and partial ones).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import errno
 import gzip
 import logging
@@ -57,15 +68,25 @@ def identity_headers(settings: Settings) -> dict[str, str]:
 # -- the HTTP server ------------------------------------------------------------------------------
 
 ProbeFn = Callable[[], Awaitable[Sequence[Check]]]
-REQUEST_TIMEOUT = 10.0
+# A request's head must arrive within this: Prometheus and the kubelet send theirs at once.
+HEADER_TIMEOUT = 2.0
 MAX_HEADER = 16 * 1024
-MAX_CONNECTIONS = 16
+MAX_CONNECTIONS = 16  # the metrics listener's (or the only one's)
+MAX_PROBE_CONNECTIONS = 8  # the probe listener's: the kubelet's three probes and a person's doctor
 REBIND_INTERVAL = 2.0
+
+
+class Serves(enum.Enum):
+    """What a listener serves: everything (one listener), the probes' own, or metrics alone."""
+
+    ALL = "metrics and probes"
+    PROBES = "probes"
+    METRICS = "metrics"
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
 class MetricsServer:
-    """`/metrics`, `/healthz` and `/readyz` on HOST:PORT, on the running event loop.
+    """What `serves` says of `/metrics`, `/healthz` and `/readyz`, on HOST:PORT, on the running event loop.
 
     A port that is taken does not stop the agent: during a rolling update the agent being
     replaced holds it until it exits, so the server tries again every `REBIND_INTERVAL`
@@ -73,15 +94,20 @@ class MetricsServer:
     """
 
     def __init__(self, metrics: Metrics, host: str | None, port: int, *, healthz: ProbeFn, readyz: ProbeFn,
-                 identity: Mapping[str, str] | None = None) -> None:
-        """`identity`: headers that name the agent, sent with every answer (`identity_headers`)."""
+                 identity: Mapping[str, str] | None = None, serves: Serves = Serves.ALL,
+                 max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT) -> None:
+        """`identity`: headers that name the agent, sent with every answer (`identity_headers`) but on a
+        listener that serves metrics alone."""
         self.metrics = metrics
-        self.identity = dict(identity or {})
+        self.serves = serves
+        self.identity = {} if serves is Serves.METRICS else dict(identity or {})
         self.host, self.port = host, port
         self.healthz, self.readyz = healthz, readyz
+        self.max_connections, self.header_timeout = max_connections, header_timeout
         self._server: asyncio.Server | None = None
         self._retry: asyncio.Task[None] | None = None
-        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self._open = 0  # connections being served
+        self.refused = 0  # connections closed at once, past `max_connections`
         self.bound = asyncio.Event()
 
     @property
@@ -99,8 +125,8 @@ class MetricsServer:
 
     async def start(self) -> None:
         if not await self._bind():
-            log.warning("metrics address %s:%d is in use (the agent this one replaces?): trying again every "
-                        "%.0fs", self.host or "", self.port, REBIND_INTERVAL)
+            log.warning("%s address %s:%d is in use (the agent this one replaces?): trying again every "
+                        "%.0fs", self.serves.value, self.host or "", self.port, REBIND_INTERVAL)
             self._retry = asyncio.create_task(self._rebind(), name="metrics-rebind")
 
     async def _bind(self) -> bool:
@@ -112,8 +138,8 @@ class MetricsServer:
                 raise
             return False
         self.bound.set()
-        log.info("metrics and probes on %s (/metrics, /healthz, /readyz)",
-                 ", ".join(f"{h}:{p}" for h, p in self.addresses))
+        paths = "/metrics" if self.serves is Serves.METRICS else "/metrics, /healthz, /readyz"
+        log.info("%s on %s (%s)", self.serves.value, ", ".join(f"{h}:{p}" for h, p in self.addresses), paths)
         return True
 
     async def _rebind(self) -> None:
@@ -133,23 +159,29 @@ class MetricsServer:
             self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= self.max_connections:
+            # Past the cap: closed at once, never queued behind the connections being served.
+            self.refused += 1
+            writer.transport.abort()
+            return
+        self._open += 1
         try:
-            async with self._slots:
-                try:
-                    async with asyncio.timeout(REQUEST_TIMEOUT):
-                        head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-                    return
-                status, headers, body, head_only = await self._answer(head)
-                reason = _REASONS.get(status, "OK")
-                out = [f"HTTP/1.1 {status} {reason}", f"Content-Length: {len(body)}", "Connection: close",
-                       *(f"{k}: {v}" for k, v in {**self.identity, **headers}.items())]
-                writer.write(("\r\n".join(out) + "\r\n\r\n").encode() + (b"" if head_only else body))
-                with contextlib.suppress(ConnectionError):
-                    await writer.drain()
+            try:
+                async with asyncio.timeout(self.header_timeout):
+                    head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+                return
+            status, headers, body, head_only = await self._answer(head)
+            reason = _REASONS.get(status, "OK")
+            out = [f"HTTP/1.1 {status} {reason}", f"Content-Length: {len(body)}", "Connection: close",
+                   *(f"{k}: {v}" for k, v in {**self.identity, **headers}.items())]
+            writer.write(("\r\n".join(out) + "\r\n\r\n").encode() + (b"" if head_only else body))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
         except Exception:
-            log.exception("metrics server: answering a request failed")
+            log.exception("%s server: answering a request failed", self.serves.value)
         finally:
+            self._open -= 1
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
@@ -176,9 +208,13 @@ class MetricsServer:
             if "gzip" in headers.get("accept-encoding", ""):
                 body, out["Content-Encoding"] = gzip.compress(body), "gzip"
             return 200, out, body, head_only
+        if path in ("/healthz", "/livez", "/readyz") and self.serves is Serves.METRICS:
+            return 404, {"Content-Type": text}, b"not found: the probes are served on the agent's probe listener\n", \
+                head_only
         if path in ("/healthz", "/livez", "/readyz"):
             what = "readyz" if path == "/readyz" else "healthz"
             checks = await (self.readyz if what == "readyz" else self.healthz)()
             status, body = probe_body(checks, what)
             return status, {"Content-Type": text}, body, head_only
-        return 404, {"Content-Type": text}, b"not found: /metrics, /healthz and /readyz are served here\n", head_only
+        served = b"/metrics is" if self.serves is Serves.METRICS else b"/metrics, /healthz and /readyz are"
+        return 404, {"Content-Type": text}, b"not found: " + served + b" served here\n", head_only

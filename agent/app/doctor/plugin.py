@@ -121,15 +121,17 @@ class PluginChecks(Checks):
     async def probes(self) -> list[Result]:
         s = self.s
         name = "probes (/healthz, /readyz)"
-        endpoint = s.metrics_endpoint
+        # The probes' own listener where the agent has one, else the metrics listener.
+        flag, address = ("--probe-address", s.probe_address) if s.probe_address else ("--metrics-address",
+                                                                                     s.metrics_address)
+        endpoint = s.probe_endpoint or s.metrics_endpoint
         if endpoint is None:
-            return [skipped(name, "--metrics-address is empty: the agent serves no probes")]
+            return [skipped(name, "--metrics-address and --probe-address are empty: the agent serves no probes")]
         host, port = endpoint
         host = host or "127.0.0.1"
         base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         if port == 0:
-            return [skipped(name, f"--metrics-address {s.metrics_address}: the port is chosen at start (the "
-                            "agent logs it)")]
+            return [skipped(name, f"{flag} {address}: the port is chosen at start (the agent logs it)")]
         answers = {}
         try:
             async with httpx2.AsyncClient(timeout=5.0, trust_env=False) as client:
@@ -137,7 +139,7 @@ class PluginChecks(Checks):
                     answers[path] = await client.get(base + path)
         except httpx2.HTTPError as exc:
             return [failed(name, f"{base}: {exc or type(exc).__name__}", "is the agent running, with this "
-                           "--metrics-address? (its first log lines say where it serves)", blocking=False)]
+                           f"{flag}? (its first log lines say where it serves)", blocking=False)]
         if (stranger := self._stranger(base, answers["/healthz"])) is not None:
             return [stranger]
         bad = [line[3:] for r in answers.values() for line in r.text.splitlines() if line.startswith("[-]")]
