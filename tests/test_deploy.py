@@ -982,3 +982,40 @@ def test_admission_policy_limits_the_agents_pool_status_requests_to_its_own_pool
         allowed, message = decide("CREATE", mine, extra=extra)
         assert not allowed and "bound to a node" in message
     assert decide("CREATE", pool_request(None), user="kubernetes-admin", extra=None) == (True, "not matched")
+
+
+# -- the pod's privileges against docs/deployment.md's table ----------------------------------------------
+
+def asked_privileges(objs: list[dict[str, Any]]) -> set[str]:
+    """Each privilege the rendered DaemonSet asks for, in the table's words."""
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    out = {name for name in ("hostNetwork", "hostPID", "hostIPC") if pod.get(name)}
+    for c in (*pod.get("initContainers", ()), *pod["containers"]):
+        sc = c.get("securityContext") or {}
+        if sc.get("privileged"):
+            out.add("privileged")
+        out |= {f"capability {cap}" for cap in (sc.get("capabilities") or {}).get("add", ())}
+        volumes = {v["name"]: v for v in pod.get("volumes", ())}
+        for m in c.get("volumeMounts", ()):
+            host = volumes[m["name"]].get("hostPath")
+            if host is not None:
+                out.add(f"hostPath {host['path']} {'ro' if m.get('readOnly') else 'rw'}")
+    return out
+
+
+def documented_privileges() -> dict[str, set[str]]:
+    """docs/deployment.md's table: privilege -> the overlays that ask for it."""
+    text = (REPO / "docs" / "deployment.md").read_text()
+    section = text.split("### The pod's privileges", 1)[1].split("\n### ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
+    return {cells[0].strip().strip("`"): {o.strip() for o in cells[-1].split(",")} for cells in rows}
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_every_privilege_an_overlay_asks_for_is_in_the_table(which: str) -> None:
+    table = documented_privileges()
+    name = which.removeprefix("overlays/")
+    asked = asked_privileges(rendered(which))
+    assert asked - table.keys() == set(), "privileges docs/deployment.md does not list"
+    assert {p for p in asked if name not in table[p]} == set(), f"listed, but not for {name}"
+    assert {p for p, overlays in table.items() if name in overlays} - asked == set(), f"{name} does not ask for"
