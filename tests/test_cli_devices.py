@@ -48,3 +48,19 @@ def test_devices_table_shows_driver_and_iommu_group(tmp_path: Path, capsys: pyte
         rows = table(capsys, state)
         assert (rows[GPU1_VARIANT]["DRIVER"], rows[GPU1_VARIANT]["IOMMU"]) == ("vfio-pci", str(GPU1_GROUP))
         assert rows["gpu-0"]["DRIVER"] == "nvidia"
+
+
+def test_with_simulated_gpus_the_iommu_warning_is_about_the_hosts_own_nics(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    # The simulated machine's VF gets its passthrough device; the host's NICs (a sysfs without IOMMU
+    # groups here) get none, and the warning says whose: before, it said no NIC function got one while
+    # the listing showed the simulated VF's.
+    state = tmp_path / "state"
+    host = tmp_path / "host-sys"
+    (host / "class" / "net").mkdir(parents=True)
+    assert cli.main(["devices", "--nvml", "sim", "--state-dir", str(state), "--sysfs-root", str(host),
+                     "--offline", str(state / "offline")]) == 0
+    listed = capsys.readouterr().out
+    assert "nic-0000-4b-00-1-vfio" in listed
+    said = [r.getMessage() for r in caplog.records if "IOMMU" in r.getMessage()]
+    assert said and all("no NIC function of this host gets a passthrough variant" in m for m in said), said

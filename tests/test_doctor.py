@@ -85,8 +85,10 @@ async def test_a_healthy_node(short_tmp, agents):
     assert line(text, "CDI specs").startswith("✓ CDI specs: 2 spec files")  # the claim's spec + its metadata spec
     assert line(text, "claim records") == "✓ claim records: 1 prepared claims, every record readable"
     assert line(text, "NVML") == "✓ NVML: --nvml sim:dgx-h100: simulated GPUs, the real NVML is not used"
-    assert line(text, "IOMMU").startswith("✓ IOMMU: on: 1 groups")
-    assert line(text, "vfio-pci").startswith("✓ vfio-pci: loaded")
+    # With simulated GPUs, the IOMMU and vfio-pci the agent passes functions through are the simulated
+    # machine's (before, doctor said the host's were off while the walk-through bound a GPU to vfio-pci).
+    assert line(text, "IOMMU").startswith("✓ IOMMU: on: 13 groups in the simulated machine's ")
+    assert line(text, "vfio-pci").startswith("✓ vfio-pci: loaded (the simulated machine's ")
     assert line(text, "Kubernetes API").startswith("- Kubernetes API: skipped: offline (--offline ")
     assert line(text, "RBAC") == "- RBAC: skipped: offline: no API server to ask"
     assert text.splitlines()[-1].endswith("0 failed (0 blocking), 2 skipped")
@@ -133,7 +135,11 @@ async def test_a_broken_node(short_tmp):
     assert not records.ok and not records.blocking  # the agent starts; it sets the record aside
     assert records.detail.startswith(f"unreadable: {UID_BAD}.rec: ")
     assert line(text, "claim records").startswith("! claim records: unreadable: ")
-    assert line(text, "IOMMU").startswith("! IOMMU: off")  # a warning: only passthrough needs it
+    # No agent has made the simulated machine yet.
+    assert line(text, "IOMMU").startswith("- IOMMU: skipped: --nvml sim: the simulated machine")
+    # The host's, with the real NVML: off is a warning, since only passthrough needs it.
+    (iommu,) = doctor.Doctor(roots(short_tmp, nvml="real", sysfs_root=short_tmp / "sys")).iommu()
+    assert not iommu.ok and not iommu.blocking and iommu.detail.startswith(f"off: no groups in {short_tmp}/sys/")
     for name in ("kubelet plugin directories", "registration socket", "DRA socket", "CDI in containerd",
                  "CDI directory", "CDI specs"):
         assert checks[name].blocking and not checks[name].ok, name

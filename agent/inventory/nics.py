@@ -27,7 +27,7 @@ from agent.host.pci import PciFunction, pci_function_of
 from agent.host.routes import default_route_interfaces
 from agent.inventory import DeviceFailure, ScanResult, SourceProblem
 from agent.inventory.netlink import Address, Link, dump
-from agent.inventory.passthrough import NicVariants
+from agent.inventory.passthrough import NicVariants, Variants
 from agent.inventory.published import attributes
 from agent.kinds import Kind
 from agent.model import AttrValue, Device
@@ -119,7 +119,10 @@ class NicSource:
         passthrough variant too; every SR-IOV VF gets one anyway."""
         self.settings = settings
         # Each PCI function's counter set, and the passthrough variants (agent.inventory.passthrough).
-        self._variants = NicVariants(passthrough=tuple(passthrough), exclude=tuple(settings.nic_exclude))
+        # "of this host": with simulated GPUs the simulated machine's NIC functions are another source's
+        # (`agent.inventory.simnics`), and what is said here is of the host's own.
+        self._variants = NicVariants(passthrough=tuple(passthrough), exclude=tuple(settings.nic_exclude),
+                                     variants=Variants("NIC function of this host"))
         self._node_ips: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
         for ip in settings.node_ips:
             try:

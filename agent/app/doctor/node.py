@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import pynvml
 
 from agent.app.doctor.base import Checks, existing_parent
-from agent.app.doctor.results import Result, failed, passed
+from agent.app.doctor.results import Result, failed, passed, skipped
 from agent.claims.leftovers import Leftovers, leftovers_dir
 from agent.claims.store import ClaimStore
 from agent.inventory.nvmlopen import LibraryMissing, init_real, nvidia_hardware
@@ -57,23 +58,43 @@ class NodeChecks(Checks):
                 pynvml.nvmlShutdown()
         return [passed(name, f"driver {driver}{cuda_text}, {count} GPUs")]
 
+    def _simulated(self, name: str) -> Result | None:
+        """With simulated GPUs the IOMMU and vfio-pci the agent uses are the simulated machine's: a skip
+        while that machine is not made yet (the agent makes it when it starts), else None."""
+        if self.s.nvml.kind == "sim" and not (self.s.sim_root / "sys").is_dir():
+            return skipped(name, f"--nvml sim: the simulated machine ({self.s.sim_root}) is made when the agent "
+                           "starts")
+        return None
+
+    def _machine(self) -> tuple[Path, Path, str]:
+        """The sysfs and /dev the agent passes functions through in, and how to name them."""
+        if self.s.nvml.kind == "sim":
+            return self.s.sim_root / "sys", self.s.sim_root / "dev", "the simulated machine's "
+        return self.s.sysfs_root, self.s.dev_root, ""
+
     def iommu(self) -> list[Result]:
-        groups = self.s.sysfs_root / "kernel" / "iommu_groups"
+        if (skip := self._simulated("IOMMU")) is not None:
+            return [skip]
+        sysfs, _, whose = self._machine()
+        groups = sysfs / "kernel" / "iommu_groups"
         try:
             count = len(os.listdir(groups))
         except OSError:
             count = 0
         if count:
-            return [passed("IOMMU", f"on: {count} groups in {groups}")]
+            return [passed("IOMMU", f"on: {count} groups in {whose}{groups}")]
         return [failed("IOMMU", f"off: no groups in {groups}", "only VFIO passthrough to VMs needs it: enable "
                        "VT-d / AMD-Vi in the firmware and boot with intel_iommu=on iommu=pt", blocking=False)]
 
     def vfio(self) -> list[Result]:
         name = "vfio-pci"
-        driver = self.s.sysfs_root / "bus" / "pci" / "drivers" / "vfio-pci"
+        if (skip := self._simulated(name)) is not None:
+            return [skip]
+        sysfs, dev, whose = self._machine()
+        driver = sysfs / "bus" / "pci" / "drivers" / "vfio-pci"
         if driver.is_dir():
-            node = self.s.dev_root / "vfio" / "vfio"
-            return [passed(name, f"loaded ({driver})" + ("" if node.exists() else f"; {node} is missing"))]
+            node = dev / "vfio" / "vfio"
+            return [passed(name, f"loaded ({whose}{driver})" + ("" if node.exists() else f"; {node} is missing"))]
         release = os.uname().release
         for modules in (self.host(f"/lib/modules/{release}"), self.host(f"/usr/lib/modules/{release}")):
             for index in ("modules.builtin", "modules.dep"):
