@@ -271,7 +271,9 @@ def test_every_directory_the_agent_uses_is_the_hosts_at_the_same_path(which: str
     writes = {"state": s.state_dir, "records": s.claims_state_dir, "CDI": s.cdi_dir, "plugin": s.plugin_dir,
               "metadata": s.metadata_dir, "registry": s.registry_dir, "DRA socket": s.dra_socket.parent,
               "registration socket": s.registration_socket.parent}
-    reads = {"static CDI": s.static_cdi_dir, "sysfs": s.sysfs_root, "devices": s.dev_root}
+    reads = {"static CDI": s.static_cdi_dir, "sysfs": s.sysfs_root}
+    if s.nvml.kind != "sim":  # simulated GPUs have a /dev of their own under the state directory
+        reads["devices"] = s.dev_root
     for what, path in {**writes, **reads}.items():
         mount, volume = mount_for(objs, path)
         # The kubelet and the container runtime follow the paths the agent writes (sockets, CDI
@@ -291,6 +293,10 @@ def test_the_driver_root_is_the_host_s_driver_mounted_read_only(which: str) -> N
     # host), or the GPU Operator's driver container root, /run/nvidia/driver on the host.
     objs = rendered(which)
     s = effective_settings(objs)
+    if which == "overlays/dev":  # simulated GPUs: no driver library is loaded, so no driver root is mounted
+        assert s.nvml.kind == "sim" and s.driver_root == Path("/")  # the default: unused with simulated GPUs
+        assert all(m["mountPath"] != "/driver-root" for m in agent_container(objs)["volumeMounts"])
+        return
     mount, volume = mount_for(objs, s.driver_root)
     assert mount["mountPath"] == str(s.driver_root) == "/driver-root"
     assert mount["readOnly"] is True and mount["mountPropagation"] == "HostToContainer"
@@ -303,8 +309,9 @@ def test_the_agent_sees_the_host_s_processes(which: str) -> None:
     # seen in the agent's /proc, which only the host's PID namespace shows (tests/test_vfio_holders.py).
     objs = rendered(which)
     pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
-    assert pod["hostPID"] is True
     s = effective_settings(objs)
+    # Simulated GPUs are held by processes of the simulated machine's /proc, under the state directory.
+    assert pod["hostPID"] is (s.nvml.kind != "sim")
     assert s.sysfs_root.parent / "proc" == Path("/proc")  # the /proc the agent reads (agent.host.vfio.host)
 
 
