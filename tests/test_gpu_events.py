@@ -19,7 +19,6 @@ import pynvml
 import pytest
 from conftest import need_command
 
-from agent.inventory.gpu_event_types import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
 from agent.inventory.gpu_events import (
     DoubleBitEcc,
     GpuAnswering,
@@ -30,6 +29,7 @@ from agent.inventory.gpu_events import (
     RecoveryAction,
     XidError,
 )
+from agent.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
 from agent.sim.hardware import materialize
 from agent.sim.nvml import SimulatedNvml
 from agent.sim.profiles import load_profile

@@ -43,7 +43,6 @@ from typing import Any
 import pynvml
 
 from agent.inventory.gpu_event_types import (
-    FI_DEV_GET_GPU_RECOVERY_ACTION,
     DoubleBitEcc,
     GpuAnswering,
     GpuBaseline,
@@ -55,6 +54,7 @@ from agent.inventory.gpu_event_types import (
 from agent.inventory.nvmlevents import ABSENT, EventSet
 from agent.inventory.nvmlgate import NvmlGate
 from agent.inventory.nvmlvalues import describe_error, field_int, handle_address
+from agent.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION
 from agent.sim.nvml import SimulatedNvml
 
 log = logging.getLogger(__name__)

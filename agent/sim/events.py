@@ -30,7 +30,7 @@ import orjson
 import pynvml
 
 from agent.fsutil import atomic_write
-from agent.inventory.gpu_event_types import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
+from agent.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
 
 log = logging.getLogger(__name__)
 
