@@ -97,8 +97,42 @@ async def test_a_lost_gpus_forms_stay_published_tainted_and_unhealthy(kube_api: 
         await eventually(lambda: is_ready(kube_api, "shared", "True"), "the shared claim Ready again")
 
 
+def on_the_host(driver: str) -> dict[str, Any]:
+    """A NetworkConfig that leaves the NIC in the host's namespace (its absence there is then a loss)."""
+    return {"source": "FromClaim", "requests": ["nic"], "opaque": {"driver": driver, "parameters": {
+        "apiVersion": f"{driver}/v1alpha1", "kind": "NetworkConfig", "move": False}}}
+
+
 async def test_a_device_gone_from_discovery_makes_its_claims_not_ready(
         kube_api: KubeApi, short_tmp: Path, agents, monkeypatch) -> None:
+    device = nic()
+    source = StaticSource("nic", [device])
+    monkeypatch.setattr("agent.app.daemon.build_sources", lambda s: [source])
+    kubeconfig = write_kubeconfig(short_tmp / "kubeconfig", kube_api.url)
+    settings = roots(short_tmp, offline=None, kubeconfig=kubeconfig, rescan_interval=3600.0, api_timeout=2.0)
+    kube_api.add_node(NODE, uid=NODE_UID)
+    agent = await start(agents, settings)
+    await published(agent)
+    kube_api.add(claim("net", NIC_UID, [result(device.name, "nic")], config=[on_the_host(DRIVER)]))
+    async with kc.DRAClient(agent.settings.dra_socket) as client:
+        response = await client.prepare([ClaimRef("default", "net", NIC_UID)])
+    assert all(c.error == "" for c in response.claims.values()), response
+    await eventually(lambda: is_ready(kube_api, "net", "True"), "the NIC claim Ready")
+
+    source.devices = []  # the NIC is gone (unplugged, its driver unbound)
+    assert await agent.rescan(["nic"])
+    ready = await eventually(lambda: is_ready(kube_api, "net", "False"), "the NIC claim not Ready")
+    assert ready["reason"] == "DeviceMissing"
+
+    source.devices = [device]  # back
+    assert await agent.rescan(["nic"])
+    await eventually(lambda: is_ready(kube_api, "net", "True"), "the NIC claim Ready again")
+
+
+async def test_a_nic_moved_into_its_pod_is_ready_while_the_host_does_not_see_it(
+        kube_api: KubeApi, short_tmp: Path, agents, monkeypatch) -> None:
+    # The runtime moved the NIC into the pod's network namespace: the host's discovery no longer sees it,
+    # which is where it should be. The claim stays Ready (MovedIntoPod) with its networkData.
     device = nic()
     source = StaticSource("nic", [device])
     monkeypatch.setattr("agent.app.daemon.build_sources", lambda s: [source])
@@ -113,11 +147,9 @@ async def test_a_device_gone_from_discovery_makes_its_claims_not_ready(
     assert all(c.error == "" for c in response.claims.values()), response
     await eventually(lambda: is_ready(kube_api, "net", "True"), "the NIC claim Ready")
 
-    source.devices = []  # the NIC is gone (unplugged, its driver unbound)
+    source.devices = []  # moved into the pod
     assert await agent.rescan(["nic"])
-    ready = await eventually(lambda: is_ready(kube_api, "net", "False"), "the NIC claim not Ready")
-    assert ready["reason"] == "DeviceMissing"
-
-    source.devices = [device]  # back
-    assert await agent.rescan(["nic"])
-    await eventually(lambda: is_ready(kube_api, "net", "True"), "the NIC claim Ready again")
+    ready = await eventually(lambda: is_ready(kube_api, "net", "True", "MovedIntoPod"), "the NIC claim Ready, moved")
+    assert "ens1f0" in ready["message"]
+    (entry,) = kube_api.get(RESOURCE_CLAIMS, "net", "default")["status"]["devices"]
+    assert entry["networkData"]["interfaceName"] == "ens1f0" and entry["networkData"]["ips"] == ["10.0.0.5/24"]
