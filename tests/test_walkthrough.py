@@ -33,7 +33,7 @@ SHOWS = {
     "dra-agent kubelet info": ["v1.DRAPlugin", DRIVER],
     "dra-agent kubelet prepare default/gpu-one": ['"device_name": "gpu-0"'],
     "cat .run/cdi/dra.example.com-claim_*.json": [f'"kind": "{DRIVER}/claim"'],
-    "cat $(.venv/bin/dra-agent claims default/gpu-one --metadata)": [
+    "cat $(dra-agent claims default/gpu-one --metadata)": [
         '"apiVersion":"metadata.resource.k8s.io/v1beta1"', '"name":"gpu-one"'],
     "dra-agent claims ": ["default/gpu-one"],
     "dra-agent kubelet health --once": ['"device_name": "gpu-3"', '"health": "HEALTHY"'],
@@ -154,7 +154,7 @@ def test_a_broken_block_fails_the_walkthrough(workdir: Path) -> None:
     """What the test above would say of a walk-through with a broken step (the metadata file's path as
     README once printed it, `<uid>` and all), and of one missing a step: run, not assumed."""
     agent, *blocks = walkthrough((ROOT / "README.md").read_text())
-    broken = [b.replace("cat $(.venv/bin/dra-agent claims default/gpu-one --metadata)",
+    broken = [b.replace("cat $(dra-agent claims default/gpu-one --metadata)",
                         f"cat .run/kubelet/plugins/{DRIVER}/dra-device-metadata/<uid>/gpu/metadata.json")
               for b in blocks]
     assert broken != blocks
@@ -165,6 +165,6 @@ def test_a_broken_block_fails_the_walkthrough(workdir: Path) -> None:
         # The blocks before the broken one did run (the agent was there and answered).
         assert "v1.DRAPlugin" in outputs[0]
         # A step taken out is named as missing (here: the checks alone, on the blocks as they ran).
-        without = [b.replace(".venv/bin/dra-agent vfio status", "true") for b in blocks]
+        without = [b.replace("dra-agent vfio status", "true") for b in blocks]
         with pytest.raises(AssertionError, match="no longer runs `dra-agent vfio status`"):
             check(without, 0, ["" for _ in without])
