@@ -357,6 +357,21 @@ class Node:
         kubelet.start()
         self._wait(kubelet, self.kubelet_healthy, "its /healthz answers again")
 
+    def restart_with_containers(self) -> None:
+        """The kubelet and containerd stopped and every container with them (killed: what a node's crash
+        or a runtime upgrade that does not keep its shims leaves), then containerd and the kubelet
+        started again with the same configuration and directories: the kubelet finds every pod's
+        sandbox gone and makes it again, with its containers."""
+        kubelet = next(c for c in self.components if c.name == "kubelet")
+        containerd = next(c for c in self.components if c.name == "containerd")
+        kubelet.stop(grace=10)
+        self._remove_tasks()
+        containerd.stop(grace=10)
+        containerd.start()
+        self._wait(containerd, lambda: self.ctr("version", check=False).returncode == 0, "it answers ctr again")
+        kubelet.start()
+        self._wait(kubelet, self.kubelet_healthy, "its /healthz answers again")
+
     def container_log(self, pod: Mapping[str, Any], container: str) -> str:
         """What the container wrote (stdout and stderr), from the log file the runtime keeps for the
         kubelet (CRI format: time, stream, P for a partial line or F, the text)."""

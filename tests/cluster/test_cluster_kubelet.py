@@ -659,6 +659,54 @@ def test_a_restarted_kubelet_keeps_every_prepared_claim_and_unprepares_it_once(
         ns.clean()
 
 
+def test_the_node_restarted_with_its_containers_gets_every_claim_back_through_the_kubelet(
+        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
+    """The kubelet and containerd stopped and every container killed with them, then started again: the
+    kubelet finds the pod's sandbox gone and makes the pod's sandbox and container again, and the claim
+    they use is the one the agent prepared before (answered from its record: prepared once, every file
+    in place); deleting the pod afterwards unprepares it once."""
+    ns = Namespace(node_cluster, "node-restart").create()
+    try:
+        ns.cluster.admin.post(ns.path("resourceclaimtemplates"), {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": f"gpu.{DRIVER}"}}]}}}})
+        ns.cluster.admin.post(ns.path("pods"), on_the_node({
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "survivor"},
+            "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
+                     "containers": [{"name": "work", "resources": {"claims": [{"name": "gpu"}]}}]}}))
+        before, _ = running_and_printed(node_cluster, real_node, ns.name, "survivor")
+        claim = ns.claims_of("survivor")["gpu"]
+        uid = claim["metadata"]["uid"]
+        ref = f"{ns.name}/{claim['metadata']['name']} ({uid})"
+
+        def said(message: str) -> int:
+            return sum(m == message for m in node_agent.messages())
+
+        assert said(f"prepared claim {ref}") == 1
+        files = sorted(p.name for p in (node_agent.root / "cdi").glob(f"*{uid}*"))
+        container = before["status"]["containerStatuses"][0]["containerID"]
+        real_node.restart_with_containers()
+        eventually(lambda: ready(node_object(node_cluster)), "the Node is Ready again")
+
+        def again() -> dict[str, Any] | None:
+            (now,) = ns.get("pods", "survivor")["status"].get("containerStatuses") or [{}]
+            return now if now.get("state", {}).get("running") and now.get("containerID") != container else None
+
+        eventually(again, "the pod's container runs again, a new one")
+        # The same claim, prepared once: the kubelet's calls after its restart were answered from the record.
+        assert ns.claims_of("survivor")["gpu"]["metadata"]["uid"] == uid
+        assert said(f"prepared claim {ref}") == 1
+        assert sorted(p.name for p in (node_agent.root / "cdi").glob(f"*{uid}*")) == files
+        ns.cluster.admin.delete(ns.path("pods", "survivor"))
+        eventually(lambda: not list((node_agent.root / "cdi").glob(f"*{uid}*")), "the claim's CDI specs go")
+        eventually(lambda: said(f"unprepared claim {ref}") == 1, "the agent says it unprepared the claim")
+        assert said(f"prepared claim {ref}") == 1
+        assert node_agent.messages("error") == []
+    finally:
+        ns.clean()
+
+
 # -- a claim of a PodGroup -------------------------------------------------------------------------------
 
 def test_a_podgroups_claim_is_prepared_once_for_its_pods_and_unprepared_after_the_last(
