@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import need_command, need_root
-from netns import NetNS, discover, network_namespace
-from test_nics import HW, sriov_tree
+from netns import NetNS, discover
+from test_nics import HW, ns, sriov_tree  # noqa: F401 (ns: a fixture)
 from test_nvml_standin import cli, env, host_tree, standin  # noqa: F401 (fixtures)
 
 from agent.app import oneshot
@@ -94,15 +93,7 @@ def test_the_real_nvml_path_publishes_what_the_simulation_does(env: dict[str, st
     check(seen)
 
 
-@pytest.fixture
-def ns() -> Iterator[NetNS]:
-    need_root()
-    need_command("ip")
-    with network_namespace("dra-attr") as made:
-        yield made
-
-
-def test_every_kind_of_nic_has_the_attributes_the_table_promises(ns: NetNS, tmp_path: Path) -> None:
+def test_every_kind_of_nic_has_the_attributes_the_table_promises(ns: NetNS, tmp_path: Path) -> None:  # noqa: F811
     ns.veth("va", "vb")  # a virtual link, published when named
     ns.ip("addr", "add", "10.9.0.2/24", "dev", "va")
     fake = sriov_tree(tmp_path, ns)

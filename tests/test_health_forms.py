@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from agentkit import DRIVER, NODE, StaticSource, claim, nic, result, roots
 from kubeapi import RESOURCE_CLAIMS, KubeApi
 from test_agent_cluster import devices_of, eventually, our_slices, published, start, write_kubeconfig
@@ -103,8 +104,10 @@ def on_the_host(driver: str) -> dict[str, Any]:
         "apiVersion": f"{driver}/v1alpha1", "kind": "NetworkConfig", "move": False}}}
 
 
-async def test_a_device_gone_from_discovery_makes_its_claims_not_ready(
-        kube_api: KubeApi, short_tmp: Path, agents, monkeypatch) -> None:
+async def nic_claim_ready(kube_api: KubeApi, short_tmp: Path, agents: Any, monkeypatch: pytest.MonkeyPatch,
+                          config: list[dict[str, Any]]) -> tuple[Agent, StaticSource, Any]:
+    """An agent whose only device is a NIC, and the claim `net` for it prepared and Ready: the agent, the
+    NIC's discovery source and the NIC."""
     device = nic()
     source = StaticSource("nic", [device])
     monkeypatch.setattr("agent.app.daemon.build_sources", lambda s: [source])
@@ -113,11 +116,17 @@ async def test_a_device_gone_from_discovery_makes_its_claims_not_ready(
     kube_api.add_node(NODE, uid=NODE_UID)
     agent = await start(agents, settings)
     await published(agent)
-    kube_api.add(claim("net", NIC_UID, [result(device.name, "nic")], config=[on_the_host(DRIVER)]))
+    kube_api.add(claim("net", NIC_UID, [result(device.name, "nic")], config=config))
     async with kc.DRAClient(agent.settings.dra_socket) as client:
         response = await client.prepare([ClaimRef("default", "net", NIC_UID)])
     assert all(c.error == "" for c in response.claims.values()), response
     await eventually(lambda: is_ready(kube_api, "net", "True"), "the NIC claim Ready")
+    return agent, source, device
+
+
+async def test_a_device_gone_from_discovery_makes_its_claims_not_ready(
+        kube_api: KubeApi, short_tmp: Path, agents, monkeypatch) -> None:
+    agent, source, device = await nic_claim_ready(kube_api, short_tmp, agents, monkeypatch, [on_the_host(DRIVER)])
 
     source.devices = []  # the NIC is gone (unplugged, its driver unbound)
     assert await agent.rescan(["nic"])
@@ -133,19 +142,7 @@ async def test_a_nic_moved_into_its_pod_is_ready_while_the_host_does_not_see_it(
         kube_api: KubeApi, short_tmp: Path, agents, monkeypatch) -> None:
     # The runtime moved the NIC into the pod's network namespace: the host's discovery no longer sees it,
     # which is where it should be. The claim stays Ready (MovedIntoPod) with its networkData.
-    device = nic()
-    source = StaticSource("nic", [device])
-    monkeypatch.setattr("agent.app.daemon.build_sources", lambda s: [source])
-    kubeconfig = write_kubeconfig(short_tmp / "kubeconfig", kube_api.url)
-    settings = roots(short_tmp, offline=None, kubeconfig=kubeconfig, rescan_interval=3600.0, api_timeout=2.0)
-    kube_api.add_node(NODE, uid=NODE_UID)
-    agent = await start(agents, settings)
-    await published(agent)
-    kube_api.add(claim("net", NIC_UID, [result(device.name, "nic")]))
-    async with kc.DRAClient(agent.settings.dra_socket) as client:
-        response = await client.prepare([ClaimRef("default", "net", NIC_UID)])
-    assert all(c.error == "" for c in response.claims.values()), response
-    await eventually(lambda: is_ready(kube_api, "net", "True"), "the NIC claim Ready")
+    agent, source, _ = await nic_claim_ready(kube_api, short_tmp, agents, monkeypatch, [])
 
     source.devices = []  # moved into the pod
     assert await agent.rescan(["nic"])

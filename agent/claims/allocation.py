@@ -82,7 +82,6 @@ class NetworkSettings:
 
     interface: str = ""
     move: bool = True
-    where: str = ""
 
 
 def config_api_version(driver: str) -> str:
@@ -227,10 +226,10 @@ def _placed(alloc: AllocatedDevice, config: NetworkSettings | None) -> Allocated
     if not isinstance(facts, NicFacts) or alloc.admin_access or (config is not None and not config.move):
         return alloc
     if facts.uplink:
-        raise ClaimError(f"device {alloc.device.name} ({facts.interface}) carries this node's default route: "
-                         "moved into a pod it would cut the node off, so it is never moved (its `uplink` "
-                         f"attribute says so; a {NETWORK_KIND} with move: false leaves it on the host, for a "
-                         "host-network pod)")
+        raise ClaimError(f"device {alloc.device.name} ({facts.interface}) is this node's uplink (it carries the "
+                         "default route or an address of the Node): moved into a pod it would cut the node off, "
+                         f"so it is never moved (its `uplink` attribute says so; a {NETWORK_KIND} with move: "
+                         "false leaves it on the host, for a host-network pod)")
     return dataclasses.replace(alloc, pod_interface=(config.interface if config else "") or facts.interface)
 
 
@@ -429,7 +428,7 @@ def _decode_network(params: Mapping[Any, Any], where: str) -> NetworkSettings:
         raise ClaimError(f"{where}.interfaceName must be a network interface name: {problem}")
     if not isinstance(move, bool):
         raise ClaimError(f"{where}.move must be true or false, not {_value(move)}")
-    return NetworkSettings(interface=name, move=move, where=where)
+    return NetworkSettings(interface=name, move=move)
 
 
 def interface_name_errors(name: str) -> str:

@@ -605,6 +605,37 @@ def test_an_xid_on_a_prepared_gpu_shows_in_the_pods_status_through_the_kubelet(
 
 # -- the kubelet restarted -------------------------------------------------------------------------------
 
+def running_gpu_pod(cluster: Cluster, node: Node, ns: Namespace, pod: str) -> tuple[dict[str, Any], str, str]:
+    """A pod with one GPU from a template, running and through its script: the pod, its claim's UID, and
+    the claim as the agent's log names it (`<namespace>/<name> (<uid>)`)."""
+    cluster.admin.post(ns.path("resourceclaimtemplates"), {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": f"gpu.{DRIVER}"}}]}}}})
+    cluster.admin.post(ns.path("pods"), on_the_node({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
+        "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
+                 "containers": [{"name": "work", "resources": {"claims": [{"name": "gpu"}]}}]}}))
+    running, _ = running_and_printed(cluster, node, ns.name, pod)
+    claim = ns.claims_of(pod)["gpu"]
+    uid = claim["metadata"]["uid"]
+    return running, uid, f"{ns.name}/{claim['metadata']['name']} ({uid})"
+
+
+def said(agent: AgentProcess, message: str) -> int:
+    """How many times the agent logged exactly `message`."""
+    return sum(m == message for m in agent.messages())
+
+
+def deleted_and_unprepared_once(ns: Namespace, pod: str, agent: AgentProcess, uid: str, ref: str) -> None:
+    """The pod deleted: its claim's files go, unprepared once and prepared once in all, no error logged."""
+    ns.cluster.admin.delete(ns.path("pods", pod))
+    eventually(lambda: not list((agent.root / "cdi").glob(f"*{uid}*")), "the claim's CDI specs go")
+    eventually(lambda: said(agent, f"unprepared claim {ref}") == 1, "the agent says it unprepared the claim")
+    assert said(agent, f"prepared claim {ref}") == 1
+    assert agent.messages("error") == []
+
+
 def test_a_restarted_kubelet_keeps_every_prepared_claim_and_unprepares_it_once(
         node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
     """The kubelet restarted under a running pod: it deletes every ResourceSlice of its node as it starts
@@ -613,27 +644,13 @@ def test_a_restarted_kubelet_keeps_every_prepared_claim_and_unprepares_it_once(
     record), and deleting the pod afterwards unprepares it once, every file gone."""
     ns = Namespace(node_cluster, "restart").create()
     try:
-        ns.cluster.admin.post(ns.path("resourceclaimtemplates"), {
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
-            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": f"gpu.{DRIVER}"}}]}}}})
-        ns.cluster.admin.post(ns.path("pods"), on_the_node({
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "keeper"},
-            "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
-                     "containers": [{"name": "work", "resources": {"claims": [{"name": "gpu"}]}}]}}))
-        before, _ = running_and_printed(node_cluster, real_node, ns.name, "keeper")
-        claim = ns.claims_of("keeper")["gpu"]
-        uid = claim["metadata"]["uid"]
-        ref = f"{ns.name}/{claim['metadata']['name']} ({uid})"
+        before, uid, ref = running_gpu_pod(node_cluster, real_node, ns, "keeper")
 
-        def said(message: str) -> int:
-            return sum(m == message for m in node_agent.messages())
-
-        registered = said("the kubelet registered the plugin")
-        assert said(f"prepared claim {ref}") == 1
+        registered = said(node_agent, "the kubelet registered the plugin")
+        assert said(node_agent, f"prepared claim {ref}") == 1
         published = devices_of(slices_of(node_cluster.admin, NODE_NAME))
         real_node.restart_kubelet()
-        eventually(lambda: said("the kubelet registered the plugin") > registered,
+        eventually(lambda: said(node_agent, "the kubelet registered the plugin") > registered,
                    "the kubelet registers the plugin again")
         eventually(lambda: ready(node_object(node_cluster)), "the Node is Ready again")
         container = before["status"]["containerStatuses"][0]
@@ -648,13 +665,9 @@ def test_a_restarted_kubelet_keeps_every_prepared_claim_and_unprepares_it_once(
         # brings the slices back within the bound.
         eventually(lambda: devices_of(slices_of(node_cluster.admin, NODE_NAME)) == published,
                    "the node's devices are published again")
-        assert said(f"prepared claim {ref}") == 1
+        assert said(node_agent, f"prepared claim {ref}") == 1
         assert list((node_agent.root / "cdi").glob(f"*{uid}*"))
-        ns.cluster.admin.delete(ns.path("pods", "keeper"))
-        eventually(lambda: not list((node_agent.root / "cdi").glob(f"*{uid}*")), "the claim's CDI specs go")
-        eventually(lambda: said(f"unprepared claim {ref}") == 1, "the agent says it unprepared the claim")
-        assert said(f"prepared claim {ref}") == 1
-        assert node_agent.messages("error") == []
+        deleted_and_unprepared_once(ns, "keeper", node_agent, uid, ref)
     finally:
         ns.clean()
 
@@ -667,23 +680,9 @@ def test_the_node_restarted_with_its_containers_gets_every_claim_back_through_th
     in place); deleting the pod afterwards unprepares it once."""
     ns = Namespace(node_cluster, "node-restart").create()
     try:
-        ns.cluster.admin.post(ns.path("resourceclaimtemplates"), {
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
-            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": f"gpu.{DRIVER}"}}]}}}})
-        ns.cluster.admin.post(ns.path("pods"), on_the_node({
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "survivor"},
-            "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
-                     "containers": [{"name": "work", "resources": {"claims": [{"name": "gpu"}]}}]}}))
-        before, _ = running_and_printed(node_cluster, real_node, ns.name, "survivor")
-        claim = ns.claims_of("survivor")["gpu"]
-        uid = claim["metadata"]["uid"]
-        ref = f"{ns.name}/{claim['metadata']['name']} ({uid})"
+        before, uid, ref = running_gpu_pod(node_cluster, real_node, ns, "survivor")
 
-        def said(message: str) -> int:
-            return sum(m == message for m in node_agent.messages())
-
-        assert said(f"prepared claim {ref}") == 1
+        assert said(node_agent, f"prepared claim {ref}") == 1
         files = sorted(p.name for p in (node_agent.root / "cdi").glob(f"*{uid}*"))
         container = before["status"]["containerStatuses"][0]["containerID"]
         real_node.restart_with_containers()
@@ -696,13 +695,9 @@ def test_the_node_restarted_with_its_containers_gets_every_claim_back_through_th
         eventually(again, "the pod's container runs again, a new one")
         # The same claim, prepared once: the kubelet's calls after its restart were answered from the record.
         assert ns.claims_of("survivor")["gpu"]["metadata"]["uid"] == uid
-        assert said(f"prepared claim {ref}") == 1
+        assert said(node_agent, f"prepared claim {ref}") == 1
         assert sorted(p.name for p in (node_agent.root / "cdi").glob(f"*{uid}*")) == files
-        ns.cluster.admin.delete(ns.path("pods", "survivor"))
-        eventually(lambda: not list((node_agent.root / "cdi").glob(f"*{uid}*")), "the claim's CDI specs go")
-        eventually(lambda: said(f"unprepared claim {ref}") == 1, "the agent says it unprepared the claim")
-        assert said(f"prepared claim {ref}") == 1
-        assert node_agent.messages("error") == []
+        deleted_and_unprepared_once(ns, "survivor", node_agent, uid, ref)
     finally:
         ns.clean()
 
@@ -744,10 +739,7 @@ def test_a_podgroups_claim_is_prepared_once_for_its_pods_and_unprepared_after_th
         uid = claim["metadata"]["uid"]
         ref = f"{ns.name}/group-gpu ({uid})"
 
-        def said(message: str) -> int:
-            return sum(m == message for m in node_agent.messages())
-
-        assert said(f"prepared claim {ref}") == 1
+        assert said(node_agent, f"prepared claim {ref}") == 1
         listed = json.loads(agent_cli(node_agent, "claims", "-o", "json"))
         assert uid in json.dumps(listed), listed
         for pod in pods[:2]:
@@ -756,11 +748,11 @@ def test_a_podgroups_claim_is_prepared_once_for_its_pods_and_unprepared_after_th
                    "two of the group's pods go")
         # The collection's grace is a second: a claim that exists is never collected, whoever holds it.
         eventually(lambda: node_agent.metric("dra_agent_gc_sweeps_total") >= 3, "three collection sweeps")
-        assert list((node_agent.root / "cdi").glob(f"*{uid}*")) and said(f"unprepared claim {ref}") == 0
+        assert list((node_agent.root / "cdi").glob(f"*{uid}*")) and said(node_agent, f"unprepared claim {ref}") == 0
         api.delete(ns.path("pods", pods[2]))
         eventually(lambda: not list((node_agent.root / "cdi").glob(f"*{uid}*")), "the claim is unprepared")
-        eventually(lambda: said(f"unprepared claim {ref}") == 1, "the agent says it unprepared the claim")
-        assert said(f"prepared claim {ref}") == 1
+        eventually(lambda: said(node_agent, f"unprepared claim {ref}") == 1, "the agent says it unprepared the claim")
+        assert said(node_agent, f"prepared claim {ref}") == 1
         assert node_agent.messages("error") == []
     finally:
         # The group first: its claim is reserved for it while it exists, and cannot go before.
