@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -198,6 +199,77 @@ async def raw_call(client: lightkube.AsyncClient, method: str, resource: type[An
             raise ApiError(request=exc.request, response=response) from exc
         raise
     return response.content
+
+
+# -- what the agent asks of the API server -------------------------------------------------------------
+
+_VERBS = {"POST": "CREATE", "PUT": "UPDATE", "PATCH": "PATCH", "DELETE": "DELETE"}
+
+
+def request_kind(method: str, path: str, query: Mapping[str, str]) -> tuple[str, str]:
+    """(verb, resource) of one API request, named as the API server's `apiserver_request_total` names them:
+    GET is LIST on a collection and WATCH with `watch=true`; a subresource is `resource/sub`."""
+    parts = [p for p in path.split("/") if p]
+    # /api/v1/... or /apis/<group>/<version>/...; then namespaces/<ns>/ for a namespaced resource.
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:] if parts[:1] == ["apis"] else []
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        rest = rest[2:]  # namespaces/<ns>/<plural>...; a Namespace itself is namespaces/<name>
+    resource = rest[0] if rest else ""
+    named = len(rest) >= 2
+    if len(rest) >= 3:
+        resource += "/" + rest[2]
+    if method == "GET":
+        if query.get("watch") in ("true", "1"):
+            return "WATCH", resource
+        return ("GET" if named else "LIST"), resource
+    return _VERBS.get(method, method), resource
+
+
+def count_requests(client: lightkube.AsyncClient, count: Callable[[str, str], None]) -> None:
+    """Calls `count(verb, resource)` for every request the client sends, each retry too: what this agent
+    costs the API server, in the API server's own terms. Hooked into the client's HTTP client, the one
+    place every call (lightkube's and `raw_call`'s) goes through."""
+    http: httpx2.AsyncClient = client._client._client
+
+    async def counted(request: httpx2.Request) -> None:
+        count(*request_kind(request.method, request.url.path, request.url.params))
+
+    http.event_hooks["request"].append(counted)
+
+
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1, application/json"
+LIST_PAGE = 500  # objects per page of a metadata-only LIST
+
+
+async def list_metadata(client: lightkube.AsyncClient, resource: type[Any], namespace: str) -> list[dict[str, Any]]:
+    """The `metadata` of every object of a namespaced `resource` in `namespace`: one metadata-only LIST (a
+    page of LIST_PAGE at a time), so the answer is a few hundred bytes an object whatever its spec and
+    status hold. Raises as `raw_call` does."""
+    import httpx2
+    from lightkube.core.exceptions import ApiError
+    from lightkube.core.resource import api_info
+
+    info = api_info(resource)
+    prefix = f"/apis/{info.resource.group}/{info.resource.version}" if info.resource.group \
+        else f"/api/{info.resource.version}"
+    path = f"{prefix}/namespaces/{namespace}/{info.plural}"
+    http: httpx2.AsyncClient = client._client._client
+    found: list[dict[str, Any]] = []
+    token = ""
+    while True:
+        params = {"limit": str(LIST_PAGE)} | ({"continue": token} if token else {})
+        response = await http.get(path, params=params, headers={"Accept": METADATA_LIST})
+        try:
+            response.raise_for_status()
+        except httpx2.HTTPStatusError as exc:
+            if response.headers.get("Content-Type") == "application/json":
+                raise ApiError(request=exc.request, response=response) from exc
+            raise
+        page = response.json()
+        found.extend(meta for item in page.get("items") or () if isinstance(meta := item.get("metadata"), dict))
+        token = str((page.get("metadata") or {}).get("continue") or "")
+        if not token:
+            return found
 
 
 # -- errors -------------------------------------------------------------------------------------

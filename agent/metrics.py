@@ -197,9 +197,15 @@ class Metrics:
             PREFIX + "claims_garbage_collected", "Prepared claims unprepared by garbage collection because "
             "their ResourceClaim was gone (deleted, or re-created with another UID) for longer than "
             "--gc-grace-period", registry=r)
+        self.api_requests = Counter(
+            PREFIX + "api_requests", "Requests this agent sent to the Kubernetes API server (each retry and each "
+            "watch request too), by verb and resource as the API server's apiserver_request_total names them "
+            "(LIST, WATCH, GET, CREATE, UPDATE, PATCH, DELETE; a subresource as resource/sub)",
+            ["verb", "resource"], registry=r)
         self.gc_sweeps = Counter(
-            PREFIX + "gc_sweeps", "Passes of garbage collection over the prepared claims (each looks up every "
-            "prepared claim's ResourceClaim)", registry=r)
+            PREFIX + "gc_sweeps", "Passes of garbage collection over the prepared claims (each looks their "
+            "ResourceClaims up: one metadata-only LIST per namespace holding prepared claims, in a cluster)",
+            registry=r)
         self.claim_status_writes = Counter(
             PREFIX + "claim_status_writes", "Writes of this driver's ResourceClaim status.devices entries (server-side "
             "apply, or the offline file), by result: ok, unchanged (not sent: after a restart, the stored entries "

@@ -99,7 +99,8 @@ OPTIONS: tuple[Option, ...] = (
            "seconds for one API server request", kind=float, metavar="SECONDS"),
     Option("gc_grace_period", "--gc-grace-period", "DRA_GC_GRACE_PERIOD", 600.0,
            "seconds a prepared claim's ResourceClaim must stay gone (deleted, or re-created with another "
-           "UID) before the claim is unprepared here; checked at start and every min(grace/4, 60) s",
+           "UID) before the claim is unprepared here; checked at start and then once a grace period (one "
+           "metadata-only LIST per namespace holding prepared claims)",
            kind=float, metavar="SECONDS"),
     Option("dynamic_mig", "--dynamic-mig", "DRA_DYNAMIC_MIG", True,
            "publish every MIG placement of MIG-capable GPUs as a device on the GPU's counter set; prepare "

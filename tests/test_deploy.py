@@ -362,6 +362,8 @@ OTHER_CLIENT_CALLS = {"request", "log", "exec", "set"}  # not to be used without
 # `agent.kube.raw_call(client, "<client method>", <resource class>, ...)`: a request whose body or answer is
 # not a lightkube model, named by the client method it stands for.
 RAW_CALL = "raw_call"
+# `agent.kube.list_metadata(client, <resource class>, namespace)`: a metadata-only LIST.
+LIST_METADATA = "list_metadata"
 
 # Granted though no code names them: since 1.36 a claim status write (status.devices, made by
 # agent/health/statussinks.py) is also authorized per driver on the resourceclaims/driver
@@ -453,6 +455,10 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
                     continue
                 record(where, str(method), node)
                 continue
+            if isinstance(node, ast.Call) and LIST_METADATA in (getattr(node.func, "id", None),
+                                                                getattr(node.func, "attr", None)):
+                record(f"{path.relative_to(package.parent)}:{node.lineno}", "list", node)
+                continue
             if not (isinstance(node, ast.Attribute) and _is_client(node.value)):
                 continue
             if isinstance(node.value, ast.Name) and any(
@@ -496,6 +502,8 @@ def test_the_source_scan_finds_the_calls_it_must() -> None:
     assert any("agent/kube.py" in w for w in calls[("", "nodes", "get")])
     assert any("agent/publish/apiserver.py" in w for w in calls[("resource.k8s.io", "resourceslices", "update")])
     assert any("agent/claims/sources.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "get")])
+    assert any("agent/claims/sources.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "list")])
+    assert any("agent/publish/apiserver.py" in w for w in calls[("resource.k8s.io", "resourceslices", "watch")])
     assert any("agent/health/statusupdate.py" in w
                for w in calls[("resource.k8s.io", "resourceclaims/status", "update")])
 
@@ -517,6 +525,7 @@ async def f(self, client, obj):
     await kube.raw_call(client, "replace", ResourceClaim.Status, "x", "ns", body=b"{}")
     async with httpx2.AsyncClient() as client:
         await client.get("http://127.0.0.1:9477/healthz")
+    await kube.list_metadata(client, ResourceClaim, "ns")
 """)
     assert {k: [w.split(":")[1] for w in v] for k, v in code_api_calls(package).items()} == {
         ("resource.k8s.io", "resourceclaims/status", "patch"): ["7"],
@@ -524,6 +533,7 @@ async def f(self, client, obj):
         ("resource.k8s.io", "resourceslices", "update"): ["10"],
         ("", "nodes", "get"): ["11"],
         ("resource.k8s.io", "resourceclaims/status", "update"): ["12"],
+        ("resource.k8s.io", "resourceclaims", "list"): ["15"],
     }
     (package / "b.py").write_text("async def g(client, kind):\n    await client.delete(kind, 'x')\n")
     with pytest.raises(AssertionError, match=r"pkg/b.py:2: client.delete on no resource class"):

@@ -221,7 +221,7 @@ def test_the_grace_period_setting_and_the_interval(tmp_path):
     assert build_settings({"state_dir": tmp_path}).gc_grace_period == 600.0
     with pytest.raises(ConfigError, match="--gc-grace-period"):
         build_settings({"state_dir": tmp_path, "gc_grace_period": -1.0})
-    assert gc_interval(600) == 60 and gc_interval(40) == 10 and gc_interval(0) == 0.1
+    assert gc_interval(600) == 600 and gc_interval(40) == 40 and gc_interval(0) == 0.1
 
 
 # -- the running agent against the API emulator --------------------------------------------------------
@@ -292,3 +292,31 @@ async def test_an_agent_fallen_back_offline_collects_no_claim_prepared_online(
     assert not nothing_of(offline.settings, OLD)
     assert metric(offline.metrics.registry, "dra_agent_claims_garbage_collected_total") == 0
     assert metric(offline.metrics.registry, "dra_agent_gc_sweeps_total") == 0
+
+
+async def test_a_namespace_list_that_fails_is_no_answer_and_collection_waits_for_one(
+        kube_api: KubeApi, cluster_settings, agents) -> None:  # noqa: F811
+    # In a cluster a sweep reads each namespace's claims in one LIST: a LIST refused (403, no retry) must
+    # not count as "every claim of the namespace is gone", however long it lasts.
+    grace = 0.3
+    kube_api.add_node("node-a", uid=NODE_UID)
+    kube_api.add(claim("trainer", OLD, [result("gpu-0", "gpu")], namespace="team-a"))
+    agent = await start(agents, cluster_settings(gc_grace_period=grace))
+    async with kc.DRAClient(agent.settings.dra_socket) as client:
+        response = await client.prepare([ClaimRef("team-a", "trainer", OLD)])
+    assert all(c.error == "" for c in response.claims.values())
+    listing = "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims"
+    refused = kube_api.fail("GET", listing, times=1 << 30, status=403)
+    kube_api.remove(RESOURCE_CLAIMS, "trainer", "team-a")
+    sweeps = metric(agent.metrics.registry, "dra_agent_gc_sweeps_total")
+    assert sweeps is not None
+    await until(lambda: metric(agent.metrics.registry, "dra_agent_gc_sweeps_total") >= sweeps + 4,
+                "four sweeps, each longer than the grace period apart")
+    assert refused.hits >= 4
+    assert agent.engine is not None and OLD in agent.engine.records
+    assert not nothing_of(agent.settings, OLD)
+
+    kube_api.emulator.faults.remove(refused)  # the namespace answers again: now the claim is gone
+    await eventually(lambda: OLD not in agent.engine.records if agent.engine else None,
+                     "the deleted claim is garbage-collected")
+    assert metric(agent.metrics.registry, "dra_agent_claims_garbage_collected_total") == 1

@@ -375,3 +375,26 @@ async def test_the_metrics_listener_serves_metrics_alone_and_names_nothing(start
     # The probe listener (the loopback in the DaemonSet) names the agent and gives the details.
     ready = await http.get(f"{agent.http.url}/readyz")
     assert ready.headers[httpserver.NODE_HEADER] == agent.settings.node_name and "[+]" in ready.text
+
+
+@pytest.mark.parametrize(("method", "path", "query", "kind"), [
+    ("GET", "/api/v1/nodes/node-a", {}, ("GET", "nodes")),
+    ("GET", "/apis/resource.k8s.io/v1/resourceslices", {"fieldSelector": "spec.nodeName=a"},
+     ("LIST", "resourceslices")),
+    ("GET", "/apis/resource.k8s.io/v1/resourceslices", {"watch": "true"}, ("WATCH", "resourceslices")),
+    ("GET", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims", {"limit": "500"},
+     ("LIST", "resourceclaims")),
+    ("GET", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/c", {}, ("GET", "resourceclaims")),
+    ("PUT", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/c/status", {},
+     ("UPDATE", "resourceclaims/status")),
+    ("PATCH", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaims/c/status", {},
+     ("PATCH", "resourceclaims/status")),
+    ("POST", "/apis/resource.k8s.io/v1/resourceslices", {}, ("CREATE", "resourceslices")),
+    ("DELETE", "/apis/resource.k8s.io/v1/resourceslices/s", {}, ("DELETE", "resourceslices")),
+    ("POST", "/api/v1/namespaces/kube-system/events", {}, ("CREATE", "events")),
+    ("GET", "/api/v1/namespaces/team-a", {}, ("GET", "namespaces")),
+])
+def test_api_requests_are_counted_as_the_api_server_names_them(method, path, query, kind) -> None:
+    from agent.kube import request_kind
+
+    assert request_kind(method, path, query) == kind

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,10 +70,14 @@ def _offline(settings: Settings, directory: Path, reason: str) -> Connection:
     return Connection(None, directory, kube.read_offline_node(directory, settings.node_name), reason)
 
 
-async def connect(settings: Settings, *, probe_timeout: float = NODE_PROBE_TIMEOUT) -> Connection:
+async def connect(settings: Settings, *, probe_timeout: float = NODE_PROBE_TIMEOUT,
+                  count: Callable[[str, str], None] | None = None) -> Connection:
+    """`count(verb, resource)` is told every request the connection's client sends (`kube.count_requests`)."""
     if settings.offline is not None:
         return _offline(settings, settings.offline, "--offline was given")
     client, source = await kube.connect(settings)
+    if client is not None and count is not None:
+        kube.count_requests(client, count)
     fallback = settings.offline_fallback
     if client is None:
         if fallback is not None:

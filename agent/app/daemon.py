@@ -150,7 +150,7 @@ class Agent:
             if server is not None:
                 await server.start()
         async with contextlib.AsyncExitStack() as undo:  # a start that fails stops what started below
-            conn = await connect(s)
+            conn = await connect(s, count=lambda verb, resource: self.metrics.api_requests.labels(verb, resource).inc())
             undo.push_async_callback(conn.close)
             log.info("mode: %s (%s)", conn.mode, conn.reason)
             await asyncio.to_thread(prepare_roots, s)  # again: checked before the engine writes below them

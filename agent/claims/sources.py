@@ -17,9 +17,9 @@ import os
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import yaml
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the API client is imported by the API source's first read (
     import lightkube
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_DEADLINE = 30.0
 NAME_MAX = 255  # bytes in one file name
@@ -54,6 +55,16 @@ class LocalClaimSource(ClaimSource, Protocol):
     def read(self, namespace: str, name: str) -> Mapping[str, Any]: ...
 
 
+@runtime_checkable
+class ClaimLister(ClaimSource, Protocol):
+    """A source that also answers, in one request, which claims a namespace holds: garbage collection asks
+    it once per namespace per sweep instead of once per prepared claim."""
+
+    async def uids(self, namespace: str) -> dict[str, str]:
+        """name -> UID of every ResourceClaim in `namespace`; ClaimSourceError when it cannot be read now."""
+        ...
+
+
 class ApiClaimSource:
     def __init__(self, client: lightkube.AsyncClient, concurrency: int = 16,
                  deadline: float = DEFAULT_DEADLINE, *, backoff: Backoff | None = None) -> None:
@@ -66,7 +77,23 @@ class ApiClaimSource:
     async def get(self, namespace: str, name: str) -> dict[str, Any]:
         from lightkube.resources.resource_v1 import ResourceClaim
 
-        what = f"ResourceClaim {namespace}/{name}"
+        async def read() -> dict[str, Any]:
+            return kube.plain(await self.client.get(ResourceClaim, name, namespace=namespace))
+
+        return await self._call(f"ResourceClaim {namespace}/{name}", read)
+
+    async def uids(self, namespace: str) -> dict[str, str]:
+        """One metadata-only LIST of the namespace's claims (`kube.list_metadata`)."""
+        from lightkube.resources.resource_v1 import ResourceClaim
+
+        async def read() -> dict[str, str]:
+            found = await kube.list_metadata(self.client, ResourceClaim, namespace)
+            return {str(m["name"]): str(m["uid"]) for m in found if m.get("name") and m.get("uid")}
+
+        return await self._call(f"the ResourceClaims of namespace {namespace}", read)
+
+    async def _call(self, what: str, read: Callable[[], Awaitable[T]]) -> T:
+        """`read()`, retried on what may heal until the deadline; ClaimNotFound for a 404."""
         failures = 0
         last = "no answer"
         try:
@@ -74,8 +101,7 @@ class ApiClaimSource:
                 while True:
                     try:
                         async with self._slots:
-                            claim = await self.client.get(ResourceClaim, name, namespace=namespace)
-                        return kube.plain(claim)
+                            return await read()
                     except Exception as exc:
                         if kube.is_not_found(exc):
                             raise ClaimNotFound(f"{what} not found") from exc

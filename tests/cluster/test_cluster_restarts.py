@@ -148,6 +148,41 @@ def test_claims_gone_from_the_api_are_unprepared_after_the_grace_period(schedule
     assert scheduled.unprepare(new)[new_uid].get("error", "") == ""
 
 
+def test_what_an_idle_agent_asks_of_the_api_server_does_not_grow_with_its_claims(scheduled: NodeAgent,
+                                                                                   ns: Namespace) -> None:
+    # Read from the agent's own count of its requests (dra_agent_api_requests_total, named as the API
+    # server's apiserver_request_total). Garbage collection sweeps every second here (--gc-grace-period=1):
+    # each sweep is one metadata-only LIST per namespace holding prepared claims, never a GET per claim
+    # (it was four GETs a sweep for these four claims); the node's slices are watched, not LISTed.
+    claims = [gpu_claim(ns, scheduled, f"idle-{i}") for i in range(4)]
+    for c in claims:
+        prepare(scheduled, c)
+    for c in claims:
+        ready(ns, c["metadata"]["name"], "True")  # the status writes (a GET each) are done
+    assert scheduled.proc is not None
+    proc = scheduled.proc
+
+    def count(verb: str, resource: str) -> float:
+        return proc.metric(f'dra_agent_api_requests_total{{resource="{resource}",verb="{verb}"}}')
+
+    def sweeps() -> float:
+        return proc.metric("dra_agent_gc_sweeps_total")
+
+    before = {k: count(*k) for k in (("GET", "resourceclaims"), ("LIST", "resourceclaims"),
+                                     ("LIST", "resourceslices"), ("WATCH", "resourceslices"))}
+    first = sweeps()
+    eventually(lambda: sweeps() >= first + 4, "four garbage collection sweeps")
+    swept = sweeps() - first
+    after = {k: count(*k) for k in before}
+    delta = {k: after[k] - before[k] for k in before}
+    assert delta[("GET", "resourceclaims")] < len(claims), delta  # not one a claim, let alone a sweep
+    assert delta[("LIST", "resourceclaims")] >= swept - 1, delta  # every sweep listed (one may be under way)
+    assert delta[("LIST", "resourceslices")] == 0, delta
+    assert after[("WATCH", "resourceslices")] >= 1, after  # the watch that replaced them
+    for c in claims:
+        assert scheduled.unprepare(c)[c["metadata"]["uid"]].get("error", "") == ""
+
+
 def log_has(agent: NodeAgent, *texts: str) -> bool:
     """Whether one line of the running agent's log holds every one of `texts`."""
     return agent.proc is not None and any(all(t in m for t in texts) for m in agent.proc.messages())
