@@ -382,19 +382,51 @@ async def test_the_loop_survives_an_api_outage_and_catches_up(
 
 
 async def test_the_loop_puts_back_what_someone_deleted(kube_api: KubeApi, publisher: ApiPublisher) -> None:
+    # The watch of the node's slices sees the deletion (as a kubelet's at its start): no timer is involved.
+    from lightkube.resources.resource_v1 import ResourceSlice
+
     loop = PublishLoop(publisher, verify_interval=0.02, backoff=FAST)
+    assert loop.verify_interval == 3600.0  # a watched pool: the timer is a backstop only
     loop.update(nics(5))
     task = asyncio.create_task(loop.run())
     try:
         await asyncio.wait_for(loop.wait_published(), 30)
         (obj,) = ours(kube_api)
-        kube_api.remove(RESOURCE_SLICES, obj["metadata"]["name"])
+        await until_watching(kube_api)
+        await kube_api.client().delete(ResourceSlice, obj["metadata"]["name"])
         await eventually(lambda: len(ours(kube_api)) == 1, "the slice is back")
         assert ours(kube_api)[0]["metadata"]["name"] != obj["metadata"]["name"]
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_a_watched_pool_is_not_listed_again_while_nothing_changes(kube_api: KubeApi,
+                                                                      publisher: ApiPublisher) -> None:
+    # Every agent of a cluster LISTed its slices once a minute; with the watch, an idle pool costs the
+    # API server nothing but the watch, and the echo of our own writes starts no verification.
+    loop = PublishLoop(publisher, verify_interval=0.02, backoff=FAST)
+    loop.update(nics(300))
+    task = asyncio.create_task(loop.run())
+    try:
+        await asyncio.wait_for(loop.wait_published(), 30)
+        await until_watching(kube_api)
+        loop.update(nics(300, mtu=9000))  # our own writes: their watch events are ours
+        await asyncio.wait_for(loop.wait_published(), 30)
+        kube_api.mark()
+        await asyncio.sleep(1.0)  # fifty of the unwatched loop's verifications
+        lists = [r for r in kube_api.since_mark() if r.method == "GET" and r.params.get("watch") != "true"]
+        assert lists == []
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def until_watching(api: KubeApi) -> None:
+    await eventually(lambda: any(r.path == SLICES and r.params.get("watch") == "true" for r in api.requests),
+                     "the watch of the node's slices")
 
 
 # -- the Node and the connection ----------------------------------------------------------------

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import lightkube
@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CONFLICT_ROUNDS = 5  # re-reads after a 409 before a sync gives up
+# Seconds the API server keeps one watch of the node's slices open before it ends it and lightkube resumes:
+# two requests an hour, where the slices were LISTed every minute.
+WATCH_TIMEOUT = 1800
 
 
 class _Conflict(Exception):
@@ -89,6 +92,9 @@ class ApiPublisher:
         self._stored_as: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._said: set[str] = set()
         self._lists: set[str] = set()  # the attributes the pool sends as lists
+        # Slice name -> the resourceVersion of the pool's slices as the last sync left them: the watch of
+        # the node's slices (`changes`) tells a change of someone else's from the echo of our own writes.
+        self._versions: dict[str, str] = {}
 
     async def sync(self, devices: Sequence[Device]) -> SyncResult:
         conflicts = 0
@@ -268,6 +274,7 @@ class ApiPublisher:
                                                 for w in writes):
             await self._probe(writes)
         result = SyncResult(generation=plan.generation, slices=len(chunks))
+        written: dict[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = {}
         for write in writes:
             if write.key is None:
                 name, stored = await self._create(write.obj)
@@ -279,11 +286,41 @@ class ApiPublisher:
                     self.client.replace, ResourceSlice.from_dict(obj))))
                 result.updated.append(name)
             self._stored_as[name] = (slices.comparable(write.obj), slices.comparable(stored))
+            written[name] = (write.obj, stored)
             self._learn(write.obj, stored, f"ResourceSlice {name}")
         for name in plan.deletes:
             if await self._call(f"deleting ResourceSlice {name}", _bind(self._delete, name)):
                 result.deleted.append(name)
+        self._versions = {name: _version_of(obj) for name, obj in existing.items() if name not in plan.deletes}
+        self._versions.update((name, _version_of(stored)) for name, (_, stored) in written.items())
         return result
+
+    def versions(self) -> dict[str, str]:
+        """The pool's slices (name -> resourceVersion) as the last completed sync left them."""
+        return dict(self._versions)
+
+    async def changes(self) -> AsyncIterator[tuple[str, str | None]]:
+        """(name, resourceVersion, None once deleted) of every change to this node's slices of this driver:
+        one field-selected watch, resumed from the last version seen when the API server ends it (lightkube),
+        started again after a backoff when it fails. A new watch first sends every slice as it is."""
+        backoff = Backoff(initial=1.0, maximum=30.0)
+        failures = 0
+        while True:
+            try:
+                async for kind, obj in self.client.watch(
+                        ResourceSlice, fields={"spec.nodeName": self.node.name, "spec.driver": self.driver},
+                        server_timeout=WATCH_TIMEOUT):
+                    failures = 0
+                    meta = obj.metadata
+                    if kind in ("ADDED", "MODIFIED", "DELETED") and meta is not None and meta.name:
+                        yield meta.name, (None if kind == "DELETED" else str(meta.resourceVersion or ""))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                delay = backoff.delay(failures, exc)
+                log.warning("watching ResourceSlices failed (%s); watching again in %.1fs", kube.describe(exc), delay)
+                await asyncio.sleep(delay)
 
     def _sent_before(self, write: slices.SliceWrite, existing: Mapping[str, Mapping[str, Any]]) -> bool:
         """Whether this rewrite would send what was sent before, to a slice still stored as the server
@@ -300,6 +337,10 @@ class ApiPublisher:
                 return False  # someone was quicker; gone is gone
             raise
         return True
+
+
+def _version_of(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
 
 def _bind(fn: Callable[..., Awaitable[T]], *args: Any) -> Callable[[], Awaitable[T]]:

@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from agent.kube import Backoff, NodeInfo
 from agent.metrics import Metrics
@@ -24,6 +24,10 @@ from agent.publish import slices
 
 # The one logger of publishing, as before the publishers had modules of their own.
 log = logging.getLogger("agent.publish.apiserver")
+
+
+# Seconds between verifications of a watched pool (a LIST): a backstop for a watch that went quiet.
+WATCHED_VERIFY_INTERVAL = 3600.0
 
 
 class PublishError(RuntimeError):
@@ -51,6 +55,20 @@ class Publisher(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class WatchedPublisher(Publisher, Protocol):
+    """A destination others may change too (the API server), whose changes can be watched: the loop then
+    verifies when someone else changed the pool, not on a timer."""
+
+    def versions(self) -> Mapping[str, str]:
+        """name -> version of the pool's slices as the last completed sync left them."""
+        ...
+
+    def changes(self) -> AsyncIterator[tuple[str, str | None]]:
+        """(name, version; None when deleted) of each change seen to the pool's slices, for ever."""
+        ...
+
+
 def owner_ref(node: NodeInfo) -> slices.NodeRef | None:
     return slices.NodeRef(node.name, node.uid) if node.uid else None
 
@@ -72,10 +90,14 @@ class PublishLoop:
     """
 
     def __init__(self, publisher: Publisher, *, verify_interval: float = 300.0,
+                 watched_verify_interval: float = WATCHED_VERIFY_INTERVAL,
                  backoff: Backoff | None = None, metrics: Metrics | None = None) -> None:
         self.publisher = publisher
         self.metrics = metrics
-        self.verify_interval = verify_interval
+        # With a watch of the pool's slices, the timer is a backstop only (a watch that went quiet without
+        # an error): what others change is seen as it happens.
+        self.verify_interval = watched_verify_interval if isinstance(publisher, WatchedPublisher) \
+            else verify_interval
         # Between syncs, not within one: attempts are unlimited, only the delay is capped.
         self.backoff = backoff or Backoff(initial=1.0, maximum=60.0)
         self._devices: list[Device] | None = None
@@ -89,6 +111,9 @@ class PublishLoop:
         # Told the devices of each sync that completed (the health stream stops reporting a device
         # that is gone from discovery once the published pool no longer holds it).
         self.on_published: Callable[[Sequence[Device]], None] | None = None
+        self._syncing = False
+        self._seen: dict[str, str | None] = {}  # slice changes seen during a sync, judged after it
+        self._watch: asyncio.Task[None] | None = None
 
     def update(self, devices: Sequence[Device]) -> None:
         self._devices = list(devices)
@@ -99,6 +124,28 @@ class PublishLoop:
         """Compare what the API server holds with the inventory now, not at the next verification
         (someone else may have deleted the slices: a kubelet does at its start)."""
         self._wake.set()
+
+    def seen(self, name: str, version: str | None) -> None:
+        """A change to one of the pool's slices (version None: deleted). One that is not the pool as the
+        last sync left it is someone else's (a kubelet at its start deletes its node's slices; an admin,
+        another agent): verified now. Seen during a sync, it is judged once the sync is done, when our own
+        writes' versions are known."""
+        self._seen[name] = version
+        if not self._syncing:
+            self._judge_seen()
+
+    def _judge_seen(self) -> None:
+        if not isinstance(self.publisher, WatchedPublisher):
+            return
+        ours = self.publisher.versions()
+        if any(ours.get(name) != version for name, version in self._seen.items()):
+            log.info("the pool's ResourceSlices were changed by someone else: verifying them")
+            self.verify_now()
+        self._seen.clear()
+
+    async def _watching(self, publisher: WatchedPublisher) -> None:
+        async for name, version in publisher.changes():
+            self.seen(name, version)
 
     @property
     def up_to_date(self) -> bool:
@@ -112,6 +159,16 @@ class PublishLoop:
         return self.last_result
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            if self._watch is not None:
+                self._watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._watch
+                self._watch = None
+
+    async def _run(self) -> None:
         delay: float | None = None
         while True:
             if delay is not None:
@@ -126,11 +183,14 @@ class PublishLoop:
                 continue
             version, devices = self._version, self._devices
             started = time.monotonic()
+            self._syncing = True
             try:
                 result = await self.publisher.sync(devices)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self._syncing = False
+                self._seen.clear()  # the retry reads the slices anyway
                 if self.metrics is not None:
                     self.metrics.published(time.monotonic() - started, ok=False)
                 self.failures += 1
@@ -143,6 +203,12 @@ class PublishLoop:
             if self.metrics is not None:
                 self.metrics.published(time.monotonic() - started, len(result.created), len(result.updated),
                                        len(result.deleted))
+            self._syncing = False
+            self._judge_seen()
+            if self._watch is None and isinstance(self.publisher, WatchedPublisher):
+                # Started once the pool is published: the watch's first events are then the pool as it is.
+                self._watch = asyncio.get_running_loop().create_task(self._watching(self.publisher),
+                                                                     name="slice-watch")
             self.failures = 0
             self.last_error = ""
             self.last_result = result
