@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from agentkit import Node, claim, make_node, nic, restarted, result, write_claim
+from agentkit import NODE, Node, claim, make_node, nic, restarted, result, write_claim
 from lightkube.resources.resource_v1 import ResourceClaim
 from test_vfio import fake_proc
 
@@ -225,6 +225,27 @@ async def test_claims_without_binding_conditions_and_the_kubelets_records_are_le
     await bound.seen("ADDED", other)
     assert engine.whole_record(UID) is None
     assert await engine.unprepare([ClaimRef("default", "kubelet", UID2)]) == {UID2: ""}
+
+
+async def test_claims_allocated_elsewhere_cost_no_task(bound: Bound) -> None:
+    # The watch sends every claim of the cluster; those allocated to other nodes or other drivers (nearly
+    # all of them, on a large cluster) are dropped as they arrive: no task, no record lookup by a handler.
+    binder = bound.binder
+    for i in range(1000):
+        pool = f"node-{i % 50}" if i % 2 else NODE
+        driver = "gpu.other.example.com" if not i % 2 else DRIVER
+        binder.observe(ClaimEvent("ADDED", claim(f"far-{i}", f"far-{i:04d}",
+                                                 [result("gpu-0", "vm", pool=pool, driver=driver, **WAITS)])))
+    assert binder._tasks == {} and binder._latest == {}
+    # One of this node's is taken at once, and its later change though it is no longer allocated here.
+    obj = allocated("vm", UID)
+    binder.observe(ClaimEvent("ADDED", copy.deepcopy(obj)))
+    assert set(binder._tasks) == {UID}
+    await binder.idle()
+    binder.observe(ClaimEvent("MODIFIED", deallocated(obj)))
+    assert set(binder._tasks) == {UID}
+    await binder.idle()
+    assert bound.node.engine.whole_record(UID) is None and bound.driver() == "nvidia"
 
 
 # -- the claim watch -----------------------------------------------------------------------------------

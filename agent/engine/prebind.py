@@ -102,13 +102,28 @@ class PreBinder:
             await self.stop()
 
     def observe(self, event: ClaimEvent) -> None:
-        """Queue the claim's latest event; its handler takes it when the one before is done."""
+        """Queue the claim's latest event; its handler takes it when the one before is done. An event of
+        a claim that concerns this node in no way is dropped here, before any task or lookup: the watch
+        sends every claim of the cluster, and almost all of them are allocated elsewhere."""
         uid = str((event.claim.get("metadata") or {}).get("uid", ""))
         if not uid:
+            return
+        if uid not in self._tasks and not self._concerns(uid, event.claim):
             return
         self._latest[uid] = event
         if uid not in self._tasks:
             self._tasks[uid] = asyncio.get_running_loop().create_task(self._claim(uid), name=f"prebind-{uid}")
+
+    def _concerns(self, uid: str, claim: Mapping[str, Any]) -> bool:
+        """Whether a claim's event can change anything here: it is allocated a device of this driver on
+        this node, or it is one this agent holds a record of (prepared ahead: it may have lost its
+        allocation) or tried an allocation of (seen without it, the next allocation is tried anew)."""
+        if uid in self._tried or self.engine.book.record_of(uid) is not None:
+            return True
+        allocation = (claim.get("status") or {}).get("allocation") or {}
+        results = (allocation.get("devices") or {}).get("results") or ()
+        return any(isinstance(r, Mapping) and r.get("pool") == self.node and r.get("driver") == self.driver
+                   for r in results)
 
     async def idle(self) -> None:
         """Until every event observed so far is handled (tests)."""
