@@ -88,7 +88,7 @@ run: setup
 	  --state-dir $(RUN)/state \
 	  --metrics-address "$${DRA_METRICS_ADDRESS-127.0.0.1:9477}" $(ARGS)
 
-bench: setup
+bench: setup cluster-components
 	$(BIN)/python bench/bench.py $(ARGS)
 
 # The crash suite and the fuzzer (tests/stress/stress.py): >= 1,000 SIGKILLs, >= 10,000 inputs.

@@ -34,6 +34,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import fleet  # noqa: E402
 import measure  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
@@ -61,6 +62,7 @@ class Options:
     fill: int
     peer: peers.PeerBinaries | None
     metadata: bool
+    fleet: tuple[int, int, float]  # agents (0: none), prepared claims each, idle seconds
 
 
 class Run:
@@ -333,6 +335,9 @@ async def run_all(opts: Options) -> dict[str, Any]:
         await on_disk(work, opts, r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    agents, claims, idle = opts.fleet
+    if agents:
+        fleet.run(agents, claims, idle, r, progress=step)
     fill_to = opts.fill
     r["prepare_1gpu_vs_floor"] = r["prepare_1gpu_p50_ms"] / r["floor_p50_ms"]
     r[f"p50_{fill_to}_vs_10_claims"] = r[f"p50_at_{fill_to}_claims_ms"] / r["p50_at_10_claims_ms"]
@@ -393,6 +398,11 @@ def main() -> int:
                    help="auto: build and run the peer driver when Go is installed (default); off: the agent alone")
     p.add_argument("--peer-metadata", choices=("on", "off"), default="on",
                    help="the peer's helper writes device metadata, as the agent does (default: on)")
+    p.add_argument("--fleet-agents", type=int, default=20,
+                   help="agents as nodes against one real API server for the fleet_* figures; 0: none (default: 20)")
+    p.add_argument("--fleet-claims", type=int, default=100, help="prepared claims per fleet agent (default: 100)")
+    p.add_argument("--fleet-idle-seconds", type=float, default=600.0,
+                   help="the fleet's idle window, one default garbage collection period (default: 600)")
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "results.json")
     args = p.parse_args()
     if not 10 < args.mid < args.fill:
@@ -405,7 +415,7 @@ def main() -> int:
         log.append("--peer off: the agent alone")
     print("\n".join(log))
     opts = Options(args.samples, args.rounds, args.node_fill_rounds, args.starts, args.mid, args.fill, binaries,
-                   args.peer_metadata == "on")
+                   args.peer_metadata == "on", (args.fleet_agents, args.fleet_claims, args.fleet_idle_seconds))
     if binaries is not None:
         print("claims: the agent reads the offline directory's YAML files; the peer reads the same claims "
               "with client-go (GET, JSON over HTTP on loopback) from the bench's claims API")

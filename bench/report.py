@@ -6,22 +6,24 @@ from __future__ import annotations
 from typing import Any
 
 # key -> (comparison, bound): what the project aims for; printed beside the figure, not enforced.
-# `peer_ratio_start_to_getinfo` is reported, no longer a target: the registration socket now opens once
-# the DRA socket answers (a GetInfo answered before that sent the kubelet to a socket that was not there).
+# Reported, no longer targets (they measured the interpreter against Go, and chasing them brought
+# hand-made protocol stacks): peer_ratio_start_to_getinfo, rss_idle_mib, peer_ratio_rss_1000,
+# peer_ratio_rt_10_tmpfs, agent_ms_per_prepare_tmpfs, concurrent16_speedup.
 TARGETS: dict[str, tuple[str, float]] = {
-    "peer_ratio_rt_10_tmpfs": ("<=", 1.3),
     "peer_ratio_rt_10_ext4": ("<=", 1.1),
     "peer_ratio_rt_1000_ext4": ("<=", 0.4),
-    "concurrent16_speedup": (">=", 1.5),
     "peer_ratio_conc16_claims_per_s_ext4": (">=", 1.0),
     "node_fill_110_vs_serial": ("<=", 0.6),
     "peer_ratio_node_fill_110": ("<=", 1.0),
-    "rss_idle_mib": ("<=", 60),
-    "peer_ratio_rss_1000": ("<=", 1.4),
-    "agent_ms_per_prepare_tmpfs": ("<=", 1.0),
     "startup_to_dra_ready_with_10000_claims_s": ("<=", 2.0),
     "p50_10000_vs_10_claims": ("<=", 1.1),
     "cli_info_s": ("<=", 0.3),
+    # What the fleet costs the API server, per agent (bench/fleet.py).
+    "fleet_writes_per_agent_idle_hour": ("<=", 0),
+    "fleet_reads_per_agent_idle_hour": ("<=", 12),
+    "fleet_writes_per_agent_restart": ("<=", 0),
+    "fleet_watches_per_agent": ("<=", 2),
+    "fleet_cluster_wide_watches_per_agent": ("<=", 0),
 }
 
 # (what, our key, the peer's key, the ratio's key); ratios are ours / peer.
