@@ -21,10 +21,10 @@ from netns import NetNS, network_namespace
 import agent.inventory as inventory_mod
 from agent.app.daemon import Agent
 from agent.config import NvmlMode, Settings
-from agent.host.rtnetlink import DumpInterrupted
 from agent.inventory import Inventory, ScanError, ScanResult
 from agent.inventory import netlink as netlink_mod
 from agent.inventory.gpus import GpuSource
+from agent.inventory.netlink import DumpInterrupted
 from agent.kubelet.health import HEALTHY, UNHEALTHY, UNKNOWN, HealthTracker
 from agent.kubelet.server import Healthv1, Healthv1alpha1
 from agent.metrics import Metrics
@@ -245,55 +245,37 @@ async def test_the_daemon_retries_a_failing_source_before_the_next_rescan(
 # -- the NIC source: an interrupted netlink dump ------------------------------------------------------
 
 
-class InterruptedSocket:
-    """The rtnetlink socket under a flood of link changes: every dump is interrupted."""
+def test_dump_gives_up_with_a_scan_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The links under a flood of changes: every dump is interrupted."""
+    attempts = 0
 
-    opened = 0
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        InterruptedSocket.opened += 1
-
-    def __enter__(self) -> InterruptedSocket:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def dump(self, kind: int) -> list[object]:
+    async def interrupted(*args: object) -> object:
+        nonlocal attempts
+        attempts += 1
         raise DumpInterrupted()
 
-
-def test_dump_gives_up_with_a_scan_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netlink_mod, "RtnlSocket", InterruptedSocket)
-    InterruptedSocket.opened = 0
+    monkeypatch.setattr(netlink_mod, "_dump_once", interrupted)
     with pytest.raises(ScanError, match="interrupted 5 times in a row"):
         netlink_mod.dump()
-    assert InterruptedSocket.opened == 5
+    assert attempts == 5
 
 
 INTERRUPTED_SCAN = """
 import asyncio, json, sys
 from agent.config import build_settings
-from agent.host.rtnetlink import DumpInterrupted
 from agent.inventory import Inventory
 from agent.inventory import netlink
+from agent.inventory.netlink import DumpInterrupted
 from agent.inventory.nics import NicSource
 
-class InterruptedSocket:  # as in the test module: every dump is interrupted
-    def __init__(self, *args, **kwargs):
-        pass
-    def __enter__(self):
-        return self
-    def __exit__(self, *exc):
-        pass
-    def dump(self, kind):
-        raise DumpInterrupted()
+async def interrupted(*args):  # as in the test module: every dump is interrupted
+    raise DumpInterrupted()
 
 async def main():
     inventory = Inventory([NicSource(build_settings(json.loads(sys.argv[1])))])
     await inventory.scan()
     before = {d.name: d.node.interface for d in inventory.devices()}
-    netlink.RtnlSocket = InterruptedSocket
+    netlink._dump_once = interrupted
     changed = await inventory.scan(["nic"])
     after = {d.name: d.node.interface for d in inventory.devices()}
     found = {name: inventory.get(name) is not None for name in before}

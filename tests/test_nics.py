@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import re
@@ -428,16 +429,29 @@ async def test_watcher_close_and_cancellation_release_everything(ns: NetNS) -> N
     assert not [t for t in asyncio.all_tasks() if t.get_name() == "netlink-watcher"]
 
 
-async def test_watcher_resyncs_after_the_kernel_drops_events(ns: NetNS) -> None:
+async def test_watcher_resyncs_after_the_kernel_drops_events(ns: NetNS, caplog: pytest.LogCaptureFixture) -> None:
     ns.veth("va", "vb", up=False)
-    async with NetlinkWatcher(netns=ns.name, rcvbuf=16384) as watcher:
-        # The event loop is blocked during this burst: nobody reads, the small buffer overflows.
-        ns.batch(f"link set va mtu {1300 + i % 100}" for i in range(2000))
+    ns.veth("wa", "wb", up=False)
+    async with NetlinkWatcher(netns=ns.name, rcvbuf=4096) as watcher:
+        # The event loop is blocked during this burst: nobody reads, the small buffer overflows (ENOBUFS)
+        # and the kernel drops events. Links come, one is renamed, a pair goes.
+        ns.batch([*(f"link add x{i} type veth peer name y{i}" for i in range(40)),
+                  "link set va name vz", "link del wa",
+                  *(f"link set vb mtu {1300 + i % 100}" for i in range(500))])
         await next_matching(watcher, lambda e: e.kind == RESYNC, "a resync")
         assert watcher.reconnects >= 1
-        ns.ip("link", "set", "vb", "mtu", "1280")
-        await next_matching(watcher, lambda e: e.ifname == "vb" and e.kind == LINK_CHANGED,
-                            "events after the resync")
+        assert os.strerror(errno.ENOBUFS) in caplog.text
+        # Resynced to the true state: every link the kernel has, by its name now; none that went.
+        truth = {link["ifindex"]: name for name, link in ns.links().items()}
+        assert watcher.known_links() == truth
+        # Events after the resync: a link added during the loss is known (a change, not an addition),
+        # and the renamed one goes by its new name.
+        ns.ip("link", "set", "x7", "mtu", "1280")
+        x7 = await next_matching(watcher, lambda e: e.ifname == "x7", "a change on x7")
+        assert x7.kind == LINK_CHANGED
+        ns.ip("addr", "add", "10.8.0.1/24", "dev", "vz")
+        added = await next_matching(watcher, lambda e: e.kind == ADDRESS_ADDED, "an address on vz")
+        assert added.ifname == "vz" and truth[added.index] == "vz"
 
 
 async def test_debounce_one_rescan_per_burst_of_netlink_events(ns: NetNS) -> None:

@@ -1,20 +1,39 @@
-"""Links and addresses as plain records, from rtnetlink messages (`agent.host.rtnetlink`).
+"""Links and addresses of a network namespace as plain records, read over rtnetlink with pyroute2.
 
-Both the NIC scan (a dump) and the event watcher (multicast messages) read the
-same message types, so the decoding lives here once.
+Both the NIC scan (a dump) and the event watcher (`agent.inventory.netwatch`, multicast messages)
+read the same message types, so the decoding lives here once. pyroute2 encodes the requests and
+decodes the replies; its messages (dict-like, typed `Any`) go no further than this module and the
+watcher: everything else reads `Link` and `Address`.
+
+What stays ours, and why:
+- the retry of a dump the kernel flagged as interrupted (NLM_F_DUMP_INTR): pyroute2 yields such a
+  dump's messages as if it were whole, so the flag is read from each message's header;
+- the hardware addresses, read from the attributes' bytes: pyroute2 decodes IFLA_ADDRESS as 6 bytes
+  and would cut an InfiniBand address (20 bytes) short;
+- the socket of a named network namespace, opened by a thread that enters it: pyroute2's own
+  `netns=` forks a child process to open it, and the agent's process runs gRPC's threads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import ipaddress
 import logging
+import os
 import socket
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
-from agent.host import rtnetlink as rtnl
-from agent.host.rtnetlink import AddressMessage, DumpInterrupted, LinkMessage, RtnlSocket, text, u32
+from pyroute2 import AsyncIPRoute
+from pyroute2.netlink import NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST
+from pyroute2.netlink.rtnl import RTM_GETADDR, RTM_GETLINK
+from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
+from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+
 from agent.inventory import ScanError
 
 log = logging.getLogger(__name__)
@@ -29,6 +48,15 @@ CHANGE_NEW_LINK = 0xFFFFFFFF
 
 _DUMP_ATTEMPTS = 5
 _DUMP_PAUSE = 0.01  # seconds, times the attempt number, between interrupted dumps
+_NETNS_DIR = "/run/netns"  # where `ip netns` keeps a name for each namespace
+_CLONE_NEWNET = 0x40000000
+
+# A pyroute2 message (ifinfmsg, ifaddrmsg): read by field and attribute name, here and in netwatch only.
+Message = Any
+
+
+class DumpInterrupted(Exception):
+    """The kernel's table changed while it was being dumped (NLM_F_DUMP_INTR): dump again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,58 +89,151 @@ class Address:
         return self.scope == RT_SCOPE_UNIVERSE and not self.flags & (IFA_F_TENTATIVE | IFA_F_DADFAILED)
 
 
+def _attr_bytes(msg: Message, name: str) -> bytes | None:
+    """The payload of the first attribute `name`, as the kernel sent it (without its 4-byte header)."""
+    for slot in msg["attrs"]:
+        if slot.name == name:
+            nla = slot.nla
+            return bytes(nla.data[nla.offset + 4:nla.offset + nla["header"]["length"]])
+    return None
+
+
 def _hwaddr(value: bytes | None) -> str:
-    """"aa:bb:..." (lower case); "" when there is none, or it is all zeros."""
+    """"aa:bb:..." (lower case, every byte: 6 for Ethernet, 20 for InfiniBand); "" when there is
+    none, or it is all zeros."""
     if not value or not any(value):
         return ""
-    return ":".join(f"{b:02x}" for b in value)
+    return value.hex(":")
 
 
-def link_of(msg: LinkMessage) -> Link:
+def link_of(msg: Message) -> Link:
     """A Link from an RTM_NEWLINK / RTM_DELLINK message."""
-    attrs = msg.attrs
-    carrier = attrs.get(rtnl.IFLA_CARRIER)
-    info = attrs.get(rtnl.IFLA_LINKINFO)
-    kind = text(rtnl.attributes(info).get(rtnl.IFLA_INFO_KIND)) if info is not None else None
+    flags = int(msg["flags"])
+    carrier = msg.get_attr("IFLA_CARRIER")
+    info = msg.get_attr("IFLA_LINKINFO")
+    kind = info.get_attr("IFLA_INFO_KIND") if info is not None else None
     return Link(
-        index=msg.index,
-        ifname=text(attrs.get(rtnl.IFLA_IFNAME)) or "",
-        mac=_hwaddr(attrs.get(rtnl.IFLA_ADDRESS)),
-        perm_mac=_hwaddr(attrs.get(rtnl.IFLA_PERM_ADDRESS)),
-        mtu=u32(attrs.get(rtnl.IFLA_MTU)) or 0,
-        admin_up=bool(msg.flags & IFF_UP),
+        index=int(msg["index"]),
+        ifname=msg.get_attr("IFLA_IFNAME") or "",
+        mac=_hwaddr(_attr_bytes(msg, "IFLA_ADDRESS")),
+        perm_mac=_hwaddr(_attr_bytes(msg, "IFLA_PERM_ADDRESS")),
+        mtu=int(msg.get_attr("IFLA_MTU") or 0),
+        admin_up=bool(flags & IFF_UP),
         # Kernels without IFLA_CARRIER still report carrier as IFF_LOWER_UP.
-        carrier=bool(carrier[0]) if carrier else bool(msg.flags & IFF_LOWER_UP),
-        kind=kind or "",
+        carrier=bool(carrier) if carrier is not None else bool(flags & IFF_LOWER_UP),
+        kind=kind if isinstance(kind, str) else "",
     )
 
 
-def address_of(msg: AddressMessage) -> Address | None:
+def address_of(msg: Message) -> Address | None:
     """An Address from an RTM_NEWADDR / RTM_DELADDR message; None for families other than IP."""
-    family = msg.family
+    family = int(msg["family"])
     if family not in (socket.AF_INET, socket.AF_INET6):
         return None
     # On point-to-point links IFA_ADDRESS is the peer; IFA_LOCAL is always our own address.
-    raw = msg.attrs.get(rtnl.IFA_LOCAL) or msg.attrs.get(rtnl.IFA_ADDRESS)
-    if not raw or len(raw) != (4 if family == socket.AF_INET else 16):
+    addr = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
+    if not isinstance(addr, str) or not addr:
         return None
-    flags = u32(msg.attrs.get(rtnl.IFA_FLAGS))  # 32 bits; the header field holds only the low 8
+    try:
+        cidr = ipaddress.ip_interface(f"{addr}/{int(msg['prefixlen'])}")
+    except ValueError:
+        return None
+    if cidr.version != (4 if family == socket.AF_INET else 6):
+        return None
+    flags = msg.get_attr("IFA_FLAGS")  # 32 bits; the header field holds only the low 8
     return Address(
-        index=msg.index,
+        index=int(msg["index"]),
         family=family,
-        cidr=str(ipaddress.ip_interface(f"{socket.inet_ntop(family, raw)}/{msg.prefixlen}")),
-        scope=msg.scope,
-        flags=flags if flags is not None else msg.flags,
+        cidr=str(cidr),
+        scope=int(msg["scope"]),
+        flags=int(flags if flags is not None else msg["flags"]),
     )
 
 
-def label_of(msg: AddressMessage) -> str:
+def label_of(msg: Message) -> str:
     """The address's label (IFA_LABEL: IPv4 only, the interface's name or an alias of it)."""
-    return text(msg.attrs.get(rtnl.IFA_LABEL)) or ""
+    label = msg.get_attr("IFA_LABEL")
+    return label if isinstance(label, str) else ""
 
 
-def dump() -> tuple[list[Link], dict[int, list[Address]]]:
-    """All links of this network namespace (by index) and their addresses (by link index).
+def route_socket(netns: str | None = None) -> socket.socket:
+    """A NETLINK_ROUTE socket, unbound: of this process's network namespace, or of the one `ip
+    netns` names `netns` (never created). Blocking: it may start and join a thread."""
+    if netns is None:
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, socket.NETLINK_ROUTE)
+    # A socket belongs to the namespace of the thread that opens it: a thread of its own enters the
+    # namespace (setns(2)), opens it and ends, and no other thread ever changes namespace.
+    found: list[socket.socket | BaseException] = []
+
+    def open_there() -> None:
+        try:
+            fd = os.open(os.path.join(_NETNS_DIR, netns), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                # os.setns is Python 3.12's; the agent runs on 3.11 as well.
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    code = ctypes.get_errno()
+                    raise OSError(code, f"setns into network namespace {netns}: {os.strerror(code)}")
+            finally:
+                os.close(fd)
+            found.append(socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, socket.NETLINK_ROUTE))
+        except BaseException as exc:
+            found.append(exc)
+
+    thread = threading.Thread(target=open_there, name="netns-socket")
+    thread.start()
+    thread.join()
+    result = found[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+class _IntrFlag:
+    """Notes NLM_F_DUMP_INTR on any message of one dump, NLMSG_DONE included (pyroute2 calls it for
+    each message of the request's sequence number, before it drops NLMSG_DONE)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, msg: Message) -> bool:
+        self.seen |= bool(msg["header"]["flags"] & NLM_F_DUMP_INTR)
+        return False  # keep the message
+
+
+async def dump_messages(ipr: Any, request_type: int, request: Message) -> list[Message]:
+    """Every message of one dump (RTM_GETLINK with an ifinfmsg, RTM_GETADDR with an ifaddrmsg);
+    DumpInterrupted when the kernel flagged any of them: the table changed meanwhile, and what came
+    is not a consistent picture of it."""
+    intr = _IntrFlag()
+    replies = await ipr.nlm_request(request, request_type, NLM_F_REQUEST | NLM_F_DUMP, callback=intr)
+    out = [msg async for msg in replies]
+    if intr.seen:
+        raise DumpInterrupted(f"netlink dump {request_type} interrupted")
+    return out
+
+
+async def _dump_once(netns: str | None, addresses: bool) -> tuple[list[Link], dict[int, list[Address]]]:
+    sock = route_socket(netns)
+    ipr = AsyncIPRoute(use_socket=sock, groups=0)
+    try:
+        links = [link_of(m) for m in await dump_messages(ipr, RTM_GETLINK, ifinfmsg())]
+        found: dict[int, list[Address]] = defaultdict(list)
+        if addresses:
+            for m in await dump_messages(ipr, RTM_GETADDR, ifaddrmsg()):
+                if (a := address_of(m)) is not None:
+                    found[a.index].append(a)
+    finally:
+        ipr.close()
+        sock.close()  # given to pyroute2 (use_socket), so it is ours to close
+    links.sort(key=lambda link: link.index)
+    return links, dict(found)
+
+
+def dump(netns: str | None = None, *, addresses: bool = True) -> tuple[list[Link], dict[int, list[Address]]]:
+    """All links of this network namespace (or of the one `ip netns` names `netns`), by index, and
+    their addresses by link index (none asked: `addresses=False`). Blocking: run it off the event
+    loop (it runs one of its own).
 
     The kernel interrupts a dump when the table changes under it; a fresh dump
     is then the only consistent answer. ScanError when every attempt was
@@ -121,7 +242,7 @@ def dump() -> tuple[list[Link], dict[int, list[Address]]]:
     attempt = 1
     while True:
         try:
-            return _dump_once()
+            return asyncio.run(_dump_once(netns, addresses))
         except DumpInterrupted as exc:
             if attempt == _DUMP_ATTEMPTS:
                 raise ScanError(f"the netlink dump was interrupted {attempt} times in a row (links or "
@@ -130,14 +251,3 @@ def dump() -> tuple[list[Link], dict[int, list[Address]]]:
             # A burst of changes is usually over in milliseconds: let it pass before dumping again.
             time.sleep(_DUMP_PAUSE * attempt)
             attempt += 1
-
-
-def _dump_once() -> tuple[list[Link], dict[int, list[Address]]]:
-    with RtnlSocket() as sock:
-        links = [link_of(m) for m in sock.dump(rtnl.RTM_GETLINK) if isinstance(m, LinkMessage)]
-        addresses: dict[int, list[Address]] = defaultdict(list)
-        for m in sock.dump(rtnl.RTM_GETADDR):
-            if isinstance(m, AddressMessage) and (a := address_of(m)) is not None:
-                addresses[a.index].append(a)
-    links.sort(key=lambda link: link.index)
-    return links, dict(addresses)

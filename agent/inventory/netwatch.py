@@ -1,4 +1,5 @@
-"""Link and address events from rtnetlink, as an asyncio async iterator.
+"""Link and address events from rtnetlink (pyroute2's AsyncIPRoute on the event loop), as an asyncio
+async iterator.
 
 The daemon rescans NICs when links or addresses change. It does not trust the
 events to carry the whole truth: they only say *when* to look. So the one
@@ -17,23 +18,24 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from agent.host.rtnetlink import (
+from pyroute2 import AsyncIPRoute
+from pyroute2.netlink.rtnl import (
+    RTM_DELADDR,
     RTM_DELLINK,
-    RTM_GETLINK,
     RTM_NEWADDR,
+    RTM_NEWLINK,
     RTMGRP_IPV4_IFADDR,
     RTMGRP_IPV6_IFADDR,
     RTMGRP_LINK,
-    LinkMessage,
-    Message,
-    RtnlSocket,
 )
-from agent.inventory.netlink import CHANGE_NEW_LINK, address_of, label_of, link_of
+
+from agent.inventory.netlink import CHANGE_NEW_LINK, Message, address_of, dump, label_of, link_of, route_socket
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,8 @@ class NetlinkWatcher:
         self.netns = netns
         self.rcvbuf = rcvbuf
         self._queue: asyncio.Queue[NetEvent | None] = asyncio.Queue(maxsize=max(queue_size, 2))
-        self._sock: RtnlSocket | None = None
+        self._ipr: Any = None  # pyroute2's AsyncIPRoute over self._sock
+        self._sock: socket.socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._names: dict[int, str] = {}  # link index -> ifname
         self._closed = False
@@ -122,41 +125,43 @@ class NetlinkWatcher:
             raise StopAsyncIteration
         return event
 
+    def known_links(self) -> dict[int, str]:
+        """The links this watcher knows now, by index (their names): from its last dump, kept by events."""
+        return dict(self._names)
+
     # -- the socket ---------------------------------------------------------
 
     async def _connect(self) -> None:
-        opening = asyncio.ensure_future(asyncio.to_thread(self._subscribe))
+        # Opening the socket may enter a namespace (a thread that is started and joined): off the loop.
+        opening = asyncio.ensure_future(asyncio.to_thread(route_socket, self.netns))
         try:
-            sock, names = await asyncio.shield(opening)
+            sock = await asyncio.shield(opening)
         except asyncio.CancelledError:
             opening.add_done_callback(_close_opened)  # the thread goes on: what it opens is closed
             raise
-        if self._closed:
-            sock.close()
-            return
-        self._sock, self._names = sock, names
-        for msg in sock.pending:  # events that came in during the dump, in their order
-            self._take(msg)
-        sock.pending.clear()
-
-    def _subscribe(self) -> tuple[RtnlSocket, dict[int, str]]:
-        """(Worker thread.) The subscribed socket and the links known now."""
-        sock = RtnlSocket(groups=GROUPS, rcvbuf=self.rcvbuf, netns=self.netns)
+        ipr = AsyncIPRoute(use_socket=sock, groups=GROUPS)
         try:
-            # Known links, so that RTM_NEWLINK can tell "added" from "changed" and address
-            # events carry names. Events that come in during the dump are kept for after it.
-            names = {m.index: link_of(m).ifname for m in sock.dump(RTM_GETLINK) if isinstance(m, LinkMessage)}
-            sock.sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
+            # Subscribed before the dump: a change during it waits as an event, in pyroute2's queue
+            # (read by the loop meanwhile), and is taken after the dump, in its order.
+            await ipr.bind(groups=GROUPS)
+            # Known links, so that RTM_NEWLINK can tell "added" from "changed" and address events
+            # carry names. A dump (retried when interrupted) decodes every link: in a worker thread.
+            links, _ = await asyncio.to_thread(dump, self.netns, addresses=False)
         except BaseException:
-            sock.close()
+            _close(ipr, sock)
             raise
-        return sock, names
+        if self._closed:
+            _close(ipr, sock)
+            return
+        self._ipr, self._sock = ipr, sock
+        self._names = {link.index: link.ifname for link in links}
 
     def _drop_socket(self) -> None:
-        sock, self._sock = self._sock, None
+        ipr, sock, self._ipr, self._sock = self._ipr, self._sock, None, None
         if sock is not None:
             try:
-                sock.close()
+                _close(ipr, sock)
             except Exception:
                 log.debug("closing the netlink socket failed", exc_info=True)
 
@@ -176,21 +181,24 @@ class NetlinkWatcher:
             except Exception as exc:
                 if self._closed:
                     return
-                # ENOBUFS (the kernel dropped messages) lands here too: the socket is then unusable.
+                # ENOBUFS (the kernel dropped events: the receive buffer overflowed) lands here too:
+                # pyroute2 then refuses the socket for good, and events were lost anyway.
                 log.warning("netlink events: %s; reopening the socket", _describe(exc))
                 self._drop_socket()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF)
 
     async def _pump(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closed and (sock := self._sock) is not None:
-            data = await loop.sock_recv(sock.sock, 65536)
-            if not data:
-                # An empty read means the socket was shut under us: reopen rather than spin.
-                raise ConnectionError("netlink socket closed")
-            for msg in sock.received(data):
+        while not self._closed and (ipr := self._ipr) is not None:
+            # One datagram's messages per get(); an error the socket reported (ENOBUFS, a reset)
+            # comes out of it as an exception, after the messages received before it.
+            received = False
+            async for msg in ipr.get():
+                received = True
                 self._take(msg)
+            if not received:
+                # Nothing at all means the socket was shut under us: reopen rather than spin.
+                raise ConnectionError("netlink socket closed")
 
     def _take(self, msg: Message) -> None:
         event = self._event_of(msg)
@@ -198,20 +206,27 @@ class NetlinkWatcher:
             self._put(event)
 
     def _event_of(self, msg: Message) -> NetEvent | None:
-        if isinstance(msg, LinkMessage):
+        kind = msg["header"]["type"]
+        if kind == RTM_DELLINK:
+            # Deleted, or moved to another network namespace (RTM_DELLINK here, RTM_NEWLINK there):
+            # gone from this one either way.
             link = link_of(msg)
-            if msg.type == RTM_DELLINK:
-                self._names.pop(link.index, None)
-                return NetEvent(LINK_REMOVED, link.ifname, link.index, link.link_up)
+            self._names.pop(link.index, None)
+            return NetEvent(LINK_REMOVED, link.ifname, link.index, link.link_up)
+        if kind == RTM_NEWLINK:
+            # A rename is a change of a known index: the name is taken from the message each time.
+            link = link_of(msg)
             known = link.index in self._names
             self._names[link.index] = link.ifname
-            added = not known or msg.change == CHANGE_NEW_LINK
+            added = not known or int(msg["change"]) == CHANGE_NEW_LINK
             return NetEvent(LINK_ADDED if added else LINK_CHANGED, link.ifname, link.index, link.link_up)
+        if kind not in (RTM_NEWADDR, RTM_DELADDR):
+            return None
         addr = address_of(msg)
         if addr is None:
             return None
         ifname = self._names.get(addr.index) or label_of(msg)
-        return NetEvent(ADDRESS_ADDED if msg.type == RTM_NEWADDR else ADDRESS_REMOVED, ifname, addr.index,
+        return NetEvent(ADDRESS_ADDED if kind == RTM_NEWADDR else ADDRESS_REMOVED, ifname, addr.index,
                         address=addr.cidr)
 
     def _put(self, event: NetEvent | None) -> None:
@@ -226,9 +241,18 @@ class NetlinkWatcher:
                 self._queue.put_nowait(None)
 
 
-def _close_opened(opening: asyncio.Future[tuple[RtnlSocket, dict[int, str]]]) -> None:
+def _close(ipr: Any, sock: socket.socket) -> None:
+    """Close pyroute2's side (its transport on the loop), then the socket: given to it with
+    `use_socket`, it is ours to close."""
+    try:
+        ipr.close()
+    finally:
+        sock.close()
+
+
+def _close_opened(opening: asyncio.Future[socket.socket]) -> None:
     if not opening.cancelled() and opening.exception() is None:
-        opening.result()[0].close()
+        opening.result().close()
 
 
 def _describe(exc: BaseException) -> str:
