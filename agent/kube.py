@@ -238,7 +238,7 @@ def count_requests(client: lightkube.AsyncClient, count: Callable[[str, str], No
 
 
 METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1, application/json"
-LIST_PAGE = 500  # objects per page of a metadata-only LIST
+LIST_PAGE = 500  # objects per page of a LIST (garbage collection's, a restart's read of claims' status)
 
 
 async def list_metadata(client: lightkube.AsyncClient, resource: type[Any], namespace: str) -> list[dict[str, Any]]:

@@ -281,6 +281,50 @@ async def test_resync_writes_every_prepared_claim(node, kube_api, online):
     assert ready(devices_of(kube_api)[DRIVER, "gpu-0"])["status"] == "True"
 
 
+async def test_a_restart_reads_the_stored_status_of_a_namespaces_claims_in_one_list(node, kube_api, online):
+    # A restarted agent compares each claim's entries with the stored ones before writing: one LIST of the
+    # namespace for them all, not a GET each (what a restart costs the API server grows with the
+    # namespaces, not the claims). A claim whose stored entries were lost meanwhile is written again.
+    first = online()
+    uids = [f"1e570000-0000-4000-8000-{i:012d}" for i in range(3)]
+    for i, uid in enumerate(uids):
+        kube_api.add(claim(f"c{i}", uid, [result(f"gpu-{i}", "gpu")]))
+        await prepare(node, uid, f"c{i}")
+    await settled(first)
+    await first.stop()
+    await apply_as(kube_api, DRIVER, [], name="c2")  # lost while no agent ran
+
+    again = online()
+    seen = len(kube_api.emulator.log)
+    assert again.resync(node.engine.records.values()) == 3
+    await settled(again)
+    sent = kube_api.emulator.log[seen:]
+    claims_path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+    assert [e.method for e in sent if e.path == claims_path] == ["GET"]  # the LIST
+    assert [e for e in sent if e.method == "GET" and e.path.startswith(claims_path + "/")] == []
+    assert writes(again, "unchanged") == 2 and writes(again, "ok") == 1
+    assert ready(devices_of(kube_api, "c2")[DRIVER, "gpu-2"])["status"] == "True"
+
+
+async def test_a_failed_list_leaves_each_claim_to_its_own_read(node, kube_api, online):
+    first = online()
+    uids = [f"1e570000-0000-4000-8000-{i:012d}" for i in range(2)]
+    for i, uid in enumerate(uids):
+        kube_api.add(claim(f"c{i}", uid, [result(f"gpu-{i}", "gpu")]))
+        await prepare(node, uid, f"c{i}")
+    await settled(first)
+    await first.stop()
+    kube_api.fail("GET", "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims", times=1, status=500)
+
+    again = online()
+    seen = len(kube_api.emulator.log)
+    again.resync(node.engine.records.values())
+    await settled(again)
+    gets = [e.path for e in kube_api.emulator.log[seen:] if e.method == "GET"]
+    assert sorted(gets)[1:] == [f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/c{i}" for i in range(2)]
+    assert writes(again, "unchanged") == 2
+
+
 async def test_a_restart_keeps_the_time_ready_last_changed_and_sends_what_is_stored_already(node, kube_api, online):
     # Each writer after the first is a restarted agent; each one's clock runs later than the last one's,
     # so that a time it dates cannot be mistaken for a stored one.

@@ -59,7 +59,7 @@ from agent.health.bindingstatus import BindingFailure, binding_condition, failur
 from agent.health.conditions import Readiness
 from agent.health.readytimes import ReadyTransitions
 from agent.health.statusentry import AlwaysReady, DeviceLookup, DeviceReadiness, device_data
-from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed, same_entries
+from agent.health.statussinks import ClaimGone, StatusLister, StatusSink, StatusWriteFailed, same_entries
 from agent.kinds import Kind
 from agent.kube import Backoff
 from agent.metrics import Metrics
@@ -131,6 +131,8 @@ class ClaimStatusWriter:
         self._idle.set()
         self._worker: asyncio.Task[None] | None = None
         self._resync: asyncio.Task[None] | None = None
+        # Per claim UID: its stored status entries, read with its namespace's at a resync (`_read_ahead`).
+        self._read: dict[str, list[dict[str, Any]]] = {}
         self._drained = asyncio.Event()  # the queue is shorter than a resync window
         self._closed = False
 
@@ -180,20 +182,35 @@ class ClaimStatusWriter:
 
     async def _feed(self, records: list[ClaimView]) -> None:
         told = set(self._told)  # prepared or refreshed since: already written fresh
+        by_namespace: dict[str, list[ClaimView]] = {}
+        for record in records:
+            by_namespace.setdefault(record.namespace, []).append(record)
         try:
-            for record in records:
-                while self.queued >= RESYNC_WINDOW:
-                    self._drained.clear()
-                    await self._drained.wait()
-                if record.uid in told or record.uid in self._told:
-                    continue
-                if self.book.record_of(record.uid) is None:
-                    continue  # unprepared meanwhile
-                self.claim_prepared(record)
-                await asyncio.sleep(0)  # a long loop on the event loop: let the kubelet in
+            for namespace, group in by_namespace.items():
+                if isinstance(self.sink, StatusLister) and len(group) > 1:
+                    await self._read_ahead(self.sink, namespace, group)
+                for record in group:
+                    while self.queued >= RESYNC_WINDOW:
+                        self._drained.clear()
+                        await self._drained.wait()
+                    if record.uid in told or record.uid in self._told or self.book.record_of(record.uid) is None:
+                        self._read.pop(record.uid, None)  # written fresh since, or unprepared meanwhile
+                        continue
+                    self.claim_prepared(record)
+                    await asyncio.sleep(0)  # a long loop on the event loop: let the kubelet in
         finally:
             self._resync = None
             self._update_queue()
+
+    async def _read_ahead(self, lister: StatusLister, namespace: str, group: list[ClaimView]) -> None:
+        """The stored entries of a namespace's claims, one LIST for them all, where each would be read by
+        itself before its write (`_after_reading`): what an agent's restart costs the API server then
+        grows with its namespaces, not its claims. A failure leaves each claim to its own read."""
+        try:
+            self._read.update(await lister.read_namespace(namespace, {r.uid for r in group}))
+        except StatusWriteFailed as exc:
+            log.info("status of the claims of namespace %s not read in one list (%s): each is read by itself",
+                     namespace, exc)
 
     def start(self) -> None:
         if self._worker is None and not self._closed:
@@ -354,6 +371,7 @@ class ClaimStatusWriter:
             self._count("ok")
             log.debug("status of %s written (%d entries)", item.target, len(entries))
         finally:
+            self._read.pop(uid, None)  # read ahead, not needed: the entries were built without it
             self._in_flight.pop(uid, None)
             self._update_queue()
             self._wake.set()
@@ -365,7 +383,10 @@ class ClaimStatusWriter:
         record = item.record
         assert record is not None
         try:
-            stored = [e for e in await self.sink.read(item.target) if e.get("driver") == self.driver]
+            read = self._read.pop(record.uid, None)
+            if read is None:
+                read = await self.sink.read(item.target)
+            stored = [e for e in read if e.get("driver") == self.driver]
         except StatusWriteFailed as exc:
             if exc.retryable or isinstance(exc, ClaimGone):
                 raise
