@@ -81,7 +81,7 @@ def machine(tmp_path: Path) -> Iterator[Machine]:
     devices = scan(state)
     root = state / "nvml-sim"
     with KernelEmulator(load_profile("dgx-h100"), root) as kernel:
-        yield Machine(SimTree(root), kernel, VfioHost(root / "sys", root / "proc", root / "dev", True), devices)
+        yield Machine(SimTree(root), kernel, VfioHost(root / "sys", root / "proc", root / "dev"), devices)
 
 
 def alloc(devices: list[Device], name: str) -> AllocatedDevice:

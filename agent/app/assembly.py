@@ -16,6 +16,7 @@ from agent.config import Settings
 from agent.fsutil import UnsafeRoot, check_root, makedirs
 
 if TYPE_CHECKING:
+    from agent.host.vfio.sriov import VfLinks
     from agent.inventory import Inventory, Source
     from agent.inventory.numa import NumaForm
     from agent.kube import NodeInfo
@@ -39,6 +40,18 @@ def build_sources(settings: Settings) -> list[Source]:
         # discovery, whose opening writes the simulated machine this source reads.
         sources.append(SimNicSource(settings))
     return sources
+
+
+def vf_links(settings: Settings) -> VfLinks:
+    """Where prepare reads and sets a VF's MAC and VLAN: the host kernel's PF drivers over netlink, or,
+    with `--nvml sim`, the simulated NIC's (which has no netlink device), kept under its machine's root."""
+    if settings.nvml.kind == "sim":
+        from agent.sim.vflinks import SimVfLinks
+
+        return SimVfLinks(settings.sim_root)
+    from agent.host.vfio.sriov import NetlinkVfLinks
+
+    return NetlinkVfLinks()
 
 
 def start_sim_kernel(settings: Settings) -> KernelEmulator | None:

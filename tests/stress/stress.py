@@ -62,7 +62,7 @@ sys.path[:0] = [str(ROOT), str(TESTS)]
 import agentkit  # noqa: E402
 
 from agent import failpoints  # noqa: E402
-from agent.app.assembly import PublishedForm  # noqa: E402
+from agent.app.assembly import PublishedForm, vf_links  # noqa: E402
 from agent.claims import filenames, metadata  # noqa: E402
 from agent.claims.leftovers import Leftover, LeftoverError, leftovers_dir  # noqa: E402
 from agent.claims.records import ClaimRecord, FileRole, PartitionKind  # noqa: E402
@@ -387,7 +387,7 @@ class _Agent:
                                    refine=PublishedForm())
         assert settings.offline is not None
         self.engine = PrepareEngine(settings, self.inventory, DirectoryClaimSource(settings.offline),
-                                    ClaimStore(settings.claims_state_dir))
+                                    ClaimStore(settings.claims_state_dir), vf_links=vf_links(settings))
 
     def open(self) -> KernelEmulator:
         """Open NVML (which writes the simulated machine, keeping what its kernel changed since), then
