@@ -19,7 +19,7 @@ import kubernetes_validate
 import yaml
 
 from agent import apirules, quantity
-from agent.app.assembly import PublishedForm, vf_links
+from agent.app.assembly import PublishedForm, nvml_opener, vf_links
 from agent.claims.sources import DirectoryClaimSource
 from agent.claims.store import ClaimStore
 from agent.config import NvmlMode, Settings, build_settings
@@ -104,7 +104,7 @@ async def make_node(tmp: Path, nics: Sequence[Device] = (), cpus: Sequence[Devic
     nic_source = StaticSource("nic", list(nics) or [nic()])
     sources: list[Any] = [nic_source, StaticSource("cpu", cpus)]
     if settings.nvml != NvmlMode("auto"):
-        sources.insert(0, GpuSource(settings))
+        sources.insert(0, GpuSource(settings, opener=nvml_opener(settings)))
     inventory = Inventory(sources, refine=PublishedForm())
     inventory.open()
     await inventory.scan()

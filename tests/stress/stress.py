@@ -84,6 +84,7 @@ from agent.sim.hardware import reboot, sim_functions  # noqa: E402
 from agent.sim.kernel.emulator import KernelEmulator  # noqa: E402
 from agent.sim.kernel.tree import SimTree  # noqa: E402
 from agent.sim.migstate import STATE_FILE as MIG_STATE_FILE  # noqa: E402
+from agent.sim.nvmlopen import open_sim_nvml  # noqa: E402
 from agent.sim.profiles import load_profile  # noqa: E402
 from agent.sim.vflinks import SimVfLinks  # noqa: E402
 
@@ -379,7 +380,7 @@ class _Agent:
 
     def __init__(self, settings: Settings, nic_variant: int) -> None:
         self.settings = settings
-        self.gpus = GpuSource(settings)
+        self.gpus = GpuSource(settings, opener=open_sim_nvml)
         self.vfs: list[Device] = []
         self.nics = agentkit.StaticSource("nic", [])
         self.nic_variant = nic_variant
