@@ -25,8 +25,8 @@ from agent.app.oneshot import render_slices
 from agent.config import NvmlMode, Settings, build_settings
 from agent.inventory import Inventory
 from agent.inventory.gpus import GpuSource
-from agent.inventory.simnics import SimNicSource
 from agent.kubelet import client as kc
+from agent.sim.nicsource import SimNicSource
 from agent.sim.nvmlopen import open_sim_nvml
 from agent.sim.profiles import load_profile
 

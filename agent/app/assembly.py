@@ -32,7 +32,6 @@ def build_sources(settings: Settings) -> list[Source]:
     from agent.inventory.gpus import GpuSource
     from agent.inventory.memory import MemorySource
     from agent.inventory.nics import NicSource
-    from agent.inventory.simnics import SimNicSource
 
     sources: list[Source] = [GpuSource(settings, opener=nvml_opener(settings)),
                              NicSource(settings, passthrough=settings.nic_passthrough),
@@ -40,6 +39,8 @@ def build_sources(settings: Settings) -> list[Source]:
     if settings.nvml.kind == "sim":
         # The simulated NIC's functions have no netdev for NIC discovery to find; listed after GPU
         # discovery, whose opening writes the simulated machine this source reads.
+        from agent.sim.nicsource import SimNicSource
+
         sources.append(SimNicSource(settings))
     return sources
 
