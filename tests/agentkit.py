@@ -19,7 +19,7 @@ import kubernetes_validate
 import yaml
 
 from agent import apirules, quantity
-from agent.app.assembly import PublishedForm
+from agent.app.assembly import PublishedForm, nvml_opener, vf_links
 from agent.claims.sources import DirectoryClaimSource
 from agent.claims.store import ClaimStore
 from agent.config import NvmlMode, Settings, build_settings
@@ -104,14 +104,15 @@ async def make_node(tmp: Path, nics: Sequence[Device] = (), cpus: Sequence[Devic
     nic_source = StaticSource("nic", list(nics) or [nic()])
     sources: list[Any] = [nic_source, StaticSource("cpu", cpus)]
     if settings.nvml != NvmlMode("auto"):
-        sources.insert(0, GpuSource(settings))
+        sources.insert(0, GpuSource(settings, opener=nvml_opener(settings)))
     inventory = Inventory(sources, refine=PublishedForm())
     inventory.open()
     await inventory.scan()
     assert settings.offline is not None
     store = ClaimStore(settings.claims_state_dir)
     store.ensure()
-    engine = PrepareEngine(settings, inventory, DirectoryClaimSource(settings.offline), store)
+    engine = PrepareEngine(settings, inventory, DirectoryClaimSource(settings.offline), store,
+                           vf_links=vf_links(settings))
     return Node(settings, inventory, engine, nic_source)
 
 
@@ -185,7 +186,8 @@ def agent_process(args: Sequence[str], env: dict[str, str], registration_socket:
 
 def restarted(node: Node) -> PrepareEngine:
     """A new engine over the same roots and state, as a restarted agent (or a second agent) has."""
-    return PrepareEngine(node.settings, node.inventory, node.engine.claims, ClaimStore(node.settings.claims_state_dir))
+    return PrepareEngine(node.settings, node.inventory, node.engine.claims, ClaimStore(node.settings.claims_state_dir),
+                         vf_links=node.engine.passthrough.links)
 
 
 def claim(name: str, uid: str, results: Sequence[dict[str, Any]], *, namespace: str = "default",

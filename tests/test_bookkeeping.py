@@ -301,7 +301,8 @@ async def test_a_refresh_after_a_restart_with_another_kubelet_dir_rewrites_the_f
     # The agent restarts with another --kubelet-dir, and the NIC gets its address.
     moved = roots(tmp_path, kubelet_dir=tmp_path / "kubelet-moved")
     assert moved.metadata_dir != node.settings.metadata_dir and moved.claims_state_dir == node.settings.claims_state_dir
-    engine = PrepareEngine(moved, node.inventory, node.engine.claims, ClaimStore(moved.claims_state_dir))
+    engine = PrepareEngine(moved, node.inventory, node.engine.claims, ClaimStore(moved.claims_state_dir),
+                           vf_links=node.engine.passthrough.links)
     recover(engine)
     node.nic_source.devices = [nic(ips=("10.9.9.9/24",))]
     await node.inventory.scan(["nic"])

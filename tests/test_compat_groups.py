@@ -20,6 +20,7 @@ from agent.inventory.gpus import GpuSource
 from agent.kinds import Kind
 from agent.model import CounterConsumption, Device
 from agent.publish.slices import build_slices
+from agent.sim.nvmlopen import open_sim_nvml
 
 DRIVER = "dra.example.com"
 NODE = "node-a"
@@ -27,7 +28,7 @@ NODE = "node-a"
 
 def scan(tmp_path: Path, profile: str, *, sharing: bool = True, node_allocatable: bool = True) -> list[Device]:
     source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=tmp_path / "state"),
-                       dynamic_mig=True, sharing=sharing)
+                       dynamic_mig=True, sharing=sharing, opener=open_sim_nvml)
     source.node_allocatable = node_allocatable
     source.open()
     try:

@@ -29,9 +29,10 @@ from agent.inventory.gpu_events import (
     RecoveryAction,
     XidError,
 )
-from agent.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
+from agent.inventory.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
 from agent.sim.hardware import materialize
 from agent.sim.nvml import SimulatedNvml
+from agent.sim.nvmlopen import SimCommands
 from agent.sim.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +100,8 @@ def watch() -> Iterator[Callable[..., tuple[GpuEventWatcher, Events]]]:
     def start(nvml: SimulatedNvml, probe_interval: float = 0.1, registered: int = 1,
               baseline: bool = False) -> tuple[GpuEventWatcher, Events]:
         events = Events()
-        watcher = GpuEventWatcher(nvml, events, probe_interval=probe_interval, baseline=baseline)
+        watcher = GpuEventWatcher(nvml, events, probe_interval=probe_interval, baseline=baseline,
+                                  commands=SimCommands(nvml))
         watcher.start()
         started.append(watcher)
         # GPUs are registered by the first probe: from then on an XID is delivered.

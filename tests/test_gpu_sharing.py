@@ -31,6 +31,7 @@ from agent.model import Device
 from agent.names import ClaimRef
 from agent.publish.apiserver import ApiPublisher
 from agent.publish.slices import build_slices
+from agent.sim.nvmlopen import open_sim_nvml
 
 UID1 = "5a4e0c1d-0000-4000-8000-000000000001"
 UID2 = "5a4e0c1d-0000-4000-8000-000000000002"
@@ -43,7 +44,7 @@ def scan(tmp_path: Path, profile: str = "dgx-h100", *, sharing: bool = True, nod
          overhead: int | None = None) -> dict[str, Device]:
     extra = {} if overhead is None else {"host_memory_overhead": overhead}
     source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=tmp_path / "state"),
-                       dynamic_mig=True, sharing=sharing, **extra)
+                       dynamic_mig=True, sharing=sharing, opener=open_sim_nvml, **extra)
     source.node_allocatable = node_allocatable
     source.open()
     try:
@@ -83,7 +84,7 @@ def test_overhead_only_when_the_node_declares_the_feature(tmp_path: Path) -> Non
     plain = scan(tmp_path / "a")
     assert all(d.node_allocatable is None for d in plain.values())
     source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path / "b"),
-                       dynamic_mig=True, sharing=True, host_memory_overhead=300 * (1 << 20))
+                       dynamic_mig=True, sharing=True, host_memory_overhead=300 * (1 << 20), opener=open_sim_nvml)
     inventory = Inventory([source])
     # The daemon's switch, as for CPU and memory devices: only a Node that declares the feature.
     set_node_features(inventory, NodeInfo(NODE, declared_features=frozenset({"SomethingElse"})))

@@ -23,8 +23,10 @@ from agent import apirules
 from agent.config import NvmlMode, Settings
 from agent.inventory import DeviceFailure, DiscoveryError, Inventory, ScanError, ScanResult, SourceProblem
 from agent.inventory.gpus import GpuSource, probe
+from agent.inventory.nvmlopen import open_real_nvml
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, Capacity, Device, DeviceNode, Version
 from agent.sim.nvml import SimulatedNvml, materialize
+from agent.sim.nvmlopen import open_sim_nvml
 from agent.sim.profiles import DEVICE_FUNCTIONS, SYSTEM_FUNCTIONS, load_profile
 
 DGX_LAYOUT = {  # bus ID -> (PCIe root, NUMA node)
@@ -46,7 +48,7 @@ def sim_settings(tmp_path: Path, profile: str = "dgx-h100") -> Settings:
 
 
 def opened(settings: Settings) -> GpuSource:
-    source = GpuSource(settings)
+    source = GpuSource(settings, opener=open_sim_nvml)
     source.open()
     return source
 
@@ -351,12 +353,12 @@ def test_bad_profile_is_a_discovery_error(tmp_path: Path, raw: object, complaint
     profile = tmp_path / "bad.json"
     profile.write_text(json.dumps(raw))
     with pytest.raises(DiscoveryError, match=re.escape(complaint)):
-        GpuSource(sim_settings(tmp_path, str(profile))).open()
+        GpuSource(sim_settings(tmp_path, str(profile)), opener=open_sim_nvml).open()
 
 
 def test_unknown_profile_name(tmp_path: Path) -> None:
     with pytest.raises(DiscoveryError, match="neither a builtin profile"):
-        GpuSource(sim_settings(tmp_path, "dgx-z900")).open()
+        GpuSource(sim_settings(tmp_path, "dgx-z900"), opener=open_sim_nvml).open()
 
 
 def test_device_count_failing_fails_the_source(dgx: GpuSource) -> None:
@@ -369,7 +371,7 @@ def test_device_count_failing_fails_the_source(dgx: GpuSource) -> None:
 def test_inventory_runs_the_source(tmp_path: Path) -> None:
     import asyncio
 
-    inventory = Inventory([GpuSource(sim_settings(tmp_path))])
+    inventory = Inventory([GpuSource(sim_settings(tmp_path), opener=open_sim_nvml)])
     inventory.open()
     try:
         assert asyncio.run(inventory.scan())
@@ -444,18 +446,18 @@ def test_auto_with_nvidia_hardware_but_no_nvml_is_an_error(tmp_path: Path) -> No
         pytest.skip("NVML loads on this machine; this checks a node where it does not")
     settings = host_tree(tmp_path)
     with pytest.raises(DiscoveryError) as err:
-        GpuSource(settings).open()
+        GpuSource(settings, opener=open_real_nvml).open()
     text = str(err.value)
     assert "nvidiactl" in text and "0000:18:00.0" in text and "no libnvidia-ml.so.1 under the driver root /" in text
     # Either sign alone is enough.
     (settings.dev_root / "nvidiactl").unlink()
     with pytest.raises(DiscoveryError, match="NVIDIA display functions"):
-        GpuSource(settings).open()
+        GpuSource(settings, opener=open_real_nvml).open()
     for entry in (settings.sysfs_root / "bus" / "pci" / "devices").iterdir():
         entry.unlink()
     (settings.dev_root / "nvidiactl").touch()
     with pytest.raises(DiscoveryError, match="nvidiactl"):
-        GpuSource(settings).open()
+        GpuSource(settings, opener=open_real_nvml).open()
 
 
 def test_auto_without_nvidia_hardware_publishes_nothing(tmp_path: Path,
@@ -472,7 +474,7 @@ def test_auto_without_nvidia_hardware_publishes_nothing(tmp_path: Path,
     (tmp_path / "dev").mkdir()
     settings = Settings(node_name="node-a", nvml=NvmlMode("auto"), state_dir=tmp_path / "state",
                         sysfs_root=tmp_path / "sys", dev_root=tmp_path / "dev")
-    source = GpuSource(settings)
+    source = GpuSource(settings, opener=open_real_nvml)
     with caplog.at_level(logging.INFO, logger="agent.inventory.gpus"):
         source.open()
     assert source.scan() == ScanResult()
@@ -487,7 +489,7 @@ def test_real_mode_without_nvml_is_an_error(tmp_path: Path) -> None:
     settings = Settings(node_name="node-a", nvml=NvmlMode("real"), state_dir=tmp_path)
     with pytest.raises(DiscoveryError, match="^--nvml real: no libnvidia-ml.so.1 under the driver root / "
                        r"\(tried /etc/ld.so.cache ") as err:
-        GpuSource(settings).open()
+        GpuSource(settings, opener=open_real_nvml).open()
     assert "--driver-root" in str(err.value) and "\n" not in str(err.value)
 
 

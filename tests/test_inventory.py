@@ -30,6 +30,7 @@ from agent.kubelet.server import Healthv1, Healthv1alpha1
 from agent.metrics import Metrics
 from agent.model import Device
 from agent.pb import health_v1_pb2, health_v1alpha1_pb2
+from agent.sim.nvmlopen import open_sim_nvml
 
 
 class FlakySource:
@@ -411,7 +412,7 @@ async def test_the_grpc_health_handler_sends_unknown_as_unknown(servicer: type, 
 
 async def test_nvml_failing_to_count_keeps_the_gpus(tmp_path: Path) -> None:
     settings = Settings(node_name="node-a", nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path / "state")
-    gpus = GpuSource(settings)
+    gpus = GpuSource(settings, opener=open_sim_nvml)
     inventory = Inventory([gpus])
     inventory.open()
     try:
@@ -439,7 +440,7 @@ async def test_the_health_stream_names_only_devices(tmp_path: Path) -> None:
     profile = tmp_path / "faulty.json"
     profile.write_text(json.dumps(PROFILE))
     settings = Settings(node_name="node-a", nvml=NvmlMode("sim", str(profile)), state_dir=tmp_path / "state")
-    inventory = Inventory([GpuSource(settings), StaticSource("nic", [NIC_A])])
+    inventory = Inventory([GpuSource(settings, opener=open_sim_nvml), StaticSource("nic", [NIC_A])])
     inventory.open()
     try:
         # Without the driver's GPU list (/proc/driver/nvidia/gpus) the lost GPU has no name.
@@ -458,7 +459,7 @@ async def test_the_health_stream_names_only_devices(tmp_path: Path) -> None:
     assert any(line.startswith("GPU at NVML index 1: ") for line in snapshot.not_published())
 
     # With the list, it is the GPU whose minor no answering GPU has: named, and UNHEALTHY.
-    inventory = Inventory([GpuSource(settings), StaticSource("nic", [NIC_A])])
+    inventory = Inventory([GpuSource(settings, opener=open_sim_nvml), StaticSource("nic", [NIC_A])])
     inventory.open()
     try:
         await inventory.scan()

@@ -1,5 +1,6 @@
 """The package layout docs/architecture.md states holds in the source: no package imports one above
-it, no module imports itself back through others, `cdi/` stands alone, and every package is listed.
+it, no module imports itself back through others, `cdi/` stands alone, every package is listed, and
+only `agent/app` imports the simulated machine (`agent/sim`).
 
 The graph is read from the source with `ast`, every import counted (also those inside functions and
 under TYPE_CHECKING: a circle through a lazy import is still a circle a reader has to untangle)."""
@@ -137,9 +138,55 @@ def test_cdi_stands_alone() -> None:
     assert not leaks, leaks
 
 
+def sim_imports(module: str, source: str) -> list[str]:
+    """The modules of `agent.sim` that `module`'s source imports, in any form: `import agent.sim...`,
+    `from agent.sim... import`, `from agent import sim`, and relative imports resolved against the
+    module's package; also inside functions and under TYPE_CHECKING."""
+    package = module.split(".")
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                # `from .x import y` in agent/a/b.py is agent.a.x (`package` ends in the module's own name,
+                # which a package's __init__ does not have: its module name is the package's).
+                parent = package[:len(package) - node.level]
+                base = ".".join(parent + ([base] if base else []))
+            # `from agent.sim.x import y` imports agent.sim.x; `from agent import sim` imports agent.sim.
+            names = [base] if _in_sim(base) else [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [n for n in names if _in_sim(n)]
+    return sorted(set(found))
+
+
+def _in_sim(name: str) -> bool:
+    return name == "agent.sim" or name.startswith("agent.sim.")
+
+
+def test_only_the_app_imports_the_simulator() -> None:
+    """Discovery, health and host changes meet NVML and VF settings through the seams they declare
+    (`agent.inventory.nvmlapi`, `agent.host.vfio.sriov.VfLinks`); `agent.app.assembly` chooses the real
+    or the simulated implementation and hands it in."""
+    found = []
+    for name, path in modules("agent").items():
+        if name.startswith(("agent.app.", "agent.sim.")) or name in ("agent.sim", "agent.app"):
+            continue
+        # An __init__ module is its package: its relative imports resolve from the package itself.
+        module = f"{name}.__init__" if path.name == "__init__.py" else name
+        found += [f"{name} -> {target}" for target in sim_imports(module, path.read_text())]
+    assert not found, "imports of the simulator outside agent/app:\n" + "\n".join(found)
+
+
 def test_the_checks_find_what_they_guard() -> None:
     """Positive controls: a circle and an upward import made up here are found."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     order = documented_order()
     assert order.index(floor("agent.inventory.gpus", order)) > order.index(floor("agent.app.cli", order))
     assert floor("agent.config", order) == ROOT_FLOOR and floor("agent.claims", order) == "claims"
+    source = ("import agent.sim.nvml\nfrom agent import sim\ndef f():\n    from ..sim.vflinks import SimVfLinks\n"
+              "    from .. import sim\n    from agent.simple import x\n")
+    assert sim_imports("agent.hostprep.vfio", source) == ["agent.sim", "agent.sim.nvml", "agent.sim.vflinks"]
+    assert sim_imports("agent.inventory.__init__", "from ..sim import control\n") == ["agent.sim"]

@@ -27,6 +27,7 @@ from agent.inventory.gpus import GpuSource
 from agent.model import Device
 from agent.sim.migprofiles import MIG_TABLES
 from agent.sim.nvml import SimulatedNvml
+from agent.sim.nvmlopen import open_sim_nvml
 from agent.sim.profiles import parse_profile
 
 DRIVER = "dra.example.com"
@@ -72,7 +73,7 @@ def code(call: Any, *args: Any) -> int:
 
 def scan(tmp_path: Path, profile: str, dynamic_mig: bool | None = True) -> list[Device]:
     source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=tmp_path / "state"),
-                       dynamic_mig=dynamic_mig)
+                       dynamic_mig=dynamic_mig, opener=open_sim_nvml)
     source.open()
     try:
         return source.scan().devices

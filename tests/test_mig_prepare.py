@@ -356,9 +356,10 @@ def test_the_shared_form_of_a_gpu_in_mig_mode_is_withheld_too(tmp_path: Path) ->
     from agent.config import NvmlMode, Settings
     from agent.errors import WholeGpuInMigMode
     from agent.inventory.gpus import GpuSource
+    from agent.sim.nvmlopen import open_sim_nvml
 
     source = GpuSource(Settings(node_name="n", nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path / "state"),
-                       sharing=True)
+                       sharing=True, opener=open_sim_nvml)
     source.open()
     try:
         assert {"gpu-0", "gpu-0-shared"} <= {d.name for d in source.scan().devices}

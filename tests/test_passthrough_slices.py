@@ -27,6 +27,7 @@ from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, CounterConsumption, Co
 from agent.publish.apiserver import ApiPublisher, DirectoryPublisher
 from agent.publish.slices import CounterChunk, build_slices, chunk_devices, plan_pool, pool_rule_errors
 from agent.sim.kernel.tree import SimTree
+from agent.sim.nvmlopen import open_sim_nvml
 
 DRIVER = "dra.example.com"
 NODE = "node-a"
@@ -54,7 +55,7 @@ def vfio(bus: str, prefix: str = "gpu") -> str:
 def scanned(tmp_path: Path, profile: str, dynamic_mig: bool = False) -> tuple[GpuSource, list[Device]]:
     """The profile's GPUs and variants; MIG placements only when asked (tests/test_mig.py covers them)."""
     source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=tmp_path / "state"),
-                       dynamic_mig=dynamic_mig)
+                       dynamic_mig=dynamic_mig, opener=open_sim_nvml)
     source.open()
     return source, source.scan().devices
 
@@ -63,7 +64,8 @@ def scanned(tmp_path: Path, profile: str, dynamic_mig: bool = False) -> tuple[Gp
 def mixed(tmp_path: Path) -> Iterator[GpuSource]:
     path = tmp_path / "mixed.json"
     path.write_text(json.dumps(MIXED))
-    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", str(path)), state_dir=tmp_path / "state"))
+    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", str(path)), state_dir=tmp_path / "state"),
+                       opener=open_sim_nvml)
     source.open()
     yield source
     source.close()

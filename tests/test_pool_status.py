@@ -14,6 +14,7 @@ from agent.app import cli, poolstatus
 from agent.config import build_settings
 from agent.inventory.gpus import GpuSource
 from agent.names import ClaimRef
+from agent.sim.nvmlopen import open_sim_nvml
 from agent.sim.profiles import BUILTIN
 
 UID = "3d2c1b0a-0000-4000-8000-000000000001"
@@ -30,7 +31,7 @@ def two_gpus(tmp: Path) -> str:
 def test_a_prepared_form_of_a_gpu_leaves_the_forms_that_go_with_it_free(tmp_path: Path) -> None:
     s = build_settings({"node_name": "n", "nvml": two_gpus(tmp_path), "state_dir": tmp_path / "state",
                         "gpu_sharing": True, "vgpu_types": "auto", "compatibility_groups": True})
-    source = GpuSource(s)
+    source = GpuSource(s, opener=open_sim_nvml)
     source.open()
     try:
         devices = source.scan().devices

@@ -19,6 +19,7 @@ from agent.config import NvmlMode, Settings
 from agent.inventory.gpu_events import GpuEventWatcher, GpuLost, XidError
 from agent.sim.control import ControlWatcher, SimCommand
 from agent.sim.nvml import SimulatedNvml
+from agent.sim.nvmlopen import SimCommands
 
 
 def sim_settings(tmp_path: Path, nvml: str = "sim:dgx-h100") -> Settings:
@@ -128,7 +129,8 @@ def test_a_bad_command_is_set_aside_and_the_rest_still_applied(tmp_path: Path, s
 def test_the_gpu_event_watcher_sees_commands_from_outside(tmp_path: Path, sim: SimulatedNvml) -> None:
     settings = sim_settings(tmp_path)
     seen: list[object] = []
-    watcher = GpuEventWatcher(sim, seen.append, probe_interval=0.1, control_dir=simctl.control_dir(settings))
+    watcher = GpuEventWatcher(sim, seen.append, probe_interval=0.1,
+                              commands=SimCommands(sim, simctl.control_dir(settings)))
     watcher.start()
     try:
         assert until(lambda: len(watcher.stats.registered) == 8)

@@ -20,6 +20,7 @@ from agent.sim.hardware import materialize
 from agent.sim.kernel import mdev as simmdev
 from agent.sim.kernel.emulator import KernelEmulator, WriteKind
 from agent.sim.kernel.tree import SimTree
+from agent.sim.nvmlopen import open_sim_nvml
 from agent.sim.profiles import ProfileError, SimProfile, load_profile, parse_profile
 
 GPU = "0000:18:00.0"
@@ -129,7 +130,7 @@ def test_profile_rejects_accidental_group_sharing() -> None:
 
 def test_hgx_16_has_16_gpus_in_16_groups(tmp_path: Path) -> None:
     settings = Settings(node_name="node-a", nvml=NvmlMode.parse("sim:hgx-16"), state_dir=tmp_path / "state")
-    source = GpuSource(settings)
+    source = GpuSource(settings, opener=open_sim_nvml)
     source.open()
     try:
         result = source.scan()

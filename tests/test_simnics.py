@@ -25,8 +25,9 @@ from agent.app.oneshot import render_slices
 from agent.config import NvmlMode, Settings, build_settings
 from agent.inventory import Inventory
 from agent.inventory.gpus import GpuSource
-from agent.inventory.simnics import SimNicSource
 from agent.kubelet import client as kc
+from agent.sim.nicsource import SimNicSource
+from agent.sim.nvmlopen import open_sim_nvml
 from agent.sim.profiles import load_profile
 
 DRIVER = "dra.example.com"
@@ -82,7 +83,7 @@ def test_slices_carry_the_simulated_vfs_with_their_macs_and_counter_sets(tmp_pat
 
 def _names(tmp: Path, profile: str, **values: Any) -> set[str]:
     settings = sim_settings(tmp, nvml=f"sim:{profile}", **values)
-    inventory = Inventory([GpuSource(settings), SimNicSource(settings)])
+    inventory = Inventory([GpuSource(settings, opener=open_sim_nvml), SimNicSource(settings)])
     inventory.open()
     try:
         asyncio.run(inventory.scan(["simnic"]))

@@ -27,6 +27,7 @@ from agent.kinds import Kind
 from agent.kube import OPTIONAL_NODE_OPERATIONS_FEATURE, NodeInfo
 from agent.model import Device
 from agent.publish import dropped, slices
+from agent.sim.nvmlopen import open_sim_nvml
 from agent.sim.profiles import BUILTIN
 
 DRIVER = "dra.example.com"
@@ -46,7 +47,7 @@ def one_gpu_profile(tmp: Path) -> str:
 def gpu_devices(tmp: Path, nvml: str, **extra: Any) -> list[Device]:
     s = build_settings({"driver_name": DRIVER, "node_name": NODE, "nvml": nvml, "state_dir": tmp / "state",
                         "vgpu_types": "auto", "compatibility_groups": True, **extra})
-    source = GpuSource(s)
+    source = GpuSource(s, opener=open_sim_nvml)
     source.open()
     try:
         return source.scan().devices

@@ -31,6 +31,7 @@ from agent.publish.slices import (
     render_slice,
     same_slice,
 )
+from agent.sim.nvmlopen import open_sim_nvml
 
 DRIVER = "dra.example.com"
 NODE = "node-a"
@@ -132,7 +133,7 @@ def test_without_a_node_uid_there_is_no_owner_reference() -> None:
 
 def test_simulated_gpus_render_as_valid_slices(tmp_path: Path) -> None:
     settings = Settings(node_name=NODE, nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path / "state")
-    source = GpuSource(settings)
+    source = GpuSource(settings, opener=open_sim_nvml)
     source.open()
     try:
         devices = source.scan().devices

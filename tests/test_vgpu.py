@@ -34,6 +34,7 @@ from agent.sim.hardware import materialize
 from agent.sim.kernel import mdev as simmdev
 from agent.sim.kernel.emulator import KernelEmulator, WriteKind
 from agent.sim.kernel.tree import SimTree
+from agent.sim.nvmlopen import open_sim_nvml
 from agent.sim.profiles import load_profile
 
 DRIVER = "dra.example.com"
@@ -62,7 +63,8 @@ class Machine:
 def scan(state: Path, profile: str = "dgx-h100", **settings: Any) -> list[Device]:
     """The GPU source's devices; by default every vGPU type (with compatibility groups)."""
     settings = {"compatibility_groups": True, **settings}
-    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=state, **settings))
+    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=state, **settings),
+                       opener=open_sim_nvml)
     source.open()
     try:
         return source.scan().devices
@@ -81,7 +83,7 @@ def machine(tmp_path: Path) -> Iterator[Machine]:
     devices = scan(state)
     root = state / "nvml-sim"
     with KernelEmulator(load_profile("dgx-h100"), root) as kernel:
-        yield Machine(SimTree(root), kernel, VfioHost(root / "sys", root / "proc", root / "dev", True), devices)
+        yield Machine(SimTree(root), kernel, VfioHost(root / "sys", root / "proc", root / "dev"), devices)
 
 
 def alloc(devices: list[Device], name: str) -> AllocatedDevice:
@@ -155,7 +157,7 @@ def test_what_the_counters_allow_against_what_the_driver_accepts(dgx: list[Devic
 
 def test_no_vgpu_devices_where_the_host_driver_offers_no_types(tmp_path: Path) -> None:
     source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path,
-                                compatibility_groups=True))
+                                compatibility_groups=True), opener=open_sim_nvml)
     source.open()
     try:
         for types in (tmp_path / "nvml-sim" / "sys").glob("bus/pci/devices/*/mdev_supported_types"):

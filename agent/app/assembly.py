@@ -16,8 +16,10 @@ from agent.config import Settings
 from agent.fsutil import UnsafeRoot, check_root, makedirs
 
 if TYPE_CHECKING:
+    from agent.host.vfio.sriov import VfLinks
     from agent.inventory import Inventory, Source
     from agent.inventory.numa import NumaForm
+    from agent.inventory.nvmlapi import NvmlOpener
     from agent.kube import NodeInfo
     from agent.model import Device
     from agent.sim.kernel.emulator import KernelEmulator
@@ -30,15 +32,42 @@ def build_sources(settings: Settings) -> list[Source]:
     from agent.inventory.gpus import GpuSource
     from agent.inventory.memory import MemorySource
     from agent.inventory.nics import NicSource
-    from agent.inventory.simnics import SimNicSource
 
-    sources: list[Source] = [GpuSource(settings), NicSource(settings, passthrough=settings.nic_passthrough),
+    sources: list[Source] = [GpuSource(settings, opener=nvml_opener(settings)),
+                             NicSource(settings, passthrough=settings.nic_passthrough),
                              CpuSource(settings), MemorySource(settings)]
     if settings.nvml.kind == "sim":
         # The simulated NIC's functions have no netdev for NIC discovery to find; listed after GPU
         # discovery, whose opening writes the simulated machine this source reads.
+        from agent.sim.nicsource import SimNicSource
+
         sources.append(SimNicSource(settings))
     return sources
+
+
+def nvml_opener(settings: Settings) -> NvmlOpener:
+    """What GPU discovery opens NVML with: the host's driver library (`--nvml real`, or `auto`), or the
+    simulated machine of `--nvml sim:<profile>`, written under the state directory, with the commands
+    `dra-agent sim` gives it."""
+    if settings.nvml.kind == "sim":
+        from agent.sim.nvmlopen import open_sim_nvml
+
+        return open_sim_nvml
+    from agent.inventory.nvmlopen import open_real_nvml
+
+    return open_real_nvml
+
+
+def vf_links(settings: Settings) -> VfLinks:
+    """Where prepare reads and sets a VF's MAC and VLAN: the host kernel's PF drivers over netlink, or,
+    with `--nvml sim`, the simulated NIC's (which has no netlink device), kept under its machine's root."""
+    if settings.nvml.kind == "sim":
+        from agent.sim.vflinks import SimVfLinks
+
+        return SimVfLinks(settings.sim_root)
+    from agent.host.vfio.sriov import NetlinkVfLinks
+
+    return NetlinkVfLinks()
 
 
 def start_sim_kernel(settings: Settings) -> KernelEmulator | None:

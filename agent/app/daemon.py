@@ -22,6 +22,7 @@ from agent.app.assembly import (
     prepare_roots,
     set_node_features,
     start_sim_kernel,
+    vf_links,
 )
 from agent.config import Settings
 from agent.kubelet.server import Servers
@@ -159,7 +160,8 @@ class Agent:
             if kernel is not None:
                 undo.push_async_callback(asyncio.to_thread, kernel.stop)
             set_node_features(self.inventory, conn.node, s)
-            engine = PrepareEngine(s, self.inventory, conn.claim_source(s), self.store, metrics=self.metrics)
+            engine = PrepareEngine(s, self.inventory, conn.claim_source(s), self.store, metrics=self.metrics,
+                                   vf_links=vf_links(s))
             engine.on_quarantine = reporter = QuarantineReporter(asyncio.get_running_loop(), conn, s)
             undo.push_async_callback(reporter.stop)
             self.health.follow(engine.leftovers)  # what unprepares left undone: the devices' undo-failed taints

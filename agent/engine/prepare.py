@@ -47,6 +47,7 @@ from agent.engine.recheck import recheck
 from agent.errors import ClaimFailure
 from agent.fsutil import Root, UnsafePath
 from agent.host.vfio.host import VfioHost
+from agent.host.vfio.sriov import VfLinks
 from agent.hostprep.effects import HostEffects
 from agent.hostprep.mig import MigPartitioner, nvml_of
 from agent.hostprep.migmode import MigModeMarks
@@ -106,7 +107,9 @@ class ClaimListener(Protocol):
 class PrepareEngine:
     def __init__(self, settings: Settings, inventory: Inventory, claims: ClaimSource, store: ClaimStore,
                  toolkit: ToolkitSpecs | None = None, claim_lock: ClaimFileLock | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, *, vf_links: VfLinks) -> None:
+        """`vf_links`: the VF settings of passthrough NIC functions, on the host or the simulated machine
+        (`agent.app.assembly.vf_links`)."""
         self.settings = settings
         self.metrics = metrics or Metrics(process=False)
         self.inventory = inventory
@@ -127,7 +130,7 @@ class PrepareEngine:
         self.writers = RecordWriters(settings.state_dir / WRITERS_LOCK_FILE)
         self.writers.open()
         self.book = ClaimBook(store, writers=self.writers)
-        self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book)
+        self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book, links=vf_links)
         # Partitions created at prepare, one partitioner per `Kind.partition_kind` (`agent.hostprep.partitions`).
         # Host changes an unprepare could not undo (`agent.claims.leftovers`): the daemon sets `on_change`.
         self.leftovers = Leftovers(leftovers_dir(settings.state_dir))

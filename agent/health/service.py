@@ -53,7 +53,6 @@ from agent.inventory.gpu_events import (
 )
 from agent.inventory.gpus import GpuSource
 from agent.model import Device
-from agent.sim.control import control_dir
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +104,8 @@ class DeviceHealthService:
         self._task = asyncio.create_task(self._run(), name="device-health")
 
     def watch_gpus(self, source: GpuSource) -> None:
-        """Start the GPU event watcher on the source's NVML (real or simulated): its thread hands
-        each event to the loop. A node without NVML has no GPU events."""
+        """Start the GPU event watcher on the source's NVML, with what else the source says drives its GPUs:
+        its thread hands each event to the loop. A node without NVML has no GPU events."""
         if source.nvml is None:
             return
         loop = asyncio.get_running_loop()
@@ -116,7 +115,7 @@ class DeviceHealthService:
                 loop.call_soon_threadsafe(self.gpu_event, event)
 
         self.gpu_events = GpuEventWatcher(source.nvml, hand_over, probe_interval=self.settings.gpu_probe_interval,
-                                          control_dir=control_dir(self.settings), name_hint=source.device_name,
+                                          commands=source.commands, name_hint=source.device_name,
                                           baseline=True, gate=source.gate)
         self.gpu_events.start()
 

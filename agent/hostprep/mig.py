@@ -35,7 +35,6 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pynvml
 
@@ -57,6 +56,7 @@ from agent.hostprep.partitions import WritePartition
 from agent.inventory import Inventory
 from agent.inventory import mig as migs
 from agent.inventory.gpus import SHARED_NODES, GpuSource
+from agent.inventory.nvmlapi import Nvml, NvmlHandle
 from agent.inventory.nvmlgate import NvmlGate
 from agent.kinds import PartitionKind
 from agent.model import DeviceNode
@@ -84,10 +84,10 @@ class PlacementTaken(MigFailure):
 
 @dataclass(frozen=True, slots=True)
 class NvmlAccess:
-    nvml: Any  # the pynvml module or a SimulatedNvml
+    nvml: Nvml  # the GPU source's
     dev_root: Path
     proc_root: Path
-    simulated: bool = False  # the simulated machine: where mknod is refused, an empty file stands in for a node
+    node_placeholders: bool = False  # where mknod is refused, an empty file stands in for a node (the source's)
     gate: NvmlGate | None = None  # the GPU source's: NVML is used through it (agent.inventory.nvmlgate)
 
 
@@ -96,8 +96,8 @@ def nvml_of(inventory: Inventory) -> Callable[[], NvmlAccess | None]:
     def access() -> NvmlAccess | None:
         for source in inventory.sources:
             if isinstance(source, GpuSource) and source.nvml is not None:
-                return NvmlAccess(source.nvml, source.dev_root, source.proc_root,
-                                  source.settings.nvml.kind == "sim", source.gate)
+                return NvmlAccess(source.nvml, source.dev_root, source.proc_root, source.node_placeholders,
+                                  source.gate)
         return None
     return access
 
@@ -166,7 +166,7 @@ class MigPartitioner:
             failpoints.hit(f"mig-after-{_STEP_NAMES[step]}")
         return dataclasses.replace(part, step=DONE)
 
-    def _enable(self, nv: Any, handle: Any, part: DevicePartition, write: WritePartition) -> DevicePartition:
+    def _enable(self, nv: Nvml, handle: NvmlHandle, part: DevicePartition, write: WritePartition) -> DevicePartition:
         current, pending = self._mode(nv, handle, part.device)
         if current == _ENABLE:
             return part
@@ -193,7 +193,7 @@ class MigPartitioner:
                                      "on this GPU beforehand (nvidia-smi -i <gpu> -mig 1)")
         return part
 
-    def _make_gi(self, nv: Any, handle: Any, profile: migs.MigProfile, part: DevicePartition) -> int:
+    def _make_gi(self, nv: Nvml, handle: NvmlHandle, profile: migs.MigProfile, part: DevicePartition) -> int:
         found = gi_at(nv, handle, profile.id, part.start)
         if found is not None:
             return found  # made before a crash: adopted
@@ -206,7 +206,7 @@ class MigPartitioner:
             raise cls(f"device {part.device}: NVML did not create GPU instance {part.profile} at {part.start} on "
                       f"GPU {part.parent}: {exc}") from exc
 
-    def _make_ci(self, nv: Any, handle: Any, part: DevicePartition) -> int:
+    def _make_ci(self, nv: Nvml, handle: NvmlHandle, part: DevicePartition) -> int:
         gi = self._gi_by_id(nv, handle, part)
         if gi is None:
             raise MigFailure(f"device {part.device}: GPU instance {part.gpu_instance} of GPU {part.parent} is gone")
@@ -227,7 +227,7 @@ class MigPartitioner:
                                  f"{part.gpu_instance}: {exc}") from exc
         raise MigFailure(f"device {part.device}: GPU instance {part.gpu_instance} offers no compute instance profile")
 
-    def _mig_uuid(self, nv: Any, handle: Any, part: DevicePartition) -> str:
+    def _mig_uuid(self, nv: Nvml, handle: NvmlHandle, part: DevicePartition) -> str:
         try:
             for i in range(int(nv.nvmlDeviceGetMaxMigDeviceCount(handle))):
                 try:
@@ -311,7 +311,7 @@ class MigPartitioner:
         nodes += [DeviceNode(f"/dev/{name}", str(access.dev_root / name)) for name in SHARED_NODES]
         for cap in (where / "access", where / f"ci{part.compute_instance}" / "access"):
             try:
-                host = ensure_node(access.dev_root, access.proc_root, cap, placeholder=access.simulated)
+                host = ensure_node(access.dev_root, access.proc_root, cap, placeholder=access.node_placeholders)
             except CapError as exc:
                 raise MigFailure(f"device {part.device}: {exc}") from exc
             nodes.append(DeviceNode(f"/dev/nvidia-caps/{host.name}", str(host)))
@@ -336,14 +336,14 @@ class MigPartitioner:
             raise MigFailure(f"device {device}: NVML is not open on this node")
         return access
 
-    def _parent(self, uuid: str, device: str) -> tuple[Any, Any]:
+    def _parent(self, uuid: str, device: str) -> tuple[Nvml, NvmlHandle]:
         nv = self._nvml(device).nvml
         try:
             return nv, nv.nvmlDeviceGetHandleByUUID(uuid)
         except pynvml.NVMLError as exc:
             raise MigFailure(f"device {device}: GPU {uuid} is not available in NVML: {exc}") from exc
 
-    def _parent_or_none(self, part: DevicePartition) -> tuple[Any, Any] | None:
+    def _parent_or_none(self, part: DevicePartition) -> tuple[Nvml, NvmlHandle] | None:
         nv = self._nvml(part.device).nvml
         try:
             return nv, nv.nvmlDeviceGetHandleByUUID(part.parent)
@@ -353,7 +353,7 @@ class MigPartitioner:
             raise MigFailure(f"device {part.device}: GPU {part.parent} does not answer NVML: {exc}") from exc
 
     @staticmethod
-    def _profile(nv: Any, handle: Any, name: str, device: str) -> migs.MigProfile:
+    def _profile(nv: Nvml, handle: NvmlHandle, name: str, device: str) -> migs.MigProfile:
         try:
             profile = migs.find_profile(nv, handle, name)
         except (migs.MigReadError, pynvml.NVMLError) as exc:
@@ -363,14 +363,14 @@ class MigPartitioner:
         return profile
 
     @staticmethod
-    def _mode(nv: Any, handle: Any, device: str) -> tuple[int, int]:
+    def _mode(nv: Nvml, handle: NvmlHandle, device: str) -> tuple[int, int]:
         try:
             current, pending = nv.nvmlDeviceGetMigMode(handle)
         except pynvml.NVMLError as exc:
             raise MigModeUnavailable(f"device {device}: the GPU has no MIG mode: {exc}") from exc
         return int(current), int(pending)
 
-    def _gi_by_id(self, nv: Any, handle: Any, part: DevicePartition) -> Any | None:
+    def _gi_by_id(self, nv: Nvml, handle: NvmlHandle, part: DevicePartition) -> NvmlHandle | None:
         """The partition's GPU instance when it is there with its profile and placement, else None."""
         if part.gpu_instance < 0:
             return None
@@ -384,7 +384,7 @@ class MigPartitioner:
         profile = self._profile(nv, handle, part.profile, part.device)
         return gi if (int(info.profileId), int(info.placement.start)) == (profile.id, part.start) else None
 
-    def _owned_gi(self, nv: Any, handle: Any, part: DevicePartition) -> Any | None:
+    def _owned_gi(self, nv: Nvml, handle: NvmlHandle, part: DevicePartition) -> NvmlHandle | None:
         """The GPU instance the partition made, at whatever step it stopped."""
         if part.gpu_instance >= 0:
             return self._gi_by_id(nv, handle, part)

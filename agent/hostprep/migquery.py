@@ -11,6 +11,7 @@ from typing import Any
 import pynvml
 
 from agent.inventory import mig as migs
+from agent.inventory.nvmlapi import Nvml, NvmlHandle
 
 # Compute instance profiles, largest first (the full-size one of a GPU instance is the first it offers
 # whose slices equal its own).
@@ -19,7 +20,7 @@ CI_PROFILES = (pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE, pynvml.NVML_COMPUTE
                pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE)
 
 
-def gpu_instances(nv: Any, handle: Any) -> list[tuple[int, int, int, str]]:
+def gpu_instances(nv: Nvml, handle: NvmlHandle) -> list[tuple[int, int, int, str]]:
     """(id, start, size, profile name) of every GPU instance on the GPU."""
     layout = migs.read_layout(nv, handle)
     out = []
@@ -30,7 +31,7 @@ def gpu_instances(nv: Any, handle: Any) -> list[tuple[int, int, int, str]]:
     return out
 
 
-def gi_at(nv: Any, handle: Any, profile_id: int, start: int) -> int | None:
+def gi_at(nv: Nvml, handle: NvmlHandle, profile_id: int, start: int) -> int | None:
     """The id of the GPU instance of the profile at `start`, None when there is none."""
     for gi in listed(nv.nvmlDeviceGetGpuInstances, handle, profile_id, pynvml.c_nvmlGpuInstance_t):
         info = nv.nvmlGpuInstanceGetInfo(gi)
@@ -39,7 +40,7 @@ def gi_at(nv: Any, handle: Any, profile_id: int, start: int) -> int | None:
     return None
 
 
-def ci_handles(nv: Any, gi: Any) -> list[Any]:
+def ci_handles(nv: Nvml, gi: NvmlHandle) -> list[NvmlHandle]:
     """The compute instances of a GPU instance, of every profile it offers."""
     out = []
     for ci_profile in CI_PROFILES:
@@ -50,7 +51,7 @@ def ci_handles(nv: Any, gi: Any) -> list[Any]:
     return out
 
 
-def ci_ids(nv: Any, gi: Any) -> list[int]:
+def ci_ids(nv: Nvml, gi: NvmlHandle) -> list[int]:
     return [int(nv.nvmlComputeInstanceGetInfo(ci).id) for ci in ci_handles(nv, gi)]
 
 

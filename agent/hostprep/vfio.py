@@ -44,14 +44,13 @@ from agent.host.vfio.inuse import check_no_vfs, check_not_open, open_holders
 from agent.host.vfio.nodes import IommuBackend, host_has_iommufd, vfio_device_nodes
 from agent.host.vfio.pci import VFIO_PCI, current_driver, iommu_group, passthrough_set
 from agent.host.vfio.persistence import check_persistence_off
-from agent.host.vfio.sriov import NetlinkVfLinks, VfLinks, read_vf, set_vf
+from agent.host.vfio.sriov import VfLinks, read_vf, set_vf
 from agent.hostprep.hosteffect import WriteRecord
 from agent.hostprep.mig import nvml_of
 from agent.inventory import Inventory
 from agent.inventory.gpuminors import driver_minors
 from agent.kinds import Kind
 from agent.model import Device, DeviceNode
-from agent.sim.vflinks import SimVfLinks
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +82,11 @@ class Passthrough:
 
     name = "PCI functions bound to vfio-pci"
 
-    def __init__(self, host: VfioHost, inventory: Inventory, book: ClaimBook, *,
+    def __init__(self, host: VfioHost, inventory: Inventory, book: ClaimBook, *, links: VfLinks,
                  timeout: float = DEFAULT_TIMEOUT) -> None:
+        """`links`: where the PF's driver keeps its VFs' MAC and VLAN (`agent.app.assembly.vf_links` chooses)."""
         self.host = host
-        # Where a PF's driver keeps its VFs' MAC and VLAN: the kernel's (netlink), or the simulated NIC's.
-        self.links: VfLinks = SimVfLinks(host.sysfs.parent) if host.simulated else NetlinkVfLinks()
+        self.links = links
         self.inventory = inventory
         self.book = book
         self.timeout = timeout  # per binding step

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 from datetime import datetime
 
-from agent.nvmlcodes import NvmlRecoveryCode
+from agent.inventory.nvmlcodes import NvmlRecoveryCode
 
 
 class RecoveryAction(enum.Enum):

@@ -1,7 +1,7 @@
 """GPU health as events: NVML's XID and ECC events, and a probe for lost, recovered and reset GPUs.
 
-`GpuEventWatcher` runs on one dedicated thread (never the event loop) and works on the real
-`pynvml` module or a `SimulatedNvml`, with the same calls:
+`GpuEventWatcher` runs on one dedicated thread (never the event loop) and works on the NVML the GPU
+source opened (`agent.inventory.nvmlapi.Nvml`):
 
 - NVML events: one event set (`agent.inventory.nvmlevents`); each GPU registered for XID critical
   errors and double-bit ECC errors, only the types `nvmlDeviceGetSupportedEventTypes` says it
@@ -24,8 +24,9 @@ seen needing an action is reported answering with it; one first seen lost is rep
 watcher made with `baseline=True` also reports each GPU's first answer (`GpuBaseline`: its UUID
 and recovery action, before any other event about it), which taints restored from an earlier
 run are checked against.
-On the simulated machine, a reset (`dra-agent sim recover`) is also reported as answering even
-when NVML shows no change (after an application XID, whose recovery action stays NONE).
+What drives the GPUs from outside NVML (`GpuCommands`: on the simulated machine, `dra-agent sim`) is
+applied from the first probe on; a reset it reports is also reported as answering even when NVML
+shows no change (after an application XID, whose recovery action stays NONE).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -51,11 +51,11 @@ from agent.inventory.gpu_event_types import (
     RecoveryAction,
     XidError,
 )
+from agent.inventory.nvmlapi import GpuCommands, NoCommands, Nvml, NvmlHandle
+from agent.inventory.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION
 from agent.inventory.nvmlevents import ABSENT, EventSet
 from agent.inventory.nvmlgate import NvmlGate
 from agent.inventory.nvmlvalues import describe_error, field_int, handle_address
-from agent.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION
-from agent.sim.nvml import SimulatedNvml
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class _Gpu:
     index: int
     name: str | None = None  # gpu-<minor>, once the GPU said its minor
     uuid: str | None = None
-    handle: Any = None
+    handle: NvmlHandle = None
     answering: bool | None = None  # None: not probed yet
     action: RecoveryAction | None = None  # as last reported
     registered: bool = False  # registered for events, or known not to report any
@@ -90,12 +90,12 @@ class WatcherStats:
 
 
 class GpuEventWatcher:
-    def __init__(self, nvml: Any, on_event: Callable[[GpuEvent], None], *,
+    def __init__(self, nvml: Nvml, on_event: Callable[[GpuEvent], None], *,
                  probe_interval: float = PROBE_INTERVAL, wait_ms: int = WAIT_MS,
-                 control_dir: Path | None = None, name_hint: Callable[[int], str | None] | None = None,
+                 commands: GpuCommands | None = None, name_hint: Callable[[int], str | None] | None = None,
                  baseline: bool = False, gate: NvmlGate | None = None) -> None:
-        """`nvml`: the pynvml module or a SimulatedNvml, initialized. `control_dir`: on the simulated
-        machine, where `dra-agent sim` writes its commands (watched while this watcher runs).
+        """`nvml`: the GPU source's, initialized. `commands`: what else drives the GPUs (the GPU source's,
+        applied while this watcher runs; none by default).
         `name_hint`: the published name of the GPU at an NVML index that never said its minor.
         `baseline`: report each GPU's first answer (`GpuBaseline`).
         `gate`: the GPU source's (every probe and wait uses NVML through it; when it is released, the
@@ -107,10 +107,9 @@ class GpuEventWatcher:
         self.on_event = on_event
         self.probe_interval = probe_interval
         self.wait_ms = max(1, min(int(wait_ms), WAIT_MS))
-        self.control_dir = control_dir
+        self.commands = commands if commands is not None else NoCommands()
         self.name_hint = name_hint
         self.stats = WatcherStats()
-        self._sim = nvml if isinstance(nvml, SimulatedNvml) else None
         self._gpus: dict[int, _Gpu] = {}
         self._by_handle: dict[int, int] = {}  # handle address -> NVML index
         self._by_uuid: dict[str, int] = {}
@@ -120,7 +119,7 @@ class GpuEventWatcher:
         self._thread: threading.Thread | None = None
         self._probing = threading.Condition()
         self._probes_begun = 0
-        self._watching = False  # the simulated machine's control directory (`_watch_control`)
+        self._commanded = False  # `commands` started (after the first probe)
 
     def start(self) -> None:
         self.gate.on_release(self._release)
@@ -133,8 +132,8 @@ class GpuEventWatcher:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout)
-        if self._sim is not None and self._watching:
-            self._sim.stop_watching()
+        if self._commanded:
+            self.commands.stop()
 
     def probed(self, timeout: float = 30.0) -> None:
         """Block until two whole probes that began after this call have finished (TimeoutError if they
@@ -146,19 +145,13 @@ class GpuEventWatcher:
             if not self._probing.wait_for(lambda: self.stats.probes >= target, timeout):
                 raise TimeoutError(f"no two GPU probes finished within {timeout:g}s")
 
-    def _watch_control(self) -> None:
-        """On the simulated machine, apply `dra-agent sim` commands from now on: after the first probe,
-        which registered the GPUs for events, so that the XIDs of commands written while no agent ran
-        are delivered, not raised to nobody."""
-        if self._sim is None or self.control_dir is None or self._watching:
-            return
-        try:
-            self._sim.watch_control(self.control_dir)
-        except OSError as exc:  # out of inotify instances, an unwritable state dir: events still flow
-            log.warning("dra-agent sim commands are not applied: cannot watch %s: %s", self.control_dir, exc)
-            self.control_dir = None
-            return
-        self._watching = True
+    def _start_commands(self) -> None:
+        """Apply commands from outside NVML from now on: after the first probe, which registered the GPUs
+        for events, so that the XIDs of commands written while no agent ran are delivered, not raised to
+        nobody."""
+        if not self._commanded:
+            self._commanded = True
+            self.commands.start()
 
     # -- the thread -----------------------------------------------------------------------------
 
@@ -179,7 +172,7 @@ class GpuEventWatcher:
                             self.stats.probes += 1
                             self._probing.notify_all()
                         next_probe = now + self.probe_interval
-                        self._watch_control()
+                        self._start_commands()
                     left = max(0.0, min(self.wait_ms / 1000, next_probe - time.monotonic()))
                     waited = self._events.active and self._guarded("wait", functools.partial(self._wait, left))
                 if not waited:
@@ -218,7 +211,7 @@ class GpuEventWatcher:
         self._events.register(gpu.name, gpu.handle)
         gpu.registered = True
 
-    def _handle_event(self, data: Any) -> None:
+    def _handle_event(self, data: Any) -> None:  # an NVML c_nvmlEventData_t
         gpu = self._gpu_of_handle(data.device)
         if gpu is None or gpu.name is None:
             self._error("<event>", f"NVML event 0x{int(data.eventType):x} for a GPU this agent has no name for")
@@ -231,14 +224,14 @@ class GpuEventWatcher:
         else:
             gpu.action = action  # reported with this event: the probe need not report it again
         at = datetime.now(UTC)
-        if (raised := getattr(data, "raised_at", None)) is not None:  # the simulated NVML's, for a queued command
+        if (raised := self.commands.raised_at(data)) is not None:  # a command's, raised when it was written
             at = datetime.fromtimestamp(raised, UTC)
         if int(data.eventType) & pynvml.nvmlEventTypeXidCriticalError:
             self._emit(XidError(gpu.name, int(data.eventData), action, at))
         elif int(data.eventType) & pynvml.nvmlEventTypeDoubleBitEccError:
             self._emit(DoubleBitEcc(gpu.name, action, at))
 
-    def _gpu_of_handle(self, handle: Any) -> _Gpu | None:
+    def _gpu_of_handle(self, handle: NvmlHandle) -> _Gpu | None:
         index = self._by_handle.get(handle_address(handle))
         if index is None:
             # A handle this watcher did not see: NVML handles are stable, but its UUID tells for sure.
@@ -276,7 +269,7 @@ class GpuEventWatcher:
                 return
             raise
         self._logged.pop(f"<gpu {gpu.index}>", None)
-        resets = self._sim.reset_count(gpu.index) if self._sim is not None else 0
+        resets = self.commands.resets(gpu.index)
         # (A GPU first seen, also after NVML was initialized again, has its count as the baseline.)
         was_reset, gpu.resets = resets != gpu.resets and gpu.answering is not None, resets
         first = gpu.answering is None
@@ -294,7 +287,7 @@ class GpuEventWatcher:
                 log.info("%s answers again (recovery action %s)", gpu.name, action.value)
             self._emit(GpuAnswering(gpu.name, action, datetime.now(UTC)))
 
-    def _learn(self, gpu: _Gpu, handle: Any) -> None:
+    def _learn(self, gpu: _Gpu, handle: NvmlHandle) -> None:
         """Remember the handle, and the minor and UUID once, so events and failures are named."""
         gpu.handle = handle
         self._by_handle[handle_address(handle)] = gpu.index

@@ -4,9 +4,10 @@ and, for MIG-capable GPUs unless dynamic MIG is off, one device per MIG placemen
 set (`agent.inventory.mig`); then the shared form of each GPU and the host-memory overhead of every GPU
 device (`agent.inventory.gpushare`).
 
-The source holds either the real `pynvml` module (its library loaded from the driver root) or a
-`SimulatedNvml` and calls the same functions on both; `agent.inventory.nvmlopen` opens either, and
-says why when a node with NVIDIA hardware has no usable NVML.
+The source calls NVML through the seam `agent.inventory.nvmlapi.Nvml` and is given what opens it
+(`NvmlOpener`): on a host the real `pynvml` module, its library loaded from the driver root
+(`agent.inventory.nvmlopen`, which says why when a node with NVIDIA hardware has no usable NVML);
+`agent.app.assembly` chooses.
 
 One GPU's failure costs that GPU only, whatever it raises. A GPU that fails is
 reported under its device name (`gpu-<minor>`): the minor it said in an earlier
@@ -25,9 +26,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import pynvml
 
@@ -45,8 +46,8 @@ from agent.inventory.gpuminors import name_the_rest
 from agent.inventory.gpunames import ARCHITECTURES, BRANDS, NO_ARCHITECTURE, NO_BRAND
 from agent.inventory.gpushare import GpuExtras
 from agent.inventory.mig import MigDevices
+from agent.inventory.nvmlapi import GpuCommands, NoCommands, Nvml, NvmlHandle, NvmlOpener
 from agent.inventory.nvmlgate import NvmlGate
-from agent.inventory.nvmlopen import open_nvml
 from agent.inventory.nvmlopen import probe as probe  # python -m agent.inventory.gpus --probe
 from agent.inventory.nvmlvalues import describe_error
 from agent.inventory.passthrough import GpuVariants
@@ -57,6 +58,9 @@ from agent.model import NUMA_NODE, PCI_BUS_ID, AttrValue, Capacity, Device, Devi
 from agent.vgpupolicy import VgpuPolicy
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_A = TypeVar("_A")
 
 SHARED_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
@@ -73,9 +77,11 @@ class _GpuFailed(Exception):
 class GpuSource:
     kind = "gpu"
 
-    def __init__(self, settings: Settings, dynamic_mig: bool | None = None, *, sharing: bool | None = None,
-                 host_memory_overhead: int | None = None) -> None:
+    def __init__(self, settings: Settings, dynamic_mig: bool | None = None, *, opener: NvmlOpener,
+                 sharing: bool | None = None, host_memory_overhead: int | None = None) -> None:
+        """`opener`: opens the NVML the GPUs are read through (`agent.app.assembly.nvml_opener` chooses)."""
         self.settings = settings
+        self.opener = opener
         # Publish MIG placements (`--dynamic-mig`); the argument overrides the setting (tests).
         self.dynamic_mig = dynamic_mig if dynamic_mig is not None else settings.dynamic_mig
         self._mig = MigDevices()
@@ -88,9 +94,13 @@ class GpuSource:
                                  else host_memory_overhead)
         # Set by the daemon when the Node declares DRANodeAllocatableResources (as for CPU and memory).
         self.node_allocatable: bool = False
-        self.nvml: Any = None  # the pynvml module, a SimulatedNvml, or None (no GPUs)
+        self.nvml: Nvml | None = None  # None: not open, or no GPUs
         self.sysfs_root: Path = settings.sysfs_root
         self.dev_root: Path = settings.dev_root
+        # What drives the GPUs besides NVML (the event watcher's), and whether an empty file may stand in
+        # for a device node (MIG prepare's): as the opener says.
+        self.commands: GpuCommands = NoCommands()
+        self.node_placeholders = False
         self._initialized = False
         self._minors: dict[int, int] = {}  # NVML index -> minor, to name a GPU that stops answering
         self._reported: dict[str, str] = {}  # problems already logged, logged again only when they change
@@ -109,8 +119,9 @@ class GpuSource:
         return self.sysfs_root.parent / "proc"
 
     def open(self) -> None:
-        opened = open_nvml(self.settings)
+        opened = self.opener(self.settings)
         self.nvml, self.sysfs_root, self.dev_root = opened.nvml, opened.sysfs_root, opened.dev_root
+        self.commands, self.node_placeholders = opened.commands, opened.node_placeholders
         self._initialized = self.nvml is not None
         if self.nvml is not None:
             self.gate = NvmlGate(self.nvml)
@@ -127,7 +138,7 @@ class GpuSource:
         return None if (minor := self._minors.get(index)) is None else f"gpu-{minor}"
 
     def close(self) -> None:
-        if not self._initialized:
+        if not self._initialized or self.nvml is None:
             return
         self._initialized = False
         try:
@@ -136,17 +147,18 @@ class GpuSource:
             log.warning("nvmlShutdown failed: %s", describe_error(exc))
 
     def scan(self) -> ScanResult:
-        if self.nvml is None:
+        nvml = self.nvml
+        if nvml is None:
             return ScanResult()
         if self.gate is None:
-            self.gate = NvmlGate(self.nvml)
+            self.gate = NvmlGate(nvml)
         with self.gate.use() as generation:
             if generation != self._generation:
                 # NVML was initialized again (a GPU changed drivers): its indexes mean other GPUs now.
                 self._generation = generation
                 self._minors.clear()
                 self._tracebacks.clear()
-            result, mig_on = self._scan_nvml()
+            result, mig_on = self._scan_nvml(nvml)
         natives = list(result.devices)
         self._memory.learn(natives, self._mig.layouts)
         for away in self._memory.away(self.sysfs_root, {d.pci_bus_id for d in natives}):
@@ -167,12 +179,12 @@ class GpuSource:
         result.devices, result.withheld = withhold_in_mig_mode(result.devices, mig_on)
         return result
 
-    def _scan_nvml(self) -> tuple[ScanResult, set[str]]:
+    def _scan_nvml(self, nvml: Nvml) -> tuple[ScanResult, set[str]]:
         """The GPUs NVML lists now, as native devices, and the ones that fail; the bus IDs of those in MIG
         mode now."""
-        common = self._driver_attributes()
+        common = self._driver_attributes(nvml)
         try:
-            count = self.nvml.nvmlDeviceGetCount()
+            count = nvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as exc:
             # Not a statement about any GPU: the inventory keeps the ones it has and retries.
             raise ScanError(f"nvmlDeviceGetCount failed: {describe_error(exc)}") from exc
@@ -181,7 +193,7 @@ class GpuSource:
         unnamed: dict[int, str] = {}  # NVML index -> why, for failing GPUs that never said their minor
         for index in range(count):
             try:
-                result.devices.append(self._describe(index, common, mig_on))
+                result.devices.append(self._describe(nvml, index, common, mig_on))
                 self._tracebacks.pop(index, None)
                 continue
             except _GpuFailed as failure:
@@ -212,12 +224,12 @@ class GpuSource:
                 log.info("%s answers again", key)
         self._reported = {**{k: v for k, v in self._reported.items() if k.startswith("<")}, **failed}
 
-    def _driver_attributes(self) -> dict[str, AttrValue]:
+    def _driver_attributes(self, nvml: Nvml) -> dict[str, AttrValue]:
         attrs: dict[str, AttrValue] = {}
-        driver = self._system_call("nvmlSystemGetDriverVersion")
+        driver = self._system_call(nvml.nvmlSystemGetDriverVersion)
         if driver is not None:
             self._put_version(attrs, "driverVersion", str(driver))
-        cuda = self._system_call("nvmlSystemGetCudaDriverVersion")
+        cuda = self._system_call(nvml.nvmlSystemGetCudaDriverVersion)
         if cuda is not None:
             # NVML packs the CUDA version as major * 1000 + minor * 10.
             self._put_version(attrs, "cudaDriverVersion", f"{int(cuda) // 1000}.{int(cuda) % 1000 // 10}")
@@ -230,9 +242,10 @@ class GpuSource:
         else:
             attrs[name] = Version(version)
 
-    def _system_call(self, function: str) -> Any:
+    def _system_call(self, call: Callable[[], _T]) -> _T | None:
+        function = call.__name__
         try:
-            value = getattr(self.nvml, function)()
+            value = call()
         except pynvml.NVMLError as exc:
             self._note(f"<{function}>", f"{function} failed: {describe_error(exc)}; attribute omitted")
             return None
@@ -247,40 +260,44 @@ class GpuSource:
             log.warning("%s", message)
             self._reported[key] = message
 
-    def _call(self, function: str, *args: Any) -> Any:
+    @staticmethod
+    def _call(call: Callable[[_A], _T], arg: _A) -> _T:
+        """One GPU's NVML call; an NVMLError fails that GPU, named by the call."""
         try:
-            return getattr(self.nvml, function)(*args)
+            return call(arg)
         except pynvml.NVMLError as exc:
-            raise _GpuFailed(f"{function} failed: {describe_error(exc)}") from exc
+            raise _GpuFailed(f"{call.__name__} failed: {describe_error(exc)}") from exc
 
-    def _optional(self, function: str, handle: Any) -> Any:
+    @staticmethod
+    def _optional(call: Callable[[NvmlHandle], _T], handle: NvmlHandle) -> _T | None:
+        """As `_call`, where a GPU or driver without the feature answers None."""
         try:
-            return getattr(self.nvml, function)(handle)
+            return call(handle)
         except pynvml.NVMLError as exc:
             if exc.value in _ABSENT:
                 return None
-            raise _GpuFailed(f"{function} failed: {describe_error(exc)}") from exc
+            raise _GpuFailed(f"{call.__name__} failed: {describe_error(exc)}") from exc
 
-    def _describe(self, index: int, common: dict[str, AttrValue], mig_on: set[str]) -> Device:
-        handle = self._call("nvmlDeviceGetHandleByIndex", index)
-        minor = int(self._call("nvmlDeviceGetMinorNumber", handle))
+    def _describe(self, nvml: Nvml, index: int, common: dict[str, AttrValue], mig_on: set[str]) -> Device:
+        handle = self._call(nvml.nvmlDeviceGetHandleByIndex, index)
+        minor = int(self._call(nvml.nvmlDeviceGetMinorNumber, handle))
         self._minors[index] = minor
-        uuid = str(self._call("nvmlDeviceGetUUID", handle))
-        product = str(self._call("nvmlDeviceGetName", handle))
-        pci_info = self._call("nvmlDeviceGetPciInfo", handle)
+        uuid = str(self._call(nvml.nvmlDeviceGetUUID, handle))
+        product = str(self._call(nvml.nvmlDeviceGetName, handle))
+        pci_info = self._call(nvml.nvmlDeviceGetPciInfo, handle)
         raw_bus = pci_info.busId.decode(errors="replace") if isinstance(pci_info.busId, bytes) \
             else str(pci_info.busId)
         try:
             bus_id = normalize_bus_id(raw_bus)
         except ValueError as exc:
             raise _GpuFailed(f"nvmlDeviceGetPciInfo gave an unusable bus ID: {exc}") from exc
-        memory = int(self._call("nvmlDeviceGetMemoryInfo", handle).total)
+        memory = int(self._call(nvml.nvmlDeviceGetMemoryInfo, handle).total)
 
         facts = GpuFacts(GpuIdentity(uuid, index, minor, bus_id))
         attrs = attributes(facts) | {"productName": product}
-        for attr, call, names, unknown in (("brand", "nvmlDeviceGetBrand", BRANDS, NO_BRAND),
-                                               ("architecture", "nvmlDeviceGetArchitecture", ARCHITECTURES,
-                                                NO_ARCHITECTURE)):
+        for attr, call, names, unknown in (("brand", nvml.nvmlDeviceGetBrand, BRANDS, NO_BRAND),
+                                           ("architecture", nvml.nvmlDeviceGetArchitecture, ARCHITECTURES,
+                                            NO_ARCHITECTURE)):
             code = self._optional(call, handle)
             if code is None or int(code) == unknown:
                 continue
@@ -290,11 +307,11 @@ class GpuSource:
                 self._note(f"<{attr} {int(code)}>", f"gpu-{minor}: NVML {attr} code {int(code)} has no name in "
                            f"this agent; published as {attr}={name}")
             attrs[attr] = name
-        cc = self._optional("nvmlDeviceGetCudaComputeCapability", handle)
+        cc = self._optional(nvml.nvmlDeviceGetCudaComputeCapability, handle)
         if cc is not None:
             attrs["cudaComputeCapability"] = Version(f"{int(cc[0])}.{int(cc[1])}.0")
         attrs.update(common)
-        mig = self._optional("nvmlDeviceGetMigMode", handle)
+        mig = self._optional(nvml.nvmlDeviceGetMigMode, handle)
         attrs[MIG_CAPABLE] = mig is not None
         attrs[MIG_ENABLED] = mig is not None and mig[0] == pynvml.NVML_DEVICE_MIG_ENABLE
         if attrs[MIG_ENABLED]:
@@ -302,14 +319,14 @@ class GpuSource:
             # for a GPU reset has not happened yet).
             mig_on.add(bus_id)
         if mig is not None and self.dynamic_mig:
-            self._mig.learn(self.nvml, handle, bus_id)
+            self._mig.learn(nvml, handle, bus_id)
 
         function = pci_function(self.sysfs_root, bus_id)
         if function is not None:
             attrs.update(function.standard_attributes())
         else:
             attrs[PCI_BUS_ID] = bus_id
-            numa = self._optional("nvmlDeviceGetNumaNodeId", handle)
+            numa = self._optional(nvml.nvmlDeviceGetNumaNodeId, handle)
             if numa is not None and int(numa) >= 0:
                 attrs[NUMA_NODE] = int(numa)
 

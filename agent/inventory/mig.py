@@ -34,12 +34,12 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import pynvml
 
 from agent import apirules, counters, quantity
 from agent.facts import GpuFacts, MigPlacement
+from agent.inventory.nvmlapi import Nvml, NvmlHandle
 from agent.inventory.published import form_attributes
 from agent.kinds import Kind
 from agent.model import Capacity, CounterConsumption, CounterSet, Device
@@ -105,7 +105,7 @@ def _instances(profile: MigProfile) -> str:
     return counters.fit_label(f"{counters.INSTANCES_PREFIX}{profile.label}")
 
 
-def read_layout(nvml: Any, handle: Any) -> MigLayout | None:
+def read_layout(nvml: Nvml, handle: NvmlHandle) -> MigLayout | None:
     """The GPU's MIG profiles and placements from NVML; None when it offers none."""
     profiles: dict[int, MigProfile] = {}
     for enum in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
@@ -145,7 +145,7 @@ def _text(value: object) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value if isinstance(value, str) else ""
 
 
-def find_profile(nvml: Any, handle: Any, name: str) -> MigProfile | None:
+def find_profile(nvml: Nvml, handle: NvmlHandle, name: str) -> MigProfile | None:
     """The profile called `name` on the GPU `handle`, for prepare (None: the GPU does not offer it)."""
     layout = read_layout(nvml, handle)
     return next((p for p in layout.profiles if p.name == name), None) if layout else None
@@ -183,7 +183,7 @@ class MigDevices:
     layouts: dict[str, MigLayout] = field(default_factory=dict)
     _said: dict[str, str] = field(default_factory=dict)
 
-    def learn(self, nvml: Any, handle: Any, bus_id: str) -> None:
+    def learn(self, nvml: Nvml, handle: NvmlHandle, bus_id: str) -> None:
         """Read the GPU's profiles once (they do not change); a failure is logged once and retried
         at the next scan, without costing the GPU."""
         if bus_id in self.layouts:

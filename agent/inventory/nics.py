@@ -120,7 +120,7 @@ class NicSource:
         self.settings = settings
         # Each PCI function's counter set, and the passthrough variants (agent.inventory.passthrough).
         # "of this host": with simulated GPUs the simulated machine's NIC functions are another source's
-        # (`agent.inventory.simnics`), and what is said here is of the host's own.
+        # (`agent.app.assembly.build_sources` adds it), and what is said here is of the host's own.
         self._variants = NicVariants(passthrough=tuple(passthrough), exclude=tuple(settings.nic_exclude),
                                      variants=Variants("NIC function of this host"))
         self._node_ips: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()

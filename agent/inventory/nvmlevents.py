@@ -13,6 +13,7 @@ from typing import Any
 
 import pynvml
 
+from agent.inventory.nvmlapi import Nvml, NvmlHandle
 from agent.inventory.nvmlvalues import describe_error
 
 log = logging.getLogger(__name__)
@@ -22,11 +23,11 @@ ABSENT = (pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_NOT_SUPPORTED)
 
 
 class EventSet:
-    def __init__(self, nvml: Any, probe_interval: float, registered: list[str]) -> None:
-        self.nvml = nvml  # the pynvml module or a SimulatedNvml, initialized
+    def __init__(self, nvml: Nvml, probe_interval: float, registered: list[str]) -> None:
+        self.nvml = nvml  # initialized
         self.probe_interval = probe_interval  # said when events are not available
         self.registered = registered  # devices registered for NVML events, appended to (the watcher's stats)
-        self._set: Any = None
+        self._set: NvmlHandle = None
         self._absent = False  # no events from this library: never asked again
 
     @property
@@ -53,7 +54,7 @@ class EventSet:
             except Exception as exc:  # the library may be shut down already
                 log.debug("nvmlEventSetFree: %s", describe_error(exc))
 
-    def register(self, name: str, handle: Any) -> None:
+    def register(self, name: str, handle: NvmlHandle) -> None:
         """Register GPU `name` for the wanted events it supports (or say that it reports none).
         NVMLError for anything but the absence of events."""
         try:

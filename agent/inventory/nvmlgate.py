@@ -25,16 +25,17 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pynvml
+
+from agent.inventory.nvmlapi import Nvml
 
 log = logging.getLogger(__name__)
 
 
 class NvmlGate:
-    def __init__(self, nvml: Any) -> None:
-        self.nvml = nvml  # the pynvml module or a SimulatedNvml, initialized once by the GPU source
+    def __init__(self, nvml: Nvml) -> None:
+        self.nvml = nvml  # initialized once by the GPU source
         self._cond = threading.Condition()
         self._users = 0
         self._releasers = 0  # callers inside `released`: NVML is down for all of them at once

@@ -1,4 +1,5 @@
-"""Opening NVML for GPU discovery: the driver's library from the driver root, or the simulated machine.
+"""Opening the host's NVML for GPU discovery (`open_real_nvml`, the `NvmlOpener` of real hardware,
+`agent.inventory.nvmlapi`): the driver's library from the driver root.
 
 `pynvml` loads `libnvidia-ml.so.1` by that name through the dynamic linker, once per process, into its
 module global `nvmlLib`, and uses whatever library that global holds. In a container the linker only
@@ -16,9 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pynvml
 
@@ -26,25 +25,14 @@ from agent.config import Settings
 from agent.host.driverroot import NVML_LIBRARY, find_library
 from agent.host.pci import nvidia_display_functions
 from agent.inventory import DiscoveryError
+from agent.inventory.nvmlapi import OpenNvml
 from agent.inventory.nvmlvalues import describe_error
-from agent.sim.nvml import SimulatedNvml
-from agent.sim.profiles import ProfileError
 
 log = logging.getLogger(__name__)
 
 
 class LibraryMissing(Exception):
     """No loadable libnvidia-ml.so.1 below the driver root; the message names the root and every path tried."""
-
-
-@dataclass(frozen=True, slots=True)
-class OpenNvml:
-    """What discovery reads GPUs through: the NVML (pynvml, a SimulatedNvml, or None: no GPUs), and the
-    sysfs and /dev the GPUs are in."""
-
-    nvml: Any
-    sysfs_root: Path
-    dev_root: Path
 
 
 def load_library(root: Path) -> str:
@@ -74,10 +62,10 @@ def init_real(root: Path) -> str:
     return path
 
 
-def open_nvml(settings: Settings) -> OpenNvml:
+def open_real_nvml(settings: Settings) -> OpenNvml:
+    """The host's NVML (`--nvml real` or `auto`), initialized; in auto mode none (no GPUs) on a node
+    without NVIDIA hardware. DiscoveryError when it cannot be opened where it should be, with why."""
     mode = settings.nvml
-    if mode.kind == "sim":
-        return _open_sim(settings, mode.profile)
     plain = OpenNvml(pynvml, settings.sysfs_root, settings.dev_root)
     root = settings.driver_root
     try:
@@ -109,27 +97,6 @@ def open_nvml(settings: Settings) -> OpenNvml:
         return OpenNvml(None, settings.sysfs_root, settings.dev_root)
     log.info("NVML: %s", path)
     return plain
-
-
-def _open_sim(settings: Settings, profile: str) -> OpenNvml:
-    try:
-        sim = SimulatedNvml.from_profile(profile)
-    except ProfileError as exc:
-        raise DiscoveryError(f"--nvml sim:{profile}: {exc}") from exc
-    root = settings.sim_root
-    try:
-        sim.materialize(root)
-    except OSError as exc:
-        raise DiscoveryError(f"--nvml sim:{profile}: cannot write the simulated hardware under "
-                             f"{root}: {exc}") from exc
-    try:
-        sim.nvmlInit()
-    except pynvml.NVMLError as exc:
-        raise DiscoveryError(f"--nvml sim:{profile}: NVML did not initialize: "
-                             f"{describe_error(exc)}") from exc
-    log.info("simulated NVML: profile %s, %d GPUs, hardware under %s", sim.profile.name,
-             len(sim.profile.gpus), root)
-    return OpenNvml(sim, root / "sys", root / "dev")
 
 
 def nvidia_hardware(settings: Settings) -> list[str]:

@@ -1,5 +1,6 @@
-"""Reading what NVML answers: an error by name, a handle by address, a field value as the integer
-it holds."""
+"""Reading what NVML answers: an error by name (and a name as its code), a handle by address, a field
+value as the integer it holds. NVML's facts, kept with NVML: the simulated NVML takes its error codes
+from here too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,25 @@ from typing import Any
 
 import pynvml
 
-from agent.sim.profiles import error_name
+
+def error_name(code: int) -> str:
+    """`15` -> `NVML_ERROR_GPU_IS_LOST` (or the number when NVML has no name for it)."""
+    for name in dir(pynvml):
+        if name.startswith("NVML_ERROR_") and getattr(pynvml, name) == code:
+            return name
+    return str(code)
+
+
+def error_code(value: object) -> int | None:
+    """The NVML error code `15`, `"NVML_ERROR_GPU_IS_LOST"` or `"GPU_IS_LOST"` stand for; None when it is
+    none that pynvml knows."""
+    code: object = value
+    if isinstance(value, str):
+        name = value if value.startswith("NVML_ERROR_") else f"NVML_ERROR_{value}"
+        code = getattr(pynvml, name, None)
+    if isinstance(code, bool) or not isinstance(code, int) or code not in pynvml.NVMLError._valClassMapping:
+        return None
+    return code
 
 
 def describe_error(exc: BaseException) -> str:

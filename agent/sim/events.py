@@ -30,7 +30,7 @@ import orjson
 import pynvml
 
 from agent.fsutil import atomic_write
-from agent.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
+from agent.inventory.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecoveryCode
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def event_data(handle: Any, event: SimEvent) -> Any:
     data.computeInstanceId = 0xFFFFFFFF
     if event.raised_at is not None:
         # Not NVML's: an XID a command written while no agent ran raised when the machine applied it is as
-        # old as the command (agent.inventory.gpu_events reads it where it is there).
+        # old as the command (`agent.sim.nvmlopen.SimCommands.raised_at` reads it for the event watcher).
         data.raised_at = event.raised_at
     return data
 

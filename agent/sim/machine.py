@@ -1,6 +1,7 @@
 """What a simulated machine is: its GPUs (`SimGpu`), NICs (`SimNic`) and the whole (`SimProfile`), the
-NVML calls faults may name, and NVML error codes by name. `agent.sim.profiles` reads machines from
-JSON profiles (and holds the builtins); the simulated NVML, sysfs and kernel act them out.
+NVML calls faults may name, and the NVML error codes they name (read as NVML's own, by
+`agent.inventory.nvmlvalues`). `agent.sim.profiles` reads machines from JSON profiles (and holds the
+builtins); the simulated NVML, sysfs and kernel act them out.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pynvml
+
+from agent.inventory.nvmlvalues import error_code as nvml_error_code
 
 # The per-GPU calls the simulation answers; faults may name any of them.
 DEVICE_FUNCTIONS = frozenset({
@@ -124,19 +127,9 @@ class SimProfile:
 
 
 def error_code(value: object, where: str) -> int:
-    """An NVML error code from `15`, `"NVML_ERROR_GPU_IS_LOST"` or `"GPU_IS_LOST"`."""
-    code: object = value
-    if isinstance(value, str):
-        name = value if value.startswith("NVML_ERROR_") else f"NVML_ERROR_{value}"
-        code = getattr(pynvml, name, None)
-    if isinstance(code, bool) or not isinstance(code, int) or code not in pynvml.NVMLError._valClassMapping:
+    """An NVML error code a profile or fault names (`agent.inventory.nvmlvalues.error_code`); ProfileError
+    when it is none."""
+    code = nvml_error_code(value)
+    if code is None:
         raise ProfileError(f"{where}: {value!r} is not an NVML error code")
     return code
-
-
-def error_name(code: int) -> str:
-    """`15` -> `NVML_ERROR_GPU_IS_LOST` (or the number when NVML has no name for it)."""
-    for name in dir(pynvml):
-        if name.startswith("NVML_ERROR_") and getattr(pynvml, name) == code:
-            return name
-    return str(code)

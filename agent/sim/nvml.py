@@ -68,7 +68,7 @@ from typing import Any
 import pynvml
 
 from agent.host.pci import normalize_bus_id
-from agent.nvmlcodes import NvmlRecoveryCode
+from agent.inventory.nvmlcodes import NvmlRecoveryCode
 from agent.sim.control import ControlWatcher
 from agent.sim.events import SimEvents
 from agent.sim.hardware import machine_profile, materialize

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import pynvml
 
-from agent.nvmlcodes import NvmlRecoveryCode
+from agent.inventory.nvmlcodes import NvmlRecoveryCode
 from agent.sim.control import ControlWatcher, SimCommand, device_index
 from agent.sim.events import APPLICATION_XIDS, SimEvent, SimEvents, event_data, field_values
 from agent.sim.machine import SimGpu, SimProfile

@@ -55,13 +55,12 @@ from agent.sim.machine import (
     SimNic,
     SimProfile,
     error_code,
-    error_name,
 )
 from agent.sim.migprofiles import MIG_TABLES
 
 # The machine's model is `agent.sim.machine`; its names are used through this module too.
 __all__ = ["BUILTIN", "DEVICE_FUNCTIONS", "SYSTEM_FUNCTIONS", "ProfileError", "SimGpu", "SimNic", "SimProfile",
-           "derived_uuid", "error_code", "error_name", "load_profile", "parse_profile"]
+           "derived_uuid", "error_code", "load_profile", "parse_profile"]
 
 _GPU_KEYS = frozenset({
     "name", "busId", "memoryTotal", "numaNode", "nvmlNumaNode", "uuid", "minor", "pcieRoot", "brand",

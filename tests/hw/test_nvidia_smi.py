@@ -29,6 +29,7 @@ from agent.host.pci import normalize_bus_id
 from agent.inventory import DiscoveryError
 from agent.inventory.gpus import GpuSource, driver_minors
 from agent.inventory.mig import read_layout
+from agent.inventory.nvmlopen import open_real_nvml
 from agent.kinds import Kind
 from agent.model import PCI_BUS_ID, Device, Version
 from agent.sim.hardware import NVIDIA_MAJOR
@@ -42,7 +43,7 @@ MiB = 1024 * 1024
 def real_gpus(tmp_path: Path) -> Iterator[GpuSource]:
     if shutil.which("nvidia-smi") is None:
         pytest.skip("needs nvidia-smi (the NVIDIA driver's utilities) on this machine")
-    source = GpuSource(Settings(node_name="hw-check", nvml=NvmlMode("real"), state_dir=tmp_path))
+    source = GpuSource(Settings(node_name="hw-check", nvml=NvmlMode("real"), state_dir=tmp_path), opener=open_real_nvml)
     try:
         source.open()
     except DiscoveryError as exc:

@@ -62,7 +62,7 @@ sys.path[:0] = [str(ROOT), str(TESTS)]
 import agentkit  # noqa: E402
 
 from agent import failpoints  # noqa: E402
-from agent.app.assembly import PublishedForm  # noqa: E402
+from agent.app.assembly import PublishedForm, vf_links  # noqa: E402
 from agent.claims import filenames, metadata  # noqa: E402
 from agent.claims.leftovers import Leftover, LeftoverError, leftovers_dir  # noqa: E402
 from agent.claims.records import ClaimRecord, FileRole, PartitionKind  # noqa: E402
@@ -84,6 +84,7 @@ from agent.sim.hardware import reboot, sim_functions  # noqa: E402
 from agent.sim.kernel.emulator import KernelEmulator  # noqa: E402
 from agent.sim.kernel.tree import SimTree  # noqa: E402
 from agent.sim.migstate import STATE_FILE as MIG_STATE_FILE  # noqa: E402
+from agent.sim.nvmlopen import open_sim_nvml  # noqa: E402
 from agent.sim.profiles import load_profile  # noqa: E402
 from agent.sim.vflinks import SimVfLinks  # noqa: E402
 
@@ -379,7 +380,7 @@ class _Agent:
 
     def __init__(self, settings: Settings, nic_variant: int) -> None:
         self.settings = settings
-        self.gpus = GpuSource(settings)
+        self.gpus = GpuSource(settings, opener=open_sim_nvml)
         self.vfs: list[Device] = []
         self.nics = agentkit.StaticSource("nic", [])
         self.nic_variant = nic_variant
@@ -387,7 +388,7 @@ class _Agent:
                                    refine=PublishedForm())
         assert settings.offline is not None
         self.engine = PrepareEngine(settings, self.inventory, DirectoryClaimSource(settings.offline),
-                                    ClaimStore(settings.claims_state_dir))
+                                    ClaimStore(settings.claims_state_dir), vf_links=vf_links(settings))
 
     def open(self) -> KernelEmulator:
         """Open NVML (which writes the simulated machine, keeping what its kernel changed since), then

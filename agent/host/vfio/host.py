@@ -16,15 +16,14 @@ class VfioHost:
     sysfs: Path
     proc: Path
     dev: Path
-    simulated: bool  # the simulated machine: no netlink device behind its NICs
 
     @classmethod
     def of(cls, settings: Settings) -> VfioHost:
         if settings.nvml.kind == "sim":
             root = settings.sim_root
-            return cls(root / "sys", root / "proc", root / "dev", True)
+            return cls(root / "sys", root / "proc", root / "dev")
         # `proc` beside the sysfs root, as GPU discovery reads the driver's GPU list.
-        return cls(settings.sysfs_root, settings.sysfs_root.parent / "proc", settings.dev_root, False)
+        return cls(settings.sysfs_root, settings.sysfs_root.parent / "proc", settings.dev_root)
 
     def boot_id(self) -> str:
         """The running kernel's boot ID ("" when it cannot be read: every start then counts as a reboot

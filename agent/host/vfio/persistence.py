@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class PersistenceNvml(Protocol):
-    """The two pynvml calls this check makes (the `pynvml` module and `SimulatedNvml` both have them)."""
+    """The two NVML calls this check makes (every `agent.inventory.nvmlapi.Nvml` has them)."""
 
     def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str) -> object: ...
 

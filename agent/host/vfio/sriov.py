@@ -5,8 +5,9 @@ itself cannot be asked once bound to vfio-pci; the PF's driver keeps the setting
 tenants, until it is set again: so prepare reads what the VF had before changing it (the claim's
 record holds it before the change), and unprepare puts it back.
 
-`VfLinks` is where the PF's driver keeps its VFs' settings: `NetlinkVfLinks` on a host; the simulated
-machine has its own (`agent.sim.vflinks`), its NIC having no netlink device."""
+`VfLinks` is where the PF's driver keeps its VFs' settings, the seam between prepare and the machine:
+`NetlinkVfLinks` on a host; the simulated machine, its NIC having no netlink device, keeps them in
+files. `agent.app.assembly.vf_links` chooses which one prepare is given."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """NVML's numbers the agent keeps itself, where the bindings (nvidia-ml-py) name them only in some
-versions: shared by GPU discovery's event watcher and the simulated NVML."""
+versions: GPU discovery's event watcher reads them, and the simulated NVML answers with them."""
 
 from __future__ import annotations
 
