@@ -101,6 +101,7 @@ class Agent:
         self._devices: dict[str, Device] = {}
         self.recovered = asyncio.Event()  # every record listed at start-up is checked, orphans removed
         self.refreshed = asyncio.Event()  # the start-up refresh of prepared claims is done
+        self._summaries_saved = -1  # the book's change count the summaries on disk were saved at
 
     @property
     def running(self) -> Running:
@@ -225,6 +226,8 @@ class Agent:
             await asyncio.to_thread(check_records, engine, pending[i:i + RECOVERY_BATCH])
         await asyncio.to_thread(finish_recovery, engine, report)
         log.info("state: %s", report.summary())
+        await self._save_summaries(engine)  # the book knows every record now
+        self._spawn(self._keep_summaries(engine), "summaries")
         self.metrics.recovered(len(report.repaired), len(report.removed), len(report.quarantined))
         report.records.clear()  # every record, whole: the book keeps what is needed, and far less
         # The API may have missed writes while no agent ran (or they were queued when it stopped).
@@ -243,6 +246,30 @@ class Agent:
         if updated:
             log.info("metadata of %d prepared claims brought up to date after the start", updated)
         self.refreshed.set()
+
+    async def _keep_summaries(self, engine: PrepareEngine) -> None:
+        """Save the book's summaries for the next start while they change (`agent.claims.summaries`): a
+        process that is killed, or an agent started beside this one in a rolling update, finds most of
+        them still valid."""
+        from agent.claims.summaries import SAVE_INTERVAL
+
+        while True:
+            await asyncio.sleep(SAVE_INTERVAL)
+            await self._save_summaries(engine)
+
+    async def _save_summaries(self, engine: PrepareEngine) -> None:
+        from agent.claims import summaries
+
+        changes = engine.book.changes  # (read first: a change during the save is saved again next time)
+        if changes == self._summaries_saved:
+            return
+        try:
+            await asyncio.to_thread(summaries.save, summaries.path_of(self.settings.state_dir), engine.book)
+        except OSError as exc:
+            log.warning("could not keep the claim summaries for the next start, which reads every record "
+                        "instead: %s", exc)
+            return
+        self._summaries_saved = changes
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -357,6 +384,7 @@ class Agent:
         if running is not None:  # what is still queued is written again by the next start's resync
             await running.claim_status.stop()
             await running.quarantines.stop()
+            await self._save_summaries(running.engine)  # for the next start (an upgrade's, mostly)
         await asyncio.to_thread(self.inventory.close)
         if running is not None:
             if running.kernel is not None:
