@@ -16,6 +16,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "node_fill_110_vs_serial": ("<=", 0.6),
     "peer_ratio_node_fill_110": ("<=", 1.0),
     "startup_to_dra_ready_with_10000_claims_s": ("<=", 2.0),
+    # What the first pod started after an agent upgrade waits for its GPU, beyond the start itself.
+    "first_prepare_after_start_with_10000_claims_ms": ("<=", 100),
     "p50_10000_vs_10_claims": ("<=", 1.1),
     "cli_info_s": ("<=", 0.3),
     # What the fleet costs the API server, per agent (bench/fleet.py).
@@ -136,6 +138,8 @@ def markdown(runs: list[dict[str, Any]], mid: int, fill: int) -> str:
     for what, key in (("the agent's own time per prepare, tmpfs (ms)", "agent_ms_per_prepare_tmpfs"),
                       (f"exec -> DRA socket answers, {fill} claims prepared (s)",
                        f"startup_to_dra_ready_with_{fill}_claims_s"),
+                      (f"first prepare after a start, {fill} claims prepared (ms)",
+                       f"first_prepare_after_start_with_{fill}_claims_ms"),
                       (f"prepare p50 with {fill} claims / with 10", f"p50_{fill}_vs_10_claims"),
                       ("`dra-agent kubelet info` (s)", "cli_info_s")):
         row(what, key, "", "")

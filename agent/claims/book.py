@@ -13,8 +13,10 @@ is compared first. Call it with the claim's locks held (`agent.claims.locks`).
 Memory: a summary is a few hundred bytes, where a whole record holds every file's
 content (4-5 KiB for a GPU claim): 10,000 prepared claims cost megabytes, not tens. A summary
 keeps of each device only what is read from it (pool, device, share ID; not its CDI device IDs),
-the strings that repeat across claims (namespace, pool, device names) are interned, and the file's
-identity is kept only with the whole records held.
+the strings that repeat across claims (namespace, pool, device names) are interned. The identity of
+the file each summary was read from is kept too (three integers), so that the summaries can be kept on
+disk for the next start and each taken again only while its record is still that file
+(`agent.claims.summaries`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from agent.claims.records import ClaimRecord, PreparedDevice, RecordError, RecordState, partition_attributes
 from agent.claims.store import ClaimStore, RecordStamp
@@ -30,6 +34,7 @@ from agent.claims.writers import RecordWriters
 from agent.names import InvalidName
 
 RECENT = 64  # whole records kept (the claims operated on last)
+_STATES = {str(state): state for state in RecordState}  # (faster than RecordState(text), 10,000 times at a start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,17 @@ class DeviceSummary:
         # A node has a few pools and devices, held by thousands of claims: one string each.
         return cls(sys.intern(d.pool), sys.intern(d.device), sys.intern(d.share_id) if d.share_id else "", made, mac,
                    d.admin_access, d.pod_interface)
+
+    def wire(self) -> list[Any]:
+        """As `agent.claims.summaries` keeps it (a change here is a new version there)."""
+        return [self.pool, self.device, self.share_id, [list(m) for m in self.made], self.mac, self.admin_access,
+                self.pod_interface]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> DeviceSummary:
+        pool, device, share_id, made, mac, admin_access, pod_interface = raw
+        return cls(sys.intern(pool), sys.intern(device), sys.intern(share_id) if share_id else "",
+                   tuple((k, v) for k, v in made), mac, admin_access is True, pod_interface)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +100,29 @@ class ClaimSummary:
     def prepared(self) -> bool:
         return self.state is RecordState.PREPARED
 
+    def wire(self) -> list[Any]:
+        """As `agent.claims.summaries` keeps it, without the UID (a change here is a new version there)."""
+        return [self.namespace, self.name, self.pod_claim_name, [d.wire() for d in self.devices], list(self.dirs),
+                self.prepared_at, self.generation, str(self.state), self.ahead]
+
+    @classmethod
+    def from_wire(cls, uid: str, raw: Any, devices: dict[tuple[Any, ...], DeviceSummary] | None = None) -> ClaimSummary:
+        """`devices`: the device summaries made so far, by their wire form; claims holding a device alike
+        share one (they are frozen). A partition made for a claim is the claim's own: not shared."""
+        namespace, name, pod_claim_name, held, dirs, prepared_at, generation, state, ahead = raw
+        shared = devices if devices is not None else {}
+        summaries = []
+        for d in held:
+            if d[3]:  # what was made for the claim (a MIG device's UUID)
+                summaries.append(DeviceSummary.from_wire(d))
+                continue
+            key = tuple(d[:3] + d[4:])
+            if (summary := shared.get(key)) is None:
+                summary = shared[key] = DeviceSummary.from_wire(d)
+            summaries.append(summary)
+        return cls(uid, sys.intern(namespace), name, sys.intern(pod_claim_name), tuple(summaries), tuple(dirs),
+                   float(prepared_at), int(generation), _STATES[state], ahead is True)
+
 
 class ClaimBook:
     def __init__(self, store: ClaimStore, recent: int = RECENT, writers: RecordWriters | None = None) -> None:
@@ -94,6 +133,8 @@ class ClaimBook:
         self._listed_alone: int | None = None  # the arrivals count before the last listing made alone
         self._guard = threading.Lock()  # over the indexes below
         self._summaries: dict[str, ClaimSummary] = {}
+        self._stamps: dict[str, RecordStamp] = {}  # the identity of the file each summary was read from
+        self.changes = 0  # counts every summary remembered, taken or forgotten (the summaries kept on disk follow)
         self._recent: collections.OrderedDict[str, tuple[ClaimRecord, RecordStamp]] = collections.OrderedDict()
         self._recent_max = recent
         self._device_claims: dict[str, set[str]] = {}  # device name -> UIDs of claims holding it
@@ -115,6 +156,27 @@ class ClaimBook:
         """The summary held for `uid` (no disk access)."""
         with self._guard:
             return self._summaries.get(uid)
+
+    def stamped(self) -> list[tuple[str, RecordStamp, ClaimSummary]]:
+        """Every summary with the identity of the record file it was read from (`agent.claims.summaries`)."""
+        with self._guard:
+            return [(uid, self._stamps[uid], summary) for uid, summary in self._summaries.items()]
+
+    def take(self, found: Iterable[tuple[str, RecordStamp, ClaimSummary]]) -> int:
+        """Summaries of records read by an earlier run, each of a record file that is still the one
+        summarized (`agent.claims.summaries`), as a listing would have read them; a claim the book knows
+        already keeps what it knows. How many were taken."""
+        taken = 0
+        with self._guard:
+            for uid, stamp, summary in found:
+                if uid in self._summaries:
+                    continue
+                self._summaries[uid] = summary
+                self._stamps[uid] = stamp
+                self._index(summary)
+                taken += 1
+            self.changes += taken
+        return taken
 
     def claims_holding(self, devices: set[str], *, exclusive: bool = False) -> list[str]:
         """The claims holding any of these devices; with `exclusive`, only those holding one of them other
@@ -208,9 +270,11 @@ class ClaimBook:
     def forget(self, uid: str) -> None:
         with self._guard:
             self._recent.pop(uid, None)
+            self._stamps.pop(uid, None)
             old = self._summaries.pop(uid, None)
             if old is not None:
                 self._unindex(old)
+                self.changes += 1
 
     def _remember(self, record: ClaimRecord, stamp: RecordStamp) -> None:
         summary = ClaimSummary.of(record)
@@ -219,13 +283,18 @@ class ClaimBook:
             if old is not None:
                 self._unindex(old)
             self._summaries[record.uid] = summary
+            self._stamps[record.uid] = stamp
             self._recent[record.uid] = (record, stamp)
             self._recent.move_to_end(record.uid)
             while len(self._recent) > self._recent_max:
                 self._recent.popitem(last=False)
-            for d in summary.devices:
-                self._device_claims.setdefault(d.device, set()).add(record.uid)
-            self._devices += len(summary.devices)
+            self._index(summary)
+            self.changes += 1
+
+    def _index(self, summary: ClaimSummary) -> None:
+        for d in summary.devices:
+            self._device_claims.setdefault(d.device, set()).add(summary.uid)
+        self._devices += len(summary.devices)
 
     def _unindex(self, summary: ClaimSummary) -> None:
         self._devices -= len(summary.devices)

@@ -13,7 +13,9 @@ claim's bindings made true again (a reboot forgets them), and a prepared claim w
 gone (a reboot forgets MIG instances too, and a new one would have another UUID) dropped cleanly.
 
 With 10,000 records a full check takes seconds, so only what is O(1) per record runs before the
-DRA socket opens (`begin_recovery`: temp files removed, records listed). Each record's full check
+DRA socket opens (`begin_recovery`: temp files removed, records listed, and the book given the
+summaries the last run kept of those whose file is unchanged, `agent.claims.summaries`: the forms
+checks then need not read every record at the first prepare). Each record's full check
 runs in the background (`check_records`), or first in any operation on its claim, under the
 claim's lock: a prepare or unprepare is never served from an unchecked record. Orphans are
 removed once every record is checked (`finish_recovery`).
@@ -32,7 +34,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from agent.claims import filenames
+from agent.claims import filenames, summaries
 from agent.claims.book import ClaimSummary
 from agent.claims.records import SUFFIX, ClaimRecord
 from agent.engine.prepare import PrepareEngine
@@ -77,7 +79,8 @@ def recover(engine: PrepareEngine) -> RecoveryReport:
 
 def begin_recovery(engine: PrepareEngine) -> RecoveryReport:
     """What must happen before the DRA socket opens, and costs O(1) per record: temp files of record
-    writes that never reached their rename are removed, and the records are listed. Each listed
+    writes that never reached their rename are removed, and the records are listed; the book takes the
+    summary the last run kept of each record whose file is the one summarized (a `stat` each). Each listed
     claim is checked later (`check_records`, in the background) or first thing in the next operation
     on it, whichever comes first: no operation is ever served from an unchecked record. Blocking."""
     report = RecoveryReport()
@@ -95,6 +98,9 @@ def begin_recovery(engine: PrepareEngine) -> RecoveryReport:
             if engine.leftovers.root.unlink(path):
                 report.removed.append(str(path))
     uids = [uid for uid in store.uids() if _uid_or_none(uid) is not None]
+    if uids:
+        taken = summaries.restore(summaries.path_of(engine.settings.state_dir), engine.book, store, uids)
+        log.info("%d of %d claim records known from the summaries the last run kept", taken, len(uids))
     engine.defer_checks(uids, lambda uid: _check_claim(engine, uid, report))
     return report
 
