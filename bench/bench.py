@@ -43,6 +43,7 @@ from measure import Side  # noqa: E402
 from probes import Floor, filesystem_of, pct, run_seconds, timed  # noqa: E402
 
 from agent.config import build_settings  # noqa: E402
+from agent.facts import NicFacts  # noqa: E402
 from agent.inventory.nics import NicSource  # noqa: E402
 from agent.kubelet import client as kc  # noqa: E402
 from agent.names import ClaimRef  # noqa: E402
@@ -375,7 +376,9 @@ def first_nic() -> str | None:
         devices = source.scan().devices
     finally:
         source.close()
-    return min((d.name for d in devices), default=None)
+    # Not the uplink: a NIC claim moves its NIC into the pod, and the agent refuses that for the link
+    # that carries the node's default route (on a machine with one NIC, no NIC figure).
+    return min((d.name for d in devices if isinstance(d.node, NicFacts) and not d.node.uplink), default=None)
 
 
 def _terminated(signum: int, frame: object) -> None:
