@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import measure  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
+import soak  # noqa: E402
 from drivers import Claims, Driver, OurAgent, PeerDriver, share_id_of, uid_of  # noqa: E402
 from measure import Side  # noqa: E402
 from probes import Floor, filesystem_of, pct, run_seconds, timed  # noqa: E402
@@ -61,6 +62,7 @@ class Options:
     fill: int
     peer: peers.PeerBinaries | None
     metadata: bool
+    soak_cycles: int = soak.CYCLES
 
 
 class Run:
@@ -333,6 +335,8 @@ async def run_all(opts: Options) -> dict[str, Any]:
         await on_disk(work, opts, r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if opts.soak_cycles:
+        r.update(await soak.run(opts.soak_cycles, progress=step))
     fill_to = opts.fill
     r["prepare_1gpu_vs_floor"] = r["prepare_1gpu_p50_ms"] / r["floor_p50_ms"]
     r[f"p50_{fill_to}_vs_10_claims"] = r[f"p50_at_{fill_to}_claims_ms"] / r["p50_at_10_claims_ms"]
@@ -393,6 +397,7 @@ def main() -> int:
                    help="auto: build and run the peer driver when Go is installed (default); off: the agent alone")
     p.add_argument("--peer-metadata", choices=("on", "off"), default="on",
                    help="the peer's helper writes device metadata, as the agent does (default: on)")
+    p.add_argument("--soak-cycles", type=soak.cycles, default=soak.CYCLES, help=soak.CYCLES_HELP)
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "results.json")
     args = p.parse_args()
     if not 10 < args.mid < args.fill:
@@ -405,7 +410,7 @@ def main() -> int:
         log.append("--peer off: the agent alone")
     print("\n".join(log))
     opts = Options(args.samples, args.rounds, args.node_fill_rounds, args.starts, args.mid, args.fill, binaries,
-                   args.peer_metadata == "on")
+                   args.peer_metadata == "on", args.soak_cycles)
     if binaries is not None:
         print("claims: the agent reads the offline directory's YAML files; the peer reads the same claims "
               "with client-go (GET, JSON over HTTP on loopback) from the bench's claims API")

@@ -22,6 +22,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "startup_to_dra_ready_with_10000_claims_s": ("<=", 2.0),
     "p50_10000_vs_10_claims": ("<=", 1.1),
     "cli_info_s": ("<=", 0.3),
+    "rss_growth_100k_cycles_mib": ("<=", 5),
+    "fd_growth_100k_cycles": ("<=", 0),
 }
 
 # (what, our key, the peer's key, the ratio's key); ratios are ours / peer.
@@ -135,7 +137,9 @@ def markdown(runs: list[dict[str, Any]], mid: int, fill: int) -> str:
                       (f"exec -> DRA socket answers, {fill} claims prepared (s)",
                        f"startup_to_dra_ready_with_{fill}_claims_s"),
                       (f"prepare p50 with {fill} claims / with 10", f"p50_{fill}_vs_10_claims"),
-                      ("`dra-agent kubelet info` (s)", "cli_info_s")):
+                      ("`dra-agent kubelet info` (s)", "cli_info_s"),
+                      ("RSS growth, 1,000 to 100,000 cycles (MiB)", "rss_growth_100k_cycles_mib"),
+                      ("descriptors gained, 1,000 to 100,000 cycles", "fd_growth_100k_cycles")):
         row(what, key, "", "")
     return "\n".join(lines)
 
