@@ -38,6 +38,7 @@ import fleet  # noqa: E402
 import measure  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
+import soak  # noqa: E402
 from drivers import Claims, Driver, OurAgent, PeerDriver, share_id_of, uid_of  # noqa: E402
 from measure import Side  # noqa: E402
 from probes import Floor, filesystem_of, pct, run_seconds, timed  # noqa: E402
@@ -64,6 +65,7 @@ class Options:
     peer: peers.PeerBinaries | None
     metadata: bool
     fleet: tuple[int, int, float]  # agents (0: none), prepared claims each, idle seconds
+    soak_cycles: int = soak.CYCLES
 
 
 class Run:
@@ -339,6 +341,8 @@ async def run_all(opts: Options) -> dict[str, Any]:
     agents, claims, idle = opts.fleet
     if agents:
         fleet.run(agents, claims, idle, r, progress=step)
+    if opts.soak_cycles:
+        r.update(await soak.run(opts.soak_cycles, progress=step))
     fill_to = opts.fill
     r["prepare_1gpu_vs_floor"] = r["prepare_1gpu_p50_ms"] / r["floor_p50_ms"]
     r[f"p50_{fill_to}_vs_10_claims"] = r[f"p50_at_{fill_to}_claims_ms"] / r["p50_at_10_claims_ms"]
@@ -406,6 +410,7 @@ def main() -> int:
     p.add_argument("--fleet-claims", type=int, default=100, help="prepared claims per fleet agent (default: 100)")
     p.add_argument("--fleet-idle-seconds", type=float, default=600.0,
                    help="the fleet's idle window, one default garbage collection period (default: 600)")
+    p.add_argument("--soak-cycles", type=soak.cycles, default=soak.CYCLES, help=soak.CYCLES_HELP)
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "results.json")
     args = p.parse_args()
     if not 10 < args.mid < args.fill:
@@ -418,7 +423,8 @@ def main() -> int:
         log.append("--peer off: the agent alone")
     print("\n".join(log))
     opts = Options(args.samples, args.rounds, args.node_fill_rounds, args.starts, args.mid, args.fill, binaries,
-                   args.peer_metadata == "on", (args.fleet_agents, args.fleet_claims, args.fleet_idle_seconds))
+                   args.peer_metadata == "on", (args.fleet_agents, args.fleet_claims, args.fleet_idle_seconds),
+                   args.soak_cycles)
     if binaries is not None:
         print("claims: the agent reads the offline directory's YAML files; the peer reads the same claims "
               "with client-go (GET, JSON over HTTP on loopback) from the bench's claims API")

@@ -20,6 +20,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "first_prepare_after_start_with_10000_claims_ms": ("<=", 100),
     "p50_10000_vs_10_claims": ("<=", 1.1),
     "cli_info_s": ("<=", 0.3),
+    "rss_growth_100k_cycles_mib": ("<=", 5),
+    "fd_growth_100k_cycles": ("<=", 0),
     # What the fleet costs the API server, per agent (bench/fleet.py).
     "fleet_writes_per_agent_idle_hour": ("<=", 0),
     "fleet_reads_per_agent_idle_hour": ("<=", 12),
@@ -141,7 +143,9 @@ def markdown(runs: list[dict[str, Any]], mid: int, fill: int) -> str:
                       (f"first prepare after a start, {fill} claims prepared (ms)",
                        f"first_prepare_after_start_with_{fill}_claims_ms"),
                       (f"prepare p50 with {fill} claims / with 10", f"p50_{fill}_vs_10_claims"),
-                      ("`dra-agent kubelet info` (s)", "cli_info_s")):
+                      ("`dra-agent kubelet info` (s)", "cli_info_s"),
+                      ("RSS growth, 1,000 to 100,000 cycles (MiB)", "rss_growth_100k_cycles_mib"),
+                      ("descriptors gained, 1,000 to 100,000 cycles", "fd_growth_100k_cycles")):
         row(what, key, "", "")
     return "\n".join(lines)
 

@@ -571,3 +571,37 @@ def test_an_update_keeps_every_raw_field_as_stored_and_replaces_only_our_entries
     assert b'"devices":[{' not in update_body(alone, StoredRaw("u", "7", (params, None), (None,)), DRIVER, [])
     with pytest.raises(ValueError, match="allocation config entries"):
         update_body(obj, StoredRaw("u", "7", (params,), ()), DRIVER, ours)
+
+
+async def test_a_claim_found_gone_after_its_unprepare_is_not_remembered(node, writers) -> None:
+    """The kubelet unprepares while the prepare's status write is in flight, then the claim is deleted: the
+    write finds it gone. What the writer remembers of gone claims is for prepared ones (it skips their
+    writes until the unprepare), and one whose unprepare came first is never forgotten: with claims coming
+    and going the set only grew."""
+    assert node.settings.offline is not None
+    writer = ClaimStatusWriter(DRIVER, DirectoryStatusSink(node.settings.offline), node.inventory,
+                               node.engine.book, backoff=FAST, metrics=Metrics(process=False))
+    writers.append(writer)
+    node.engine.listeners.append(writer)
+    real_write, started, go = writer.sink.write, asyncio.Event(), asyncio.Event()
+
+    async def held(target: ClaimRef, entries: Any) -> None:
+        if entries:  # the prepare's write waits until the claim is unprepared and deleted
+            started.set()
+            await go.wait()
+        await real_write(target, entries)
+
+    writer.sink.write = held  # type: ignore[method-assign]
+    for i in range(3):
+        uid, name = f"7a110000-0000-4000-8000-{i + 100:012d}", f"gone-{i}"
+        write_claim(node.claims_dir, claim(name, uid, [result("gpu-0", "gpu")]))
+        started.clear()
+        go.clear()
+        await prepare(node, uid, name)
+        await asyncio.wait_for(started.wait(), WAIT)
+        await unprepare(node, uid, name)
+        (node.claims_dir / "default" / f"{name}.yaml").unlink()
+        go.set()
+        await settled(writer)
+    assert writes(writer, "gave_up") == 3
+    assert writer._gone == set()

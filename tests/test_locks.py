@@ -5,13 +5,15 @@ that extends a key to the other agents of the node, shared too."""
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.claims.locks import KeyFileLock, LockTable
+from agent.claims.locks import CLAIMS_LOCK_FILE, DEVICES_LOCK_FILE, KeyFileLock, LockTable
+from agent.claims.writers import WRITERS_LOCK_FILE, RecordWriters
 
 WAIT = 30.0
 
@@ -89,3 +91,36 @@ def test_a_device_held_shared_by_two_claims_stays_held_for_other_agents_until_th
     second.__exit__(None, None, None)
     assert not another_agent_would_wait()
     agent.close()
+
+
+def descriptors_on(*paths: Path) -> int:
+    """How many descriptors of this process are on these files."""
+    wanted, count = {str(p) for p in paths}, 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") in wanted
+        except OSError:
+            continue
+    return count
+
+
+def test_an_engine_dropped_without_close_lets_go_of_its_lock_files(tmp_path: Path) -> None:
+    """An engine's lock files are closed by its process's exit. One dropped without `close` in a long process
+    (a test's: a test run piled up three descriptors an engine) lets go of them once it is garbage: its
+    descriptors, and with them its registration as a writer of records, which would make every later engine
+    on the state directory list the records directory before each forms check."""
+    paths = [tmp_path / CLAIMS_LOCK_FILE, tmp_path / DEVICES_LOCK_FILE, tmp_path / WRITERS_LOCK_FILE]
+    claims, devices, writers = KeyFileLock(paths[0]), KeyFileLock(paths[1]), RecordWriters(paths[2])
+    claims.open()
+    devices.open()
+    writers.open()
+    with devices.hold("pci/0000:2a:00.0", shared=True):
+        pass
+    later = RecordWriters(paths[2])  # the next engine on the same state directory
+    later.open()
+    assert descriptors_on(*paths) == 4 and later.others()[0]
+    del claims, devices, writers
+    gc.collect()
+    assert descriptors_on(*paths) == 1 and not later.others()[0]
+    later.close()
+    assert descriptors_on(*paths) == 0

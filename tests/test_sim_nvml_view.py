@@ -5,6 +5,7 @@ by the next nvmlInit, the GPUs after it moving down an index."""
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -78,3 +79,20 @@ def test_a_gpu_off_the_nvidia_driver_is_not_listed_by_the_next_init(machine: tup
     sim.nvmlInit()
     assert sim.nvmlDeviceGetCount() == 8 and sim.nvmlDeviceGetMinorNumber(sim.nvmlDeviceGetHandleByIndex(0)) == 0
     sim.nvmlShutdown()
+
+
+def test_a_simulated_nvml_dropped_while_initialized_lets_go_of_its_gpus(tmp_path: Path) -> None:
+    """The real library's descriptors close with its process. A SimulatedNvml is dropped while initialized
+    (by a test that never shuts it down) within one long process: what it held stays open unless it closes
+    it itself (a full test run reached descriptor 1973)."""
+    sim = SimulatedNvml.from_profile("dgx-h100")
+    sim.materialize(tmp_path)
+    sim.nvmlInit()
+    handle = sim.nvmlDeviceGetHandleByIndex(0)
+    sim.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, sim.nvmlEventSetCreate())
+    sim.nvmlDeviceGetHandleByIndex(1)
+    nodes = [SimTree(tmp_path).dev / f"nvidia{minor}" for minor in (0, 1)]
+    assert [held(node) for node in nodes] == [2, 1]
+    del sim, handle
+    gc.collect()
+    assert [held(node) for node in nodes] == [0, 0]

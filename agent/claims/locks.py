@@ -26,6 +26,7 @@ import hashlib
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
@@ -99,6 +100,7 @@ class KeyFileLock:
         self._open_guard = threading.Lock()
         # key -> (its gate, how many threads of this process hold it shared); kept once made (one per device)
         self._shared: dict[str, tuple[threading.Lock, list[int]]] = {}
+        self._closer: weakref.finalize[[int], object] | None = None
 
     def open(self) -> None:
         self._descriptor()
@@ -108,6 +110,7 @@ class KeyFileLock:
             if self._fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+                self._closer = closed_with(self, self._fd)
             return self._fd
 
     @staticmethod
@@ -159,9 +162,17 @@ class KeyFileLock:
 
     def close(self) -> None:
         with self._open_guard:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            if self._closer is not None:
+                self._closer()
+            self._fd = self._closer = None
+
+
+def closed_with(owner: object, fd: int) -> weakref.finalize[[int], object]:
+    """Close `fd` (and so drop its open file description locks) when `owner` is garbage, as a process's exit
+    does for the engine that lived as long as the process: an engine dropped without `close` (one of a test
+    process's many) would otherwise keep its descriptors and its locks for the rest of the process. Calling
+    the returned finalizer closes it now, once."""
+    return weakref.finalize(owner, os.close, fd)
 
 
 ClaimFileLock = KeyFileLock  # `<state>/claims.lock`, keyed by claim UID

@@ -25,9 +25,10 @@ import fcntl
 import os
 import struct
 import threading
+import weakref
 from pathlib import Path
 
-from agent.claims.locks import FLOCK_FORMAT, set_byte_lock
+from agent.claims.locks import FLOCK_FORMAT, closed_with, set_byte_lock
 
 WRITERS_LOCK_FILE = "writers.lock"
 _PRESENT = 0  # the byte every writer holds shared for its life
@@ -42,6 +43,7 @@ class RecordWriters:
         self.path = path
         self._fd: int | None = None
         self._guard = threading.Lock()
+        self._closer: weakref.finalize[[int], object] | None = None
 
     def open(self) -> None:
         """Register (idempotent): hold byte 0 shared, then count this arrival."""
@@ -60,7 +62,7 @@ class RecordWriters:
             except BaseException:
                 os.close(fd)
                 raise
-            self._fd = fd
+            self._fd, self._closer = fd, closed_with(self, fd)
 
     def others(self) -> tuple[bool, int]:
         """(whether another writer is registered now, the arrivals count so far)."""
@@ -75,9 +77,9 @@ class RecordWriters:
 
     def close(self) -> None:
         with self._guard:
-            if self._fd is not None:
-                os.close(self._fd)  # (its locks go with it)
-                self._fd = None
+            if self._closer is not None:
+                self._closer()  # closes the descriptor (its locks go with it)
+            self._fd = self._closer = None
 
 
 def _count(fd: int) -> int:

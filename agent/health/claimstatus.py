@@ -121,7 +121,8 @@ class ClaimStatusWriter:
         self._told: set[str] = set()
         self._pending: dict[str, _Pending] = {}  # waiting to be written (the latest state per claim)
         self._in_flight: dict[str, asyncio.Task[None]] = {}
-        # Claims found gone or re-created: a UID never comes back, so they are not written again.
+        # Prepared claims found gone or re-created: a UID never comes back, so they are not written again
+        # until their unprepare forgets them. Only prepared ones: nothing would forget the others.
         self._gone: set[str] = set()
         # NICs moved into pods, as last seen on the host (device name -> device): their status entries
         # once they have left the host's namespace. A few per node; replaced, never grown, per device.
@@ -353,7 +354,10 @@ class ClaimStatusWriter:
             await self.sink.write(item.target, entries)
         except ClaimGone as exc:
             if entries is None or entries:
-                self._gone.add(uid)
+                # Unprepared while this write was in flight (its record is gone from the book), or never
+                # prepared (a binding failure): not remembered, as no unprepare is left to forget it.
+                if self.book.record_of(uid) is not None:
+                    self._gone.add(uid)
                 self._gave_up(item, str(exc))
             else:
                 self._count("ok")  # nothing of ours can be left on a claim that is gone

@@ -7,8 +7,9 @@ library the simulation must model.
   down one index; one that comes back is listed again from the next `nvmlInit` on. A GPU whose
   function is not in the machine's sysfs at all (`inSysfs: false`) is always listed.
 - A handle holds its GPU open: from the first handle of a GPU in an initialized session until the last
-  `nvmlShutdown`, and for every event set a GPU is registered with until the set is freed, this process
-  has a file descriptor on the GPU's node (`<root>/dev/nvidia<minor>`, opened with O_PATH: the node of
+  `nvmlShutdown` (or until the simulated NVML is dropped: the real library's descriptors close with its
+  process), and for every event set a GPU is registered with until the set is freed, this process has a
+  file descriptor on the GPU's node (`<root>/dev/nvidia<minor>`, opened with O_PATH: the node of
   the simulated machine has no driver behind it). It shows in this process's /proc as a real open file
   does, and the simulated kernel holds an NVIDIA unbind while it is there (`agent.sim.kernel.opengpus`).
 
@@ -21,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from agent.sim.machine import SimGpu
 
@@ -37,6 +40,10 @@ class NvmlView:
         self.listed: list[int] = list(range(len(self._gpus)))  # slots, in NVML index order
         self._held: dict[int, int] = {}  # slot -> descriptor of a handle
         self._registered: dict[tuple[int, int], int] = {}  # (event set, slot) -> descriptor
+        # The real library's descriptors close with its process at the latest. A simulated NVML dropped while
+        # initialized (a test's, never shut down) is that process gone: it closes them itself, or one long
+        # test process piles them up.
+        weakref.finalize(self, _close_held, self._held, self._registered)
 
     def attach(self, root: Path) -> None:
         self._root = root
@@ -95,6 +102,14 @@ class NvmlView:
             return os.open(self._root / "dev" / f"nvidia{self._gpus[slot].minor}", os.O_PATH | os.O_CLOEXEC)
         except OSError:
             return None  # no node: nothing to hold
+
+
+def _close_held(*tables: dict[Any, int]) -> None:
+    """Close what the tables still hold (`close_all` and `free_set` empty them as they close)."""
+    for table in tables:
+        for fd in table.values():
+            _close(fd)
+        table.clear()
 
 
 def _close(fd: int) -> None:
