@@ -37,6 +37,17 @@ class SharedLock:
                 self._waiting_alone -= 1
             self._alone = True
 
+    def try_acquire(self, shared: bool) -> bool:
+        """Take it if that needs no wait; whether it was taken."""
+        with self._cond:
+            if self._alone or (self._waiting_alone if shared else self._shared):
+                return False
+            if shared:
+                self._shared += 1
+            else:
+                self._alone = True
+            return True
+
     def release(self, shared: bool) -> None:
         with self._cond:
             if shared:
