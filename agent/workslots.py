@@ -8,24 +8,31 @@ claim still being prepared, or a device another claim is changing). A thread tha
 slot go for the time of the wait (`waiting`), and takes one again before it goes on: the other claims
 never wait behind a slow device's.
 
-No deadlock: a thread waits for a slot only holding nothing (`Slots.run`) or on leaving a wait, when
-it may hold locks: a claim's or a device's (`agent.claims.locks`, the gate of a shared one's byte
-among them), the binding writes' (`agent.host.vfio.bind`, `agent.host.mdev.sysfs`). Every way of
-taking such a lock, on the way in and on the way out alike, lets the taker's slot go while it waits
-(`take`, `waiting`), so the threads that hold slots never wait for it holding theirs.
+An operation waits for its first slot on the event loop (`Slots.acquire`), holding no thread: a burst
+of claims makes no more threads than run at once. A thread back from a wait waits for a slot in
+itself, and goes before the operations not started yet (it may hold locks they need).
 
-A thread not run by `Slots.run` (start-up recovery, garbage collection, the tests' own calls) holds no
+No deadlock: a thread waits for a slot only on leaving a wait, when it may hold locks: a claim's or a
+device's (`agent.claims.locks`, the gate of a shared one's byte among them), the binding writes'
+(`agent.host.vfio.bind`, `agent.host.mdev.sysfs`). Every way of taking such a lock, on the way in and
+on the way out alike, lets the taker's slot go while it waits (`take`, `waiting`; a claim's or device's
+lock after a short patience, `agent.claims.locks.LOCK_PATIENCE`), so the threads that hold slots never
+wait for ever holding theirs; and an operation given a slot gets a thread to run in (the claims' pool
+makes one for each, up to `agent.engine.prepare.CLAIM_THREADS`).
+
+A thread not run by `Slots.holding` (start-up recovery, garbage collection, the tests' own calls) holds no
 slot; `waiting` is then nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import ParamSpec, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
-_P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 _local = threading.local()  # .slots: the Slots whose slot this thread holds, or None
@@ -34,49 +41,111 @@ _local = threading.local()  # .slots: the Slots whose slot this thread holds, or
 class Slots:
     def __init__(self, size: int) -> None:
         self.size = size
-        self._free = threading.Semaphore(size)
-        self._guard = threading.Lock()
-        self.running = 0  # slots held now (for tests and reports)
-        self.most = 0  # the most held at once
+        self._lock = threading.Lock()
+        self._free = size
+        self._threads: collections.deque[threading.Lock] = collections.deque()  # back from a wait: first
+        self._calls: collections.deque[asyncio.Future[None]] = collections.deque()  # not started yet
+        self.most = 0  # the most slots held at once (for tests and reports)
 
-    def run(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        """`fn` in this thread, holding a slot (blocking until one is free) except while it waits."""
-        if getattr(_local, "slots", None) is not None:
-            raise RuntimeError("this thread holds a slot already")
-        self._take()
+    @property
+    def running(self) -> int:
+        """Slots held now."""
+        return self.size - self._free
+
+    @property
+    def back(self) -> int:
+        """Threads back from a wait, waiting for a slot."""
+        with self._lock:
+            return len(self._threads)
+
+    async def acquire(self) -> None:
+        """A slot for an operation about to start, on the event loop; its thread then holds it
+        (`holding`), and whoever acquired it gives it back (`release`) once the operation is done."""
+        with self._lock:
+            if self._free > 0:
+                self._held()
+                return
+            call = asyncio.get_running_loop().create_future()
+            self._calls.append(call)
+        try:
+            await call
+        except asyncio.CancelledError:
+            with self._lock:
+                if call in self._calls:
+                    self._calls.remove(call)
+                    raise
+            if call.done() and not call.cancelled():  # given it, then cancelled: it goes to the next
+                self.release()
+            raise  # (given it as it was cancelled: `_give` passes it on)
+
+    def holding(self, fn: Callable[[], _T]) -> _T:
+        """`fn` in this thread, which holds the slot `acquire` took for it (and lets it go while it
+        waits); the slot is not given back here."""
         _local.slots = self
         try:
-            return fn(*args, **kwargs)
+            return fn()
         finally:
             _local.slots = None
-            self._give()
 
-    def _take(self) -> None:
-        self._free.acquire()
-        with self._guard:
-            self.running += 1
-            self.most = max(self.most, self.running)
+    def release(self) -> None:
+        """Give a slot back: to a thread back from a wait, else to the operation that asked first."""
+        with self._lock:
+            if self._threads:
+                self._threads.popleft().release()  # the slot changes hands
+                return
+            if not self._calls:
+                self._free += 1
+                return
+            call = self._calls.popleft()
+        loop = call.get_loop()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is running:
+            self._give(call)
+            return
+        try:
+            loop.call_soon_threadsafe(self._give, call)
+        except RuntimeError:  # its loop is closed: nobody waits there any more
+            self.release()
 
-    def _give(self) -> None:
-        with self._guard:
-            self.running -= 1
-        self._free.release()
+    def _give(self, call: asyncio.Future[None]) -> None:  # on the call's loop
+        if call.cancelled():
+            self.release()
+        else:
+            call.set_result(None)
+
+    def _take_back(self) -> None:
+        """A slot for this thread, back from a wait (blocking until one is free)."""
+        with self._lock:
+            if self._free > 0:
+                self._held()
+                return
+            turn = threading.Lock()
+            turn.acquire()
+            self._threads.append(turn)
+        turn.acquire()  # released by the thread that hands its slot over
+
+    def _held(self) -> None:  # the lock held
+        self._free -= 1
+        self.most = max(self.most, self.size - self._free)
 
 
 @contextlib.contextmanager
 def waiting() -> Iterator[None]:
     """Around a wait for something other than this thread's own work: its slot (if it holds one) is
-    another thread's meanwhile, and taken again (waiting for one if need be) when the wait is over."""
+    another operation's meanwhile, and taken again (waiting for one if need be) when the wait is over."""
     slots: Slots | None = getattr(_local, "slots", None)
     if slots is None:
         yield
         return
     _local.slots = None  # a wait within the wait lets nothing go twice
-    slots._give()
+    slots.release()
     try:
         yield
     finally:
-        slots._take()
+        slots._take_back()
         _local.slots = slots
 
 

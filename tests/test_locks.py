@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agent.claims.locks import KeyFileLock, LockTable
+from agent.sharedlock import SharedLock
 
 WAIT = 30.0
 
@@ -89,3 +90,30 @@ def test_a_device_held_shared_by_two_claims_stays_held_for_other_agents_until_th
     second.__exit__(None, None, None)
     assert not another_agent_would_wait()
     agent.close()
+
+
+def test_one_that_gives_up_waiting_to_hold_a_lock_alone_lets_the_sharers_behind_it_in() -> None:
+    # (A thread waits for a claim's or device's lock holding its claim slot only so long:
+    # agent/claims/locks.py, LOCK_PATIENCE.) A sharer that arrived while one waited to hold the lock alone
+    # waits behind it, and goes in once that one gives up.
+    lock = SharedLock()
+    assert lock.acquire(True)
+    gave_up = threading.Event()
+
+    def alone() -> None:
+        assert not lock.acquire(False, timeout=0.2)  # held shared throughout
+        gave_up.set()
+
+    waiter = in_thread(alone)
+    for _ in range(int(WAIT / 0.01)):  # until it waits (or has given up already)
+        if lock._waiting_alone or gave_up.is_set():
+            break
+        threading.Event().wait(0.01)
+    sharer_in = threading.Event()
+    sharer = in_thread(lambda: (lock.acquire(True), sharer_in.set()))
+    assert sharer_in.wait(WAIT) and gave_up.is_set()
+    waiter.join(WAIT)
+    sharer.join(WAIT)
+    lock.release(True)
+    lock.release(True)
+    assert lock.acquire(False, timeout=0)  # free again, for one alone

@@ -36,6 +36,8 @@ from pathlib import Path
 from agent.sharedlock import SharedLock
 from agent.workslots import take, waiting
 
+LOCK_PATIENCE = 0.05  # seconds a thread waits for a lock holding its claim slot (`agent.workslots`)
+
 
 class LockTable:
     """Locks by key, created on first use and dropped when nobody holds or waits for them."""
@@ -66,7 +68,10 @@ class LockTable:
         acquired: list[tuple[SharedLock, bool]] = []
         try:
             for lock, mode in locks:
-                if not lock.try_acquire(mode):
+                # Another claim's operation on the same claim or device is usually over within
+                # milliseconds: waited for holding the slot. One that takes longer (a slow device's) is
+                # waited for without it.
+                if not lock.acquire(mode, timeout=LOCK_PATIENCE):
                     with waiting():
                         lock.acquire(mode)
                 acquired.append((lock, mode))

@@ -69,10 +69,12 @@ log = logging.getLogger(__name__)
 # letting go of a device) or for another claim's lock holds no slot meanwhile: a slow device never
 # delays the other claims.
 CLAIM_WORKERS = 4
-# Threads of claim operations, at most: those running, and those waiting (on the host, for a lock, for a
-# slot). Their own pool, so that claims waiting on slow devices never take the threads the rest of the
-# agent runs its blocking work in (the loop's default executor), nor the other way round.
-CLAIM_THREADS = 32
+# Threads of claim operations, at most. A thread is made only for an operation given a slot, and stays
+# its thread while it waits (on the host, for a lock, for a slot back): so there are about as many as run
+# and wait at once, and this bound, far above that, only keeps a flood of calls from making a thread each.
+# Their own pool, so that claims waiting on slow devices never take the threads the rest of the agent
+# runs its blocking work in (the loop's default executor), nor the other way round.
+CLAIM_THREADS = 256
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -177,13 +179,25 @@ class PrepareEngine:
     # -- kubelet entry points -------------------------------------------------------------------
 
     async def _in_worker(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        """`fn` (a blocking claim operation) in a thread of the claims' pool, holding one of the
-        CLAIM_WORKERS slots except while it waits (`agent.workslots`). (A call cancelled while its thread
-        runs leaves the thread to finish, holding its slot until then.)"""
+        """`fn` (a blocking claim operation) in a thread of the claims' pool once it has one of the
+        CLAIM_WORKERS slots, which it lets go while it waits (`agent.workslots`). A call cancelled before its
+        thread began drops it; one cancelled later leaves the thread to finish, holding its slot until then."""
         if self._threads is None:
             self._threads = ThreadPoolExecutor(CLAIM_THREADS, thread_name_prefix="dra-claim")
-        call = functools.partial(self.slots.run, fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        slots = self.slots
+        await slots.acquire()
+        try:
+            work = self._threads.submit(slots.holding, functools.partial(fn, *args, **kwargs))
+        except BaseException:
+            slots.release()
+            raise
+        try:
+            return await asyncio.wrap_future(work)
+        finally:
+            if work.done():  # (also when cancelled before it began)
+                slots.release()
+            else:  # the call was cancelled: the slot is given back once the thread is done
+                work.add_done_callback(lambda _: slots.release())
 
     async def prepare(self, refs: Iterable[ClaimRef]) -> dict[str, PrepareResult]:
         unique = {ref.uid: ref for ref in refs}
