@@ -34,9 +34,11 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import idle  # noqa: E402
 import measure  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
+import slowdevice  # noqa: E402
 from drivers import Claims, Driver, OurAgent, PeerDriver, share_id_of, uid_of  # noqa: E402
 from measure import Side  # noqa: E402
 from probes import Floor, filesystem_of, pct, run_seconds, timed  # noqa: E402
@@ -61,6 +63,7 @@ class Options:
     fill: int
     peer: peers.PeerBinaries | None
     metadata: bool
+    idle_seconds: float = 300.0
 
 
 class Run:
@@ -333,6 +336,9 @@ async def run_all(opts: Options) -> dict[str, Any]:
         await on_disk(work, opts, r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    step("a slow device beside 102 claims; then the agent idle")
+    await slowdevice.measure(r, opts.fill_rounds)
+    await idle.measure(r, opts.idle_seconds)
     fill_to = opts.fill
     r["prepare_1gpu_vs_floor"] = r["prepare_1gpu_p50_ms"] / r["floor_p50_ms"]
     r[f"p50_{fill_to}_vs_10_claims"] = r[f"p50_at_{fill_to}_claims_ms"] / r["p50_at_10_claims_ms"]
@@ -393,6 +399,8 @@ def main() -> int:
                    help="auto: build and run the peer driver when Go is installed (default); off: the agent alone")
     p.add_argument("--peer-metadata", choices=("on", "off"), default="on",
                    help="the peer's helper writes device metadata, as the agent does (default: on)")
+    p.add_argument("--idle-seconds", type=float, default=300.0,
+                   help="how long the idle agent's CPU and wake-ups are measured (default: 300)")
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "results.json")
     args = p.parse_args()
     if not 10 < args.mid < args.fill:
@@ -405,7 +413,7 @@ def main() -> int:
         log.append("--peer off: the agent alone")
     print("\n".join(log))
     opts = Options(args.samples, args.rounds, args.node_fill_rounds, args.starts, args.mid, args.fill, binaries,
-                   args.peer_metadata == "on")
+                   args.peer_metadata == "on", args.idle_seconds)
     if binaries is not None:
         print("claims: the agent reads the offline directory's YAML files; the peer reads the same claims "
               "with client-go (GET, JSON over HTTP on loopback) from the bench's claims API")

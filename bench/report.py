@@ -22,6 +22,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "startup_to_dra_ready_with_10000_claims_s": ("<=", 2.0),
     "p50_10000_vs_10_claims": ("<=", 1.1),
     "cli_info_s": ("<=", 0.3),
+    "idle_cpu_percent": ("<=", 1.0),
+    "slow_device_p99_ratio": ("<=", 2.0),
 }
 
 # (what, our key, the peer's key, the ratio's key); ratios are ours / peer.

@@ -8,7 +8,7 @@ nothing. Temp files a crash left behind are removed.
 The publish loop checks the files every minute or so (`PublishLoop.verify_interval`): when the devices
 are those of the last sync and no file of the pool has changed since it (the same names, each with the
 same inode, size, mtime and ctime), that check is a listing and a stat per file, not the pool rebuilt and
-every file parsed again (a second of CPU with the simulated dgx-h100's 231 devices, each minute).
+every file parsed again (0.2 to 0.4 s of CPU with the simulated dgx-h100's 231 devices, each minute).
 """
 
 from __future__ import annotations
