@@ -15,10 +15,13 @@ itself, and goes before the operations not started yet (it may hold locks they n
 No deadlock: a thread waits for a slot only on leaving a wait, when it may hold locks: a claim's or a
 device's (`agent.claims.locks`, the gate of a shared one's byte among them), the binding writes'
 (`agent.host.vfio.bind`, `agent.host.mdev.sysfs`). Every way of taking such a lock, on the way in and
-on the way out alike, lets the taker's slot go while it waits (`take`, `waiting`; a claim's or device's
-lock after a short patience, `agent.claims.locks.LOCK_PATIENCE`), so the threads that hold slots never
-wait for ever holding theirs; and an operation given a slot gets a thread to run in (the claims' pool
-makes one for each, up to `agent.engine.prepare.CLAIM_THREADS`).
+on the way out alike, lets the taker's slot go while it waits (`take`, `waiting`; most after a short
+patience, `PATIENCE`), so the threads that hold slots never wait for ever holding theirs; and an
+operation given a slot gets a thread to run in (the claims' pool makes one for each, up to
+`agent.engine.prepare.CLAIM_THREADS`).
+
+Most waits are over within milliseconds (another claim's operation on a device, a sysfs write, a
+binding's effect): a thread waits `PATIENCE` holding its slot, and lets it go only if the wait goes on.
 
 A thread not run by `Slots.holding` (start-up recovery, garbage collection, the tests' own calls) holds no
 slot; `waiting` is then nothing.
@@ -30,12 +33,17 @@ import asyncio
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar
 
 _T = TypeVar("_T")
 
 _local = threading.local()  # .slots: the Slots whose slot this thread holds, or None
+# Seconds a thread waits holding its slot before it lets it go: most waits (another claim's operation on a
+# device, a sysfs write, a binding's effect) are over sooner, and a slot let go and taken back is two
+# hand-overs more.
+PATIENCE = 0.05
 
 
 class Slots:
@@ -154,8 +162,32 @@ class _Lock(Protocol):
 
 
 def take(lock: _Lock, timeout: float = -1) -> bool:
-    """`lock.acquire(timeout=timeout)`, letting this thread's slot go if it has to wait."""
-    if lock.acquire(blocking=False):
+    """`lock.acquire(timeout=timeout)`, letting this thread's slot go if it waits longer than PATIENCE."""
+    first = PATIENCE if timeout < 0 else min(PATIENCE, timeout)
+    if lock.acquire(timeout=first):
         return True
     with waiting():
-        return lock.acquire(timeout=timeout)
+        return lock.acquire(timeout=-1 if timeout < 0 else max(0.0, timeout - first))
+
+
+def wait_until(done: Callable[[], bool], deadline: float, poll: float) -> bool:
+    """Ask `done` every `poll` seconds until it says so (True) or `deadline` (time.monotonic()) passes
+    (False); after PATIENCE seconds, without this thread's slot."""
+    patient_until = time.monotonic() + PATIENCE
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if now >= patient_until:
+            with waiting():
+                return _until(done, deadline, poll)
+        time.sleep(poll)
+    return True
+
+
+def _until(done: Callable[[], bool], deadline: float, poll: float) -> bool:
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+    return True

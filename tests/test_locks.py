@@ -94,7 +94,7 @@ def test_a_device_held_shared_by_two_claims_stays_held_for_other_agents_until_th
 
 def test_one_that_gives_up_waiting_to_hold_a_lock_alone_lets_the_sharers_behind_it_in() -> None:
     # (A thread waits for a claim's or device's lock holding its claim slot only so long:
-    # agent/claims/locks.py, LOCK_PATIENCE.) A sharer that arrived while one waited to hold the lock alone
+    # agent/workslots.py, PATIENCE.) A sharer that arrived while one waited to hold the lock alone
     # waits behind it, and goes in once that one gives up.
     lock = SharedLock()
     assert lock.acquire(True)

@@ -34,9 +34,7 @@ from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from agent.sharedlock import SharedLock
-from agent.workslots import take, waiting
-
-LOCK_PATIENCE = 0.05  # seconds a thread waits for a lock holding its claim slot (`agent.workslots`)
+from agent.workslots import PATIENCE, take, waiting
 
 
 class LockTable:
@@ -71,7 +69,7 @@ class LockTable:
                 # Another claim's operation on the same claim or device is usually over within
                 # milliseconds: waited for holding the slot. One that takes longer (a slow device's) is
                 # waited for without it.
-                if not lock.acquire(mode, timeout=LOCK_PATIENCE):
+                if not lock.acquire(mode, timeout=PATIENCE):
                     with waiting():
                         lock.acquire(mode)
                 acquired.append((lock, mode))

@@ -34,7 +34,7 @@ from pathlib import Path
 from agent.host.mdev.errors import MdevStepFailed
 from agent.host.vfio.pci import virtual_functions
 from agent.model import DeviceNode
-from agent.workslots import take, waiting
+from agent.workslots import take, wait_until
 
 DEFAULT_TIMEOUT = 10.0  # seconds for a create or remove to show
 _POLL = 0.01
@@ -238,10 +238,7 @@ def wait_created(sysfs: Path, parent: str, type_id: str, uuid: str, *, timeout: 
     """Wait (bounded) while a write of `uuid` to the type's `create` is pending, so that a removal after
     a crash does not miss a device that appears a moment later."""
     deadline = time.monotonic() + timeout
-    with waiting():
-        while pending_create(sysfs, parent, type_id, uuid) and not exists(sysfs, uuid) \
-                and time.monotonic() < deadline:
-            time.sleep(_POLL)
+    wait_until(lambda: not pending_create(sysfs, parent, type_id, uuid) or exists(sysfs, uuid), deadline, _POLL)
 
 
 def vfio_nodes(sysfs: Path, dev_root: Path, uuid: str) -> tuple[DeviceNode, ...]:
@@ -269,10 +266,5 @@ def _availability(sysfs: Path, parent: str, type_id: str) -> str:
 
 def _wait(done: Callable[[], bool], timeout: float, why: Callable[[], str]) -> None:
     deadline = time.monotonic() + timeout
-    if done():
-        return
-    with waiting():
-        while not done():
-            if time.monotonic() >= deadline:
-                raise MdevStepFailed(why())
-            time.sleep(_POLL)
+    if not wait_until(done, deadline, _POLL):
+        raise MdevStepFailed(why())

@@ -39,7 +39,7 @@ from pathlib import Path
 from agent.host.vfio import writes
 from agent.host.vfio.errors import StepFailed, VfioError
 from agent.host.vfio.pci import VFIO_PCI, current_driver, current_override, function_dir, passthrough_set
-from agent.workslots import take, waiting
+from agent.workslots import take, wait_until
 
 DEFAULT_TIMEOUT = 10.0  # seconds for a bind or unbind to show; a GPU's driver may take seconds to let go
 _POLL = 0.01
@@ -250,11 +250,7 @@ def _write(sysfs: Path, step: BindStep, path: Path, text: str, deadline: float,
 def _wait_consumed(path: Path, deadline: float) -> None:
     """Until the command file reads empty again (or cannot be read, as on a real host's write-only file):
     the simulated kernel has taken the write, and the next writer's O_TRUNC cannot wipe it."""
-    with waiting():
-        while _read(path) not in (None, ""):
-            if time.monotonic() >= deadline:
-                return  # the effect's wait reports it
-            time.sleep(_POLL)
+    wait_until(lambda: _read(path) in (None, ""), deadline, _POLL)  # (not taken in time: the effect's wait says so)
 
 
 def _read(path: Path) -> str | None:
@@ -274,10 +270,5 @@ def _wait(sysfs: Path, step: BindStep, timeout: float, deadline: float, done: Ca
 
 def _wait_until(step: BindStep, timeout: float, deadline: float, done: Callable[[], bool],
                 state: Callable[[], str]) -> None:
-    if done():
-        return
-    with waiting():
-        while not done():
-            if time.monotonic() >= deadline:
-                raise StepFailed(f"{step}: not done after {timeout:g}s: {state()}")
-            time.sleep(_POLL)
+    if not wait_until(done, deadline, _POLL):
+        raise StepFailed(f"{step}: not done after {timeout:g}s: {state()}")
