@@ -376,7 +376,7 @@ def first_nic() -> str | None:
         devices = source.scan().devices
     finally:
         source.close()
-    return min((d.name for d in devices), default=None)
+    return min((d.name for d in devices if not d.attributes.get("uplink")), default=None)  # (never moved)
 
 
 def _terminated(signum: int, frame: object) -> None:
