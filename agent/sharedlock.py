@@ -22,20 +22,35 @@ class SharedLock:
         self._alone = False  # held by one holder alone
         self._waiting_alone = 0
 
-    def acquire(self, shared: bool) -> None:
+    def acquire(self, shared: bool, timeout: float | None = None) -> bool:
+        """Wait for it, at most `timeout` seconds (None: as long as it takes); whether it was taken."""
         with self._cond:
             if shared:
-                while self._alone or self._waiting_alone:
-                    self._cond.wait()
+                if not self._cond.wait_for(lambda: not (self._alone or self._waiting_alone), timeout):
+                    return False
                 self._shared += 1
-                return
+                return True
             self._waiting_alone += 1
+            taken = False
             try:
-                while self._alone or self._shared:
-                    self._cond.wait()
+                taken = self._cond.wait_for(lambda: not (self._alone or self._shared), timeout)
             finally:
                 self._waiting_alone -= 1
-            self._alone = True
+                if not taken:
+                    self._cond.notify_all()  # the sharers it held back may go now
+            self._alone = taken
+            return taken
+
+    def try_acquire(self, shared: bool) -> bool:
+        """Take it if that needs no wait; whether it was taken."""
+        with self._cond:
+            if self._alone or (self._waiting_alone if shared else self._shared):
+                return False
+            if shared:
+                self._shared += 1
+            else:
+                self._alone = True
+            return True
 
     def release(self, shared: bool) -> None:
         with self._cond:

@@ -35,9 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import fleet  # noqa: E402
+import idle  # noqa: E402
 import measure  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
+import slowdevice  # noqa: E402
 import soak  # noqa: E402
 from drivers import Claims, Driver, OurAgent, PeerDriver, share_id_of, uid_of  # noqa: E402
 from measure import Side  # noqa: E402
@@ -66,6 +68,7 @@ class Options:
     metadata: bool
     fleet: tuple[int, int, float]  # agents (0: none), prepared claims each, idle seconds
     soak_cycles: int = soak.CYCLES
+    idle_seconds: float = 300.0
 
 
 class Run:
@@ -338,9 +341,12 @@ async def run_all(opts: Options) -> dict[str, Any]:
         await on_disk(work, opts, r)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    agents, claims, idle = opts.fleet
+    step("a slow device beside 102 claims; then the agent idle")
+    await slowdevice.measure(r, opts.fill_rounds)
+    await idle.measure(r, opts.idle_seconds)
+    agents, claims, quiet = opts.fleet
     if agents:
-        fleet.run(agents, claims, idle, r, progress=step)
+        await asyncio.to_thread(fleet.run, agents, claims, quiet, r, step)  # its own event loops, for the prepares
     if opts.soak_cycles:
         r.update(await soak.run(opts.soak_cycles, progress=step))
     fill_to = opts.fill
@@ -411,6 +417,8 @@ def main() -> int:
     p.add_argument("--fleet-idle-seconds", type=float, default=600.0,
                    help="the fleet's idle window, one default garbage collection period (default: 600)")
     p.add_argument("--soak-cycles", type=soak.cycles, default=soak.CYCLES, help=soak.CYCLES_HELP)
+    p.add_argument("--idle-seconds", type=float, default=300.0,
+                   help="how long the idle agent's CPU and wake-ups are measured (default: 300)")
     p.add_argument("--out", type=Path, default=ROOT / ".bench" / "results.json")
     args = p.parse_args()
     if not 10 < args.mid < args.fill:
@@ -424,7 +432,7 @@ def main() -> int:
     print("\n".join(log))
     opts = Options(args.samples, args.rounds, args.node_fill_rounds, args.starts, args.mid, args.fill, binaries,
                    args.peer_metadata == "on", (args.fleet_agents, args.fleet_claims, args.fleet_idle_seconds),
-                   args.soak_cycles)
+                   args.soak_cycles, args.idle_seconds)
     if binaries is not None:
         print("claims: the agent reads the offline directory's YAML files; the peer reads the same claims "
               "with client-go (GET, JSON over HTTP on loopback) from the bench's claims API")

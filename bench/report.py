@@ -20,6 +20,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "first_prepare_after_start_with_10000_claims_ms": ("<=", 100),
     "p50_10000_vs_10_claims": ("<=", 1.1),
     "cli_info_s": ("<=", 0.3),
+    "idle_cpu_percent": ("<=", 1.0),
+    "slow_device_p99_ratio": ("<=", 2.0),
     "rss_growth_100k_cycles_mib": ("<=", 5),
     "fd_growth_100k_cycles": ("<=", 0),
     # What the fleet costs the API server, per agent (bench/fleet.py).

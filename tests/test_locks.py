@@ -14,6 +14,7 @@ from pathlib import Path
 
 from agent.claims.locks import CLAIMS_LOCK_FILE, DEVICES_LOCK_FILE, KeyFileLock, LockTable
 from agent.claims.writers import WRITERS_LOCK_FILE, RecordWriters
+from agent.sharedlock import SharedLock
 
 WAIT = 30.0
 
@@ -124,3 +125,30 @@ def test_an_engine_dropped_without_close_lets_go_of_its_lock_files(tmp_path: Pat
     assert descriptors_on(*paths) == 1 and not later.others()[0]
     later.close()
     assert descriptors_on(*paths) == 0
+
+
+def test_one_that_gives_up_waiting_to_hold_a_lock_alone_lets_the_sharers_behind_it_in() -> None:
+    # (A thread waits for a claim's or device's lock holding its claim slot only so long:
+    # agent/workslots.py, PATIENCE.) A sharer that arrived while one waited to hold the lock alone
+    # waits behind it, and goes in once that one gives up.
+    lock = SharedLock()
+    assert lock.acquire(True)
+    gave_up = threading.Event()
+
+    def alone() -> None:
+        assert not lock.acquire(False, timeout=0.2)  # held shared throughout
+        gave_up.set()
+
+    waiter = in_thread(alone)
+    for _ in range(int(WAIT / 0.01)):  # until it waits (or has given up already)
+        if lock._waiting_alone or gave_up.is_set():
+            break
+        threading.Event().wait(0.01)
+    sharer_in = threading.Event()
+    sharer = in_thread(lambda: (lock.acquire(True), sharer_in.set()))
+    assert sharer_in.wait(WAIT) and gave_up.is_set()
+    waiter.join(WAIT)
+    sharer.join(WAIT)
+    lock.release(True)
+    lock.release(True)
+    assert lock.acquire(False, timeout=0)  # free again, for one alone

@@ -559,6 +559,33 @@ async def test_directory_unchanged_is_not_rewritten(tmp_path: Path, settings: Se
     assert {n for n in changed if changed[n] != before[n]} == {f"{DRIVER}-{NODE}-0.yaml"}
 
 
+async def test_directory_check_of_an_unchanged_pool_reads_no_file(tmp_path: Path, settings: Settings,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The publish loop checks the files every minute: with the devices and the files as the last sync
+    # left them, nothing is built or parsed. Anything else (a file gone or rewritten by someone else, a
+    # device changed, even in place) is seen and put right as before.
+    from agent.publish import directory
+
+    pub = DirectoryPublisher(tmp_path, settings, NodeInfo(NODE, NODE_UID))
+    devices = nics(300)
+    await pub.sync(devices)
+    parsed: list[bytes] = []
+    parse = directory._parse
+    monkeypatch.setattr(directory, "_parse", lambda data: parsed.append(data) or parse(data))
+    result = await pub.sync(nics(300))
+    assert not result.changed and result.generation == 1 and result.devices == 300 and result.slices == 3
+    assert parsed == []
+    path = tmp_path / "resourceslices" / f"{DRIVER}-{NODE}-1.yaml"
+    path.unlink()
+    assert (await pub.sync(devices)).created == [f"{DRIVER}-{NODE}-1"] and len(parsed) == 2
+    path.write_text(path.read_text().replace("ens1", "ens01"))  # rewritten in place
+    assert (await pub.sync(devices)).updated == [f"{DRIVER}-{NODE}-1"]
+    devices[0].attributes["mtu"] = 9000
+    assert (await pub.sync(devices)).updated == [f"{DRIVER}-{NODE}-0"]
+    parsed.clear()
+    assert not (await pub.sync(devices)).changed and parsed == []
+
+
 async def test_directory_stale_files_are_removed(tmp_path: Path, settings: Settings) -> None:
     pub = DirectoryPublisher(tmp_path, settings, NodeInfo(NODE))
     await pub.sync(nics(300))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ from agent.config import NvmlMode, Settings
 from agent.inventory.gpus import GpuSource
 from agent.sim.hardware import materialize
 from agent.sim.kernel import mdev as simmdev
-from agent.sim.kernel.emulator import KernelEmulator, WriteKind
+from agent.sim.kernel.emulator import KernelEmulator, WriteKind, unbind_hold_from_env
 from agent.sim.kernel.tree import SimTree
 from agent.sim.nvmlopen import open_sim_nvml
 from agent.sim.profiles import ProfileError, SimProfile, load_profile, parse_profile
@@ -275,6 +276,38 @@ def test_slow_and_failing_writes(machine: tuple[SimTree, KernelEmulator]) -> Non
     (tree.devices / GPU / "driver_override").write_text("vfio-pci")
     wait_for(lambda: len(kernel.refusals) == 2)
     wait_for(lambda: text(tree.devices / GPU / "driver_override") == "(null)\n")
+
+
+def test_a_slow_driver_remove_holds_that_function_alone(machine: tuple[SimTree, KernelEmulator]) -> None:
+    tree, kernel = machine
+    let_go, holding = threading.Event(), threading.Event()
+
+    def hold(bdf: str) -> None:
+        if bdf == GPU:
+            holding.set()
+            assert let_go.wait(30)
+
+    kernel.unbind_hold = hold
+    (tree.drivers / "nvidia" / "unbind").write_text(GPU)
+    assert holding.wait(30)
+    # Other functions' unbinds and binds go on meanwhile; the held one shows only once its driver let go.
+    (tree.drivers / "nvidia" / "unbind").write_text(AUDIO_GPU)
+    wait_for(lambda: tree.driver_of(AUDIO_GPU) is None)
+    (tree.drivers / "nvidia" / "bind").write_text(AUDIO_GPU)
+    wait_for(lambda: tree.driver_of(AUDIO_GPU) == "nvidia")
+    (tree.drivers / "nvidia" / "unbind").write_text(GPU)  # written again while held: one remove, as before
+    wait_for(lambda: text(tree.drivers / "nvidia" / "unbind") == "")  # taken
+    assert tree.driver_of(GPU) == "nvidia" and kernel.refusals == []
+    let_go.set()
+    wait_for(lambda: tree.driver_of(GPU) is None)
+    assert f"unbind nvidia {GPU}: the driver's remove is slow" in text(tree.kernel_log)
+
+
+def test_the_unbind_delay_comes_from_the_environment() -> None:
+    assert unbind_hold_from_env({}) is None and unbind_hold_from_env({"DRA_SIM_UNBIND_DELAY": "0"}) is None
+    assert unbind_hold_from_env({"DRA_SIM_UNBIND_DELAY": "2"}) is not None
+    with pytest.raises(ValueError, match="DRA_SIM_UNBIND_DELAY"):
+        unbind_hold_from_env({"DRA_SIM_UNBIND_DELAY": "two"})
 
 
 def test_an_nvidia_unbind_waits_while_the_gpu_is_open(machine: tuple[SimTree, KernelEmulator]) -> None:

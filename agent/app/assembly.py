@@ -78,13 +78,13 @@ def start_sim_kernel(settings: Settings) -> KernelEmulator | None:
     if settings.nvml.kind != "sim":
         return None
     from agent.host.vfio.host import VfioHost
-    from agent.sim.kernel.emulator import KernelEmulator
+    from agent.sim.kernel.emulator import KernelEmulator, unbind_hold_from_env
     from agent.sim.profiles import load_profile
 
     root = VfioHost.of(settings).sysfs.parent
     if not (root / "sys" / "bus" / "pci" / "drivers").is_dir():
         return None  # no simulated machine was written (GPU discovery is not among the sources)
-    kernel = KernelEmulator(load_profile(settings.nvml.profile), root)
+    kernel = KernelEmulator(load_profile(settings.nvml.profile), root, unbind_hold=unbind_hold_from_env())
     kernel.start()
     return kernel
 

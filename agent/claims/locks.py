@@ -16,11 +16,15 @@ repair or cleanup) runs in one worker thread and holds, in this order:
    among themselves (each claim's files are its own), only whoever takes the device alone.
 A claim lock is never requested while a device lock is held, and device locks
 are always taken in one global order, so there is no deadlock, within an agent or between two.
+A thread that has to wait for a lock lets its slot go meanwhile (`agent.workslots`): the claims
+behind a slow one's device, or the kubelet's second call for a claim still being prepared, hold no
+slot the other claims need.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -31,6 +35,7 @@ from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from agent.sharedlock import SharedLock
+from agent.workslots import PATIENCE, take, waiting
 
 
 class LockTable:
@@ -62,7 +67,12 @@ class LockTable:
         acquired: list[tuple[SharedLock, bool]] = []
         try:
             for lock, mode in locks:
-                lock.acquire(mode)
+                # Another claim's operation on the same claim or device is usually over within
+                # milliseconds: waited for holding the slot. One that takes longer (a slow device's) is
+                # waited for without it.
+                if not lock.acquire(mode, timeout=PATIENCE):
+                    with waiting():
+                        lock.acquire(mode)
                 acquired.append((lock, mode))
             yield
         finally:
@@ -126,7 +136,7 @@ class KeyFileLock:
         fd = self._descriptor()
         start = self.offset(key)
         if not shared:
-            self._set(fd, fcntl.F_WRLCK, start, wait=True)
+            self._take(fd, fcntl.F_WRLCK, start)
             try:
                 yield
             finally:
@@ -134,22 +144,39 @@ class KeyFileLock:
             return
         with self._open_guard:
             gate, _ = self._shared.setdefault(key, (threading.Lock(), [0]))
-        with gate:  # the count and the lock move together
+        take(gate)  # the count and the lock move together
+        try:
             count = self._shared[key][1]
             if count[0] == 0:
-                self._set(fd, fcntl.F_RDLCK, start, wait=True)
+                self._take(fd, fcntl.F_RDLCK, start)
             count[0] += 1
+        finally:
+            gate.release()
         try:
             yield
         finally:
-            with gate:
+            take(gate)  # (its holder may be taking a slot back: `agent.workslots`)
+            try:
                 count[0] -= 1
                 if count[0] == 0:
                     self._set(fd, fcntl.F_UNLCK, start, wait=False)
+            finally:
+                gate.release()
 
     @staticmethod
     def _set(fd: int, kind: int, start: int, *, wait: bool) -> None:
         set_byte_lock(fd, kind, start, wait=wait)
+
+    def _take(self, fd: int, kind: int, start: int) -> None:
+        """The byte's lock; a wait for another agent's holder lets this thread's slot go."""
+        try:
+            self._set(fd, kind, start, wait=False)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        with waiting():
+            self._set(fd, kind, start, wait=True)
 
     @contextlib.contextmanager
     def hold_all(self, keys: Iterable[str], shared: Collection[str] = ()) -> Iterator[None]:

@@ -27,6 +27,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, Protocol, TypeVar
 
@@ -57,16 +58,24 @@ from agent.inventory import Inventory
 from agent.metrics import Metrics
 from agent.names import ClaimRef, InvalidName, check_claim_ref
 from agent.ownchanges import OwnChanges
+from agent.workslots import Slots
 
 log = logging.getLogger(__name__)
 
-# Claim operations running in worker threads at once, at most; more wait their turn on the loop. A
-# prepare is mostly Python (holding the GIL) between a few system calls and an fsync: with every call
-# of a burst in a thread of its own (16 in flight, 16 threads) the threads spend their time handing the
-# GIL to each other (the kernel time per claim quadruples, docs/benchmarks.md), where a few threads
-# already overlap one claim's fsync with another's planning. Enough that a slow host change (a bind
-# waiting for a device to be let go, a MIG instance being made) leaves the other claims threads to run.
+# Claim operations running Python at once, at most (`agent.workslots`); more wait their turn. A prepare
+# is mostly Python (holding the GIL) between a few system calls and an fsync: with every call of a burst
+# running in a thread of its own (16 in flight, 16 threads) the threads spend their time handing the GIL
+# to each other (the kernel time per claim quadruples, docs/benchmarks.md), where a few threads already
+# overlap one claim's fsync with another's planning. An operation that waits on the host (a driver
+# letting go of a device) or for another claim's lock holds no slot meanwhile: a slow device never
+# delays the other claims.
 CLAIM_WORKERS = 4
+# Threads of claim operations, at most. A thread is made only for an operation given a slot, and stays
+# its thread while it waits (on the host, for a lock, for a slot back): so there are about as many as run
+# and wait at once, and this bound, far above that, only keeps a flood of calls from making a thread each.
+# Their own pool, so that claims waiting on slow devices never take the threads the rest of the agent
+# runs its blocking work in (the loop's default executor), nor the other way round.
+CLAIM_THREADS = 256
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -150,7 +159,9 @@ class PrepareEngine:
         # Records listed at start-up but not yet checked (`agent.engine.recovery`): any operation on one of
         # these claims runs the check first, under the claim's lock, and never serves the record unchecked.
         self.deferred = DeferredChecks()
-        self._workers: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None  # (`_in_worker`)
+        self.slots = Slots(CLAIM_WORKERS)
+        # Made at the first operation: an engine that never runs one (a CLI's) starts no thread.
+        self._threads: ThreadPoolExecutor | None = None
 
     @property
     def quarantined(self) -> list[str]:
@@ -171,13 +182,25 @@ class PrepareEngine:
     # -- kubelet entry points -------------------------------------------------------------------
 
     async def _in_worker(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        """`fn` (a blocking claim operation) in a worker thread, at most CLAIM_WORKERS at once. (A call
-        cancelled while its thread runs lets another one start: the thread pool bounds them still.)"""
-        loop = asyncio.get_running_loop()
-        if self._workers is None or self._workers[0] is not loop:  # (tests drive one engine from several loops)
-            self._workers = (loop, asyncio.Semaphore(CLAIM_WORKERS))
-        async with self._workers[1]:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+        """`fn` (a blocking claim operation) in a thread of the claims' pool once it has one of the
+        CLAIM_WORKERS slots, which it lets go while it waits (`agent.workslots`). A call cancelled before its
+        thread began drops it; one cancelled later leaves the thread to finish, holding its slot until then."""
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(CLAIM_THREADS, thread_name_prefix="dra-claim")
+        slots = self.slots
+        await slots.acquire()
+        try:
+            work = self._threads.submit(slots.holding, functools.partial(fn, *args, **kwargs))
+        except BaseException:
+            slots.release()
+            raise
+        try:
+            return await asyncio.wrap_future(work)
+        finally:
+            if work.done():  # (also when cancelled before it began)
+                slots.release()
+            else:  # the call was cancelled: the slot is given back once the thread is done
+                work.add_done_callback(lambda _: slots.release())
 
     async def prepare(self, refs: Iterable[ClaimRef]) -> dict[str, PrepareResult]:
         unique = {ref.uid: ref for ref in refs}
@@ -383,6 +406,9 @@ class PrepareEngine:
         self.writers.close()
         self.device_lock.close()
         self.claim_lock.close()
+        threads, self._threads = self._threads, None
+        if threads is not None:
+            threads.shutdown(wait=False)  # each thread ends once its operation has
 
     def root_of(self, path: str) -> Root:
         return self.files.root_of(path)

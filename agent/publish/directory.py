@@ -4,17 +4,24 @@
 `ApiPublisher` would POST. Like it, it reads what is there, lets `slices.plan_pool` decide, and
 carries the plan out: writes first (atomically), deletes after; an unchanged inventory writes
 nothing. Temp files a crash left behind are removed.
+
+The publish loop checks the files every minute or so (`PublishLoop.verify_interval`): when the devices
+are those of the last sync and no file of the pool has changed since it (the same names, each with the
+same inode, size, mtime and ctime), that check is a listing and a stat per file, not the pool rebuilt and
+every file parsed again (0.2 to 0.4 s of CPU with the simulated dgx-h100's 231 devices, each minute).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hashlib
 import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +56,18 @@ def file_stem(driver: str, node: str) -> str:
     return f"{stem[: MAX_FILE_NAME - 40]}-{digest}"
 
 
+FileStamps = dict[str, tuple[int, int, int, int]]  # name -> inode, size, mtime, ctime
+
+
+@dataclass(frozen=True)
+class _Synced:
+    """What the last sync left: its devices, the pool's files as it left them, its result."""
+
+    devices: list[Device]
+    stamps: FileStamps
+    result: SyncResult
+
+
 class DirectoryPublisher:
     """Slices as YAML files, `DIR/resourceslices/<driver>-<node>-<i>.yaml`: exactly what would be POSTed."""
 
@@ -61,8 +80,14 @@ class DirectoryPublisher:
         self.stem = file_stem(self.driver, node.name)
         self._pattern = re.compile(re.escape(self.stem) + r"-(0|[1-9][0-9]*)\.yaml")
         self._reported: set[str] = set()
+        self._synced: _Synced | None = None
 
     async def sync(self, devices: Sequence[Device]) -> SyncResult:
+        last = self._synced
+        if last is not None and list(devices) == last.devices and await asyncio.to_thread(self.stamps) == last.stamps:
+            log.debug("slices in %s unchanged since generation %d", self.dir, last.result.generation)
+            return replace(last.result, created=[], updated=[], deleted=[], dropped=list(last.result.dropped))
+        self._synced = None
         chunks = slices.chunk_devices(devices, reported=self._reported, compatibility_groups=self.groups,
                                       layout=dropped.layout(self.settings, self.node))
         if chunks.errors:  # what the API server would refuse is not written either: the files stay
@@ -71,13 +96,15 @@ class DirectoryPublisher:
             log.error(msg)
             raise PublishError(msg)
         try:
-            result = await asyncio.to_thread(self._sync_blocking, chunks.slices)
+            result, stamps = await asyncio.to_thread(self._sync_blocking, chunks.slices)
         except OSError as exc:
             msg = f"writing ResourceSlices to {self.dir} failed: {exc}"
             log.error(msg)
             raise PublishError(msg) from exc
         result.devices, result.dropped = chunks.device_count, chunks.dropped
         log_result(str(self.dir), result)
+        # A copy: the devices compared at the next check are those written now, whatever becomes of these.
+        self._synced = _Synced(copy.deepcopy(list(devices)), stamps, replace(result, dropped=list(result.dropped)))
         return result
 
     async def close(self) -> None:
@@ -85,6 +112,22 @@ class DirectoryPublisher:
 
     def path(self, index: int) -> Path:
         return self.dir / f"{self.stem}-{index}.yaml"
+
+    def stamps(self) -> FileStamps:
+        """The identity of every file of this pool (its temp files too): a write by anyone changes the
+        size or the times (to the clock tick: the same size rewritten within a tick of the last sync
+        would go unseen), an atomic replacement the inode."""
+        found: FileStamps = {}
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return found
+        for name in names:
+            if self._pattern.fullmatch(name) or name.startswith(f".{self.stem}-"):
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.lstat(self.dir / name)
+                    found[name] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return found
 
     def existing(self) -> dict[str, bytes]:
         """This pool's files by stem, with their bytes."""
@@ -101,7 +144,7 @@ class DirectoryPublisher:
                 unlink_quiet(self.dir / name)  # left by a crash mid-write
         return found
 
-    def _sync_blocking(self, chunks: list[slices.Chunk]) -> SyncResult:
+    def _sync_blocking(self, chunks: list[slices.Chunk]) -> tuple[SyncResult, FileStamps]:
         makedirs(self.dir)
         raw = self.existing()
         existing = {key: _parse(data) for key, data in raw.items()}
@@ -119,7 +162,7 @@ class DirectoryPublisher:
         for key in plan.deletes:
             if unlink_quiet(self.dir / f"{key}.yaml"):
                 result.deleted.append(key)
-        return result
+        return result, self.stamps()
 
 
 def _parse(data: bytes) -> dict[str, Any]:

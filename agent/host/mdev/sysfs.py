@@ -20,19 +20,21 @@ vendor-specific VFIO interface of later vGPU managers (`<VF>/nvidia/creatable_vg
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.host.mdev.errors import MdevStepFailed
 from agent.host.vfio.pci import virtual_functions
 from agent.model import DeviceNode
+from agent.workslots import take, wait_until
 
 DEFAULT_TIMEOUT = 10.0  # seconds for a create or remove to show
 _POLL = 0.01
@@ -42,8 +44,18 @@ UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]
 _FRAMEBUFFER = re.compile(r"\bframebuffer=(\d+)M\b")
 _MAX_INSTANCE = re.compile(r"\bmax_instance=(\d+)\b")
 # One create or remove at a time in this process: a type's `create` file is shared by every claim
-# asking for that type, and the simulated kernel reads a write back from the file.
+# asking for that type, and the simulated kernel reads a write back from the file. Held while the
+# effect is waited for, which lets the claim's slot go (`agent.workslots`): so must a wait for the lock.
 _WRITES = threading.Lock()
+
+
+@contextlib.contextmanager
+def _writing() -> Iterator[None]:
+    take(_WRITES)
+    try:
+        yield
+    finally:
+        _WRITES.release()
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +192,7 @@ def mdevs_of(sysfs: Path, parent: str) -> dict[str, str]:
 def create(sysfs: Path, parent: str, type_id: str, uuid: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Make mediated device `uuid` of `type_id` on `parent`; nothing is written when it exists already
     (as that type, on that parent). MdevStepFailed when the kernel refuses or it does not show."""
-    with _WRITES:
+    with _writing():
         if _is(sysfs, uuid, parent, type_id):
             return
         if exists(sysfs, uuid):
@@ -201,7 +213,7 @@ def create(sysfs: Path, parent: str, type_id: str, uuid: str, *, timeout: float 
 def remove(sysfs: Path, uuid: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Remove mediated device `uuid`; nothing to do when it is not there. MdevStepFailed when it stays
     (a VM still holds it open: the kernel refuses with EBUSY)."""
-    with _WRITES:
+    with _writing():
         if not exists(sysfs, uuid):
             return
         try:
@@ -226,9 +238,7 @@ def wait_created(sysfs: Path, parent: str, type_id: str, uuid: str, *, timeout: 
     """Wait (bounded) while a write of `uuid` to the type's `create` is pending, so that a removal after
     a crash does not miss a device that appears a moment later."""
     deadline = time.monotonic() + timeout
-    while pending_create(sysfs, parent, type_id, uuid) and not exists(sysfs, uuid) \
-            and time.monotonic() < deadline:
-        time.sleep(_POLL)
+    wait_until(lambda: not pending_create(sysfs, parent, type_id, uuid) or exists(sysfs, uuid), deadline, _POLL)
 
 
 def vfio_nodes(sysfs: Path, dev_root: Path, uuid: str) -> tuple[DeviceNode, ...]:
@@ -256,7 +266,5 @@ def _availability(sysfs: Path, parent: str, type_id: str) -> str:
 
 def _wait(done: Callable[[], bool], timeout: float, why: Callable[[], str]) -> None:
     deadline = time.monotonic() + timeout
-    while not done():
-        if time.monotonic() >= deadline:
-            raise MdevStepFailed(why())
-        time.sleep(_POLL)
+    if not wait_until(done, deadline, _POLL):
+        raise MdevStepFailed(why())

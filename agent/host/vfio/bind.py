@@ -21,7 +21,8 @@ kernel acts a moment later (a refusal leaves the state unchanged). Reading the `
 until it shows the target, within `timeout`, covers both. The write itself is bounded by the same
 `timeout` (`agent.host.vfio.writes`): an NVIDIA unbind waits in the driver while the GPU is open, and
 must not hold this process (or its other claims' steps) with it. The calls block: run them off the
-event loop (asyncio.to_thread).
+event loop (asyncio.to_thread). While a step waits (for the driver, for another step's write), its
+thread lets its claim slot go (`agent.workslots`): the claims of other devices go on.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from agent.host.vfio import writes
 from agent.host.vfio.errors import StepFailed, VfioError
 from agent.host.vfio.pci import VFIO_PCI, current_driver, current_override, function_dir, passthrough_set
+from agent.workslots import take, wait_until
 
 DEFAULT_TIMEOUT = 10.0  # seconds for a bind or unbind to show; a GPU's driver may take seconds to let go
 _POLL = 0.01
@@ -220,7 +222,7 @@ def apply_step(sysfs: Path, step: BindStep, *, timeout: float = DEFAULT_TIMEOUT)
 def _writing(step: BindStep, deadline: float) -> Iterator[None]:
     """`_WRITES`, waited for until `deadline`: its holder holds it only while a write is in flight (bounded
     too), so a step behind a stuck one fails in time rather than waiting with it."""
-    if not _WRITES.acquire(timeout=max(0.0, deadline - time.monotonic())):
+    if not take(_WRITES, timeout=max(0.0, deadline - time.monotonic())):
         raise StepFailed(f"{step}: another binding write did not finish in time; retried later")
     try:
         yield
@@ -248,10 +250,7 @@ def _write(sysfs: Path, step: BindStep, path: Path, text: str, deadline: float,
 def _wait_consumed(path: Path, deadline: float) -> None:
     """Until the command file reads empty again (or cannot be read, as on a real host's write-only file):
     the simulated kernel has taken the write, and the next writer's O_TRUNC cannot wipe it."""
-    while _read(path) not in (None, ""):
-        if time.monotonic() >= deadline:
-            return  # the effect's wait reports it
-        time.sleep(_POLL)
+    wait_until(lambda: _read(path) in (None, ""), deadline, _POLL)  # (not taken in time: the effect's wait says so)
 
 
 def _read(path: Path) -> str | None:
@@ -271,7 +270,5 @@ def _wait(sysfs: Path, step: BindStep, timeout: float, deadline: float, done: Ca
 
 def _wait_until(step: BindStep, timeout: float, deadline: float, done: Callable[[], bool],
                 state: Callable[[], str]) -> None:
-    while not done():
-        if time.monotonic() >= deadline:
-            raise StepFailed(f"{step}: not done after {timeout:g}s: {state()}")
-        time.sleep(_POLL)
+    if not wait_until(done, deadline, _POLL):
+        raise StepFailed(f"{step}: not done after {timeout:g}s: {state()}")

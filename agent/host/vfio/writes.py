@@ -12,7 +12,8 @@ and its effect shows, the function's state is read afresh; while it does not, th
 `WritePending`, so nothing is stacked on a write the kernel may still carry out. An unbind whose write
 returned but whose effect has not shown by the deadline (the simulated kernel applies writes a moment
 after them, and holds an NVIDIA unbind until the GPU is closed) is outstanding the same way until it
-shows. Blocking; the table is process-wide.
+shows. Blocking; the table is process-wide. A thread waiting for a write lets its claim slot go
+meanwhile (`agent.workslots`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.host.vfio.errors import WritePending
+from agent.workslots import PATIENCE, wait_until, waiting
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,9 @@ def write(what: str, path: Path, text: str, shown: Callable[[], bool], deadline:
                          w.error.strerror if w.error is not None else "accepted")
 
     threading.Thread(target=run, name=f"sysfs write: {what}", daemon=True).start()
-    w.done.wait(max(0.0, deadline - time.monotonic()))
+    if not w.done.wait(min(PATIENCE, max(0.0, deadline - time.monotonic()))):
+        with waiting():
+            w.done.wait(max(0.0, deadline - time.monotonic()))
     return w
 
 
@@ -94,13 +98,11 @@ def wait_outstanding(sysfs: Path, bdf: str, deadline: float) -> None:
     w = outstanding(sysfs, bdf)
     if w is None:
         return
-    while not w.settled():
-        if time.monotonic() >= deadline:
-            state = "has not returned" if not w.done.is_set() else "returned, but has not taken effect"
-            raise WritePending(f"{bdf}: an earlier {w.what} ({time.monotonic() - w.since:.0f}s ago) {state}: the "
-                               "driver is waiting (the NVIDIA driver finishes an unbind only once every process "
-                               f"has closed the GPU); nothing more is done to {bdf} until it has")
-        time.sleep(POLL)
+    if not wait_until(w.settled, deadline, POLL):
+        state = "has not returned" if not w.done.is_set() else "returned, but has not taken effect"
+        raise WritePending(f"{bdf}: an earlier {w.what} ({time.monotonic() - w.since:.0f}s ago) {state}: the "
+                           "driver is waiting (the NVIDIA driver finishes an unbind only once every process "
+                           f"has closed the GPU); nothing more is done to {bdf} until it has")
     with _TABLE:
         if _OUTSTANDING.get((str(sysfs), bdf)) is w:
             del _OUTSTANDING[str(sysfs), bdf]

@@ -44,6 +44,13 @@ surfaces the same mistake at the step that caused it.
 An unbind of a GPU from nvidia waits while the GPU is open, as the NVIDIA driver's does
 (`agent.sim.kernel.opengpus`).
 
+A driver whose remove is slow (a GPU's driver tearing down its state takes seconds) is `unbind_hold`:
+called with the function's bus ID on a thread of its own for each unbind the emulator accepts, the
+unbind takes effect once it returns. Only that function waits: the kernel's device lock is the
+function's, so other functions' writes go on meanwhile. `DRA_SIM_UNBIND_DELAY=SECONDS` in the
+running agent's environment holds every unbind that long (`unbind_hold_from_env`; `make bench`'s
+slow-device figure).
+
 Every command file is emptied after its write is applied (the kernel's read back empty). Tests make
 it slow (`delay` seconds before each write) or make a given write fail (`fail`).
 """
@@ -54,6 +61,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -66,6 +74,9 @@ from agent.sim.kernel.tree import COMMAND_FILES, NO_OVERRIDE, VFIO_PCI, SimTree
 from agent.sim.profiles import SimProfile
 
 log = logging.getLogger(__name__)
+
+UNBIND_DELAY_ENV = "DRA_SIM_UNBIND_DELAY"
+UnbindHold = Callable[[str], None]  # returns once the driver has let go of the function (its bus ID)
 
 
 class WriteKind(StrEnum):
@@ -113,9 +124,12 @@ class KernelEmulator:
     """Watches the simulated machine under `root` and applies binding writes; `start` before the agent
     writes, `stop` at the end (also a context manager)."""
 
-    def __init__(self, profile: SimProfile, root: Path, *, delay: float = 0.0) -> None:
+    def __init__(self, profile: SimProfile, root: Path, *, delay: float = 0.0,
+                 unbind_hold: UnbindHold | None = None) -> None:
         self.tree = SimTree(root)
         self.delay = delay  # seconds before each write takes effect: a slow kernel
+        self.unbind_hold = unbind_hold  # a slow driver remove, per function (the module's docstring)
+        self._held: dict[str, threading.Thread] = {}  # bus ID -> the thread carrying its held unbind out
         profile = machine_profile(profile, root)  # (without the GPUs that did not come back in this boot)
         self._native: dict[str, SimFunction] = {f.bdf: f for f in sim_functions(profile, self.tree)}
         self._cdevs = profile.iommufd
@@ -158,6 +172,10 @@ class KernelEmulator:
         if watch is not None:
             watch.stop()
         self._open_gpus.stop()
+        with self._lock:
+            held = list(self._held.values())
+        for thread in held:
+            thread.join(5.0)
 
     def __enter__(self) -> KernelEmulator:
         self.start()
@@ -299,7 +317,31 @@ class KernelEmulator:
             return
         if driver == mdev.NVIDIA_HOST_DRIVER and self._open_gpus.wait_for_close(bdf):
             return  # carried out by the waiter, once the GPU is closed
+        if self.unbind_hold is not None:
+            self._hold_unbind(bdf, driver, self.unbind_hold)
+            return
         self._detach(bdf, driver)
+
+    def _hold_unbind(self, bdf: str, driver: str, hold: UnbindHold) -> None:  # the emulator's lock held
+        if bdf in self._held:
+            return  # the driver is letting go of it already
+        self.tree.log(f"unbind {driver} {bdf}: the driver's remove is slow")
+
+        def remove() -> None:
+            try:
+                hold(bdf)
+                with self._lock:
+                    if self.tree.driver_of(bdf) == driver:  # else gone another way meanwhile
+                        self._detach(bdf, driver)
+            except OSError:
+                log.exception("simulated kernel: the held unbind of %s failed", bdf)
+            finally:
+                with self._lock:
+                    self._held.pop(bdf, None)
+
+        thread = threading.Thread(target=remove, daemon=True, name=f"simulated slow unbind {bdf}")
+        self._held[bdf] = thread
+        thread.start()
 
     def _detach(self, bdf: str, driver: str) -> None:
         # The driver's remove runs before the link goes: once the agent sees the link gone, all is done.
@@ -378,4 +420,16 @@ class KernelEmulator:
         self.tree.log(f"refused {refusal}")
 
 
-__all__ = ["KernelEmulator", "Refusal", "WriteKind"]
+def unbind_hold_from_env(env: dict[str, str] | None = None) -> UnbindHold | None:
+    """Every unbind held `DRA_SIM_UNBIND_DELAY` seconds; None when it is unset or 0."""
+    raw = (os.environ if env is None else env).get(UNBIND_DELAY_ENV, "").strip()
+    try:
+        seconds = float(raw or 0)
+    except ValueError:
+        raise ValueError(f"{UNBIND_DELAY_ENV}={raw!r} is not a number of seconds") from None
+    if seconds <= 0:
+        return None
+    return lambda _bdf: time.sleep(seconds)
+
+
+__all__ = ["UNBIND_DELAY_ENV", "KernelEmulator", "Refusal", "UnbindHold", "WriteKind", "unbind_hold_from_env"]
