@@ -166,6 +166,16 @@ def test_our_own_specs_are_never_read(tmp_path: Path, caplog: pytest.LogCaptureF
     assert not caplog.records
 
 
+def test_a_spec_written_just_after_the_start_is_seen_by_the_first_lookup(tmp_path: Path) -> None:
+    # The daemon reads the specs at start (`warm`), so the first prepare need not list a directory of
+    # thousands of claim specs; a spec the toolkit writes a moment later (the GPU Operator installing it
+    # after the agent) is still seen by that first prepare, not only after the lookups' interval.
+    specs = ToolkitSpecs([tmp_path], min_interval=3600)
+    specs.warm()
+    (tmp_path / "nvidia.yaml").write_text("kind: nvidia.com/gpu\ndevices: [{name: '3'}]\n")
+    assert specs.device_id("GPU-none", 3) == "nvidia.com/gpu=3"
+
+
 # -- every GPU form gets the toolkit's device -----------------------------------------------------
 
 FORMS_UID = {"whole": "7d1e0c4a-0000-4000-8000-0000000000f1", "mig": "7d1e0c4a-0000-4000-8000-0000000000f2",

@@ -171,7 +171,7 @@ class Agent:
             # looked for here too: the CDI directory holds two specs per prepared claim, and listing it
             # (some 30 ms with 10,000 claims) was the first prepare's to pay while the kubelet waited.
             _, report, _ = await asyncio.gather(self.inventory.scan(), asyncio.to_thread(begin_recovery, engine),
-                                                asyncio.to_thread(engine.toolkit.names))
+                                                asyncio.to_thread(engine.toolkit.warm))
             await self.health.start()
             for source in self.inventory.sources:
                 if isinstance(source, GpuSource):

@@ -70,6 +70,13 @@ class ToolkitSpecs:
         self._refresh()
         return self._names
 
+    def warm(self) -> None:
+        """Read the specs now (at start, off the kubelet's path), leaving the next lookup to look again at
+        once: it then costs a stat of each directory, and lists them only if a spec came or went since
+        (one written just after the start is seen by the first prepare, as without this). Blocking."""
+        self._refresh()
+        self._scanned_at = -math.inf
+
     def _refresh(self) -> None:
         now = time.monotonic()
         if now - self._scanned_at < self.min_interval:
