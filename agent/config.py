@@ -23,6 +23,7 @@ from agent.options import Option as Option
 from agent.options import default_state_dir
 
 if TYPE_CHECKING:
+    from agent.computeshare import ComputeShares
     from agent.kinds import Kind
 
 UNIX_PATH_MAX = 108  # sun_path, including the terminating NUL
@@ -90,6 +91,7 @@ class Settings:
     dynamic_mig: bool = True
     vgpu_types: str = "auto"
     gpu_sharing: bool = False
+    gpu_compute_shares: str = "0.1/0.05/1/0.05"
     compatibility_groups: bool = False
     kubevirt_cpu: bool = False
     numa_node_list: str = "auto"
@@ -141,8 +143,19 @@ class Settings:
         if bad := sorted(set(self.binding_conditions) - set(BINDABLE_KINDS)):
             raise ConfigError(f"--binding-conditions: {', '.join(bad)} not one of {', '.join(BINDABLE_KINDS)} "
                               "(the kinds whose prepare changes the host)")
+        try:
+            self.compute_shares  # noqa: B018  (parsed once, here, so a bad value stops the start)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         if self.gpu_host_memory_overhead < 0:
             raise ConfigError(f"--gpu-host-memory-overhead must be >= 0, not {self.gpu_host_memory_overhead}")
+
+    @functools.cached_property
+    def compute_shares(self) -> ComputeShares | None:
+        """The request policy of a shared GPU's compute (`--gpu-compute-shares`); None: off."""
+        from agent.computeshare import ComputeShares
+
+        return ComputeShares.parse(self.gpu_compute_shares)
 
     @functools.cached_property
     def binding_kinds(self) -> frozenset[Kind]:

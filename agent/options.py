@@ -110,8 +110,14 @@ OPTIONS: tuple[Option, ...] = (
            "instance: auto (every type with --compatibility-groups, none without), none, or a comma list of "
            "type ids or names (one type without --compatibility-groups)", metavar="TYPES"),
     Option("gpu_sharing", "--gpu-sharing", "DRA_GPU_SHARING", False,
-           "also publish each GPU as gpu-<minor>-shared, a memory capacity several claims take shares of "
+           "also publish each GPU as gpu-<minor>-shared, memory and compute capacities several claims take "
+           "shares of "
            "(DRAConsumableCapacity; true/false)", kind=bool, metavar="BOOL"),
+    Option("gpu_compute_shares", "--gpu-compute-shares", "DRA_GPU_COMPUTE_SHARES", "0.1/0.05/1/0.05",
+           "the compute a shared GPU (--gpu-sharing) also offers, 1 the whole GPU: the request policy's "
+           "default, min, max and step as fractions, each a whole percentage (MPS's thread percentage), or "
+           "off (DRAFractionalCapacityRange; computePercent on a server without it)",
+           metavar="DEFAULT/MIN/MAX/STEP"),
     Option("compatibility_groups", "--compatibility-groups", "DRA_COMPATIBILITY_GROUPS", False,
            "publish compatibility groups (mig, vgpu) on counter consumptions; only for clusters with the "
            "DRADeviceCompatibilityGroups gate on (true/false)", kind=bool, metavar="BOOL"),

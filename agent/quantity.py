@@ -1,4 +1,4 @@
-"""Integer quantities in the canonical form the API server stores.
+"""Quantities in the canonical form the API server stores, and read exactly.
 
 The API server rewrites quantities into a canonical string; emitting that form
 ourselves means a slice read back compares equal to the one we would write, so
@@ -6,6 +6,9 @@ an unchanged inventory really writes nothing.
 """
 
 from __future__ import annotations
+
+import re
+from fractions import Fraction
 
 _BINARY = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
 _DECIMAL = ("", "k", "M", "G", "T", "P", "E")
@@ -42,3 +45,28 @@ def parse_int(text: str) -> int:
         if text.endswith(suffix):
             return int(text[: -len(suffix)]) * _SUFFIX[suffix]
     return int(text)
+
+
+# A quantity's grammar (the API's): a signed decimal number, then a binary or decimal suffix, or an exponent.
+_QUANTITY = re.compile(r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?\Z")
+_SMALL = {"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000)}
+
+
+def exact(text: str) -> Fraction:
+    """Any quantity (`50m`, `0.25`, `1.5Gi`, `1e3`) as an exact number; ValueError when it is not one."""
+    m = _QUANTITY.match(str(text).strip())
+    if m is None:
+        raise ValueError(f"{text!r} is not a quantity")
+    sign, number, suffix = m.groups()
+    value = Fraction(number)
+    if suffix:
+        if suffix[0] in "eE":
+            value *= Fraction(10) ** int(suffix[1:])
+        else:
+            value *= _SMALL[suffix] if suffix in _SMALL else _SUFFIX[suffix]
+    return -value if sign == "-" else value
+
+
+def milli(n: int) -> str:
+    """Thousandths as the API canonicalizes a DecimalSI quantity: `250` -> `250m`, `1000` -> `1`."""
+    return decimal(n // 1000) if n % 1000 == 0 else f"{n}m"

@@ -21,10 +21,11 @@ from agent import apirules, failpoints, quantity
 from agent.app.assembly import set_node_features
 from agent.claims import metadata
 from agent.claims import plan as claimplan
-from agent.config import NvmlMode, Settings
+from agent.computeshare import ComputeShares
+from agent.config import ConfigError, NvmlMode, Settings
 from agent.inventory import Inventory
 from agent.inventory.gpus import GpuSource
-from agent.inventory.gpushare import memory_request_policy
+from agent.inventory.gpushare import memory_request_policy, percent_compute
 from agent.kinds import Kind
 from agent.kube import NODE_ALLOCATABLE_FEATURE, NodeInfo, read_node
 from agent.model import Device
@@ -130,12 +131,20 @@ async def test_slices_are_accepted_by_the_api_emulator(tmp_path: Path, kube_api:
 
 @pytest.mark.parametrize("policy, capacity, expect", [
     ({"default": "1Gi", "validRange": {"min": "1Gi", "max": "79Gi", "step": "1Gi"}}, "81559Mi", None),
-    ({"default": "1Gi", "validRange": {"min": "1Gi", "max": "81559Mi", "step": "1Gi"}}, "81559Mi", "multiple"),
+    ({"default": "1Gi", "validRange": {"min": "1Gi", "max": "81559Mi", "step": "1Gi"}}, "81559Mi",
+     "whole number of validRange.step"),
     ({"default": "1Gi", "validRange": {"min": "1Gi", "max": "90Gi", "step": "1Gi"}}, "81559Mi", "above the cap"),
     ({"default": "100Gi", "validRange": {"min": "1Gi", "step": "1Gi"}}, "200Gi", None),
     ({"default": "0", "validRange": {"min": "1Gi"}}, "2Gi", "within validRange"),
     ({"validRange": {"min": "1Gi"}}, "2Gi", "needs a default"),
     ({"default": "1Gi", "validRange": {"min": "1Gi", "step": "1Gi"}}, "1Gi", "min + step"),
+    # Fractional ranges (DRAFractionalCapacityRange) count in thousandths.
+    ({"default": "100m", "validRange": {"min": "50m", "max": "1", "step": "50m"}}, "1", None),
+    ({"default": "100m", "validRange": {"min": "50m", "step": "30m"}}, "1", "whole number of validRange.step"),
+    ({"default": "100m", "validRange": {"min": "50m", "max": "950m", "step": "100m"}}, "1",
+     "whole number of validRange.step"),
+    ({"default": "100m", "validRange": {"min": "500u", "step": "50m"}}, "1", "thousandths"),
+    ({"default": "3", "validRange": {"min": "0", "step": "1500m"}}, "4", None),
     ({"default": "2", "validValues": ["1", "2", "4"]}, "8", None),
     ({"default": "3", "validValues": ["1", "2", "4"]}, "8", "one of validValues"),
     ({"default": "1", "validValues": ["2", "1"]}, "8", "ascending"),
@@ -266,6 +275,116 @@ async def test_the_claims_own_config_may_set_the_mps_limit(node: Node) -> None:
     assert [e for e in env if e.startswith("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=")] == [
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M"]
     assert "DRA_GPU_0_SHARED_MEMORY_LIMIT=4294967296" in env
+
+
+# -- compute shares (`--gpu-compute-shares`) ------------------------------------------------------------
+
+def test_a_shared_gpu_offers_compute_in_fractions_of_the_gpu(tmp_path: Path) -> None:
+    devices = scan(tmp_path)
+    shared = devices["gpu-0-shared"]
+    compute = shared.capacity["compute"]
+    assert compute.value == "1"
+    assert compute.request_policy == {"default": "100m", "validRange": {"min": "50m", "max": "1", "step": "50m"}}
+    assert apirules.request_policy_errors(compute.request_policy, compute.value) == []
+    # Only the shared form: a whole GPU is not consumed in parts.
+    assert "compute" not in devices["gpu-0"].capacity
+    # Whole percentages, in the form an API server without fractional ranges keeps.
+    (percent,) = percent_compute([shared])
+    assert set(percent.capacity) == {"memory", "computePercent"}
+    assert percent.capacity["computePercent"].value == "100"
+    assert percent.capacity["computePercent"].request_policy == {
+        "default": "10", "validRange": {"min": "5", "max": "100", "step": "5"}}
+    assert percent_compute([devices["gpu-0"]]) == [devices["gpu-0"]]
+
+
+def test_compute_shares_follow_the_setting(tmp_path: Path) -> None:
+    settings = Settings(node_name=NODE, gpu_compute_shares="0.25/0.25/0.75/0.25")
+    assert settings.compute_shares == ComputeShares(25, 25, 75, 25)
+    value, policy = ComputeShares(25, 25, 75, 25).fraction_capacity()
+    assert (value, policy) == ("1", {"default": "250m", "validRange": {"min": "250m", "max": "750m", "step": "250m"}})
+    assert Settings(node_name=NODE, gpu_compute_shares="off").compute_shares is None
+    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", "dgx-h100"), state_dir=tmp_path / "state",
+                                gpu_compute_shares="off"), sharing=True, opener=open_sim_nvml)
+    source.open()
+    try:
+        shared = next(d for d in source.scan().devices if d.kind is Kind.GPUSHARE)
+    finally:
+        source.close()
+    assert set(shared.capacity) == {"memory"}
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("0.1/0.05", "DEFAULT/MIN/MAX/STEP"),
+    ("0.1/0.05/1/lots", "STEP 'lots' is not a number"),
+    ("0.125/0.05/1/0.05", "not a whole percentage"),
+    ("0.1/0.05/1.5/0.05", "<= 1"),
+    ("0.1/0/1/0.05", "0 < MIN"),
+    ("0.1/0.05/1/0.03", "whole number of STEPs"),
+    ("0.1/0.1/1/0", "STEP must be above 0"),
+])
+def test_bad_compute_shares_are_refused_at_start(text: str, expect: str) -> None:
+    with pytest.raises(ConfigError, match="--gpu-compute-shares") as caught:
+        Settings(node_name=NODE, gpu_compute_shares=text)
+    assert expect in str(caught.value)
+
+
+def compute_share(share_id: str, memory: str, compute: dict[str, str], device: str = "gpu-0-shared") -> dict[str, Any]:
+    return result(device, "gpu", shareID=share_id, consumedCapacity={"memory": memory, **compute})
+
+
+async def test_each_claim_gets_the_thread_percentage_of_its_compute_share(node: Node) -> None:
+    write_claim(node.claims_dir, claim("a", UID1, [compute_share(SHARE1, "4Gi", {"compute": "250m"})]))
+    write_claim(node.claims_dir, claim("b", UID2, [compute_share(SHARE2, "4Gi", {"computePercent": "50"})]))
+    out = await node.engine.prepare([ClaimRef("default", "a", UID1), ClaimRef("default", "b", UID2)])
+    assert out[UID1].error == "" and out[UID2].error == "", (out[UID1].error, out[UID2].error)
+    for uid, percent in ((UID1, "25"), (UID2, "50")):
+        env = claim_spec(node, uid)["devices"][0]["containerEdits"]["env"]
+        assert f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percent}" in env
+        assert f"DRA_GPU_0_SHARED_COMPUTE_PERCENT={percent}" in env
+    assert metadata_entry(node, UID1)["consumedCapacity"] == {"memory": "4Gi", "compute": "250m"}
+
+
+async def test_a_claim_with_shares_of_two_gpus_gets_the_smaller_thread_percentage(node: Node) -> None:
+    write_claim(node.claims_dir, claim("a", UID1, [compute_share(SHARE1, "4Gi", {"compute": "750m"}),
+                                                   compute_share(SHARE2, "2Gi", {"compute": "200m"},
+                                                                 device="gpu-1-shared")]))
+    out = await node.engine.prepare([ClaimRef("default", "a", UID1)])
+    assert out[UID1].error == "", out[UID1].error
+    envs = {d["name"]: d["containerEdits"]["env"] for d in claim_spec(node, UID1)["devices"]}
+    assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20" in env for env in envs.values()), envs
+    assert any("DRA_GPU_0_SHARED_COMPUTE_PERCENT=75" in env for env in envs.values())
+
+
+@pytest.mark.parametrize("given, expect", [("20", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20"),
+                                           ("30", "above what the claim's compute shares give (25)")])
+async def test_a_configuration_may_only_lower_the_thread_percentage(node: Node, given: str, expect: str) -> None:
+    config = [{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": f"{DRIVER}/v1alpha1", "kind": "DeviceConfig",
+        "env": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": given}}}}]
+    write_claim(node.claims_dir, claim("a", UID1, [compute_share(SHARE1, "4Gi", {"compute": "250m"})],
+                                       config=config))
+    out = await node.engine.prepare([ClaimRef("default", "a", UID1)])
+    if expect.startswith("CUDA"):
+        assert out[UID1].error == "", out[UID1].error
+        env = claim_spec(node, UID1)["devices"][0]["containerEdits"]["env"]
+        assert [e for e in env if e.startswith("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=")] == [expect]
+    else:
+        assert expect in out[UID1].error
+        assert node.engine.records == {}
+
+
+@pytest.mark.parametrize("compute, expect", [
+    ({"compute": "333m"}, "not a whole percentage"),
+    ({"compute": "2"}, "not a whole percentage"),
+    ({"computePercent": "0"}, "not a whole percentage"),
+    ({"compute": "500m", "computePercent": "50"}, "names both"),
+])
+async def test_a_compute_share_that_is_no_percentage_is_refused(node: Node, compute: dict[str, str],
+                                                                 expect: str) -> None:
+    write_claim(node.claims_dir, claim("a", UID1, [compute_share(SHARE1, "4Gi", compute)]))
+    out = await node.engine.prepare([ClaimRef("default", "a", UID1)])
+    assert expect in out[UID1].error
+    assert node.engine.records == {}
 
 
 @pytest.mark.parametrize("res, expect", [

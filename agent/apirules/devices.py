@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 from agent import quantity
@@ -28,10 +29,10 @@ TAINT_EFFECTS = ("None", "NoSchedule", "NoExecute")
 NODE_ALLOCATABLE_KEYS = re.compile(r"^(cpu|memory|ephemeral-storage|hugepages-[0-9A-Za-z.]+)\Z")
 
 
-def _amount(text: object) -> int | None:
-    """An integer quantity as a number, for comparisons; None when it is not one (fractions, `500m`)."""
+def _amount(text: object) -> Fraction | None:
+    """A quantity as an exact number, for comparisons; None when it is not one."""
     try:
-        return quantity.parse_int(str(text))
+        return quantity.exact(str(text))
     except ValueError:
         return None
 
@@ -39,9 +40,10 @@ def _amount(text: object) -> int | None:
 def request_policy_errors(policy: Mapping[str, Any], capacity: str | None = None) -> list[str]:
     """A capacity's `requestPolicy`; with `capacity` (the capacity's value) also the rules that relate
     them (the 1.37 schema's capacityrequestpolicy and capacityrequestpolicyrange descriptions): a range
-    needs a default inside it, min <= max <= capacity, min + step <= capacity, max and default multiples
-    of step; valid values need a default among them, ascending. Compared only where every quantity
-    involved is an integer one."""
+    needs a default inside it, min <= max <= capacity, min + step <= capacity, max and default a whole
+    number of steps above min; valid values need a default among them, ascending. A range with a
+    fraction in it (DRAFractionalCapacityRange) is compared in thousandths, so each of its values must be
+    a whole number of them. Compared exactly (`quantity.exact`)."""
     errs = []
     unknown = set(policy) - {"default", "validValues", "validRange"}
     if unknown:
@@ -88,9 +90,13 @@ def _policy_bounds_errors(policy: Mapping[str, Any], capacity: str | None) -> li
             errs.append("validRange.min must not be above max")
         if default is not None and ((low is not None and default < low) or (high is not None and default > high)):
             errs.append("default must lie within validRange")
-        if step is not None and step > 0:
-            errs += [f"{name} must be a multiple of validRange.step"
-                     for name, v in (("max", high), ("default", default)) if v is not None and v % step]
+        if step is not None and step > 0 and low is not None:
+            errs += [f"{name} must be a whole number of validRange.step above min"
+                     for name, v in (("max", high), ("default", default))
+                     if v is not None and ((v - low) / step).denominator != 1]
+        bounds = [v for v in (low, high, step, default) if v is not None]
+        if any(v.denominator != 1 for v in bounds) and any((v * 1000).denominator != 1 for v in bounds):
+            errs.append("a fractional validRange counts in thousandths: every value must be a whole number of them")
         if cap is not None:
             if (low is not None and low > cap) or (high is not None and high > cap):
                 errs.append("validRange must not go above the capacity's value")

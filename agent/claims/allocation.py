@@ -29,6 +29,7 @@ from agent.claims.claimenv import (
     reserved_env,
 )
 from agent.claims.metadata import POD_CLAIM_NAME, AllocatedDevice
+from agent.computeshare import COMPUTE, COMPUTE_PERCENT, thread_percentage
 from agent.errors import ClaimError
 from agent.facts import NicFacts, PassthroughFacts
 from agent.inventory import Withheld
@@ -260,6 +261,15 @@ def _check_share(device: Device, share_id: str, consumed: dict[str, str], path: 
     if not ok:
         raise ClaimError(f"{path}.consumedCapacity.memory {amount!r} is not a share of device {device.name} "
                          f"(whole bytes, more than 0, at most {capacity.value if capacity else 0})")
+    # Compute (`agent.computeshare`): absent where the device was published without it.
+    if COMPUTE in consumed and COMPUTE_PERCENT in consumed:
+        raise ClaimError(f"{path}.consumedCapacity names both {COMPUTE} and {COMPUTE_PERCENT}")
+    try:
+        thread_percentage(consumed)
+    except ValueError as exc:
+        name = COMPUTE if COMPUTE in consumed else COMPUTE_PERCENT
+        raise ClaimError(f"{path}.consumedCapacity[{name}] {consumed[name]!r} is not a compute share of device "
+                         f"{device.name}: {exc}") from None
 
 
 def _check_cpu_share(device: Device, consumed: dict[str, str], path: str) -> None:

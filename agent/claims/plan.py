@@ -7,10 +7,13 @@ device where a toolkit spec names its GPU (`toolkit_device`: the driver's librar
 device its parent GPU's), and `CUDA_VISIBLE_DEVICES` naming exactly the claim's GPU forms
 (`visible_env`). A shared GPU (`agent.inventory.gpushare`) is prepared like its GPU (device nodes, the
 toolkit's CDI device) and its CDI device also sets `DRA_<DEVICE>_UUID`, `DRA_<DEVICE>_MEMORY_LIMIT` (bytes: the sum
-of the claim's shares of that device; one per result in practice) and, for CUDA MPS clients,
+of the claim's shares of that device; one per result in practice), `DRA_<DEVICE>_COMPUTE_PERCENT` (where
+the share names compute: `agent.computeshare`) and, for CUDA MPS clients,
 `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<MiB>M[,...]` over every shared GPU of the claim (the
-ordinal: the GPU's place in the claim's `CUDA_VISIBLE_DEVICES`), which the MPS server enforces per
-client. A class's or the claim's own opaque configuration may lower that limit, never raise it (`claim_env`). One
+ordinal: the GPU's place in the claim's `CUDA_VISIBLE_DEVICES`) and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`
+(one value for all of a client's GPUs: the smallest of the claim's compute shares), which the MPS server
+enforces per client. A class's or the claim's own opaque configuration may lower those limits, never
+raise them (`claim_env`). One
 container with shares from two claims gets one claim's
 value (CDI does not merge variables). Each claim has its own CDI spec and metadata files (named by its
 UID), so claims sharing one GPU are prepared and unprepared independently.
@@ -26,9 +29,16 @@ from typing import Any
 from agent import quantity
 from agent.claims import cdispecs, cpuset, filenames, metadata
 from agent.claims.allocation import Allocation
-from agent.claims.claimenv import MPS_LIMITS, MPS_MEMORY_LIMIT, lower_limit, mps_memory_limits
+from agent.claims.claimenv import (
+    MPS_LIMITS,
+    MPS_MEMORY_LIMIT,
+    MPS_THREAD_PERCENTAGE,
+    lower_limit,
+    mps_memory_limits,
+)
 from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, FileRole, PreparedDevice
 from agent.claims.toolkit import ToolkitSpecs
+from agent.computeshare import thread_percentage
 from agent.config import Settings
 from agent.errors import ClaimError
 from agent.inventory.gpushare import MIB
@@ -96,6 +106,11 @@ def claim_env(alloc: Allocation) -> dict[str, dict[str, str]]:
                 raise ClaimError(f"the configuration's {MPS_MEMORY_LIMIT}={configured[MPS_MEMORY_LIMIT]} is above "
                                  f"what the claim's shares give ({mine[MPS_MEMORY_LIMIT]}; ordinal "
                                  f"{', '.join(map(str, above))}): a configuration may only lower it")
+        if MPS_THREAD_PERCENTAGE in configured and MPS_THREAD_PERCENTAGE in mine and \
+                int(configured[MPS_THREAD_PERCENTAGE]) > int(mine[MPS_THREAD_PERCENTAGE]):
+            raise ClaimError(f"the configuration's {MPS_THREAD_PERCENTAGE}={configured[MPS_THREAD_PERCENTAGE]} is "
+                             f"above what the claim's compute shares give ({mine[MPS_THREAD_PERCENTAGE]}): a "
+                             "configuration may only lower it")
         limits = {k: lower_limit(k, mine.get(k), v) for k, v in configured.items() if k in MPS_LIMITS}
         out[name] = {**configured, **mine, **limits}
     return out
@@ -138,18 +153,27 @@ def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, 
     keyed by the device's ordinal as the container's CUDA numbers it: its place in the claim's
     `CUDA_VISIBLE_DEVICES` (`visible_env`). MPS does not apply a limit keyed by UUID (docs/partitions.md)."""
     limits: dict[str, int] = {}
+    compute: dict[str, int] = {}
     uuids: dict[str, str] = {}
     for a in allocated:
         if a.device.kind.shared:
-            # allocation.parse_claim has checked that the amount is there and an integer quantity.
+            # allocation.parse_claim has checked that the amount is there and an integer quantity, and that
+            # a compute share is a whole percentage.
             limits[a.device.name] = limits.get(a.device.name, 0) + quantity.parse_int(a.consumed["memory"])
+            if (percent := thread_percentage(a.consumed)) is not None:
+                compute[a.device.name] = min(100, compute.get(a.device.name, 0) + percent)
             uuids[a.device.name] = a.device.gpu.uuid if a.device.gpu is not None else ""
     visible, _ = _visible_uuids(allocated)
     ordinal = {uuid: str(i) for i, uuid in enumerate(visible)}
     keyed = sorted((int(ordinal[uuids[n]]), n) for n in limits if uuids[n] in ordinal)
     mps = ",".join(f"{i}={limits[n] // MIB}M" for i, n in keyed)
+    # MPS takes one thread percentage per client, for every GPU it uses: the smallest of the claim's shares,
+    # so that no share is exceeded.
+    threads = {MPS_THREAD_PERCENTAGE: str(min(compute.values()))} if compute else {}
     return {n: {f"{cdispecs.env_prefix(n)}_UUID": uuids[n],
-                f"{cdispecs.env_prefix(n)}_MEMORY_LIMIT": str(limits[n]), MPS_MEMORY_LIMIT: mps}
+                f"{cdispecs.env_prefix(n)}_MEMORY_LIMIT": str(limits[n]), MPS_MEMORY_LIMIT: mps,
+                **({f"{cdispecs.env_prefix(n)}_COMPUTE_PERCENT": str(compute[n])} if n in compute else {}),
+                **threads}
             for n in limits}
 
 

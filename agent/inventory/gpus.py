@@ -91,7 +91,7 @@ class GpuSource:
         # The arguments override the settings (tests).
         self._extras = GpuExtras(settings.gpu_sharing if sharing is None else sharing,
                                  settings.gpu_host_memory_overhead if host_memory_overhead is None
-                                 else host_memory_overhead)
+                                 else host_memory_overhead, settings.compute_shares)
         # Set by the daemon when the Node declares DRANodeAllocatableResources (as for CPU and memory).
         self.node_allocatable: bool = False
         self.nvml: Nvml | None = None  # None: not open, or no GPUs

@@ -4,10 +4,12 @@ of each GPU (`--gpu-sharing`) and the host memory a GPU claim costs the node (wh
 
 **Shared GPUs** (consumable capacity, KEP-5075, `DRAConsumableCapacity`). `gpu-<minor>-shared`, kind
 `gpushare` (its facts: the GPU and `agent.facts.GpuShare`): the GPU's attributes with `type=shared`,
-`allowMultipleAllocations: true` and one capacity, `memory` (the GPU's memory), with a request policy:
-default 1Gi, range 1Gi to the GPU's memory rounded down to whole GiB, step 1Gi. Each claim that gets it
-receives a `shareID` and a `consumedCapacity.memory` from the scheduler, which keeps the sum of all
-shares within the capacity. Whole GiB because every workload sizes GPU memory in GiB and a finer grain
+`allowMultipleAllocations: true` and two capacities. `memory` (the GPU's memory), with a request policy:
+default 1Gi, range 1Gi to the GPU's memory rounded down to whole GiB, step 1Gi. `compute` (1: the whole
+GPU), with the fractional policy of `--gpu-compute-shares` (default 0.1, 0.05 to 1 in steps of 0.05;
+`computePercent` on an API server without fractional ranges: `agent.computeshare`). Each claim that gets
+it receives a `shareID` and a `consumedCapacity` of both from the scheduler, which keeps the sum of all
+shares within each capacity. Whole GiB because every workload sizes GPU memory in GiB and a finer grain
 only fragments the GPU; a 1Gi default so a request that names no amount takes the smallest share and
 leaves the GPU shareable (say how much you need); the maximum rounded down because the API wants max to
 be a multiple of step (81559Mi on an H100 -> 79Gi).
@@ -18,11 +20,12 @@ With allowMultipleAllocations the scheduler charges a device's counters once, wh
 is made, and skips the counter check for further allocations of the same device (kubernetes/kubernetes
 #134100, fixed by #134103): so the first share takes the GPU away from the full device,
 the passthrough variant, MIG placements and vGPU devices, later shares fit as long as memory is left,
-and the GPU is whole again once the last share is gone. The limit is not enforced by the hardware:
-the container is told its share (`DRA_<DEVICE>_MEMORY_LIMIT`, bytes, and for MPS clients
-`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<MiB>M`, see `agent.claims.plan`), which CUDA's MPS enforces
-per client and a plain CUDA workload must honour itself (cap its allocator, e.g. PyTorch's
-`set_per_process_memory_fraction`).
+and the GPU is whole again once the last share is gone. The limits are not enforced by the hardware:
+the container is told its share (`DRA_<DEVICE>_MEMORY_LIMIT`, bytes, `DRA_<DEVICE>_COMPUTE_PERCENT`, and
+for MPS clients `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<MiB>M` and
+`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, see `agent.claims.plan`), which CUDA's MPS enforces per client and a
+plain CUDA workload must honour itself (cap its allocator, e.g. PyTorch's
+`set_per_process_memory_fraction`; its compute share is not enforced at all without MPS).
 
 **Host memory overhead** (node-allocatable resources, `DRANodeAllocatableResources`, alpha): every GPU
 device (full, passthrough variant, MIG placement, vGPU, shared form) carries
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent import counters, quantity
+from agent.computeshare import COMPUTE, COMPUTE_PERCENT, ComputeShares
 from agent.facts import GpuFacts, GpuShare
 from agent.inventory.published import form_attributes
 from agent.kinds import Kind
@@ -79,7 +83,7 @@ def is_gpu_device(dev: Device) -> bool:
     return dev.gpu_function is not None
 
 
-def shared_form(gpu: Device) -> Device | None:
+def shared_form(gpu: Device, compute: ComputeShares | None = None) -> Device | None:
     """The shared form of a full GPU device (None: it has no memory or counter set, or too little memory)."""
     cap = gpu.capacity.get("memory")
     if cap is None or not gpu.consumes_counters or (identity := gpu.gpu) is None:
@@ -95,12 +99,44 @@ def shared_form(gpu: Device) -> Device | None:
     return Device(
         name=share_name(gpu.name), kind=Kind.GPUSHARE,
         attributes=form_attributes(gpu.attributes, facts),
-        capacity={"memory": Capacity(cap.value, request_policy=policy)},
+        capacity={"memory": Capacity(cap.value, request_policy=policy), **compute_capacity(compute)},
         allow_multiple_allocations=True,
         node=facts,
         device_nodes=gpu.device_nodes,
         # The whole set, as it is now: nothing may extend the set after this (see GpuExtras).
         consumes_counters=tuple(CounterConsumption.all_of(c.counter_set) for c in gpu.consumes_counters))
+
+
+def compute_capacity(compute: ComputeShares | None) -> dict[str, Capacity]:
+    """A shared form's `compute` (`agent.computeshare`; none when `--gpu-compute-shares off`)."""
+    if compute is None:
+        return {}
+    value, policy = compute.fraction_capacity()
+    return {COMPUTE: Capacity(value, request_policy=policy)}
+
+
+def percent_compute(devices: Sequence[Device]) -> list[Device]:
+    """`devices` with each shared form's `compute` given as `computePercent` (for an API server that counts
+    request policies in whole units: `agent.computeshare`)."""
+    out = []
+    for dev in devices:
+        cap = dev.capacity.get(COMPUTE) if dev.kind is Kind.GPUSHARE else None
+        if cap is None:
+            out.append(dev)
+            continue
+        policy = cap.request_policy or {}
+        rng = policy.get("validRange") or {}
+        percent = ComputeShares(*(_percent(v) for v in (policy.get("default"), rng.get("min"), rng.get("max"),
+                                                          rng.get("step"))))
+        value, percent_policy = percent.percent_capacity()
+        capacity = {k: v for k, v in dev.capacity.items() if k != COMPUTE}
+        capacity[COMPUTE_PERCENT] = Capacity(value, request_policy=percent_policy)
+        out.append(dataclasses.replace(dev, capacity=capacity))
+    return out
+
+
+def _percent(value: object) -> int:
+    return int(quantity.exact(str(value)) * 100)
 
 
 @dataclass(slots=True)
@@ -109,11 +145,12 @@ class GpuExtras:
 
     sharing: bool = False
     host_memory_overhead: int = DEFAULT_HOST_MEMORY_OVERHEAD
+    compute: ComputeShares | None = None  # a shared form's compute (`--gpu-compute-shares`)
 
     def apply(self, devices: Sequence[Device], *, node_allocatable: bool) -> list[Device]:
         out = list(devices)
         if self.sharing:
-            out += [s for d in devices if d.kind is Kind.GPU and (s := shared_form(d)) is not None]
+            out += [s for d in devices if d.kind is Kind.GPU and (s := shared_form(d, self.compute)) is not None]
         if node_allocatable and self.host_memory_overhead > 0:
             out = [self._with_overhead(d) if is_gpu_device(d) else d for d in out]
         return out

@@ -48,7 +48,9 @@ import lightkube
 from lightkube.resources.resource_v1 import ResourceSlice
 
 from agent import kube
+from agent.computeshare import COMPUTE, COMPUTE_PERCENT
 from agent.config import Settings
+from agent.inventory import gpushare
 from agent.kube import Backoff, NodeInfo
 from agent.model import Device
 from agent.publish import dropped, slices
@@ -88,6 +90,9 @@ class ApiPublisher:
         self._reported: set[str] = set()
         self.dropped: set[str] = set()  # spec fields the API server drops (`dropped.dropped_fields` paths)
         self._probed = False  # a dry run has shown what the API server keeps of what is sent
+        # Whether the API server counts fractional request policies in thousandths (DRAFractionalCapacityRange;
+        # None: not asked yet). False: shared GPUs offer computePercent instead of compute (`agent.computeshare`).
+        self.fractions: bool | None = None
         # Slice name -> what was last sent and what the server stored of it (`slices.comparable`).
         self._stored_as: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._said: set[str] = set()
@@ -121,6 +126,8 @@ class ApiPublisher:
         groups = self.groups and dropped.COMPATIBILITY_GROUPS not in self.dropped
         if self.groups and not groups:
             devices = dropped.exact_without_groups(devices, self.vgpu_types)
+        if self.fractions is False:
+            devices = gpushare.percent_compute(devices)
         chunks = slices.chunk_devices(devices, reported=self._reported, compatibility_groups=groups,
                                       layout=dropped.layout(self.settings, self.node, self.dropped))
         self._lists = {name for chunk in chunks.slices if not isinstance(chunk, slices.CounterChunk)
@@ -167,6 +174,36 @@ class ApiPublisher:
             answer = await self._call("a dry run of a ResourceSlice", dry_run)
             self._learn(write.obj, kube.plain(answer), "a dry run of a ResourceSlice")
         self._probed = True
+
+    async def _ask_fractions(self, like: Mapping[str, Any]) -> None:
+        """Ask the API server, by a dry run, whether it counts fractional request policies in thousandths: it
+        keeps the fields either way, and only its arithmetic tells (`dropped.FRACTION_PROBE`). Before the
+        first write of a pool that has a fractional policy; _NewDrops when it does not, so the pool is
+        planned again with whole numbers."""
+        obj = {**like, "metadata": {k: v for k, v in (like.get("metadata") or {}).items()
+                                    if k not in ("name", "resourceVersion")},
+               "spec": {**{k: v for k, v in (like.get("spec") or {}).items() if k in ("driver", "pool", "nodeName")},
+                        "devices": [dropped.FRACTION_PROBE]}}
+
+        async def dry_run() -> dict[str, Any] | None:
+            try:
+                created = await self.client.create(cast(ResourceSlice, ResourceSlice.from_dict(obj)), dry_run=True)
+            except Exception as exc:
+                fields = kube.status_cause_fields(exc) if kube.status_code(exc) == 422 else []
+                if fields and all(".requestPolicy" in f for f in fields):
+                    return None  # refused for the probe's policy alone
+                raise
+            return kube.plain(created)
+
+        answer = await self._call("a dry run of a ResourceSlice with a fractional request policy", dry_run)
+        # Accepted: thousandths (or, with the policy left out of the answer, no request policies at all, with
+        # DRAConsumableCapacity off, which the pool's own writes show). Refused: whole units.
+        self.fractions = answer is not None
+        if not self.fractions:
+            log.warning("the API server counts request policies in whole units (is its %s feature gate off?): "
+                        "shared GPUs offer %s (whole percentages) instead of %s", dropped.FRACTIONS_GATE,
+                        COMPUTE_PERCENT, COMPUTE)
+            raise _NewDrops()
 
     async def close(self) -> None:
         """The client belongs to the caller; slices stay published across restarts."""
@@ -270,6 +307,9 @@ class ApiPublisher:
         for name in set(self._stored_as) - set(existing):
             del self._stored_as[name]
         writes = [w for w in plan.writes if not self._sent_before(w, existing)]
+        if writes and self.fractions is None and any(dropped.fractional_policies(w.obj.get("spec") or {})
+                                                     for w in writes):
+            await self._ask_fractions(writes[0].obj)
         if writes and not self._probed and any(dropped.OFF_BY_DEFAULT & dropped.fields_of(w.obj.get("spec") or {})
                                                 for w in writes):
             await self._probe(writes)

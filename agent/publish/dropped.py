@@ -17,6 +17,9 @@ A list-valued attribute is the exception: without `DRAListTypeAttributes` the AP
 list from the attribute and then refuses the slice, whose attribute has no value left (422). So a
 refusal of that shape (`refuses_lists`) counts as the list values dropped (`LIST_VALUES`): the agent
 publishes each list attribute in its scalar form from then on (`slices.SliceLayout.list_attributes`).
+A fractional request policy is kept by every 1.37 API server, but read in whole units where
+`DRAFractionalCapacityRange` is off: nothing is dropped, so a dry run of `FRACTION_PROBE` asks instead
+(`ApiPublisher`), and shared GPUs then offer `computePercent` (`agent.computeshare`).
 The slice-level fields (`partitionTypeAttribute`, `skipNodeOperations`) are not stripped but not made:
 the layout of the pool's slices follows what the server keeps (`layout`).
 
@@ -31,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from agent import kube
+from agent.computeshare import has_fractions
 from agent.config import Settings
 from agent.facts import GpuFacts, VgpuType
 from agent.inventory.published import PARTITION_TYPE
@@ -59,6 +63,15 @@ GATES: Mapping[str, str] = {
     BINDING_CONDITIONS: "DRADeviceBindingConditions",
     "devices[].bindingFailureConditions": "DRADeviceBindingConditions",
 }
+# Fractional request policies are kept by every 1.37 API server; with DRAFractionalCapacityRange off it
+# reads their bounds rounded up to whole numbers (`agent.computeshare`). This device tells the two apart in
+# a dry run: a default of 3 is a whole number of 1.5 steps above 0 counted in thousandths, and not one of
+# 2 steps (1.5 rounded up) counted in whole units, so only a server counting in thousandths accepts it.
+FRACTIONS_GATE = "DRAFractionalCapacityRange"
+FRACTION_PROBE: Mapping[str, Any] = {
+    "name": "fraction-probe", "allowMultipleAllocations": True,
+    "capacity": {"probe": {"value": "4", "requestPolicy": {"default": "3", "validRange": {"min": "0",
+                                                                                       "step": "1500m"}}}}}
 # The fields of gates that are off by default in 1.37 (alpha): a cluster without them is common, so
 # a pool that carries one is tried in a dry run before its first write (`ApiPublisher`).
 OFF_BY_DEFAULT = frozenset({COMPATIBILITY_GROUPS, "devices[].nodeAllocatableResources", LIST_VALUES,
@@ -91,6 +104,12 @@ def layout(settings: Settings, node: kube.NodeInfo, dropped: Iterable[str] = ())
         else frozenset()
     return SliceLayout(partition_type_attribute=partition, skip_kinds=skip, list_attributes=LIST_VALUES not in gone,
                        binding_kinds=binding)
+
+
+def fractional_policies(spec: Mapping[str, Any]) -> bool:
+    """Whether a slice's spec has a capacity whose request policy holds a fraction."""
+    return any(has_fractions(cap.get("requestPolicy")) for dev in spec.get("devices") or []
+               for cap in (dev.get("capacity") or {}).values() if isinstance(cap, Mapping))
 
 
 def list_attributes(spec: Mapping[str, Any]) -> set[str]:

@@ -2,9 +2,10 @@
 type (`--partition-type-attribute`), whose memory slices skip node operations (`--skip-node-operations`,
 a Node declaring DRAOptionalNodeOperations) and whose numaNode is a list (`--numa-node-list`); what the
 real scheduler and the ResourcePoolStatusRequest controller make of it, and `dra-agent pool status`
-showing it beside the node's own view. Then the same agent against an API server with those gates off
-(a second, small control plane): it publishes without the fields, says so once each, never rewrites a
-slice for them, and `dra-agent pool status` says the API is not served."""
+showing it beside the node's own view; a shared GPU's compute in fractions. Then the same agent against
+an API server with those gates off (a second, small control plane): it publishes without the fields
+(compute in whole percentages), says so once each, never rewrites a slice for them, and
+`dra-agent pool status` says the API is not served."""
 
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ PARTITION_ATTRIBUTE = f"{DRIVER}/partitionType"
 SKIP = ["NodePrepareResources", "NodeUnprepareResources"]
 OPTIONAL_OPERATIONS = "DRAOptionalNodeOperations"
 GATES_OFF = {"DRAListTypeAttributes": False, "DRAPartitionableDevicesType": False, "DRAResourcePoolStatus": False,
-             "DRAOptionalNodeOperations": False}
+             "DRAOptionalNodeOperations": False, "DRAFractionalCapacityRange": False}
+FRACTIONS = {"value": "1",
+             "requestPolicy": {"default": "100m", "validRange": {"min": "50m", "max": "1", "step": "50m"}}}
+PERCENT = {"value": "100", "requestPolicy": {"default": "10", "validRange": {"min": "5", "max": "100", "step": "5"}}}
 # Without resource.k8s.io/v1alpha3 (off by default in 1.37): ResourcePoolStatusRequests are not served. (With
 # v1alpha3 on they are served even with DRAResourcePoolStatus off, and no controller answers them.)
 WITHOUT_V1ALPHA3 = ",".join(p for p in RUNTIME_CONFIG.split(",") if "v1alpha3" not in p)
@@ -49,7 +53,7 @@ def flags(base: Path) -> tuple[str, ...]:
         build_topology(base / "sys")
     return (f"--nvml=sim:{path}", f"--sysfs-root={base / 'sys'}", "--nic-exclude=*", "--dynamic-mig=true",
             "--vgpu-types=auto", "--compatibility-groups=true", "--partition-type-attribute=true",
-            "--skip-node-operations=memory", "--numa-node-list=true")
+            "--skip-node-operations=memory", "--numa-node-list=true", "--gpu-sharing=true")
 
 
 def writes(metrics: dict[str, float]) -> dict[str, float]:
@@ -91,6 +95,8 @@ def test_gated_fields_are_kept_and_summarised(cluster: Cluster, agent_runs: Agen
         assert (spec.get("skipNodeOperations") == SKIP) == (kinds[name] == "memory"), name
     assert devices["cpu-numa0"]["attributes"][NUMA] == {"ints": [0, 1]}
     assert devices["gpu-0"]["attributes"][NUMA] == {"ints": [0, 1]}
+    # A shared GPU's compute in fractions of it, kept as sent (DRAFractionalCapacityRange).
+    assert devices["gpu-0-shared"]["capacity"]["compute"] == FRACTIONS
     with agent_runs.run(node, kubeconfig, *flags(base), node=node) as again:
         again.wait_published()
         assert writes(again.metrics()) == {}  # nothing the server dropped, nothing rewritten
@@ -170,7 +176,10 @@ def test_without_the_gates_the_fields_are_left_out_once(gates_off: Cluster, agen
     assert not any("partitionTypeAttribute" in s["spec"] or "skipNodeOperations" in s["spec"] for s in stored)
     devices = devices_of(stored)
     assert devices["cpu-numa2"]["attributes"][NUMA] == {"int": 2} and devices["gpu-0"]["attributes"][NUMA] == {"int": 0}
-    for field, gate in (("list values", "DRAListTypeAttributes"),
+    # This server would read 0.05 to 1 as 1 to 1: the same policy in whole percentages instead.
+    capacity = devices["gpu-0-shared"]["capacity"]
+    assert "compute" not in capacity and capacity["computePercent"] == PERCENT
+    for field, gate in (("whole units", "DRAFractionalCapacityRange"), ("list values", "DRAListTypeAttributes"),
                         ("partitionTypeAttribute", "DRAPartitionableDevicesType"),
                         ("skipNodeOperations", "DRAOptionalNodeOperations")):
         said = [w for w in warnings if field in w]

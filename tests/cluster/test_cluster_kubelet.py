@@ -496,9 +496,12 @@ def test_every_workload_example_runs_as_a_pod_through_the_real_kubelet(
                       and string(d, "uuid") == string(mig, "parentUUID"))
         assert gpu_node(out, parent), out.dev
 
-        # gpu-share.yaml: 10Gi of a shared GPU: its limit, share ID and the MPS limit CUDA's ordinal 0 gets.
+        # gpu-share.yaml: 10Gi and half the compute of a shared GPU: its limits, share ID and the MPS limits
+        # (memory keyed by the ordinal CUDA gives it, 0; threads in percent).
         share, out, result = only("share-pod", "share")
-        assert string(share, "type") == "shared" and result["consumedCapacity"] == {"memory": "10Gi"}
+        assert string(share, "type") == "shared"
+        assert result["consumedCapacity"] == {"memory": "10Gi", "compute": "500m"}
+        assert out.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == out.env[f"{env_name(share)}_COMPUTE_PERCENT"] == "50"
         assert out.env[f"{env_name(share)}_MEMORY_LIMIT"] == str(10 << 30)
         assert out.env[f"{env_name(share)}_SHARE_ID"] == result["shareID"]
         assert out.env["CUDA_VISIBLE_DEVICES"] == string(share, "uuid")

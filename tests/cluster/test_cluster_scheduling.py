@@ -133,7 +133,8 @@ def test_allocations_of_every_kind_are_prepared_as_allocated(scheduled: NodeAgen
                      "share": {"shared"}, "nic": {"nic"}, "cpu-memory": {"cpu", "memory"}, "vf": {"vfio"},
                      "unchanged": {"gpu"}}
     (share,) = results_of(claims["share"])
-    assert share["shareID"] and share["consumedCapacity"] == {"memory": "4Gi"}
+    # Compute not named: the policy's default, a tenth of the GPU.
+    assert share["shareID"] and share["consumedCapacity"] == {"memory": "4Gi", "compute": "100m"}
 
     # The kubelet's call: every claim at once, each answered with exactly what the scheduler allocated.
     answers = scheduled.prepare(*claims.values())
@@ -190,6 +191,39 @@ def test_all_eight_gpus_in_one_claim(scheduled: NodeAgent, ns: Namespace) -> Non
     ns.pod("one-more", scheduled.node, templates={"gpu": "one-more"})
     assert "cannot allocate all claims" in ns.unschedulable("one-more")["message"]
     assert scheduled.unprepare(claim)[claim["metadata"]["uid"]].get("error", "") == ""
+
+
+def test_fractions_of_one_gpu_as_compute_shares(scheduled: NodeAgent, ns: Namespace) -> None:
+    """DRAFractionalCapacityRange: the scheduler hands out a quarter and a half of one GPU's compute, then
+    finds no half left; each claim's MPS clients get the percentage of its share."""
+    shared = published(scheduled)["gpu-5-shared"]
+    assert shared["capacity"]["compute"] == {"value": "1", "requestPolicy": {
+        "default": "100m", "validRange": {"min": "50m", "max": "1", "step": "50m"}}}
+    on_gpu5 = f"{attr('uuid')} == '{string(shared, 'uuid')}'"
+    for pod, compute in (("quarter", "0.25"), ("half", "0.5"), ("another-half", "500m")):
+        ns.template(pod, claim_spec(request("share", "gpu-shared", selectors=[on_gpu5],
+                                            capacity={"memory": "1Gi", "compute": compute})))
+    ns.pod("quarter", scheduled.node, templates={"gpu": "quarter"})
+    ns.pod("half", scheduled.node, templates={"gpu": "half"})
+    ns.scheduled("quarter")
+    ns.scheduled("half")
+    claims = {pod: next(iter(ns.claims_of(pod).values())) for pod in ("quarter", "half")}
+    got = {pod: [(r["device"], r["consumedCapacity"]) for r in results_of(c)] for pod, c in claims.items()}
+    assert got == {"quarter": [("gpu-5-shared", {"memory": "1Gi", "compute": "250m"})],
+                   "half": [("gpu-5-shared", {"memory": "1Gi", "compute": "500m"})]}
+    ns.pod("another-half", scheduled.node, templates={"gpu": "another-half"})
+    assert "cannot allocate all claims" in ns.unschedulable("another-half")["message"]
+
+    answers = scheduled.prepare(*claims.values())
+    for pod, percent in (("quarter", "25"), ("half", "50")):
+        uid = claims[pod]["metadata"]["uid"]
+        assert prepared(answers[uid]) == allocated(claims[pod])
+        (cdev,) = json.loads((scheduled.root / "cdi" / f"{DRIVER}-claim_{uid}.json").read_text())["devices"]
+        env = cdev["containerEdits"]["env"]
+        assert f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percent}" in env and \
+            f"DRA_GPU_5_SHARED_COMPUTE_PERCENT={percent}" in env, env
+    answers = scheduled.unprepare(*claims.values())
+    assert all(a.get("error", "") == "" for a in answers.values()), answers
 
 
 def test_a_claim_whose_parameters_the_server_encodes_otherwise_gets_its_status(scheduled: NodeAgent,

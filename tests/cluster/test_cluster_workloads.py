@@ -155,10 +155,12 @@ def test_every_workload_example_is_scheduled_and_prepared(scheduled: NodeAgent, 
     assert string(mig, "type") == "mig" and string(mig, "profile") == "1g.10gb"
     assert env[f"{env_name(mig)}_UUID"].startswith("MIG-")
 
-    # gpu-share.yaml: 10Gi of a shared GPU, and its limit in the container.
+    # gpu-share.yaml: 10Gi and half the compute of a shared GPU, and their limits in the container.
     share, env, c = only("share-pod", "share")
     (result,) = results_of(c)
-    assert string(share, "type") == "shared" and result["shareID"] and result["consumedCapacity"] == {"memory": "10Gi"}
+    assert string(share, "type") == "shared" and result["shareID"]
+    assert result["consumedCapacity"] == {"memory": "10Gi", "compute": "500m"}
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == env[f"{env_name(share)}_COMPUTE_PERCENT"] == "50"
     assert env[f"{env_name(share)}_MEMORY_LIMIT"] == str(10 << 30)
     assert env[f"{env_name(share)}_SHARE_ID"] == result["shareID"]
     assert env["CUDA_VISIBLE_DEVICES"] == string(share, "uuid")
