@@ -12,7 +12,7 @@ import logging
 import os
 import random
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -360,3 +360,28 @@ class Backoff:
 def plain(obj: Any) -> dict[str, Any]:
     """A lightkube model as the JSON dict the API sent or will be sent."""
     return obj.to_dict()  # type: ignore[no-any-return]
+
+
+async def watch_forever(client: lightkube.AsyncClient, resource: type[Any], what: str, *,
+                        backoff: Backoff | None = None, **options: Any) -> AsyncIterator[tuple[str, Any]]:
+    """(event type, object) of a watch of `resource` (`options` as lightkube's `watch` takes them), for ever:
+    lightkube resumes a watch the API server ends from the last version it saw (and starts over on a 410);
+    one that fails starts again after a backoff, and then first sends every object again. The caller
+    cancels it; `what` names it in the log."""
+    backoff = backoff or Backoff(initial=1.0, maximum=30.0)
+    failures = 0
+    while True:
+        try:
+            async for kind, obj in client.watch(resource, **options):
+                failures = 0
+                yield kind, obj
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            failures += 1
+            delay = backoff.delay(failures, exc)
+            log.warning("watching %s failed (%s); watching again in %.1fs", what, describe(exc), delay)
+            await asyncio.sleep(delay)
+            continue
+        failures += 1  # the watch ended without an error: start again, at once the first time
+        await asyncio.sleep(backoff.delay(failures) if failures > 1 else 0)

@@ -281,17 +281,21 @@ async def test_resync_writes_every_prepared_claim(node, kube_api, online):
     assert ready(devices_of(kube_api)[DRIVER, "gpu-0"])["status"] == "True"
 
 
+async def prepared_and_stopped(node, kube_api, writer, count: int) -> None:
+    """`count` claims c0, c1... (a GPU each) prepared and their status written by `writer`, then stopped."""
+    for i in range(count):
+        uid = f"1e570000-0000-4000-8000-{i:012d}"
+        kube_api.add(claim(f"c{i}", uid, [result(f"gpu-{i}", "gpu")]))
+        await prepare(node, uid, f"c{i}")
+    await settled(writer)
+    await writer.stop()
+
+
 async def test_a_restart_reads_the_stored_status_of_a_namespaces_claims_in_one_list(node, kube_api, online):
     # A restarted agent compares each claim's entries with the stored ones before writing: one LIST of the
     # namespace for them all, not a GET each (what a restart costs the API server grows with the
     # namespaces, not the claims). A claim whose stored entries were lost meanwhile is written again.
-    first = online()
-    uids = [f"1e570000-0000-4000-8000-{i:012d}" for i in range(3)]
-    for i, uid in enumerate(uids):
-        kube_api.add(claim(f"c{i}", uid, [result(f"gpu-{i}", "gpu")]))
-        await prepare(node, uid, f"c{i}")
-    await settled(first)
-    await first.stop()
+    await prepared_and_stopped(node, kube_api, online(), 3)
     await apply_as(kube_api, DRIVER, [], name="c2")  # lost while no agent ran
 
     again = online()
@@ -307,13 +311,7 @@ async def test_a_restart_reads_the_stored_status_of_a_namespaces_claims_in_one_l
 
 
 async def test_a_failed_list_leaves_each_claim_to_its_own_read(node, kube_api, online):
-    first = online()
-    uids = [f"1e570000-0000-4000-8000-{i:012d}" for i in range(2)]
-    for i, uid in enumerate(uids):
-        kube_api.add(claim(f"c{i}", uid, [result(f"gpu-{i}", "gpu")]))
-        await prepare(node, uid, f"c{i}")
-    await settled(first)
-    await first.stop()
+    await prepared_and_stopped(node, kube_api, online(), 2)
     kube_api.fail("GET", "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims", times=1, status=500)
 
     again = online()

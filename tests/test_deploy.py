@@ -364,6 +364,11 @@ OTHER_CLIENT_CALLS = {"request", "log", "exec", "set"}  # not to be used without
 RAW_CALL = "raw_call"
 # `agent.kube.list_metadata(client, <resource class>, namespace)`: a metadata-only LIST.
 LIST_METADATA = "list_metadata"
+# `agent.kube.watch_forever(client, <resource class>, ...)`: a watch, started again when it ends.
+WATCH_FOREVER = "watch_forever"
+# Helpers that take the resource class from their caller: their own client calls name none, and each call
+# of one is recorded where it is made.
+CALL_HELPERS = {RAW_CALL: None, LIST_METADATA: "list", WATCH_FOREVER: "watch"}
 
 # Granted though no code names them: since 1.36 a claim status write (status.devices, made by
 # agent/health/statussinks.py) is also authorized per driver on the resourceclaims/driver
@@ -424,6 +429,8 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
         classes = _resource_classes(tree)
         http = _http_clients(tree)
         parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+        helper_bodies = [(n.lineno, n.end_lineno or n.lineno) for n in ast.walk(tree)
+                         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name in CALL_HELPERS]
 
         def record(where: str, method: str, call: ast.Call, classes: dict[str, type] = classes) -> None:
             named: set[type] = set()
@@ -455,11 +462,14 @@ def code_api_calls(package: Path = REPO / "agent") -> dict[tuple[str, str, str],
                     continue
                 record(where, str(method), node)
                 continue
-            if isinstance(node, ast.Call) and LIST_METADATA in (getattr(node.func, "id", None),
-                                                                getattr(node.func, "attr", None)):
-                record(f"{path.relative_to(package.parent)}:{node.lineno}", "list", node)
+            helper = (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) \
+                if isinstance(node, ast.Call) else None
+            if helper is not None and CALL_HELPERS.get(helper):
+                record(f"{path.relative_to(package.parent)}:{node.lineno}", str(CALL_HELPERS[helper]), node)
                 continue
             if not (isinstance(node, ast.Attribute) and _is_client(node.value)):
+                continue
+            if any(first <= node.lineno <= last for first, last in helper_bodies):
                 continue
             if isinstance(node.value, ast.Name) and any(
                     node.value.id == name and first <= node.lineno <= last for name, first, last in http):
@@ -504,6 +514,7 @@ def test_the_source_scan_finds_the_calls_it_must() -> None:
     assert any("agent/claims/sources.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "get")])
     assert any("agent/claims/sources.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "list")])
     assert any("agent/publish/apiserver.py" in w for w in calls[("resource.k8s.io", "resourceslices", "watch")])
+    assert any("agent/claims/watch.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "watch")])
     assert any("agent/health/statusupdate.py" in w
                for w in calls[("resource.k8s.io", "resourceclaims/status", "update")])
 
@@ -526,6 +537,12 @@ async def f(self, client, obj):
     async with httpx2.AsyncClient() as client:
         await client.get("http://127.0.0.1:9477/healthz")
     await kube.list_metadata(client, ResourceClaim, "ns")
+    async for _ in kube.watch_forever(client, ResourceClaim, "claims", namespace="ns"):
+        pass
+
+async def watch_forever(client, resource, what, **options):
+    async for event in client.watch(resource, **options):
+        yield event
 """)
     assert {k: [w.split(":")[1] for w in v] for k, v in code_api_calls(package).items()} == {
         ("resource.k8s.io", "resourceclaims/status", "patch"): ["7"],
@@ -534,6 +551,7 @@ async def f(self, client, obj):
         ("", "nodes", "get"): ["11"],
         ("resource.k8s.io", "resourceclaims/status", "update"): ["12"],
         ("resource.k8s.io", "resourceclaims", "list"): ["15"],
+        ("resource.k8s.io", "resourceclaims", "watch"): ["16"],
     }
     (package / "b.py").write_text("async def g(client, kind):\n    await client.delete(kind, 'x')\n")
     with pytest.raises(AssertionError, match=r"pkg/b.py:2: client.delete on no resource class"):

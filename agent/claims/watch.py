@@ -10,8 +10,6 @@ between two watches is caught by garbage collection (`agent.engine.gc`).
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,8 +19,6 @@ from agent.kube import Backoff
 
 if TYPE_CHECKING:  # the API client is imported when the watch starts (a cluster only)
     import lightkube
-
-log = logging.getLogger(__name__)
 
 EventType = Literal["ADDED", "MODIFIED", "DELETED"]
 _TYPES: Mapping[str, EventType] = {"ADDED": "ADDED", "MODIFIED": "MODIFIED", "DELETED": "DELETED"}
@@ -40,22 +36,7 @@ async def watch_claims(client: lightkube.AsyncClient, *, backoff: Backoff | None
     import lightkube
     from lightkube.resources.resource_v1 import ResourceClaim
 
-    backoff = backoff or Backoff(initial=1.0, maximum=30.0)
-    failures = 0
-    while True:
-        try:
-            async for kind, obj in client.watch(ResourceClaim, namespace=lightkube.ALL_NS,
-                                                server_timeout=WATCH_TIMEOUT):
-                failures = 0
-                if (known := _TYPES.get(kind)) is not None:  # not BOOKMARK, ERROR
-                    yield ClaimEvent(known, kube.plain(obj))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            failures += 1
-            delay = backoff.delay(failures, exc)
-            log.warning("watching ResourceClaims failed (%s); watching again in %.1fs", kube.describe(exc), delay)
-            await asyncio.sleep(delay)
-            continue
-        failures += 1  # the server ended the watch: start again, at once the first time
-        await asyncio.sleep(backoff.delay(failures) if failures > 1 else 0)
+    async for kind, obj in kube.watch_forever(client, ResourceClaim, "ResourceClaims", backoff=backoff,
+                                              namespace=lightkube.ALL_NS, server_timeout=WATCH_TIMEOUT):
+        if (known := _TYPES.get(kind)) is not None:  # not BOOKMARK, ERROR
+            yield ClaimEvent(known, kube.plain(obj))

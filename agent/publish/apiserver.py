@@ -343,24 +343,12 @@ class ApiPublisher:
         """(name, resourceVersion, None once deleted) of every change to this node's slices of this driver:
         one field-selected watch, resumed from the last version seen when the API server ends it (lightkube),
         started again after a backoff when it fails. A new watch first sends every slice as it is."""
-        backoff = Backoff(initial=1.0, maximum=30.0)
-        failures = 0
-        while True:
-            try:
-                async for kind, obj in self.client.watch(
-                        ResourceSlice, fields={"spec.nodeName": self.node.name, "spec.driver": self.driver},
-                        server_timeout=WATCH_TIMEOUT):
-                    failures = 0
-                    meta = obj.metadata
-                    if kind in ("ADDED", "MODIFIED", "DELETED") and meta is not None and meta.name:
-                        yield meta.name, (None if kind == "DELETED" else str(meta.resourceVersion or ""))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures += 1
-                delay = backoff.delay(failures, exc)
-                log.warning("watching ResourceSlices failed (%s); watching again in %.1fs", kube.describe(exc), delay)
-                await asyncio.sleep(delay)
+        async for kind, obj in kube.watch_forever(
+                self.client, ResourceSlice, "ResourceSlices",
+                fields={"spec.nodeName": self.node.name, "spec.driver": self.driver}, server_timeout=WATCH_TIMEOUT):
+            meta = obj.metadata
+            if kind in ("ADDED", "MODIFIED", "DELETED") and meta is not None and meta.name:
+                yield meta.name, (None if kind == "DELETED" else str(meta.resourceVersion or ""))
 
     def _sent_before(self, write: slices.SliceWrite, existing: Mapping[str, Mapping[str, Any]]) -> bool:
         """Whether this rewrite would send what was sent before, to a slice still stored as the server
