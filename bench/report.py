@@ -147,8 +147,21 @@ def markdown(runs: list[dict[str, Any]], mid: int, fill: int) -> str:
                       (f"prepare p50 with {fill} claims / with 10", f"p50_{fill}_vs_10_claims"),
                       ("`dra-agent kubelet info` (s)", "cli_info_s"),
                       ("RSS growth, 1,000 to 100,000 cycles (MiB)", "rss_growth_100k_cycles_mib"),
-                      ("descriptors gained, 1,000 to 100,000 cycles", "fd_growth_100k_cycles")):
-        row(what, key, "", "")
+                      ("descriptors gained, 1,000 to 100,000 cycles", "fd_growth_100k_cycles"),
+                      ("idle agent's CPU, 1,000 claims (% of a core)", "idle_cpu_percent"),
+                      ("idle agent's wake-ups a second", "idle_wakeups_per_s"),
+                      ("others' p99 beside 8 slow passthrough GPUs / without", "slow_device_p99_ratio"),
+                      ("fleet: requests per agent to come up", "fleet_requests_per_agent_start"),
+                      ("fleet: reads per agent per idle hour, 100 claims", "fleet_reads_per_agent_idle_hour"),
+                      ("fleet: writes per agent per idle hour", "fleet_writes_per_agent_idle_hour"),
+                      ("fleet: requests per agent for a restart of all", "fleet_requests_per_agent_restart"),
+                      ("fleet: writes per agent for a restart of all", "fleet_writes_per_agent_restart"),
+                      ("fleet: watches per agent", "fleet_watches_per_agent"),
+                      ("fleet: cluster-wide watches per agent", "fleet_cluster_wide_watches_per_agent"),
+                      ("fleet: CPU-s per 1,000 foreign claims, --binding-conditions",
+                       "fleet_binding_conditions_cpu_s_per_1000_foreign_claims")):
+        if key in first:
+            row(what, key, "", "")
     return "\n".join(lines)
 
 
