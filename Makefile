@@ -25,7 +25,7 @@ setup: $(STAMP) $(PB)
 lint: setup
 	$(BIN)/ruff check agent cdi tests bench examples proto image
 	$(BIN)/mypy agent cdi
-	MYPYPATH=bench $(BIN)/mypy --explicit-package-bases bench/*.py
+	MYPYPATH=bench:tests $(BIN)/mypy --explicit-package-bases bench/*.py
 
 test: lint nvml-standin gocheck cluster-components kubelet-components
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -103,6 +103,7 @@ class Settings:
     taint_policy: Path | None = None
     metrics_address: str = DEFAULT_METRICS_ADDRESS
     probe_address: str = ""  # a listener of the probes' own (loopback in the DaemonSet); "": on the metrics one
+    probe_socket: Path | None = None  # a unix socket of the probes, for the kubelet's exec probes; None: none
     stop_with_parent: bool = False
     log_format: str = "auto"
     log_level: str = "info"
@@ -128,6 +129,13 @@ class Settings:
             parse_address(self.metrics_address)
         if self.probe_address:
             parse_address(self.probe_address, "--probe-address")
+        if self.probe_socket is not None:
+            # Bound first as `.<8 hex>.sock` beside it (agent/kubelet/sockets.py): both names must fit.
+            path = self.probe_socket
+            longest = max(len(os.fsencode(str(path))), len(os.fsencode(str(path.parent))) + 15)
+            if longest >= UNIX_PATH_MAX:
+                raise ConfigError(f"--probe-socket {self.probe_socket}: too long for a unix socket (its directory "
+                                  f"at most {UNIX_PATH_MAX - 16} bytes, the path at most {UNIX_PATH_MAX - 1})")
         from agent.vgpupolicy import VgpuPolicy
 
         try:
@@ -172,6 +180,12 @@ class Settings:
     @functools.cached_property
     def registry_dir(self) -> Path:
         return self.kubelet_dir / "plugins_registry"
+
+    @functools.cached_property
+    def pod_resources_socket(self) -> Path:
+        """The kubelet's pod resources service (`agent.kubelet.podresources`): where the kubelet makes it, in
+        its root directory."""
+        return self.kubelet_dir / "pod-resources" / "kubelet.sock"
 
     @functools.cached_property
     def metadata_dir(self) -> Path:
@@ -302,7 +316,7 @@ def build_settings(values: Mapping[str, Any]) -> Settings:
                 and isinstance(value, str):
             value = _globs(value)
         elif key in ("driver_root", "kubelet_dir", "cdi_dir", "static_cdi_dir", "state_dir", "sysfs_root",
-                     "dev_root", "kubeconfig", "offline", "offline_fallback", "taint_policy") \
+                     "dev_root", "kubeconfig", "offline", "offline_fallback", "taint_policy", "probe_socket") \
                 and not isinstance(value, Path):
             value = Path(os.path.abspath(os.path.expanduser(str(value))))
         kw[key] = value

@@ -2,8 +2,14 @@
 without reading the agent's logs (`kubectl describe node`, `kubectl get events`).
 
 An Event is best effort: it is posted in the background, retried a few times while the API server's
-answer says it may heal, and a failure is logged, never raised to what reported it. Events of a
-cluster-scoped object live in the `default` namespace, as the kubelet's of the Node do.
+answer says it may heal, and a failure is logged, never raised to what reported it.
+
+An Event is created in the namespace of the object it is about (`namespace_of`), never in another: a
+cluster-scoped object's (the Node's) live in `default`, where the kubelet records its own Events about its
+Node (the Kubernetes recorders put an Event whose object has no namespace there;
+tests/cluster/test_cluster_kubelet.py sees the real kubelet's there). deploy/ grants `create` on Events in
+`default` alone, a Role rather than the ClusterRole, so the agent's token cannot post Events about a
+tenant's objects in the tenant's namespaces (docs/deployment.md, "RBAC").
 """
 
 from __future__ import annotations
@@ -13,15 +19,16 @@ import datetime
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import cast
-
-import lightkube
+from typing import TYPE_CHECKING, cast
 
 from agent import kube
 
+if TYPE_CHECKING:  # the API client is loaded by the first Event posted
+    import lightkube
+
 log = logging.getLogger(__name__)
 
-NAMESPACE = "default"
+NAMESPACE = "default"  # where the Events of a cluster-scoped object live
 NOTE_MAX = 1024  # bytes the API server takes in a note
 ATTEMPTS = 5
 
@@ -32,6 +39,23 @@ class NodeEvent:
     action: str  # what the agent did about it (`SetAside`)
     note: str  # for a person: what, where, what it means
     type: str = "Warning"
+
+
+@dataclass(frozen=True, slots=True)
+class Regarding:
+    """The object an Event is about (its `regarding`)."""
+
+    kind: str
+    name: str
+    uid: str = ""
+    namespace: str = ""  # none: a cluster-scoped object (a Node)
+    api_version: str = "v1"
+
+
+def namespace_of(regarding: Regarding) -> str:
+    """The namespace an Event about `regarding` is created in: the object's own, or for a cluster-scoped one
+    `default`."""
+    return regarding.namespace or NAMESPACE
 
 
 class NodeEvents:
@@ -45,14 +69,21 @@ class NodeEvents:
         self.instance = f"dra-agent-{node}"[:128]
         self.backoff = kube.Backoff(initial=0.5, maximum=10.0, attempts=ATTEMPTS)
 
+    @property
+    def regarding(self) -> Regarding:
+        return Regarding("Node", self.node, self.node_uid)
+
     def body(self, event: NodeEvent) -> dict[str, object]:
         note = event.note.encode()[:NOTE_MAX].decode(errors="ignore")
-        regarding: dict[str, str] = {"apiVersion": "v1", "kind": "Node", "name": self.node}
-        if self.node_uid:
-            regarding["uid"] = self.node_uid
+        about = self.regarding
+        regarding: dict[str, str] = {"apiVersion": about.api_version, "kind": about.kind, "name": about.name}
+        if about.namespace:
+            regarding["namespace"] = about.namespace
+        if about.uid:
+            regarding["uid"] = about.uid
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         return {"apiVersion": "events.k8s.io/v1", "kind": "Event",
-                "metadata": {"name": f"{self.node}.{secrets.token_hex(8)}", "namespace": NAMESPACE},
+                "metadata": {"name": f"{self.node}.{secrets.token_hex(8)}", "namespace": namespace_of(about)},
                 "eventTime": now, "reportingController": self.controller, "reportingInstance": self.instance,
                 "action": event.action, "reason": event.reason, "type": event.type, "note": note,
                 "regarding": regarding}

@@ -109,9 +109,14 @@ class NicFacts:
     ips: tuple[str, ...] = ()  # CIDR, IPv4 first
     link_up: bool = False
     pci_bus_id: str = ""
-    # It carries the namespace's default route (`agent.host.routes`): never moved into a pod nor passed
-    # through, which would cut the node off.
-    uplink: bool = False
+    # Why it is the node's uplink (`agent.inventory.uplinks`: it, or a link above it, carries a default
+    # route or an address of the Node), "" when it is not: never moved into a pod nor passed through,
+    # which would cut the node off.
+    uplink_reason: str = ""
+
+    @property
+    def uplink(self) -> bool:
+        return bool(self.uplink_reason)
 
     @property
     def kind(self) -> Kind:

@@ -12,7 +12,7 @@ import logging
 import os
 import random
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -237,41 +237,6 @@ def count_requests(client: lightkube.AsyncClient, count: Callable[[str, str], No
     http.event_hooks["request"].append(counted)
 
 
-METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1, application/json"
-LIST_PAGE = 500  # objects per page of a LIST (garbage collection's, a restart's read of claims' status)
-
-
-async def list_metadata(client: lightkube.AsyncClient, resource: type[Any], namespace: str) -> list[dict[str, Any]]:
-    """The `metadata` of every object of a namespaced `resource` in `namespace`: one metadata-only LIST (a
-    page of LIST_PAGE at a time), so the answer is a few hundred bytes an object whatever its spec and
-    status hold. Raises as `raw_call` does."""
-    import httpx2
-    from lightkube.core.exceptions import ApiError
-    from lightkube.core.resource import api_info
-
-    info = api_info(resource)
-    prefix = f"/apis/{info.resource.group}/{info.resource.version}" if info.resource.group \
-        else f"/api/{info.resource.version}"
-    path = f"{prefix}/namespaces/{namespace}/{info.plural}"
-    http: httpx2.AsyncClient = client._client._client
-    found: list[dict[str, Any]] = []
-    token = ""
-    while True:
-        params = {"limit": str(LIST_PAGE)} | ({"continue": token} if token else {})
-        response = await http.get(path, params=params, headers={"Accept": METADATA_LIST})
-        try:
-            response.raise_for_status()
-        except httpx2.HTTPStatusError as exc:
-            if response.headers.get("Content-Type") == "application/json":
-                raise ApiError(request=exc.request, response=response) from exc
-            raise
-        page = response.json()
-        found.extend(meta for item in page.get("items") or () if isinstance(meta := item.get("metadata"), dict))
-        token = str((page.get("metadata") or {}).get("continue") or "")
-        if not token:
-            return found
-
-
 # -- errors -------------------------------------------------------------------------------------
 
 def _loaded(module: str, name: str) -> type[BaseException] | tuple[()]:
@@ -361,27 +326,3 @@ def plain(obj: Any) -> dict[str, Any]:
     """A lightkube model as the JSON dict the API sent or will be sent."""
     return obj.to_dict()  # type: ignore[no-any-return]
 
-
-async def watch_forever(client: lightkube.AsyncClient, resource: type[Any], what: str, *,
-                        backoff: Backoff | None = None, **options: Any) -> AsyncIterator[tuple[str, Any]]:
-    """(event type, object) of a watch of `resource` (`options` as lightkube's `watch` takes them), for ever:
-    lightkube resumes a watch the API server ends from the last version it saw (and starts over on a 410);
-    one that fails starts again after a backoff, and then first sends every object again. The caller
-    cancels it; `what` names it in the log."""
-    backoff = backoff or Backoff(initial=1.0, maximum=30.0)
-    failures = 0
-    while True:
-        try:
-            async for kind, obj in client.watch(resource, **options):
-                failures = 0
-                yield kind, obj
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            failures += 1
-            delay = backoff.delay(failures, exc)
-            log.warning("watching %s failed (%s); watching again in %.1fs", what, describe(exc), delay)
-            await asyncio.sleep(delay)
-            continue
-        failures += 1  # the watch ended without an error: start again, at once the first time
-        await asyncio.sleep(backoff.delay(failures) if failures > 1 else 0)

@@ -190,7 +190,8 @@ class Metrics:
         for action in RECOVERY_ACTIONS:
             self.recovery.labels(action)
         self.records_quarantined = Counter(
-            PREFIX + "records_quarantined", "Unreadable claim records set aside as <uid>.rec.corrupt (the claim's "
+            PREFIX + "records_quarantined", "Claim records set aside as <uid>.rec.corrupt, unreadable or saying "
+            "what the agent never writes (the claim's "
             "files removed, the claim no longer prepared), at start-up or while running; each is also a Warning "
             "Event ClaimRecordQuarantined on the Node and a line of /readyz", registry=r)
         self.claims_garbage_collected = Counter(
@@ -203,9 +204,13 @@ class Metrics:
             "(LIST, WATCH, GET, CREATE, UPDATE, PATCH, DELETE; a subresource as resource/sub)",
             ["verb", "resource"], registry=r)
         self.gc_sweeps = Counter(
-            PREFIX + "gc_sweeps", "Passes of garbage collection over the prepared claims (each looks their "
-            "ResourceClaims up: one metadata-only LIST per namespace holding prepared claims, in a cluster)",
-            registry=r)
+            PREFIX + "gc_sweeps", "Passes of garbage collection over the prepared claims (in a cluster each asks the "
+            "kubelet's pod resources service which claims the pods on the node use, and reads only a claim no pod "
+            "has used for --gc-grace-period; offline each looks every claim up)", registry=r)
+        self.gc_skipped = Counter(
+            PREFIX + "gc_skipped", "Passes of garbage collection that collected nothing because the kubelet's pod "
+            "resources service did not say which claims the pods on the node use (its socket absent, the kubelet "
+            "not answering)", registry=r)
         self.claim_status_writes = Counter(
             PREFIX + "claim_status_writes", "Writes of this driver's ResourceClaim status.devices entries (server-side "
             "apply, or the offline file), by result: ok, unchanged (not sent: after a restart, the stored entries "

@@ -35,6 +35,18 @@ class ClaimRef:
         return f"claim {_plain(self.namespace)}/{_plain(self.name)} ({_plain(self.uid)})"
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimName:
+    """A claim by namespace and name alone: how the kubelet's pod resources service names the claims pods
+    use (it gives no UID)."""
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"claim {_plain(self.namespace)}/{_plain(self.name)}"
+
+
 def _plain(value: str) -> str:
     """The value as is when it is short and printable, else a clipped repr (logs stay one line)."""
     if len(value) <= 253 and value.isprintable():

@@ -81,9 +81,9 @@ OPTIONS: tuple[Option, ...] = (
            "comma-separated interface-name globs: PFs without SR-IOV VFs that also get a passthrough (VFIO) "
            "variant (every VF gets one anyway; --nic-exclude wins)", metavar="GLOBS"),
     Option("node_ips", "--node-ips", "DRA_NODE_IPS", "",
-           "comma-separated addresses of this Node (the DaemonSet gives status.hostIPs): a NIC holding one is "
-           "the node's uplink, like the NIC of the default route, and never moved into a pod or passed "
-           "through", metavar="IPS"),
+           "comma-separated addresses of this Node (the DaemonSet gives status.hostIPs): a NIC holding one, "
+           "or below a link that does (its bridge, bond, VLAN), is the node's uplink, like one below a default "
+           "route, and never moved into a pod or passed through", metavar="IPS"),
     Option("rescan_interval", "--rescan-interval", "DRA_RESCAN_INTERVAL", 60.0,
            "seconds between NVML and sysfs rescans", kind=float, metavar="SECONDS"),
     Option("netlink_debounce", "--netlink-debounce", "DRA_NETLINK_DEBOUNCE", 0.5,
@@ -98,9 +98,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("api_timeout", "--api-timeout", "DRA_API_TIMEOUT", 10.0,
            "seconds for one API server request", kind=float, metavar="SECONDS"),
     Option("gc_grace_period", "--gc-grace-period", "DRA_GC_GRACE_PERIOD", 600.0,
-           "seconds a prepared claim's ResourceClaim must stay gone (deleted, or re-created with another "
-           "UID) before the claim is unprepared here; checked at start and then once a grace period (one "
-           "metadata-only LIST per namespace holding prepared claims)",
+           "seconds a prepared claim must stay unused by every pod on the node (the kubelet's pod resources "
+           "service says; offline: its claim file gone) before it is looked up and, its ResourceClaim gone "
+           "(deleted, or re-created with another UID), unprepared here; checked at start and then once a grace "
+           "period",
            kind=float, metavar="SECONDS"),
     Option("dynamic_mig", "--dynamic-mig", "DRA_DYNAMIC_MIG", True,
            "publish every MIG placement of MIG-capable GPUs as a device on the GPU's counter set; prepare "
@@ -156,6 +157,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("probe_address", "--probe-address", "DRA_PROBE_ADDRESS", "",
            "HTTP listener of the probes alone (the DaemonSet: 127.0.0.1:9478)", metavar="HOST:PORT",
            empty=True),
+    Option("probe_socket", "--probe-socket", "DRA_PROBE_SOCKET", None,
+           "unix socket of the probes, for the kubelet's exec probes (python3 -m agent.app.probeclient; "
+           "the DaemonSet: /run/dra-agent/probe.sock, in an emptyDir)", metavar="PATH"),
     Option("stop_with_parent", "--stop-with-parent", "DRA_STOP_WITH_PARENT", False,
            "run: stop, as on SIGTERM, when the process that started the agent exits (`make run` sets it) "
            "(true/false)", kind=bool, metavar="BOOL"),

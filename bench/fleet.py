@@ -5,12 +5,15 @@ build them (`make cluster-components`), read from the API server's own `apiserve
 No scheduler and no controller-manager run: what the API server counts for the agents' resources in
 each window is the agents' (the bench's own requests happen between windows). Claims are made
 allocated by the bench through the status subresource, as the scheduler would, and prepared through
-each agent's DRA socket, as the kubelet would.
+each agent's DRA socket, as the kubelet would. Each node has a stand-in of the kubelet's pod resources
+service (tests/podresources.py) whose pods use that node's claims, as a node's running pods would: what
+garbage collection asks instead of the API server.
 
 Figures (per agent; `fleet_*` keys):
 - requests to come up (Node read, the pool published, the first garbage collection sweep);
 - reads and writes in an idle window with `claims` prepared claims each, scaled to an hour;
-- requests, and writes, for a restart of every agent at once;
+- requests, and writes, for a restart of every agent at once (each stopped in order, as a rolling
+  restart stops one);
 - watches held while idle: every watch, and watches of every namespace's claims (cluster-wide).
 
 Run alone: `.venv/bin/python bench/fleet.py --agents 20 --claims 100 --idle-seconds 600`.
@@ -37,6 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from podresources import PodResourcesStandIn, socket_of  # noqa: E402
 
 from agent.kubelet import client as kc  # noqa: E402
 from agent.names import ClaimRef  # noqa: E402
@@ -129,6 +134,7 @@ class Fleet:
         self.nodes = [f"fleet-{i:03d}" for i in range(agents)]
         self.running: dict[str, Any] = {}
         self.kubeconfigs: dict[str, Path] = {}
+        self.kubelets: dict[str, PodResourcesStandIn] = {}  # per node, for the fleet's life (across restarts)
         self._stack = contextlib.ExitStack()
 
     def prepare_cluster(self) -> None:
@@ -136,6 +142,7 @@ class Fleet:
         for node in self.nodes:
             self.cluster.add_node(node)
             self.kubeconfigs[node] = self.cluster.agent_kubeconfig(node)
+            self.kubelets[node] = PodResourcesStandIn(socket_of(self.work / node / "kubelet")).start()
 
     def snapshot(self) -> Count:
         return requests(str(self.cluster.admin.get("/metrics")))
@@ -153,7 +160,8 @@ class Fleet:
 
     @contextlib.contextmanager
     def _agent(self, node: str, *flags: str) -> Iterator[Any]:
-        with self.kit.agent(self.work / node, self.kubeconfigs[node], *flags, node=node, nvml=NVML) as proc:
+        with self.kit.agent(self.work / node, self.kubeconfigs[node], *flags, node=node, nvml=NVML,
+                            own_kubelet=node not in self.kubelets) as proc:
             yield proc
 
     def binding_cost(self, foreign: int, r: dict[str, Any]) -> None:
@@ -218,6 +226,7 @@ class Fleet:
             made["status"] = allocated(node, f"gpu-{i % 8}")
             self.cluster.admin.put(f"{base}/{name}/status", made)
             refs.append(ClaimRef(namespace, name, made["metadata"]["uid"]))
+        self.kubelets[node].use(*refs, pod="fleet")  # a pod on the node uses them
         return refs
 
     async def prepare(self, node: str, refs: list[ClaimRef]) -> None:
@@ -237,6 +246,8 @@ class Fleet:
 
     def close(self) -> None:
         self.stop_all()
+        for kubelet in self.kubelets.values():
+            kubelet.stop()
         self.cluster.close()
         self.plane.stop()
 

@@ -18,6 +18,7 @@ PROTOS = (
     "dra_v1beta1.proto",
     "health_v1.proto",
     "health_v1alpha1.proto",
+    "podresources_v1.proto",  # the kubelet's pod resources service, which the agent calls
     "k8s_claim.proto",  # not gRPC: a ResourceClaim's protobuf encoding, in part (agent/health/statusupdate.py)
 )
 

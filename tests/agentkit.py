@@ -74,7 +74,7 @@ def nic(name: str = "nic-0000-3b-00-0", ifname: str = "ens1f0", mac: str = "02:0
         attrs["ipv4"] = ips[0]
     return Device(name=name, kind=Kind.NIC, attributes=attrs,
                   node=NicFacts(interface=ifname, mac=mac, ips=tuple(ips), link_up=True, pci_bus_id=bus,
-                                uplink=uplink))
+                                uplink_reason=f"{ifname} carries the default route 0.0.0.0/0 (table main)" * uplink))
 
 
 def cpu(node: int = 0, cpus: Iterable[int] = range(0, 8)) -> Device:

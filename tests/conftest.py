@@ -50,6 +50,19 @@ async def agents():  # type: ignore[no-untyped-def]
 pytest_plugins = ("kubeapi",)
 
 
+@pytest.fixture(scope="session")
+def checker() -> Path:
+    """The Go checker of tests/gocheck (the official CDI and metadata libraries), built or reused once."""
+    from gocheck import build
+
+    try:
+        return build.binary()
+    except build.GoMissing as e:
+        pytest.skip(str(e))
+    except build.BuildFailed as e:
+        pytest.fail(str(e))
+
+
 @pytest.fixture
 def short_tmp():
     """A temporary directory with a short path: unix socket paths must stay under 108 bytes."""

@@ -227,7 +227,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         kind = KINDS[request.resource]
         try:
             if request.action == kmock.action.WATCH:
-                return self._serve_watch(request)
+                return _with_lines(self._serve_watch(request))
             code, body = await self._answer(kind, request)
         except ApiAnswer as exc:
             code, body = exc.code, exc.body
@@ -501,6 +501,17 @@ _REASONS = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError", 503: 
             504: "Timeout", 403: "Forbidden", 404: "NotFound"}
 
 
+# The key of a stored object that every watch sends as this line instead of the object (`KubeApi.add_line`).
+WATCH_LINE = "x-watch-line"
+
+
+async def _with_lines(events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for event in events:
+        obj = event.get("object") if isinstance(event, dict) else None
+        line = obj.get(WATCH_LINE) if isinstance(obj, dict) else None
+        yield event if line is None else line.encode() + b"\n"
+
+
 class KubeApi:
     """The emulator on a real TCP port, with test helpers. Stop and start it to play an outage."""
 
@@ -557,6 +568,12 @@ class KubeApi:
         else:
             self.emulator.objects[key] = new
         return copy.deepcopy(new)
+
+    def add_line(self, api_version: str, kind: str, name: str, line: str, namespace: str | None = None) -> None:
+        """An object that every watch of its kind sends, where it would send the object, as `line` itself:
+        what no encoder here would write (an object nested deeper than Python's json recurses, an ERROR)."""
+        self.add({"apiVersion": api_version, "kind": kind, WATCH_LINE: line,
+                  "metadata": {"name": name} | ({"namespace": namespace} if namespace else {})})
 
     def add_node(self, name: str, uid: str | None = None,
                  declared_features: Iterable[str] = ()) -> dict[str, Any]:

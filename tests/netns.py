@@ -132,7 +132,8 @@ from agent.inventory.nics import NicSource
 result = NicSource(build_settings(json.loads(sys.argv[1]))).scan()
 print(json.dumps({
     "devices": [dict(d.summary(), node={"interface": getattr(d.node, "interface", ""), "mac": d.node.mac,
-                                        "ips": list(getattr(d.node, "ips", ()))}, wire=d.wire())
+                                        "ips": list(getattr(d.node, "ips", ())),
+                                        "uplink": getattr(d.node, "uplink_reason", "")}, wire=d.wire())
                 for d in result.devices],
     "failed_devices": {f.device: f.reason for f in result.failed_devices},
     "problems": {p.what: p.reason for p in result.problems},
@@ -153,6 +154,10 @@ class Scan:
     @property
     def by_ifname(self) -> dict[str, dict[str, Any]]:
         return {d["node"]["interface"]: d for d in self.devices}
+
+    def uplink(self, ifname: str) -> str:
+        """Why the device on `ifname` is the node's uplink, "" when it is not."""
+        return str(self.by_ifname[ifname]["node"]["uplink"])
 
     def attrs(self, ifname: str) -> dict[str, Any]:
         """Attributes of the device on `ifname`, as plain values."""

@@ -86,8 +86,8 @@ async def test_readyz_says_why_from_the_views(tmp_path: Path) -> None:
     assert [(c.name, c.ok, c.detail) for c in await probes.readyz(starting)] == [
         ("kubelet-registration", False, "starting: the sockets are not open yet"),
         ("slices", False, "not publishing yet (waiting for the Node)"),
-        ("claim-records", True, "every claim record read is readable")]
-    # Unreadable records set aside are named (the last three), and do not make the agent unready.
+        ("claim-records", True, "every claim record read is readable and the agent's own")]
+    # Records set aside are named (the last three), and do not make the agent unready.
     aside = dataclasses.replace(devices, quarantined=tuple(f"/s/{i}.rec.corrupt" for i in range(4)))
     rejected = Views(SocketsView(tmp_path / "r", tmp_path / "d", tmp_path, registered=False, rejection="no"),
                      PublishView(PublishedView(9, 2, 4, 0), up_to_date=True, failures=0, last_error=""), aside)
@@ -96,7 +96,8 @@ async def test_readyz_says_why_from_the_views(tmp_path: Path) -> None:
                                                  ("claim-records", True)]
     assert checks[0].detail == "the kubelet rejected the plugin: no"
     assert checks[1].detail == "9 devices in 2 slices, generation 4"
-    assert checks[2].detail.startswith("4 unreadable claim records set aside since the start")
+    assert checks[2].detail.startswith("4 claim records set aside since the start, unreadable or saying what this "
+                                       "agent never writes")
     assert checks[2].detail.endswith(": /s/1.rec.corrupt, /s/2.rec.corrupt, /s/3.rec.corrupt ...")
 
 

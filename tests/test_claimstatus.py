@@ -20,6 +20,7 @@ from kubeapi import RESOURCE_CLAIMS, KubeApi
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.resource_v1 import ResourceClaimStatus
 from lightkube.types import PatchType
+from test_agent_cluster import NODE_UID, cluster_settings, eventually, start  # noqa: F401  (fixture)
 
 from agent.claims.sources import ApiClaimSource
 from agent.health.claimstatus import ClaimStatusWriter
@@ -27,6 +28,7 @@ from agent.health.conditions import Readiness
 from agent.health.readytimes import ReadyTransitions
 from agent.health.statussinks import ApiStatusSink, DirectoryStatusSink
 from agent.kube import Backoff
+from agent.kubelet import client as kc
 from agent.metrics import Metrics
 from agent.model import Device
 from agent.names import ClaimRef
@@ -50,6 +52,16 @@ class Links:
         if device.name in self.down:
             return Readiness(False, "LinkDown", f"{device.node.interface} has no carrier")
         return Readiness()
+
+
+class Gpus:
+    """A readiness source a test sets: the GPUs in `lost` are not ready."""
+
+    def __init__(self) -> None:
+        self.lost: set[str] = set()
+
+    def readiness(self, device: Device) -> Readiness:
+        return Readiness(False, "GpuLost", "lost") if device.name in self.lost else Readiness()
 
 
 @pytest.fixture
@@ -291,36 +303,87 @@ async def prepared_and_stopped(node, kube_api, writer, count: int) -> None:
     await writer.stop()
 
 
-async def test_a_restart_reads_the_stored_status_of_a_namespaces_claims_in_one_list(node, kube_api, online):
-    # A restarted agent compares each claim's entries with the stored ones before writing: one LIST of the
-    # namespace for them all, not a GET each (what a restart costs the API server grows with the
-    # namespaces, not the claims). A claim whose stored entries were lost meanwhile is written again.
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+
+
+async def test_a_restart_after_an_orderly_stop_reads_no_claim_and_writes_what_changed_alone(node, kube_api, online):
+    # Before, a restarted agent read its claims' stored status back with one LIST per namespace, which needed
+    # `list` on every namespace's claims (every tenant's, opaque configuration and all). Now the writer that
+    # stopped says what it wrote, and the next one reads nothing: a claim whose entries are the same costs
+    # no request, one whose entries changed while no agent ran is written without a read.
+    gpus = Gpus()
+    first = online(readiness=gpus)
+    await prepared_and_stopped(node, kube_api, first, 3)
+    known = first.written()
+    assert sorted(known) == sorted(node.engine.records)
+    gpus.lost.add("gpu-2")  # its Ready condition changes while no agent runs
+
+    again = online(readiness=gpus)
+    again.restore_written(known)
+    kube_api.mark()
+    assert again.resync(node.engine.records.values()) == 3
+    await settled(again)
+    sent = [(e.method, e.path) for e in kube_api.since_mark()]
+    assert sent == [("PATCH", f"{CLAIMS}/c2/status")], sent
+    assert writes(again, "unchanged") == 2 and writes(again, "ok") == 1
+    assert ready(devices_of(kube_api, "c2")[DRIVER, "gpu-2"])["status"] == "False"
+
+
+async def test_a_restart_that_was_told_nothing_reads_each_claim_by_itself_and_never_lists(node, kube_api, online):
+    # After a crash nothing says what was written: each claim prepared here is read back, a GET of that claim
+    # alone, never a LIST of the namespace. A claim whose stored entries were lost meanwhile is written again.
     await prepared_and_stopped(node, kube_api, online(), 3)
     await apply_as(kube_api, DRIVER, [], name="c2")  # lost while no agent ran
 
     again = online()
-    seen = len(kube_api.emulator.log)
+    kube_api.mark()
     assert again.resync(node.engine.records.values()) == 3
     await settled(again)
-    sent = kube_api.emulator.log[seen:]
-    claims_path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
-    assert [e.method for e in sent if e.path == claims_path] == ["GET"]  # the LIST
-    assert [e for e in sent if e.method == "GET" and e.path.startswith(claims_path + "/")] == []
+    sent = sorted((e.method, e.path) for e in kube_api.since_mark())
+    assert sent == [("GET", f"{CLAIMS}/c{i}") for i in range(3)] + [("PATCH", f"{CLAIMS}/c2/status")], sent
     assert writes(again, "unchanged") == 2 and writes(again, "ok") == 1
     assert ready(devices_of(kube_api, "c2")[DRIVER, "gpu-2"])["status"] == "True"
 
 
-async def test_a_failed_list_leaves_each_claim_to_its_own_read(node, kube_api, online):
-    await prepared_and_stopped(node, kube_api, online(), 2)
-    kube_api.fail("GET", "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims", times=1, status=500)
+async def test_what_was_written_is_kept_only_while_no_other_agent_can_write_after(node, kube_api, online):
+    """`agent.health.statuswritten`: saved at an orderly stop and taken by the next start, unless another agent
+    shares the state directory (a rolling update's: it writes after this one stops) or came and went between."""
+    from agent.claims.writers import WRITERS_LOCK_FILE, RecordWriters
+    from agent.health import statuswritten
 
-    again = online()
-    seen = len(kube_api.emulator.log)
-    again.resync(node.engine.records.values())
-    await settled(again)
-    gets = [e.path for e in kube_api.emulator.log[seen:] if e.method == "GET"]
-    assert sorted(gets)[1:] == [f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/c{i}" for i in range(2)]
-    assert writes(again, "unchanged") == 2
+    first = online()
+    await prepared_and_stopped(node, kube_api, first, 2)
+    known = first.written()
+    path = statuswritten.path_of(node.settings.state_dir)
+    opened: list[RecordWriters] = []
+
+    def arrive() -> RecordWriters:
+        """Another agent's registration as a writer of the state directory."""
+        opened.append(RecordWriters(node.settings.state_dir / WRITERS_LOCK_FILE))
+        opened[-1].open()
+        return opened[-1]
+
+    try:
+        stopping = node.engine.writers  # the agent that stops in order, alone
+        assert statuswritten.save(path, known, stopping) == 2
+        stopping.close()
+        nxt = arrive()
+        assert statuswritten.take(path, nxt) == known and not path.exists()
+        assert statuswritten.take(path, nxt) == {}  # taken once: a crash later leaves nothing to trust
+
+        # A rolling update: another agent is there while this one stops, and writes after it.
+        other = arrive()
+        assert statuswritten.save(path, known, nxt) == 0 and not path.exists()
+        nxt.close()
+
+        # Kept by the last one, then an agent came and went (it may have written): the next reads back.
+        assert statuswritten.save(path, known, other) == 2
+        other.close()
+        arrive().close()
+        assert statuswritten.take(path, arrive()) == {} and not path.exists()
+    finally:
+        for w in opened:
+            w.close()
 
 
 async def test_a_restart_keeps_the_time_ready_last_changed_and_sends_what_is_stored_already(node, kube_api, online):
@@ -603,3 +666,33 @@ async def test_a_claim_found_gone_after_its_unprepare_is_not_remembered(node, wr
         await settled(writer)
     assert writes(writer, "gave_up") == 3
     assert writer._gone == set()
+
+
+async def test_an_agent_restarted_in_order_asks_the_api_server_nothing_about_its_claims(
+        kube_api, cluster_settings, agents) -> None:  # noqa: F811
+    # The running agent, stopped and started again as a rolling restart's single agent is: its resync of the
+    # claims' status sends no request for them (before: a LIST of every namespace holding them).
+    kube_api.add_node(NODE, uid=NODE_UID)
+    refs = [ClaimRef("team-a", f"c{i}", f"5e570000-0000-4000-8000-{i:012d}") for i in range(3)]
+    for i, ref in enumerate(refs):
+        kube_api.add(claim(ref.name, ref.uid, [result(f"gpu-{i}", "gpu")], namespace=ref.namespace))
+    settings = cluster_settings()
+    agent = await start(agents, settings)
+    async with kc.DRAClient(settings.dra_socket) as client:
+        assert all(c.error == "" for c in (await client.prepare(refs)).claims.values())
+
+    def status_written() -> bool:
+        return all((kube_api.get(RESOURCE_CLAIMS, r.name, r.namespace) or {}).get("status", {}).get("devices")
+                   for r in refs)
+
+    await eventually(status_written, "the claims' status written")
+    await agent.stop()
+    agents.remove(agent)
+    agent.engine.close()  # as the process's exit does: its registration as a writer of records goes
+
+    kube_api.mark()
+    again = await start(agents, settings)
+    await eventually(lambda: again.recovered.is_set(), "the start-up check done")
+    await asyncio.wait_for(again.running.claim_status.idle(), WAIT)
+    assert [(e.method, e.path) for e in kube_api.since_mark() if "/resourceclaims" in e.path] == []
+    assert writes(again.running.claim_status, "unchanged") == 3

@@ -53,8 +53,9 @@ def test_devices_json_lists_the_simulated_gpus_in_api_form(run_env):
     gpus = [d for d in out if d["kind"] == "gpu"]
     assert [g["name"] for g in gpus] == [f"gpu-{i}" for i in range(8)]
     for d in out:
-        # PCI functions also show their current driver and IOMMU group.
-        assert set(d) - {"pciFunction"} == {"name", "kind", "attributes", "capacity"}
+        # PCI functions also show their current driver and IOMMU group; the node's uplink (this machine's
+        # NIC, where it is published) why it is one.
+        assert set(d) - {"pciFunction", "uplinkReason"} == {"name", "kind", "attributes", "capacity"}
         for value in d["attributes"].values():
             assert len(value) == 1 and next(iter(value)) in ("string", "int", "bool", "version")
     assert gpus[0]["attributes"]["productName"] == {"string": "NVIDIA H100 80GB HBM3"}

@@ -3,8 +3,9 @@
 - every object validates against the 1.37 schemas; the driver name and the image are one edit;
 - the DaemonSet's command, environment, mounts and probes match the agent's settings
   (agent/config.py), so manifests and code cannot drift;
-- the ClusterRole grants exactly the API calls found in agent/ (plus the claim status writes
-  that are coming, UPCOMING), checked by reading the source;
+- the roles grant exactly the API calls found in agent/ that the overlay's settings make (plus the
+  claim status writes that are coming, UPCOMING), checked by reading the source; no node's token reads
+  every tenant's claims but where --binding-conditions is on, nor creates Events outside `default`;
 - every DeviceClass selector is evaluated (cel-python) against devices the agent really
   publishes (`render_slices`: simulated GPUs, this host's CPUs and memory, NICs of a network
   namespace), never errs on any device, and selects exactly the devices it is meant to; one that
@@ -105,7 +106,7 @@ EVERY = kustomizations()
 
 
 def test_the_promised_overlays_exist() -> None:
-    assert {"base", "overlays/dev", "overlays/driver-container", "overlays/kubevirt",
+    assert {"base", "overlays/binding-conditions", "overlays/dev", "overlays/driver-container", "overlays/kubevirt",
             "overlays/node-allocatable"} <= set(EVERY)
 
 
@@ -152,7 +153,7 @@ def driver_places(objs: list[dict[str, Any]]) -> dict[str, list[str]]:
     mount = next(m["mountPath"] for m in ds["volumeMounts"] if m["mountPath"].startswith("/var/lib/kubelet/plugins/"))
     volume = next(v["hostPath"]["path"] for v in pod["volumes"]
                   if v.get("hostPath", {}).get("path", "").startswith("/var/lib/kubelet/plugins/"))
-    role = one(objs, "ClusterRole")
+    role = one(objs, "ClusterRole", "dra-agent")
     return {
         "DRA_DRIVER_NAME": [env["DRA_DRIVER_NAME"]],
         "plugin dir mount": [mount.removeprefix("/var/lib/kubelet/plugins/")],
@@ -316,7 +317,7 @@ def test_the_agent_sees_the_host_s_processes(which: str) -> None:
 
 
 @pytest.mark.parametrize("which", EVERY)
-def test_daemonset_overlaps_safely_and_is_probed_on_the_metrics_port(which: str) -> None:
+def test_daemonset_overlaps_safely_and_is_probed_on_its_own_socket(which: str) -> None:
     objs = rendered(which)
     ds = one(objs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
@@ -324,22 +325,38 @@ def test_daemonset_overlaps_safely_and_is_probed_on_the_metrics_port(which: str)
     assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate",
                                             "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert pod["hostNetwork"] is True and pod["priorityClassName"] == "system-node-critical"
-    assert {"operator": "Exists"} in pod["tolerations"]
     # With hostNetwork a declared port is a hostPort, and the scheduler would keep the surge pod off
     # the node while the old agent holds it: a rolling update would never start.
     assert "ports" not in c
     assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
     assert pod["serviceAccountName"] == one(objs, "ServiceAccount")["metadata"]["name"]
 
-    # The probes on a listener of their own on the loopback, which the kubelet reaches with host networking
-    # and no pod does; metrics on the node's address alone, serving /metrics and nothing else.
+    # The kubelet's probes are exec probes on the agent's probe socket, in a directory of the pod's own: no
+    # port of the node, which any pod may flood, stands between them and the agent (tests/test_metrics.py
+    # runs these commands). The loopback listener is doctor's; metrics on the node's address alone.
     settings = effective_settings(objs)
     assert settings.probe_endpoint == ("127.0.0.1", 9478)
     assert settings.metrics_endpoint == (NODE_IP, 9477)
-    probes = {k: c[k]["httpGet"] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
-    assert {k: (p["host"], p["path"], p["port"]) for k, p in probes.items()} == {
-        "startupProbe": ("127.0.0.1", "/healthz", 9478), "livenessProbe": ("127.0.0.1", "/healthz", 9478),
-        "readinessProbe": ("127.0.0.1", "/readyz", 9478)}
+    assert settings.probe_socket is not None
+    assert {k: exec_probe(c, k) for k in ("startupProbe", "livenessProbe", "readinessProbe")} == {
+        "startupProbe": ("live", settings.probe_socket), "livenessProbe": ("live", settings.probe_socket),
+        "readinessProbe": ("ready", settings.probe_socket)}
+    assert all(c[k]["timeoutSeconds"] >= 2 for k in ("startupProbe", "livenessProbe", "readinessProbe"))
+    # The pod's own directory (an emptyDir): the two agents of a rolling update each ask their own.
+    mount, volume = mount_for(objs, settings.probe_socket)
+    assert "emptyDir" in volume and not mount.get("readOnly", False), (mount, volume)
+
+
+def exec_probe(container: dict[str, Any], which: str) -> tuple[str, Path]:
+    """(live or ready, the socket) of an exec probe running `agent.app.probeclient`, its `$(VAR)` put in from
+    the container's literal environment as the kubelet does."""
+    from agent.app import probeclient
+
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    command = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], part) for part in container[which]["exec"]["command"]]
+    assert command[:3] == ["python3", "-m", "agent.app.probeclient"], command
+    assert command[3] in probeclient.PATHS and len(command) == 5, command
+    return command[3], Path(command[4])
 
 
 def test_privilege_is_dropped_where_no_gpu_is_opened() -> None:
@@ -362,13 +379,17 @@ OTHER_CLIENT_CALLS = {"request", "log", "exec", "set"}  # not to be used without
 # `agent.kube.raw_call(client, "<client method>", <resource class>, ...)`: a request whose body or answer is
 # not a lightkube model, named by the client method it stands for.
 RAW_CALL = "raw_call"
-# `agent.kube.list_metadata(client, <resource class>, namespace)`: a metadata-only LIST.
-LIST_METADATA = "list_metadata"
 # `agent.kube.watch_forever(client, <resource class>, ...)`: a watch, started again when it ends.
 WATCH_FOREVER = "watch_forever"
 # Helpers that take the resource class from their caller: their own client calls name none, and each call
 # of one is recorded where it is made.
-CALL_HELPERS = {RAW_CALL: None, LIST_METADATA: "list", WATCH_FOREVER: "watch"}
+CALL_HELPERS = {RAW_CALL: None, WATCH_FOREVER: "watch"}
+# Modules whose calls the agent makes only with a setting on (its `Settings` field): granted by the overlays
+# that turn it on, and by no other. The claims watch of --binding-conditions reads every namespace's claims.
+SETTING_CALLS = {"agent/claims/watch.py": "binding_conditions"}
+# Grants of a Role (one namespace) rather than the ClusterRole, and the namespace: the agent creates Events
+# about its Node alone, and a cluster-scoped object's Events live in `default` (agent/events.py).
+NAMESPACED_GRANTS = {("events.k8s.io", "events", "create"): "default"}
 
 # Granted though no code names them: since 1.36 a claim status write (status.devices, made by
 # agent/health/statussinks.py) is also authorized per driver on the resourceclaims/driver
@@ -512,7 +533,6 @@ def test_the_source_scan_finds_the_calls_it_must() -> None:
     assert any("agent/kube.py" in w for w in calls[("", "nodes", "get")])
     assert any("agent/publish/apiserver.py" in w for w in calls[("resource.k8s.io", "resourceslices", "update")])
     assert any("agent/claims/sources.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "get")])
-    assert any("agent/claims/sources.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "list")])
     assert any("agent/publish/apiserver.py" in w for w in calls[("resource.k8s.io", "resourceslices", "watch")])
     assert any("agent/claims/watch.py" in w for w in calls[("resource.k8s.io", "resourceclaims", "watch")])
     assert any("agent/health/statusupdate.py" in w
@@ -536,7 +556,6 @@ async def f(self, client, obj):
     await kube.raw_call(client, "replace", ResourceClaim.Status, "x", "ns", body=b"{}")
     async with httpx2.AsyncClient() as client:
         await client.get("http://127.0.0.1:9477/healthz")
-    await kube.list_metadata(client, ResourceClaim, "ns")
     async for _ in kube.watch_forever(client, ResourceClaim, "claims", namespace="ns"):
         pass
 
@@ -550,8 +569,7 @@ async def watch_forever(client, resource, what, **options):
         ("resource.k8s.io", "resourceslices", "update"): ["10"],
         ("", "nodes", "get"): ["11"],
         ("resource.k8s.io", "resourceclaims/status", "update"): ["12"],
-        ("resource.k8s.io", "resourceclaims", "list"): ["15"],
-        ("resource.k8s.io", "resourceclaims", "watch"): ["16"],
+        ("resource.k8s.io", "resourceclaims", "watch"): ["15"],
     }
     (package / "b.py").write_text("async def g(client, kind):\n    await client.delete(kind, 'x')\n")
     with pytest.raises(AssertionError, match=r"pkg/b.py:2: client.delete on no resource class"):
@@ -559,28 +577,87 @@ async def watch_forever(client, resource, what, **options):
 
 
 @pytest.mark.parametrize("which", EVERY)
-def test_cluster_role_grants_exactly_the_calls_the_code_makes(which: str) -> None:
-    objs = rendered(which)
-    grants = role_grants(one(objs, "ClusterRole"))
-    calls = code_api_calls()
-    unnamed = {(g, r, v) for g, r, v, name in grants if name is None}
-    missing = {need: calls[need] for need in calls if need not in unnamed and need not in IMPLICIT}
-    assert not missing, f"the agent calls these, the ClusterRole does not grant them: {missing}"
-    needed = {(g, r, v, None) for g, r, v in calls} | UPCOMING
-    assert grants - needed == set(), "granted, but no code calls it (and not in UPCOMING)"
-    assert grants >= UPCOMING
-
-    # `dra-agent doctor` asks the API server (SelfSubjectAccessReview) for the same permissions, and for
-    # the per-driver one the API server checks for a status.devices write.
-    from agent.app.doctor import PERMISSIONS
-    assert {(p.group, p.resource, p.verb) for p in PERMISSIONS} == \
-        (set(calls) - IMPLICIT) | {(g, r, v) for g, r, v, _ in UPCOMING}
-
-    binding = one(objs, "ClusterRoleBinding")
+def bound_roles(objs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str | None]]:
+    """Every role the agent's ServiceAccount is bound to, with the namespace it grants in (None: a ClusterRole,
+    every namespace); each binding names the ServiceAccount alone."""
     sa = one(objs, "ServiceAccount")["metadata"]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": one(objs, "ClusterRole")["metadata"]["name"]}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
+    found = []
+    for binding in (*all_of(objs, "ClusterRoleBinding"), *all_of(objs, "RoleBinding")):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]}]
+        ref = binding["roleRef"]
+        namespace = binding["metadata"].get("namespace")
+        assert ref["apiGroup"] == "rbac.authorization.k8s.io"
+        assert ref["kind"] == ("Role" if binding["kind"] == "RoleBinding" else "ClusterRole")
+        role = one(objs, ref["kind"], ref["name"])
+        if ref["kind"] == "Role":
+            assert role["metadata"]["namespace"] == namespace
+        found.append((role, namespace))
+    assert {r["metadata"]["name"] for r in (*all_of(objs, "ClusterRole"), *all_of(objs, "Role"))} == \
+        {r["metadata"]["name"] for r, _ in found}, "a role no binding gives the agent"
+    return found
+
+
+def needed_calls(calls: Mapping[tuple[str, str, str], list[str]],
+                 settings: config.Settings) -> set[tuple[str, str, str]]:
+    """The calls the agent makes with these settings: those of a SETTING_CALLS module only where it is on."""
+    def made(where: str) -> bool:
+        module = where.rsplit(":", 1)[0]
+        return module not in SETTING_CALLS or bool(getattr(settings, SETTING_CALLS[module]))
+
+    return {call for call, wheres in calls.items() if any(made(w) for w in wheres)} - IMPLICIT
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_the_roles_grant_exactly_the_calls_the_code_makes_with_the_overlays_settings(which: str) -> None:
+    objs = rendered(which)
+    granted: dict[tuple[str, str, str, str | None], set[str | None]] = {}  # -> the namespaces (None: all)
+    for role, namespace in bound_roles(objs):
+        for grant in role_grants(role):
+            granted.setdefault(grant, set()).add(namespace)
+    settings = effective_settings(objs)
+    calls = code_api_calls()
+    needed = needed_calls(calls, settings)
+    unnamed = {(g, r, v) for g, r, v, name in granted if name is None}
+    missing = {need: calls[need] for need in needed if need not in unnamed}
+    assert not missing, f"the agent calls these, its roles do not grant them: {missing}"
+    wanted = {(g, r, v, None) for g, r, v in needed} | UPCOMING
+    assert granted.keys() - wanted == set(), "granted, but no code calls it with this overlay's settings " \
+                                             "(and not in UPCOMING)"
+    assert granted.keys() >= UPCOMING
+    # Where a grant is a Role's, the namespace the code writes in; everything else cluster-wide.
+    assert {(*k[:3], n) for k, namespaces in granted.items() for n in namespaces if n is not None} == \
+        {(*k, n) for k, n in NAMESPACED_GRANTS.items()}
+    from agent import events
+    assert NAMESPACED_GRANTS[("events.k8s.io", "events", "create")] == events.namespace_of(
+        events.Regarding("Node", NODE)) == events.NAMESPACE
+
+    # `dra-agent doctor` asks the API server (SelfSubjectAccessReview) for the same permissions, in the
+    # namespace a Role grants them in, and for the per-driver one the API server checks for a status.devices
+    # write.
+    from agent.app.doctor.cluster import permissions
+    asked = permissions(settings)
+    assert {(p.group, p.resource, p.verb) for p in asked} == needed | {(g, r, v) for g, r, v, _ in UPCOMING}
+    assert {(p.group, p.resource, p.verb, p.namespace) for p in asked if p.namespace} == \
+        {(*k, n) for k, n in NAMESPACED_GRANTS.items()}
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_no_agent_reads_every_tenants_claims_or_posts_events_in_their_namespaces(which: str) -> None:
+    """The token of every node's agent: `get` of the claims it is given, no `list` or `watch` of every
+    namespace's claims (they hold the tenants' opaque configuration: secrets, at times) but in the overlay
+    that turns --binding-conditions on, whose watch cannot be narrowed to a node; and Events created only in
+    the namespace of its Node's Events, none in a tenant's."""
+    objs = rendered(which)
+    claims, events = set(), set()
+    for role, namespace in bound_roles(objs):
+        for group, resource, verb, _ in role_grants(role):
+            if (group, resource) == ("resource.k8s.io", "resourceclaims"):
+                claims.add(verb)
+            if resource == "events":
+                events.add((verb, namespace))
+    assert claims == ({"get", "watch"} if which == "overlays/binding-conditions" else {"get"})
+    assert effective_settings(objs).binding_conditions == (("mig",) if which == "overlays/binding-conditions" else ())
+    assert events == {("create", "default")}
 
 
 # -- CEL ------------------------------------------------------------------------------------------
@@ -1038,12 +1115,17 @@ def asked_privileges(objs: list[dict[str, Any]]) -> set[str]:
     return out
 
 
-def documented_privileges() -> dict[str, set[str]]:
-    """docs/deployment.md's table: privilege -> the overlays that ask for it."""
+def documented_table(heading: str) -> dict[str, set[str]]:
+    """A table of docs/deployment.md whose rows end with the overlays: first cell -> those overlays."""
     text = (REPO / "docs" / "deployment.md").read_text()
-    section = text.split("### The pod's privileges", 1)[1].split("\n### ", 1)[0]
+    section = text.split(f"### {heading}\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
     return {cells[0].strip().strip("`"): {o.strip() for o in cells[-1].split(",")} for cells in rows}
+
+
+def documented_privileges() -> dict[str, set[str]]:
+    """docs/deployment.md's table: privilege -> the overlays that ask for it."""
+    return documented_table("The pod's privileges")
 
 
 @pytest.mark.parametrize("which", EVERY)
@@ -1054,3 +1136,72 @@ def test_every_privilege_an_overlay_asks_for_is_in_the_table(which: str) -> None
     assert asked - table.keys() == set(), "privileges docs/deployment.md does not list"
     assert {p for p in asked if name not in table[p]} == set(), f"listed, but not for {name}"
     assert {p for p, overlays in table.items() if name in overlays} - asked == set(), f"{name} does not ask for"
+
+
+# -- where the agent runs, against docs/deployment.md's table ---------------------------------------------
+
+# What kubeadm (and most installers) put on a control-plane node; the second, older name is still seen.
+CONTROL_PLANE_TAINTS = ({"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"},
+                        {"key": "node-role.kubernetes.io/master", "effect": "NoSchedule"})
+# A GPU node kept for GPU pods, as the clouds and the GPU Operator's guides taint one.
+GPU_NODE_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+
+def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """The API's rule: the effect matches (or none is given), and the key with Exists (an empty key with
+    Exists: every taint) or the key and value with Equal."""
+    if toleration.get("effect") not in (None, "", taint["effect"]):
+        return False
+    if toleration.get("operator", "Equal") == "Exists":
+        return toleration.get("key", "") in ("", taint["key"])
+    return toleration.get("key") == taint["key"] and toleration.get("value", "") == taint.get("value", "")
+
+
+def asked_placement(objs: list[dict[str, Any]]) -> set[str]:
+    """Where the rendered DaemonSet's pod may run, in the table's words: the node labels that place it
+    (any one of them), or `any node`, and each taint it tolerates."""
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod, "placement is the node affinity's, one place"
+    required = ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution")
+    out = set()
+    if required is None:
+        out.add("any node")
+    else:
+        for term in required["nodeSelectorTerms"]:
+            [expression] = term["matchExpressions"]
+            assert expression["operator"] == "In" and len(expression["values"]) == 1 and "matchFields" not in term
+            out.add(f"node label {expression['key']}={expression['values'][0]}")
+    for t in pod.get("tolerations", ()):
+        value = f"={t['value']}" if t.get("operator", "Equal") == "Equal" else ""
+        effect = f":{t['effect']}" if t.get("effect") else ""
+        out.add(f"toleration {t.get('key') or '*'}{value}{effect}")
+    return out
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_where_the_agent_runs_is_in_the_table(which: str) -> None:
+    table = documented_table("Where it runs")
+    name = which.removeprefix("overlays/")
+    asked = asked_placement(rendered(which))
+    assert asked - table.keys() == set(), "placement docs/deployment.md does not list"
+    assert {p for p in asked if name not in table[p]} == set(), f"listed, but not for {name}"
+    assert {p for p, overlays in table.items() if name in overlays} - asked == set(), f"{name} does not have"
+
+
+@pytest.mark.parametrize("which", EVERY)
+def test_the_agent_stays_off_the_control_plane_and_reaches_gpu_nodes(which: str) -> None:
+    # The agent is privileged, and outside the dev overlay mounts the host's / (the driver root): on a
+    # control-plane node that is the cluster's keys (/etc/kubernetes/pki). Only the control plane's own
+    # taint keeps it off where a node is both, so no toleration may take that taint.
+    pod = one(rendered(which), "DaemonSet")["spec"]["template"]["spec"]
+    for taint in CONTROL_PLANE_TAINTS:
+        assert not [t for t in pod["tolerations"] if tolerates(t, taint)], f"{which} tolerates {taint['key']}"
+    assert any(tolerates(t, GPU_NODE_TAINT) for t in pod["tolerations"])
+    # Placed by the devices' labels, never on every node, but for the simulated GPUs of the dev overlay.
+    placement = asked_placement(rendered(which))
+    labels = {p.removeprefix("node label ") for p in placement if p.startswith("node label ")}
+    if which == "overlays/dev":
+        assert "any node" in placement and not labels
+    else:
+        assert labels == {"feature.node.kubernetes.io/pci-10de.present=true", f"{DRIVER}/agent=true"}

@@ -99,6 +99,42 @@ def test_the_image_has_the_agent_and_neither_nvml_nor_build_leftovers(image):
             runtime.podman("umount", container.id, check=False)
 
 
+# What code running in the agent would otherwise find at hand: a shell, util-linux's ways into the host's
+# namespaces and mounts, a package manager to fetch the rest (checked through any /bin -> usr/bin link).
+NOT_IN_THE_IMAGE = ("bin/sh", "bin/bash", "bin/dash", "usr/bin/nsenter", "usr/bin/unshare", "usr/bin/mount",
+                    "usr/bin/su", "usr/bin/env", "usr/bin/perl", "usr/bin/apt", "usr/bin/apt-get", "usr/bin/dpkg",
+                    "var/lib/dpkg", "etc/apt")
+PROGRAM_DIRS = ("usr/bin", "usr/sbin", "usr/local/bin", "usr/local/sbin", "bin", "sbin")
+
+
+def test_the_image_holds_the_interpreter_and_the_agent_and_nothing_to_run_besides(image):
+    with runtime.podman_container([], None, image=image) as container:
+        root = Path(runtime.podman("mount", container.id).stdout.strip())
+        try:
+            present = [p for p in NOT_IN_THE_IMAGE if os.path.lexists(root / p)]
+            assert not present, f"in the image: {present}"
+            # The programs left: the interpreter the agent's environment runs on (and its names).
+            venv_python = root / "opt/dra-agent/bin/python3"
+            interpreter = (root / os.readlink(venv_python).lstrip("/")).resolve()
+            assert interpreter.is_relative_to(root) and interpreter.is_file()
+            programs = {p.relative_to(root).as_posix() for d in PROGRAM_DIRS if (root / d).is_dir()
+                        and not (root / d).is_symlink() for p in (root / d).iterdir()}
+            assert programs and all(Path(p).name.startswith("python3") for p in programs), sorted(programs)
+            assert not [p for p in ("usr/libexec", "usr/lib/apt", "usr/lib/dpkg") if (root / p).exists()]
+            # No pip for any interpreter, nor its bundled wheels (ensurepip), nor a set-user-ID file.
+            assert not list(root.rglob("pip/__init__.py")) and not list(root.rglob("ensurepip/__init__.py"))
+            setid = [p for p in root.rglob("*") if not p.is_symlink() and p.is_file()
+                     and p.stat().st_mode & (stat.S_ISUID | stat.S_ISGID)]
+            assert not setid, setid
+        finally:
+            runtime.podman("umount", container.id, check=False)
+    # `kubectl exec POD -- sh` finds no shell; the agent's own commands run without one.
+    rc, out, err = in_container(image, ["-c", "true"], ("--network", "none", "--entrypoint", "sh"))
+    assert rc != 0 and "executable file not found" in err, (rc, out, err)
+    rc, out, err = in_container(image, ["--version"])
+    assert rc == 0 and re.fullmatch(r"dra-agent \S+\n", out), (rc, out, err)
+
+
 def test_devices_with_simulated_gpus_match_the_checkout(image, short_tmp):
     args = ["devices", "--nvml", "sim", "-o", "json", "--node-name", NODE]
     rc, out, err = in_container(image, args)

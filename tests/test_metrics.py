@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
+import stat
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
-from agentkit import DRIVER, claim, result, roots, write_claim
+import yaml
+from agentkit import DRIVER, REPO, claim, result, roots, write_claim
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.app import httpserver
@@ -268,9 +274,8 @@ def test_metrics_address_setting():
             build_settings({"metrics_address": bad})
 
 
-async def test_an_unreadable_record_is_counted_and_shown_by_readyz_offline(started, http, short_tmp, caplog):
-    """Set aside at start-up and while running: counted each time, named on /readyz (which stays ready),
-    and offline the log says that no Event is posted (there is no API server to hold one)."""
+async def two_claims_prepared_then_stopped(started, short_tmp: Path):  # type: ignore[no-untyped-def]
+    """An agent that prepared claims one (gpu-0) and two (gpu-1), stopped: their records are on disk."""
     write_claim(roots(short_tmp).offline / "resourceclaims", claim("one", UID1, [result("gpu-0")]))
     write_claim(roots(short_tmp).offline / "resourceclaims", claim("two", UID2, [result("gpu-1")]))
     first = await started()
@@ -278,6 +283,13 @@ async def test_an_unreadable_record_is_counted_and_shown_by_readyz_offline(start
         answer = await client.prepare([ClaimRef("default", "one", UID1), ClaimRef("default", "two", UID2)])
     assert not answer.claims[UID1].error and not answer.claims[UID2].error
     await first.stop()
+    return first
+
+
+async def test_an_unreadable_record_is_counted_and_shown_by_readyz_offline(started, http, short_tmp, caplog):
+    """Set aside at start-up and while running: counted each time, named on /readyz (which stays ready),
+    and offline the log says that no Event is posted (there is no API server to hold one)."""
+    first = await two_claims_prepared_then_stopped(started, short_tmp)
     records = first.settings.claims_state_dir
     for uid in (UID1, UID2):
         path = records / f"{uid}.rec"
@@ -291,7 +303,7 @@ async def test_an_unreadable_record_is_counted_and_shown_by_readyz_offline(start
     assert value(samples, "dra_agent_recovery_actions_total", action="quarantined") == 2
     ready = await http.get(f"{agent.http.url}/readyz")
     line = next(x for x in ready.text.splitlines() if "claim-records" in x)
-    assert line.startswith("[+]claim-records ok: 2 unreadable claim records set aside since the start"), line
+    assert line.startswith("[+]claim-records ok: 2 claim records set aside since the start, unreadable"), line
     assert f"{records / UID1}.rec.corrupt" in line and f"{records / UID2}.rec.corrupt" in line
     offline = [r.getMessage() for r in caplog.records if "no Event is posted" in r.getMessage()]
     assert len(offline) == 2 and all("offline" in m for m in offline), offline
@@ -305,7 +317,36 @@ async def test_an_unreadable_record_is_counted_and_shown_by_readyz_offline(start
     samples = await scrape(http, agent)
     assert value(samples, "dra_agent_records_quarantined_total") == 3
     assert value(samples, "dra_agent_recovery_actions_total", action="quarantined") == 2  # start-up only
-    assert "3 unreadable claim records" in (await http.get(f"{agent.http.url}/readyz")).text
+    assert "3 claim records set aside" in (await http.get(f"{agent.http.url}/readyz")).text
+
+
+async def test_a_record_whose_metadata_is_not_json_is_set_aside_and_named_while_the_start_up_goes_on(
+        started, http, short_tmp, caplog):
+    """Before, its check raised and the start-up task died ("background task recover died"): no later record
+    was checked, orphans stayed, the claims' metadata was never refreshed, and /healthz and /readyz still
+    answered 200 saying nothing of it. Now the record is set aside, named by /readyz, and the start goes on."""
+    from agent.claims.records import FileRecord, FileRole, encode
+    from agent.claims.store import ClaimStore
+
+    first = await two_claims_prepared_then_stopped(started, short_tmp)
+    records = first.settings.claims_state_dir
+    found = ClaimStore(records).read(UID1)
+    assert found is not None
+    record = found[0]
+    record.files = [FileRecord(f.path, b"{not json", f.mode, f.role, f.request) if f.role is FileRole.METADATA_FILE
+                    else f for f in record.files]
+    (records / f"{UID1}.rec").write_bytes(encode(record))  # framed as the agent frames it: checksum valid
+
+    agent = await started()
+    await asyncio.wait_for(agent.recovered.wait(), WAIT)
+    await asyncio.wait_for(agent.refreshed.wait(), WAIT)
+    assert not [r for r in caplog.records if "died" in r.getMessage()]
+    assert agent.http is not None
+    ready = await http.get(f"{agent.http.url}/readyz")
+    line = next(x for x in ready.text.splitlines() if "claim-records" in x)
+    assert line.startswith("[+]claim-records ok: 1 claim records set aside") and f"{records / UID1}.rec.corrupt" in line
+    assert set(agent.engine.records) == {UID2}
+    assert all(Path(f.path).read_bytes() == f.content for f in agent.engine.whole_record(UID2).files)  # type: ignore[union-attr]
 
 
 # -- the probe listener and the metrics listener (docs/security.md) -----------------------------------
@@ -327,8 +368,8 @@ async def hold(address: tuple[str, int], count: int, partial: bool) -> list[asyn
 async def test_connections_held_on_the_metrics_listener_never_delay_a_probe(started, http):
     """Any pod that reaches the node's address may open connections to the metrics listener and hold them:
     200 idle and partial ones, and the probes still answer within the liveness probe's timeout, /metrics
-    past the cap is closed at once rather than queued, and the agent prepares a claim meanwhile. (With
-    one listener for both, as before, /healthz waited behind 48 such connections for 29.5 s.)"""
+    past the cap takes the place of a held connection rather than queue, and the agent prepares a claim
+    meanwhile. (With one listener for both, as before, /healthz waited behind 48 such connections for 29.5 s.)"""
     agent = await started(probe_address="127.0.0.1:0")
     assert agent.http is not None and agent.metrics_http is not None
     held = await hold(agent.metrics_http.addresses[0], 100, partial=False)
@@ -337,14 +378,10 @@ async def test_connections_held_on_the_metrics_listener_never_delay_a_probe(star
         async with asyncio.timeout(5.0):  # the DaemonSet's livenessProbe.timeoutSeconds
             for path in ("/healthz", "/readyz"):
                 assert (await http.get(f"{agent.http.url}{path}")).status_code in (200, 503)
-        # Past the cap: closed at once (a reset, or the end of the stream before any answer).
-        reader, writer = await asyncio.open_connection(*agent.metrics_http.addresses[0])
-        writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
-        async with asyncio.timeout(5.0):
-            with contextlib.suppress(ConnectionError):
-                assert await reader.read() == b""
-        writer.close()
-        assert agent.metrics_http.refused > 0
+        # Past the cap: it takes the place of the oldest connection that has not sent its request, and is
+        # answered; none is queued.
+        assert await ask(agent.metrics_http.addresses[0], "/metrics") == 200
+        assert agent.metrics_http.replaced > 0 and agent.metrics_http.refused == 0
         write_claim(agent.settings.offline / "resourceclaims",
                     claim("held", UID1, [result("gpu-0", "gpu", driver=agent.settings.driver_name)]))
         async with kc.DRAClient(agent.settings.dra_socket) as client:
@@ -359,6 +396,149 @@ async def test_connections_held_on_the_metrics_listener_never_delay_a_probe(star
             return (await http.get(f"{agent.metrics_http.url}/metrics")).status_code == 200
         return False
     await eventually(scraped, "/metrics answers once the held connections are gone")
+
+
+async def ask(address: tuple[str, int], path: str, source: str = "127.0.0.1") -> int | None:
+    """The status of `GET path` from the loopback address `source` (standing in for another host or pod),
+    as a probe or a scrape would ask it; None: closed unanswered, or no answer within the DaemonSet's
+    probe timeout."""
+    try:
+        reader, writer = await asyncio.open_connection(*address, local_addr=(source, 0))
+    except OSError:
+        return None
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: agent\r\n\r\n".encode())
+        async with asyncio.timeout(5.0):  # livenessProbe.timeoutSeconds
+            answer = await reader.read()
+    except (OSError, TimeoutError):
+        return None
+    finally:
+        writer.close()
+    status = answer.split(b"\r\n", 1)[0].split(b" ")
+    return int(status[1]) if len(status) > 1 and status[1].isdigit() else None
+
+
+# The review's flood: 32 partial requests, each connection closed and opened again every 1.5 s, under the
+# 2 s header timeout, so the listener never times one out.
+FLOOD = 32
+RENEW = 1.5
+FLOOD_ROUNDS_MAX = 20  # a bound: the flood stops when the test is done, or after this many renewals
+
+
+@dataclass(eq=False)
+class Flood:
+    """FLOOD partial requests to `address`, from `sources` in turn, each renewed every RENEW seconds until
+    `stop`; `opened` counts the connections made."""
+
+    address: tuple[str, int]
+    sources: list[str]
+    opened: int = 0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._one(self.sources[i % len(self.sources)]) for i in range(FLOOD)))
+
+    def stop(self) -> None:
+        self.done.set()
+
+    async def _one(self, source: str) -> None:
+        for _ in range(FLOOD_ROUNDS_MAX):
+            writer = None
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection(*self.address, local_addr=(source, 0))
+                writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+                self.opened += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.done.wait(), RENEW)
+            if writer is not None:
+                writer.close()
+            if self.done.is_set():
+                return
+
+
+@contextlib.asynccontextmanager
+async def flooded(*servers: httpserver.MetricsServer, sources: list[str]) -> AsyncIterator[list[Flood]]:
+    """The flood on each of `servers`, in place (every connection made once) for the body, then stopped."""
+    floods = [Flood(server.addresses[0], sources) for server in servers]
+    tasks = [asyncio.create_task(f.run()) for f in floods]
+    try:
+        await eventually(lambda: asyncio.sleep(0, all(f.opened >= FLOOD for f in floods)), "the flood in place")
+        yield floods
+    finally:
+        for f in floods:
+            f.stop()
+        await asyncio.gather(*tasks)
+
+
+SCRAPES = 16
+
+
+@pytest.mark.parametrize("sources", [1, FLOOD], ids=["one-source", "32-sources"])
+async def test_a_slow_flood_never_holds_the_metrics_or_probe_listener(started, sources):
+    """The review's repro: 32 partial requests renewed every 1.5 s, on the metrics listener (any pod that
+    reaches the node's address) and on the loopback probe listener (any host-network pod), from one address
+    or from 32. Every scrape from another address (Prometheus) and every /healthz (`dra-agent doctor`, a
+    kubelet probing over TCP) is answered. (Before, the flood kept each connection cap full: 0 of 58 scrapes
+    and 0 of 58 /healthz were answered.)"""
+    agent = await started(probe_address="127.0.0.1:0")
+    assert agent.http is not None and agent.metrics_http is not None
+    servers = (agent.metrics_http, agent.http)
+    answers = []
+    async with flooded(*servers, sources=[f"127.0.0.{10 + i}" for i in range(sources)]) as floods:
+        for _ in range(SCRAPES):  # the flood renews itself about every 7th round
+            scrape = ask(agent.metrics_http.addresses[0], "/metrics", "127.0.0.200")
+            answers.append((await scrape, await ask(agent.http.addresses[0], "/healthz", "127.0.0.201")))
+            await asyncio.sleep(0.2)
+    assert answers == [(200, 200)] * SCRAPES
+    # The flood was there: its connections made room for the scrapes and for each other, none was refused.
+    assert all(f.opened >= 2 * FLOOD for f in floods), [f.opened for f in floods]
+    assert all(s.replaced > 0 and s.refused == 0 for s in servers), [(s.replaced, s.refused) for s in servers]
+
+
+def daemonset_probe(which: str, path: Path) -> list[str]:
+    """The DaemonSet's exec probe `which` as the kubelet runs it in the container: its `$(DRA_PROBE_SOCKET)`
+    this test's socket, its `python3` this interpreter."""
+    daemonset = yaml.safe_load((REPO / "deploy" / "base" / "daemonset.yaml").read_text())
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    return [sys.executable if part == "python3" else str(path) if part == "$(DRA_PROBE_SOCKET)" else part
+            for part in container[which]["exec"]["command"]]
+
+
+async def run_probe(command: list[str]) -> tuple[int, str]:
+    """Exit status and output of a probe command, run from / as in the container."""
+    proc = await asyncio.create_subprocess_exec(*command, cwd="/", stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return proc.returncode if proc.returncode is not None else -1, out.decode()
+
+
+async def test_the_kubelets_exec_probes_answer_on_the_probe_socket_under_a_flood(short_tmp):
+    """The DaemonSet's probes ask the agent on a unix socket of the pod's own, 0600: the review's flood on
+    both TCP listeners, from 32 addresses, never comes between them and the agent. Once the agent has
+    stopped its socket is gone and the probe fails, naming it."""
+    path = short_tmp / "run" / "probe.sock"
+    agent = Agent(roots(short_tmp, rescan_interval=3600.0, metrics_address="127.0.0.1:0",
+                        probe_address="127.0.0.1:0", probe_socket=path))
+    await agent.start()
+    try:
+        assert agent.http is not None and agent.metrics_http is not None
+        st = os.lstat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        async with flooded(agent.metrics_http, agent.http, sources=[f"127.0.0.{10 + i}" for i in range(FLOOD)]):
+            for which in ("startupProbe", "livenessProbe"):
+                status, out = await run_probe(daemonset_probe(which, path))
+                assert status == 0 and "[+]dra-server ok" in out and "healthz check passed" in out, (which, out)
+
+            async def ready() -> bool:
+                status, out = await run_probe(daemonset_probe("readinessProbe", path))
+                assert status in (0, 1) and "readyz check" in out, out
+                return status == 0 and "[+]slices ok" in out
+            await eventually(ready, "the readiness probe passes (offline: once the slices are written)")
+    finally:
+        await agent.stop()
+    assert not path.exists()
+    status, out = await run_probe(daemonset_probe("livenessProbe", path))
+    assert status == 1 and f"no answer from the agent on {path}" in out, out
 
 
 async def test_the_metrics_listener_serves_metrics_alone_and_names_nothing(started, http):

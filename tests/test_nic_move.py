@@ -77,7 +77,8 @@ async def test_move_false_leaves_it_on_the_host(tmp_path: Path) -> None:
 
 async def test_the_uplink_is_never_moved_and_nothing_is_left_behind(tmp_path: Path) -> None:
     node, answer = await prepare(tmp_path, uplink=True)
-    assert "is this node's uplink (it carries the default route" in answer.error and "never moved" in answer.error
+    assert ("device nic-0000-3b-00-0 (ens1f0) is this node's uplink: ens1f0 carries the default route 0.0.0.0/0 "
+            "(table main). Moved into a pod it would cut the node off, so it is never moved") in answer.error
     assert not node.settings.cdi_dir.exists() or list(node.settings.cdi_dir.iterdir()) == []
     assert not list(node.settings.metadata_dir.glob(f"{UID}/**/*.json"))
     # Left on the host explicitly (a host-network pod), it may be claimed.

@@ -100,7 +100,7 @@ def test_interface_facts_from_netlink(ns: NetNS) -> None:
     assert dev["attributes"]["mtu"] == {"int": 1400}
     assert dev["attributes"]["linkUp"] == {"bool": True}
     assert dev["node"] == {"interface": "va", "mac": "02:a1:b2:c3:d4:e5",
-                           "ips": ["10.0.0.5/24", "10.0.0.6/24", "fd00::5/64"]}
+                           "ips": ["10.0.0.5/24", "10.0.0.6/24", "fd00::5/64"], "uplink": ""}
 
 
 LIST_LINKS = """
@@ -535,3 +535,73 @@ def test_the_links_of_the_default_routes_are_uplinks(ns: NetNS) -> None:
     assert discover(ns, nic_include="va").attrs("va")["uplink"] is False
     # The NIC holding one of the Node's addresses (the DaemonSet passes status.hostIPs) is one too.
     assert discover(ns, nic_include="va", node_ips="10.9.0.2").attrs("va")["uplink"] is True
+
+
+def bridge(ns: NetNS, name: str, *ports: str) -> None:
+    ns.ip("link", "add", name, "type", "bridge")
+    for port in ports:
+        ns.ip("link", "set", port, "master", name)
+    ns.ip("link", "set", name, "up")
+
+
+def test_a_port_of_the_bridge_that_carries_a_default_route_is_an_uplink(ns: NetNS) -> None:
+    # Before, only the link holding the default route itself was: up0, the bridge's port, was published
+    # `uplink: false` and moved into a pod, leaving br0 with no port (a bond's port is the same: the
+    # master is followed whatever its kind; this kernel has no bonding module).
+    ns.veth("up0", "wire0")
+    ns.veth("c0", "c1")  # the control: a plain pair, no route, no master
+    bridge(ns, "br0", "up0")
+    ns.ip("addr", "add", "10.9.0.2/24", "dev", "br0")
+    ns.ip("route", "add", "default", "via", "10.9.0.1")
+    scan = discover(ns, nic_include="up0,c0,c1")
+    assert scan.uplink("up0") == "br0 carries the default route 0.0.0.0/0 (table main), and up0 is a port of br0"
+    assert scan.attrs("up0")["uplink"] is True
+    assert (scan.attrs("c0")["uplink"], scan.uplink("c0"), scan.attrs("c1")["uplink"]) == (False, "", False)
+    # A default route of any routing table counts (policy routing, a VRF's table): /proc/net/route lists
+    # only the main one.
+    ns.ip("route", "del", "default")
+    assert discover(ns, nic_include="up0").attrs("up0")["uplink"] is False
+    ns.ip("route", "add", "default", "via", "10.9.0.1", "dev", "br0", "table", "100")
+    assert discover(ns, nic_include="up0").uplink("up0") == (
+        "br0 carries the default route 0.0.0.0/0 (table 100), and up0 is a port of br0")
+    # A route that leads nowhere (unreachable, blackhole) is no way out of the node.
+    ns.ip("route", "del", "default", "table", "100")
+    ns.ip("route", "add", "unreachable", "default", "table", "101")
+    ns.ip("-6", "route", "add", "blackhole", "default", "table", "102")
+    assert discover(ns, nic_include="up0").attrs("up0")["uplink"] is False
+    # A multipath default route leaves by each of its nexthops' links.
+    ns.ip("addr", "add", "10.7.0.2/24", "dev", "c0")
+    ns.ip("route", "add", "default", "table", "103", "nexthop", "via", "10.9.0.1", "dev", "br0",
+          "nexthop", "via", "10.7.0.1", "dev", "c0")
+    scan = discover(ns, nic_include="up0,c0")
+    assert scan.uplink("up0") == "br0 carries the default route 0.0.0.0/0 (table 103), and up0 is a port of br0"
+    assert scan.uplink("c0") == "c0 carries the default route 0.0.0.0/0 (table 103)"
+
+
+def test_a_link_stacked_on_the_nic_that_carries_a_default_route_makes_it_an_uplink(ns: NetNS) -> None:
+    # A VLAN (macvlan, ipvlan) on the NIC names it as its lower link (IFLA_LINK), as a veth names its peer
+    # in the same namespace: this kernel has no 8021q module, so the veth stands for the VLAN here. The
+    # links above are followed upward through both kinds of step: s0 <- s1 (IFLA_LINK) -> br1 (master).
+    ns.veth("s0", "s1")
+    bridge(ns, "br1", "s1")
+    ns.ip("-6", "addr", "add", "fd09::2/64", "dev", "br1", "nodad")
+    ns.ip("-6", "route", "add", "default", "via", "fd09::1", "dev", "br1", "table", "200")
+    scan = discover(ns, nic_include="s0,s1")
+    assert scan.uplink("s0") == ("br1 carries the default route ::/0 (table 200), and s1 is stacked on s0, "
+                                 "s1 is a port of br1")
+    assert scan.uplink("s1") == "br1 carries the default route ::/0 (table 200), and s1 is a port of br1"
+
+
+def test_a_port_of_the_bridge_holding_an_address_of_the_node_is_an_uplink(ns: NetNS) -> None:
+    # A bridge for KubeVirt's VMs that holds the node's address and no default route: its port is how the
+    # node is reached all the same.
+    ns.veth("q0", "q1")
+    ns.veth("c0", "c1")
+    bridge(ns, "br2", "q0")
+    bridge(ns, "br3", "c0")  # the control: a bridge with neither route nor the Node's address
+    ns.ip("addr", "add", "10.8.0.7/24", "dev", "br2")
+    ns.ip("addr", "add", "10.8.1.7/24", "dev", "br3")
+    scan = discover(ns, nic_include="q0,c0", node_ips="10.8.0.7,fd08::7")
+    assert scan.uplink("q0") == "br2 holds 10.8.0.7, an address of the Node, and q0 is a port of br2"
+    assert scan.attrs("c0")["uplink"] is False
+    assert discover(ns, nic_include="q0").attrs("q0")["uplink"] is False  # no --node-ips: nothing says so

@@ -27,11 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from agentkit import DRIVER, REPO, Quickstart, claim, make_node, nic, result, roots, write_claim
 from conftest import need_root
-from gocheck import build
 
 from agent import quantity
 from agent.claims import metadata
@@ -49,16 +47,6 @@ SHARE_UIDS = ("6a0f7c1e-0000-4000-8000-000000000001", "6a0f7c1e-0000-4000-8000-0
 SHARE_IDS = ("6a0f7c1e-5a8e-4000-8000-00000000000a", "6a0f7c1e-5a8e-4000-8000-00000000000b")
 VGPU_UID = "6a0f7c1e-0000-4000-8000-000000000003"
 TOOLKIT_KIND = "nvidia.com/gpu"
-
-
-@pytest.fixture(scope="module")
-def checker() -> Path:
-    try:
-        return build.binary()
-    except build.GoMissing as e:
-        pytest.skip(str(e))
-    except build.BuildFailed as e:
-        pytest.fail(str(e))
 
 
 @dataclass

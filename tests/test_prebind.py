@@ -227,24 +227,35 @@ async def test_claims_without_binding_conditions_and_the_kubelets_records_are_le
     assert await engine.unprepare([ClaimRef("default", "kubelet", UID2)]) == {UID2: ""}
 
 
-async def test_claims_allocated_elsewhere_cost_no_task(bound: Bound) -> None:
+async def test_claims_allocated_elsewhere_are_dropped_by_the_watch(bound: Bound, kube_api: Any) -> None:
     # The watch sends every claim of the cluster; those allocated to other nodes or other drivers (nearly
-    # all of them, on a large cluster) are dropped as they arrive: no task, no record lookup by a handler.
+    # all of them, on a large cluster) are dropped from their heads (`PreBinder.wants`) as they arrive:
+    # never decoded whole, no task, no record lookup by a handler.
     binder = bound.binder
     for i in range(1000):
         pool = f"node-{i % 50}" if i % 2 else NODE
         driver = "gpu.other.example.com" if not i % 2 else DRIVER
-        binder.observe(ClaimEvent("ADDED", claim(f"far-{i}", f"far-{i:04d}",
-                                                 [result("gpu-0", "vm", pool=pool, driver=driver, **WAITS)])))
-    assert binder._tasks == {} and binder._latest == {}
-    # One of this node's is taken at once, and its later change though it is no longer allocated here.
+        kube_api.add(claim(f"far-{i:04d}", f"far-{i:04d}", [result("gpu-0", "vm", pool=pool, driver=driver, **WAITS)]))
     obj = allocated("vm", UID)
-    binder.observe(ClaimEvent("ADDED", copy.deepcopy(obj)))
-    assert set(binder._tasks) == {UID}
-    await binder.idle()
-    binder.observe(ClaimEvent("MODIFIED", deallocated(obj)))
-    assert set(binder._tasks) == {UID}
-    await binder.idle()
+    kube_api.add(obj)
+    client = kube_api.client()
+    events = watch_claims(client, wanted=binder.wants)
+    try:
+        # One of this node's is the first the watch delivers, and it is taken at once.
+        first = await asyncio.wait_for(anext(events), 30)
+        assert first.claim["metadata"]["uid"] == UID
+        binder.observe(first)
+        assert set(binder._tasks) == {UID}
+        await binder.idle()
+        assert bound.node.engine.whole_record(UID) is not None and bound.driver() == "vfio-pci"
+        # Its later change is delivered though it is no longer allocated here: its record is.
+        await client.patch(ResourceClaim.Status, "vm", {"status": {"allocation": None}}, namespace="default")
+        change = await asyncio.wait_for(anext(events), 30)
+        assert change.type == "MODIFIED" and change.claim["metadata"]["uid"] == UID
+        binder.observe(change)
+        await binder.idle()
+    finally:
+        await events.aclose()
     assert bound.node.engine.whole_record(UID) is None and bound.driver() == "nvidia"
 
 
@@ -258,7 +269,7 @@ async def test_the_watch_sends_every_claim_then_each_change_and_starts_again_aft
     kube_api.add(made("before"))
     watch = kube_api.fail("GET", "/apis/resource.k8s.io/v1/resourceclaims*", times=1, status=500)
     client = kube_api.client()
-    events = watch_claims(client, backoff=Backoff(initial=0.01, maximum=0.02))
+    events = watch_claims(client, wanted=lambda head: True, backoff=Backoff(initial=0.01, maximum=0.02))
     try:
         async def next_event() -> tuple[str, str]:
             event = await asyncio.wait_for(anext(events), 10)

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from agent.pb import dra_v1_pb2, dra_v1beta1_pb2, health_v1_pb2, health_v1alpha1_pb2, registration_pb2
+from agent.pb import (
+    dra_v1_pb2,
+    dra_v1beta1_pb2,
+    health_v1_pb2,
+    health_v1alpha1_pb2,
+    podresources_v1_pb2,
+    registration_pb2,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 REPEATED = "repeated"
@@ -41,8 +48,34 @@ REGISTRATION_FIELDS = [
     ("PluginInfo", "endpoint", 3, "string", ""), ("PluginInfo", "supported_versions", 4, "string", REPEATED),
     ("RegistrationStatus", "plugin_registered", 1, "bool", ""), ("RegistrationStatus", "error", 2, "string", ""),
 ]
+# The kubelet's pod resources service (k8s.io/kubelet/pkg/apis/podresources/v1), which the agent reads.
+POD_RESOURCES_FIELDS = [
+    ("ListPodResourcesResponse", "pod_resources", 1, "PodResources", REPEATED),
+    ("GetPodResourcesRequest", "pod_name", 1, "string", ""),
+    ("GetPodResourcesRequest", "pod_namespace", 2, "string", ""),
+    ("GetPodResourcesResponse", "pod_resources", 1, "PodResources", ""),
+    ("AllocatableResourcesResponse", "devices", 1, "ContainerDevices", REPEATED),
+    ("AllocatableResourcesResponse", "cpu_ids", 2, "int64", REPEATED),
+    ("AllocatableResourcesResponse", "memory", 3, "ContainerMemory", REPEATED),
+    ("PodResources", "name", 1, "string", ""), ("PodResources", "namespace", 2, "string", ""),
+    ("PodResources", "containers", 3, "ContainerResources", REPEATED),
+    ("ContainerResources", "name", 1, "string", ""), ("ContainerResources", "devices", 2, "ContainerDevices", REPEATED),
+    ("ContainerResources", "cpu_ids", 3, "int64", REPEATED),
+    ("ContainerResources", "memory", 4, "ContainerMemory", REPEATED),
+    ("ContainerResources", "dynamic_resources", 5, "DynamicResource", REPEATED),
+    ("ContainerDevices", "resource_name", 1, "string", ""), ("ContainerDevices", "device_ids", 2, "string", REPEATED),
+    ("ContainerDevices", "topology", 3, "TopologyInfo", ""),
+    ("ContainerMemory", "memory_type", 1, "string", ""), ("ContainerMemory", "size", 2, "uint64", ""),
+    ("ContainerMemory", "topology", 3, "TopologyInfo", ""),
+    ("TopologyInfo", "nodes", 1, "NUMANode", REPEATED), ("NUMANode", "ID", 1, "int64", ""),
+    ("DynamicResource", "claim_name", 2, "string", ""), ("DynamicResource", "claim_namespace", 3, "string", ""),
+    ("DynamicResource", "claim_resources", 4, "ClaimResource", REPEATED),
+    ("ClaimResource", "cdi_devices", 1, "CDIDevice", REPEATED), ("ClaimResource", "driver_name", 2, "string", ""),
+    ("ClaimResource", "pool_name", 3, "string", ""), ("ClaimResource", "device_name", 4, "string", ""),
+    ("CDIDevice", "name", 1, "string", ""),
+]
 _SCALARS = {FieldDescriptor.TYPE_STRING: "string", FieldDescriptor.TYPE_BOOL: "bool",
-            FieldDescriptor.TYPE_INT64: "int64"}
+            FieldDescriptor.TYPE_INT64: "int64", FieldDescriptor.TYPE_UINT64: "uint64"}
 
 
 def _type(field: FieldDescriptor) -> str:
@@ -108,6 +141,13 @@ def test_registration_service():
     _check_fields(registration_pb2, REGISTRATION_FIELDS)
     assert not registration_pb2.DESCRIPTOR.message_types_by_name["InfoRequest"].fields
     assert not registration_pb2.DESCRIPTOR.message_types_by_name["RegistrationStatusResponse"].fields
+
+
+def test_pod_resources_service():
+    assert podresources_v1_pb2.DESCRIPTOR.package == "v1"
+    assert _paths(podresources_v1_pb2) == {"/v1.PodResourcesLister/List", "/v1.PodResourcesLister/Get",
+                                            "/v1.PodResourcesLister/GetAllocatableResources"}
+    _check_fields(podresources_v1_pb2, POD_RESOURCES_FIELDS)
 
 
 def test_generated_code_is_current(tmp_path):

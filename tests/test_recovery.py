@@ -3,20 +3,26 @@ leaves either a fully prepared claim or nothing; a restart repairs and cleans up
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 from agentkit import DRIVER, claim, make_node, restarted, result, write_claim, written_files
 
 from agent import failpoints
-from agent.claims.records import ClaimRecord, FileRecord
+from agent.claims.records import ClaimRecord, FileRecord, FileRole, encode
 from agent.claims.store import ClaimStore
 from agent.engine.recovery import recover
 from agent.names import ClaimRef
+from cdi.store import encode_spec
 
 UID = "3b1e9f00-0000-4000-8000-000000000001"
 OTHER = "3b1e9f00-0000-4000-8000-000000000002"
@@ -174,3 +180,167 @@ async def test_record_in_a_state_this_agent_does_not_know_is_set_aside_and_touch
     assert report.records == {} and len(report.quarantined) == 1
     assert left.read_text() == "x"
     assert store.read(OTHER) is None
+
+
+# -- a record holds intent: what reaches the host is derived (docs/security.md) -----------------------------
+
+def _plant(node: Any, uid: str, change: Callable[[ClaimRecord], ClaimRecord]) -> None:
+    """The claim's record rewritten as `change` makes it, framed as the agent frames one (version,
+    checksum, length): a record that reads cleanly and says what the agent never wrote."""
+    found = ClaimStore(node.settings.claims_state_dir).read(uid)
+    assert found is not None
+    (node.settings.claims_state_dir / f"{uid}.rec").write_bytes(encode(change(found[0])))
+
+
+def _with_file(record: ClaimRecord, role: FileRole, **fields: Any) -> ClaimRecord:
+    """The record with the first file of `role` changed (path, content, mode)."""
+    files = list(record.files)
+    i = next(i for i, f in enumerate(files) if f.role is role)
+    f = files[i]
+    files[i] = FileRecord(fields.get("path", f.path), fields.get("content", f.content), fields.get("mode", f.mode),
+                          f.role, f.request)
+    return dataclasses.replace(record, files=files)
+
+
+def _hooked(content: bytes) -> bytes:
+    """The claim spec with a mount of the host's `/` and a createContainer hook on its first device."""
+    spec = orjson.loads(content)
+    spec["devices"][0]["containerEdits"]["mounts"] = [{"hostPath": "/", "containerPath": "/host",
+                                                       "options": ["rbind", "rw"]}]
+    spec["devices"][0]["containerEdits"]["hooks"] = [{"hookName": "createContainer", "path": "/bin/sh",
+                                                      "args": ["sh", "-c", "touch /tmp/owned"]}]
+    return orjson.dumps(spec)
+
+
+@pytest.fixture
+async def two(node):
+    """UID prepared (the record the tests plant over) and OTHER, a good claim beside it."""
+    write_claim(node.claims_dir, claim("d", OTHER, [result("gpu-2", "a")]))
+    out = await node.engine.prepare([ClaimRef("default", "c", UID), ClaimRef("default", "d", OTHER)])
+    assert out[UID].error == "" and out[OTHER].error == ""
+    good = {f.path: f.content for f in node.engine.whole_record(OTHER).files}  # type: ignore[union-attr]
+    for path in [*good, *(f.path for f in node.engine.whole_record(UID).files)]:  # type: ignore[union-attr]
+        os.unlink(path)  # a reboot: the CDI specs and metadata files are gone (tmpfs), the records stay
+    return good
+
+
+def _set_aside(node: Any, engine: Any, report: Any, good: dict[str, bytes]) -> None:
+    """UID's record is set aside with its files; OTHER recovered whole, every file as prepare wrote it."""
+    s = node.settings
+    assert set(report.records) == {OTHER}
+    assert report.quarantined == [f"{s.claims_state_dir / UID}.rec.corrupt"]
+    assert not (s.claims_state_dir / f"{UID}.rec").exists()
+    assert not [p for p in written_files(s) if UID in p and not p.endswith(".corrupt")]
+    for path, content in good.items():
+        assert Path(path).read_bytes() == content
+    assert [q.uid for q in engine.quarantines] == [UID] and engine.quarantines[0].reason
+
+
+async def test_a_planted_record_whose_spec_mounts_the_host_root_with_a_hook_is_set_aside(node, two):
+    """Before, recovery wrote the record's spec back as it was: the claim's containers got the host's `/`
+    and a hook run as root by the runtime."""
+    _plant(node, UID, lambda r: _with_file(r, FileRole.CLAIM_SPEC,
+                                           content=_hooked(next(f.content for f in r.files
+                                                                if f.role is FileRole.CLAIM_SPEC))))
+    engine = restarted(node)
+    report = recover(engine)
+    for f in Path(node.settings.cdi_dir).iterdir():
+        assert b"hooks" not in f.read_bytes() and b'"hostPath":"/"' not in f.read_bytes(), f
+    _set_aside(node, engine, report, two)
+
+
+async def test_a_planted_record_whose_files_say_mode_6777_is_set_aside(node, two):
+    """Before, recovery wrote the claim's files back setuid, setgid and writable by all (0o6777)."""
+    _plant(node, UID, lambda r: dataclasses.replace(r, files=[
+        FileRecord(f.path, f.content, 0o6777, f.role, f.request) for f in r.files]))
+    engine = restarted(node)
+    report = recover(engine)
+    for path in written_files(node.settings):
+        assert os.stat(path).st_mode & 0o7777 in (0o644, 0o600), path
+    _set_aside(node, engine, report, two)
+
+
+@pytest.mark.parametrize("where", ["outside", "other-claim"])
+async def test_a_planted_record_whose_metadata_path_leaves_its_claims_directory_is_set_aside(
+        node, two, tmp_path, where):
+    """Before, the start-up refresh rendered the metadata file and wrote it where the record said: over a file
+    outside the metadata directory (a directory the record named as the claim's), or over another claim's."""
+    s = node.settings
+    if where == "outside":
+        victim = tmp_path / "outside" / "precious"
+        victim.parent.mkdir()
+        dirs = [str(victim.parent)]
+    else:
+        victim = s.metadata_dir / OTHER / "a" / "metadata.json"
+        dirs = [str(s.metadata_dir / UID)]
+    victim.parent.mkdir(parents=True, exist_ok=True)
+    victim.write_bytes(b"precious")
+    # (A generation the file does not say: the refresh renders the file again, and writes it.)
+    _plant(node, UID, lambda r: dataclasses.replace(_with_file(r, FileRole.METADATA_FILE, path=str(victim)),
+                                                    dirs=dirs, generation=7))
+    engine = restarted(node)
+    report = recover(engine)
+    await engine.refresh_claims(sorted(engine.records))  # the start-up refresh
+    assert victim.read_bytes() == (b"precious" if where == "outside" else two[str(victim)])
+    _set_aside(node, engine, report, two)
+
+
+async def test_a_record_whose_metadata_is_not_json_is_set_aside_and_the_others_recover(node, two):
+    """Before, recovery raised (orjson.JSONDecodeError reading what the record said each share consumed): in
+    the daemon its task died, no later record was checked, and the probes still answered 200."""
+    _plant(node, UID, lambda r: _with_file(r, FileRole.METADATA_FILE, content=b"{not json"))
+    engine = restarted(node)
+    report = recover(engine)
+    _set_aside(node, engine, report, two)
+
+
+def _device_nodes_and_visible(content: bytes) -> bytes:
+    """The claim spec with the host's disk among its first device's nodes and CUDA given every GPU: edits
+    of the kinds prepare writes, with values no device gives."""
+    spec = orjson.loads(content)
+    edits = spec["devices"][0]["containerEdits"]
+    edits["deviceNodes"] = [*edits["deviceNodes"], {"path": "/dev/sda", "hostPath": "/dev/sda"}]
+    edits["env"] = [e if not e.startswith("CUDA_VISIBLE_DEVICES=") else "CUDA_VISIBLE_DEVICES=all"
+                    for e in edits["env"]]
+    assert "CUDA_VISIBLE_DEVICES=all" in edits["env"]
+    return encode_spec(spec)
+
+
+def _planted_spec(record: ClaimRecord) -> ClaimRecord:
+    spec = next(f.content for f in record.files if f.role is FileRole.CLAIM_SPEC)
+    return _with_file(record, FileRole.CLAIM_SPEC, content=_device_nodes_and_visible(spec))
+
+
+async def test_a_recorded_spec_is_derived_again_from_the_devices_at_recovery(node, two):
+    """Device nodes and `CUDA_VISIBLE_DEVICES` are what the devices give, whatever the record says. Before,
+    recovery compared only each device's nodes and describing variables: it wrote the devices' nodes back,
+    and kept `CUDA_VISIBLE_DEVICES=all` (the claim's containers saw every GPU of the node)."""
+    spec_path = node.settings.cdi_dir / f"{DRIVER}-claim_{UID}.json"
+    prepared = next(f.content for f in node.engine.whole_record(UID).files  # type: ignore[union-attr]
+                    if f.role is FileRole.CLAIM_SPEC)
+    _plant(node, UID, _planted_spec)
+    engine = restarted(node)
+    report = recover(engine)
+    assert set(report.records) == {UID, OTHER} and report.quarantined == []
+    assert spec_path.read_bytes() == prepared  # as prepare wrote it, from the devices
+    assert next(f.content for f in engine.whole_record(UID).files  # type: ignore[union-attr]
+                if f.role is FileRole.CLAIM_SPEC) == prepared
+
+
+async def test_self_healing_never_writes_a_spec_changed_on_disk_since_the_claims_check(node):
+    """A record replaced while the agent runs (checksum valid, nothing but device nodes and variables in its
+    spec) is not what the devices give: self-healing leaves the removed spec to the claim's next check, which
+    derives it again. Before, it wrote the record's spec: the host's disk in the claim's containers."""
+    from agent.engine.selfheal import SelfHealer
+
+    await node.engine.prepare([ClaimRef("default", "c", UID)])
+    spec_path = node.settings.cdi_dir / f"{DRIVER}-claim_{UID}.json"
+    prepared = spec_path.read_bytes()
+    _plant(node, UID, _planted_spec)
+    spec_path.unlink()
+    healer = SelfHealer(node.settings, node.engine, None)  # type: ignore[arg-type]  # (no sockets to watch)
+    await asyncio.to_thread(healer._check_claim, UID)
+    assert not spec_path.exists()
+    # The kubelet's next prepare runs the claim's check: the spec derived again, and written.
+    assert (await node.engine.prepare([ClaimRef("default", "c", UID)]))[UID].error == ""
+    assert spec_path.read_bytes() == prepared

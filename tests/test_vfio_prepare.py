@@ -253,7 +253,7 @@ async def test_recovery_puts_back_the_vf_of_a_prepare_killed_after_setting_it(vm
 
     alloc = parse_claim(engine.claims.read("default", "vm-net"), ClaimRef("default", "vm-net", UID),  # type: ignore[attr-defined]
                         driver=DRIVER, pool=vm.node.settings.node_name, lookup=engine.inventory.get)
-    bindings = engine.passthrough.plan(alloc)
+    bindings = await asyncio.to_thread(engine.passthrough.plan, alloc)  # blocking, as in a claim's thread
     engine.book.write(ClaimRecord(uid=UID, namespace="default", name="vm-net", state=RecordState.BINDING,
                                   bindings=bindings,
                                   devices=[PreparedDevice("vm", vm.node.settings.node_name, VF_VARIANT, ())]))

@@ -16,7 +16,6 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from gocheck import build
 from test_deploy import DEPLOY, K8S_VERSION, kustomize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,16 +33,6 @@ def documents(name: str) -> list[dict[str, Any]]:
 def classes() -> set[str]:
     """Every DeviceClass deploy/ installs: the base's and the kubevirt overlay's (which holds the base's)."""
     return {o["metadata"]["name"] for o in kustomize(DEPLOY / "overlays" / "kubevirt") if o["kind"] == "DeviceClass"}
-
-
-@pytest.fixture(scope="module")
-def checker() -> Path:
-    try:
-        return build.binary()
-    except build.GoMissing as e:
-        pytest.skip(str(e))
-    except build.BuildFailed as e:
-        pytest.fail(str(e))
 
 
 def requests_of(template: dict[str, Any]) -> list[dict[str, Any]]:

@@ -18,15 +18,18 @@ from agent.app.output import EXIT_FAILED, EXIT_NO_AGENT, EXIT_NOT_FOUND, dump, t
 
 def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
     from agent.app import oneshot
+    from agent.facts import NicFacts
 
     devices, not_published = asyncio.run(oneshot.discover_once(settings))
     functions = _pci_functions(settings, devices)
+    # Why a NIC is the node's uplink (`agent.inventory.uplinks`): its `uplink` attribute says only that it is.
+    uplinks = {d.name: d.node.uplink_reason for d in devices if isinstance(d.node, NicFacts) and d.node.uplink}
     if args.output == "table":
         rows = []
         for d in devices:
             attrs = d.attributes
-            summary = ", ".join(f"{k}={attrs[k]}" for k in ("productName", "ifName", "ipv4", "socket")
-                                if k in attrs)
+            summary = ", ".join([f"{k}={attrs[k]}" for k in ("productName", "ifName", "ipv4", "socket") if k in attrs]
+                                + ([f"uplink: {uplinks[d.name]}"] if d.name in uplinks else []))
             driver, group = functions.get(d.name, ("", None))
             rows.append((d.name, d.kind, ",".join(f"{k}={c.value}" for k, c in sorted(d.capacity.items())),
                          str(attrs.get("resource.kubernetes.io/pciBusID", "")), driver,
@@ -41,6 +44,8 @@ def cmd_devices(args: argparse.Namespace, settings: config.Settings) -> int:
             shown = d.summary()
             if d.name in functions:
                 shown["pciFunction"] = {"driver": functions[d.name][0], "iommuGroup": functions[d.name][1]}
+            if d.name in uplinks:
+                shown["uplinkReason"] = uplinks[d.name]
             out.append(shown)
         print(dump(out, args.output))
     return 0

@@ -34,11 +34,13 @@ if TYPE_CHECKING:
     from agent.app.httpserver import Check
     from agent.app.probes import DevicesView, PublishView, SocketsView
     from agent.app.quarantine import QuarantineReporter
+    from agent.engine.gc import ClaimCollector
     from agent.engine.prepare import PrepareEngine
     from agent.engine.recovery import RecoveryReport
     from agent.engine.selfheal import SelfHealer
     from agent.health.claimstatus import ClaimStatusWriter
     from agent.inventory.netwatch import NetEvent
+    from agent.kubelet.podresources import PodResourcesClient
     from agent.metrics import AgentState
     from agent.model import Device
     from agent.publish.loop import PublishLoop
@@ -66,7 +68,7 @@ class Running:
 class Agent:
     def __init__(self, settings: Settings, servers: Servers | None = None) -> None:
         """`servers`: the kubelet's sockets, opened by `start`."""
-        from agent.app.httpserver import MAX_PROBE_CONNECTIONS, MetricsServer, Serves, identity_headers
+        from agent.app.httpserver import MAX_PROBE_CONNECTIONS, MetricsServer, Serves, SocketServer, identity_headers
         from agent.claims.store import ClaimStore
         from agent.health.service import DeviceHealthService
         from agent.inventory import Inventory
@@ -97,6 +99,9 @@ class Agent:
         elif endpoint is not None:
             self.http = MetricsServer(self.metrics, *endpoint, healthz=self.healthz, readyz=self.readyz,
                                       identity=identity)
+        # `probe_socket`: the probes on a unix socket, for the kubelet's exec probes: no TCP port in the way.
+        self.probe_socket = None if settings.probe_socket is None else SocketServer(
+            self.metrics, settings.probe_socket, healthz=self.healthz, readyz=self.readyz, identity=identity)
         self._running: Running | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._devices: dict[str, Device] = {}
@@ -148,7 +153,7 @@ class Agent:
 
         s = self.settings
         started = time.monotonic()
-        for server in (self.http, self.metrics_http):
+        for server in (self.probe_socket, self.http, self.metrics_http):
             if server is not None:
                 await server.start()
         async with contextlib.AsyncExitStack() as undo:  # a start that fails stops what started below
@@ -201,7 +206,8 @@ class Agent:
         self._spawn(self._rescans(), "rescan")
         self._spawn(self._netlink_events(), "netlink")
         if (off := collection_off(s, conn.offline)) is None:
-            self._spawn(ClaimCollector(engine, s.gc_grace_period, metrics=self.metrics).run(), "gc")
+            self._spawn(self._collecting(ClaimCollector(engine, s.gc_grace_period, metrics=self.metrics,
+                                                        pods=self._pod_claims(conn))), "gc")
         else:
             log.info("garbage collection is off: %s", off)
 
@@ -233,6 +239,7 @@ class Agent:
         self.metrics.recovered(len(report.repaired), len(report.removed), len(report.quarantined))
         report.records.clear()  # every record, whole: the book keeps what is needed, and far less
         # The API may have missed writes while no agent ran (or they were queued when it stopped).
+        await self._restore_status(running)  # what the last orderly stop wrote: not read back
         running.claim_status.resync(engine.records.values())
         self.recovered.set()
         if self.settings.binding_conditions and running.conn.client is not None:  # the book knows every claim now
@@ -272,6 +279,45 @@ class Agent:
                         "instead: %s", exc)
             return
         self._summaries_saved = changes
+
+    def _pod_claims(self, conn: Connection) -> PodResourcesClient | None:
+        """In a cluster, the kubelet's pod resources service says which claims pods here use (garbage
+        collection); offline every claim comes from the directory, and is read from there."""
+        from agent.kubelet.podresources import PodResourcesClient
+
+        return None if conn.offline is not None else PodResourcesClient(self.settings.pod_resources_socket)
+
+    @staticmethod
+    async def _collecting(collector: ClaimCollector) -> None:
+        from agent.kubelet.podresources import PodResourcesClient
+
+        try:
+            await collector.run()
+        finally:
+            if isinstance(pods := collector.pods, PodResourcesClient):
+                await pods.close()
+
+    async def _restore_status(self, running: Running) -> None:
+        """The claim status the last orderly stop left (`agent.health.statuswritten`), for the resync."""
+        from agent.health import statuswritten
+
+        try:
+            known = await asyncio.to_thread(statuswritten.take, statuswritten.path_of(self.settings.state_dir),
+                                            running.engine.writers)
+        except OSError as exc:
+            log.warning("could not read what the last run wrote of the claims' status (read back instead): %s", exc)
+            return
+        running.claim_status.restore_written(known)
+
+    async def _keep_status(self, running: Running) -> None:
+        from agent.health import statuswritten
+
+        try:
+            await asyncio.to_thread(statuswritten.save, statuswritten.path_of(self.settings.state_dir),
+                                    running.claim_status.written(), running.engine.writers)
+        except OSError as exc:
+            log.warning("could not keep what was written of the claims' status for the next start, which reads "
+                        "it back instead: %s", exc)
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -380,11 +426,12 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.servers.stop()
-        for server in (self.http, self.metrics_http):
+        for server in (self.probe_socket, self.http, self.metrics_http):
             if server is not None:
                 await server.stop()
         if running is not None:  # what is still queued is written again by the next start's resync
             await running.claim_status.stop()
+            await self._keep_status(running)
             await running.quarantines.stop()
             await self._save_summaries(running.engine)  # for the next start (an upgrade's, mostly)
         await asyncio.to_thread(self.inventory.close)

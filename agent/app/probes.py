@@ -71,7 +71,7 @@ class DevicesView:
     prepared_claims: int
     health_watchers: int
     prepared_devices: int = 0  # the devices of the claims prepared, one per allocation result
-    quarantined: tuple[str, ...] = ()  # unreadable claim records set aside since the start (their paths)
+    quarantined: tuple[str, ...] = ()  # claim records set aside since the start (their paths)
 
 
 class Observed(Protocol):
@@ -137,13 +137,15 @@ QUARANTINED_SHOWN = 3
 
 
 def _records(quarantined: tuple[str, ...]) -> Check:
-    """Unreadable claim records set aside: shown, never a reason to be unready (the agent serves every other
-    claim, and readiness failing would not bring the record back)."""
+    """Claim records set aside (unreadable, or saying what the agent never writes: `agent.claims.recordcheck`):
+    named, never a reason to be unready (the agent serves every other claim, and readiness failing would not
+    bring the record back)."""
     if not quarantined:
-        return Check("claim-records", True, "every claim record read is readable")
+        return Check("claim-records", True, "every claim record read is readable and the agent's own")
     shown = ", ".join(quarantined[-QUARANTINED_SHOWN:]) + (" ..." if len(quarantined) > QUARANTINED_SHOWN else "")
-    return Check("claim-records", True, f"{len(quarantined)} unreadable claim records set aside since the start "
-                 f"(their claims are no longer prepared here; Events ClaimRecordQuarantined on the Node): {shown}")
+    return Check("claim-records", True, f"{len(quarantined)} claim records set aside since the start, unreadable "
+                 "or saying what this agent never writes (their claims are no longer prepared here; Events "
+                 f"ClaimRecordQuarantined on the Node): {shown}")
 
 
 def metrics_state(agent: Observed) -> AgentState:

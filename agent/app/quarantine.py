@@ -1,4 +1,5 @@
-"""An unreadable claim record set aside (`PrepareEngine.current_or_purge`), reported where operators look:
+"""A claim record set aside (`PrepareEngine.set_aside`: unreadable, or saying what the agent never writes),
+reported where operators look:
 a Warning Event `ClaimRecordQuarantined` on the Node (in a cluster), beside the log line, the
 `dra_agent_records_quarantined_total` counter and the `claim-records` line of /readyz (`agent.app.probes`).
 Offline there is no API server to hold an Event: the log says so."""
@@ -23,7 +24,7 @@ REASON = "ClaimRecordQuarantined"
 def event_of(q: Quarantined) -> NodeEvent:
     from agent.events import NodeEvent
 
-    return NodeEvent(REASON, "SetAside", f"the record of claim UID {q.uid} could not be read ({q.reason}): it is set "
+    return NodeEvent(REASON, "SetAside", f"the record of claim UID {q.uid} cannot be used ({q.reason}): it is set "
                      f"aside as {q.path}, the claim's CDI specs and metadata files are removed, and the claim is no "
                      "longer prepared on this node")
 
@@ -49,7 +50,7 @@ class QuarantineReporter:
 
     def report(self, q: Quarantined) -> None:
         if self.events is None:
-            log.warning("unreadable claim record set aside as %s: offline (%s), so no Event is posted on node %s",
+            log.warning("claim record set aside as %s: offline (%s), so no Event is posted on node %s",
                         q.path, self.conn.mode, self.node)
             return
         task = self.loop.create_task(self.events.post(event_of(q)), name=f"event {REASON}")

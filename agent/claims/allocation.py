@@ -18,16 +18,7 @@ from typing import Any
 
 from agent import quantity
 from agent.apirules import dns_label_errors, quantity_errors
-from agent.claims.claimenv import (
-    MPS_LIMITS,
-    MPS_MEMORY_LIMIT,
-    MPS_THREAD_PERCENTAGE,
-    RESERVED_ENV_TEXT,
-    format_mps_memory_limits,
-    lower_limit,
-    mps_memory_limits,
-    reserved_env,
-)
+from agent.claims.claimenv import MPS_LIMITS, RESERVED_ENV_TEXT, ConfiguredLimits, MpsLimits, is_share, reserved
 from agent.claims.metadata import POD_CLAIM_NAME, AllocatedDevice
 from agent.computeshare import COMPUTE, COMPUTE_PERCENT, thread_percentage
 from agent.errors import ClaimError
@@ -71,7 +62,10 @@ class Allocation:
     ref: ClaimRef
     pod_claim_name: str
     devices: list[AllocatedDevice] = field(default_factory=list)
-    config_env: dict[str, dict[str, str]] = field(default_factory=dict)  # device name -> env
+    config_env: dict[str, dict[str, str]] = field(default_factory=dict)  # device name -> env, but the MPS limits
+    # The MPS limits each configuration sets, in the order they apply: the claim's clients get the lowest of
+    # them and the agent's (`agent.claims.plan.client_limits`); each entry applies to shares only.
+    mps_limits: list[ConfiguredLimits] = field(default_factory=list)
     vfio: dict[str, VfioSettings] = field(default_factory=dict)  # passthrough device name -> its config
     network: dict[str, NetworkSettings] = field(default_factory=dict)  # NIC device name -> its config
 
@@ -222,15 +216,11 @@ def parse_claim(claim: Mapping[str, Any], ref: ClaimRef, *, driver: str, pool: s
 def _placed(alloc: AllocatedDevice, config: NetworkSettings | None) -> AllocatedDevice:
     """A NIC allocated for a pod moves into the pod's network namespace (CDI `netDevices`), under the
     name its `NetworkConfig` gives or its host name; not one allocated with admin access (the device as
-    it is), nor one whose configuration says `move: false`. The node's uplink never moves."""
+    it is), nor one whose configuration says `move: false`. The node's uplink never moves: prepare refuses
+    it, from the links as they are then (`agent.engine.claimops`, `agent.inventory.uplinks`)."""
     facts = alloc.device.node
     if not isinstance(facts, NicFacts) or alloc.admin_access or (config is not None and not config.move):
         return alloc
-    if facts.uplink:
-        raise ClaimError(f"device {alloc.device.name} ({facts.interface}) is this node's uplink (it carries the "
-                         "default route or an address of the Node): moved into a pod it would cut the node off, "
-                         f"so it is never moved (its `uplink` attribute says so; a {NETWORK_KIND} with move: "
-                         "false leaves it on the host, for a host-network pod)")
     return dataclasses.replace(alloc, pod_interface=(config.interface if config else "") or facts.interface)
 
 
@@ -323,9 +313,11 @@ def _apply_configs(out: Allocation, configs: list[Any], driver: str) -> None:
     for c in ours:
         where = f"{_CONFIG}[{c.index}].opaque.parameters"
         decoded = decode_config(c.parameters, driver, where=where)
+        applied = False
         for alloc in out.devices:
             if c.requests and alloc.request not in c.requests and base_request(alloc.request) not in c.requests:
                 continue
+            applied = True
             if isinstance(decoded, NetworkSettings):
                 if alloc.device.kind is not Kind.NIC:
                     raise ClaimError(f"{where}: a {NETWORK_KIND} applies to NICs only; device "
@@ -333,12 +325,16 @@ def _apply_configs(out: Allocation, configs: list[Any], driver: str) -> None:
                                      "device")
                 out.network[alloc.device.name] = decoded
                 continue
-            if isinstance(decoded, dict):
-                env = out.config_env.setdefault(alloc.device.name, {})
-                for key, value in decoded.items():
-                    # A limit is only ever lowered, whichever configuration comes later; other variables
-                    # of a later entry win.
-                    env[key] = lower_limit(key, env.get(key), value) if key in MPS_LIMITS else value
+            if isinstance(decoded, _EnvEntry):
+                # The MPS limits are a share's: on any other device they would be a variable of its CDI
+                # device that no share's value overrides (docs/security.md).
+                if (named := sorted(decoded.limits.env())) and not is_share(alloc):
+                    what = "allocated with adminAccess" if alloc.admin_access else f"a {alloc.device.kind} device"
+                    raise ClaimError(f"{where}.env: {', '.join(named)}: the MPS limits are a GPU share's; device "
+                                     f"{alloc.device.name} of request {alloc.request!r} is {what}, not a share (name "
+                                     "only the shares' requests in the configuration's requests)")
+                # Other variables of a later entry win.
+                out.config_env.setdefault(alloc.device.name, {}).update(decoded.env)
                 continue
             dev = alloc.device
             if not dev.kind.passthrough:
@@ -357,6 +353,14 @@ def _apply_configs(out: Allocation, configs: list[Any], driver: str) -> None:
                 iommu=decoded.settings.iommu if "iommu" in decoded.fields else old.iommu,
                 mac=decoded.settings.mac if "mac" in decoded.fields else old.mac,
                 vlan=decoded.settings.vlan if "vlan" in decoded.fields else old.vlan, where=where)
+        if applied and isinstance(decoded, _EnvEntry) and decoded.limits.env():
+            out.mps_limits.append(ConfiguredLimits(where, decoded.limits))
+
+
+@dataclass(frozen=True, slots=True)
+class _EnvEntry:
+    env: dict[str, str]  # the variables a DeviceConfig sets, but the MPS limits
+    limits: MpsLimits  # the MPS limits it sets
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,7 +370,7 @@ class _VfioEntry:
 
 
 def decode_config(params: Any, driver: str,
-                  where: str = "parameters") -> dict[str, str] | _VfioEntry | NetworkSettings:
+                  where: str = "parameters") -> _EnvEntry | _VfioEntry | NetworkSettings:
     """Strictly decode `{"apiVersion": "<driver>/v1alpha1", "kind": "DeviceConfig", "env": {...}}`
     (its variables) or `{..., "kind": "VfioConfig", "iommu", "mac", "vlan"}`; `where` is the path of
     `params` in the claim, for messages."""
@@ -392,27 +396,23 @@ def decode_config(params: Any, driver: str,
                          f"not {_value(params.get('kind'))}")
     env = params.get("env")
     if env is None:
-        return {}
+        return _EnvEntry({}, MpsLimits())
     if not isinstance(env, Mapping):
         raise ClaimError(f"{where}.env must be an object of strings, not {_kind(env)}")
     out: dict[str, str] = {}
+    limits: dict[str, str] = {}
     for key, value in env.items():
         if not isinstance(key, str) or not _ENV_NAME.match(key):
             raise ClaimError(f"{where}.env: name {_key(key)} is not a valid variable name")
-        if reserved_env(key) and key not in MPS_LIMITS:
-            raise ClaimError(f"{where}.env: {key!r} is reserved: the agent sets {RESERVED_ENV_TEXT} (a "
-                             f"configuration may only lower the MPS limits {', '.join(MPS_LIMITS)})")
+        if (family := reserved(key)) is not None and key not in MPS_LIMITS:
+            raise ClaimError(f"{where}.env: {key!r} is reserved: {family.why} (reserved: {RESERVED_ENV_TEXT}; a "
+                             f"configuration may only lower a share's MPS limits {', '.join(MPS_LIMITS)})")
         if not isinstance(value, str):
             raise ClaimError(f"{where}.env[{_key(key)}] must be a string, not {_kind(value)}")
         if len(value) > MAX_ENV_VALUE or "\x00" in value:
             raise ClaimError(f"{where}.env[{_key(key)}] is longer than {MAX_ENV_VALUE} characters or has NUL")
-        if key == MPS_MEMORY_LIMIT:
-            value = format_mps_memory_limits(mps_memory_limits(value, f"{where}.env"))
-        elif key == MPS_THREAD_PERCENTAGE and not (value.isdigit() and 1 <= int(value) <= 100):
-            raise ClaimError(f"{where}.env: {MPS_THREAD_PERCENTAGE} must be a whole number from 1 to 100, "
-                             f"not {value[:80]!r}")
-        out[key] = value
-    return out
+        (limits if key in MPS_LIMITS else out)[key] = value
+    return _EnvEntry(out, MpsLimits.decode(limits, f"{where}.env"))
 
 
 def _decode_vfio(params: Mapping[Any, Any], where: str) -> _VfioEntry:

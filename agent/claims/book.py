@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,8 +125,12 @@ class ClaimSummary:
 
 
 class ClaimBook:
-    def __init__(self, store: ClaimStore, recent: int = RECENT, writers: RecordWriters | None = None) -> None:
+    def __init__(self, store: ClaimStore, recent: int = RECENT, writers: RecordWriters | None = None,
+                 check: Callable[[ClaimRecord], None] | None = None) -> None:
+        """`check`: run on every record read from its file (never on one this book wrote), raising a
+        RecordError for one that must not be used (`agent.claims.recordcheck`)."""
         self.store = store
+        self.check = check
         # The other writers of the records (`agent.claims.writers`): without, `sync` always lists.
         self.writers = writers
         self._sync_guard = threading.Lock()  # one listing at a time; a check waits for one in progress
@@ -189,7 +193,8 @@ class ClaimBook:
             return sorted(uids)
 
     def current(self, uid: str) -> ClaimRecord | None:
-        """The claim's whole record as it is on disk now; RecordError when it is unreadable."""
+        """The claim's whole record as it is on disk now; RecordError when it is unreadable, or refused by
+        the book's `check`."""
         stamp = self.store.stamp(uid)
         with self._guard:
             cached = self._recent.get(uid)
@@ -201,12 +206,18 @@ class ClaimBook:
             return None
         if cached is not None and cached[1] == stamp:
             return cached[0]
-        found = self.store.read(uid)
+        found = self._read(uid)
         if found is None:
             self.forget(uid)
             return None
         self._remember(*found)
         return found[0]
+
+    def _read(self, uid: str) -> tuple[ClaimRecord, RecordStamp] | None:
+        found = self.store.read(uid)
+        if found is not None and self.check is not None:
+            self.check(found[0])
+        return found
 
     def sync(self) -> None:
         """Make the book say what the records directory says: records this book has not read (another
@@ -237,7 +248,7 @@ class ClaimBook:
                 self.forget(uid)
         for uid in sorted(on_disk - known):
             try:
-                found = self.store.read(uid)
+                found = self._read(uid)
             except (RecordError, InvalidName, OSError):
                 continue
             if found is None:

@@ -12,10 +12,10 @@ the share names compute: `agent.computeshare`) and, for CUDA MPS clients,
 `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<MiB>M[,...]` over every shared GPU of the claim (the
 ordinal: the GPU's place in the claim's `CUDA_VISIBLE_DEVICES`) and `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`
 (one value for all of a client's GPUs: the smallest of the claim's compute shares), which the MPS server
-enforces per client. A class's or the claim's own opaque configuration may lower those limits, never
-raise them (`claim_env`). One
-container with shares from two claims gets one claim's
-value (CDI does not merge variables). Each claim has its own CDI spec and metadata files (named by its
+enforces per client. Those two are the claim's, one value each, set on every GPU form of the claim
+(`claim_env`); a class's or the claim's own opaque configuration may lower them, never raise them
+(`client_limits`). One container with GPUs from two claims gets one claim's `CUDA_VISIBLE_DEVICES` and
+limits (CDI does not merge variables). Each claim has its own CDI spec and metadata files (named by its
 UID), so claims sharing one GPU are prepared and unprepared independently.
 """
 
@@ -29,13 +29,7 @@ from typing import Any
 from agent import quantity
 from agent.claims import cdispecs, cpuset, filenames, metadata
 from agent.claims.allocation import Allocation
-from agent.claims.claimenv import (
-    MPS_LIMITS,
-    MPS_MEMORY_LIMIT,
-    MPS_THREAD_PERCENTAGE,
-    lower_limit,
-    mps_memory_limits,
-)
+from agent.claims.claimenv import MpsLimits, is_share
 from agent.claims.records import ClaimRecord, DeviceBinding, FileRecord, FileRole, PreparedDevice
 from agent.claims.toolkit import ToolkitSpecs
 from agent.computeshare import thread_percentage
@@ -92,27 +86,31 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 def claim_env(alloc: Allocation) -> dict[str, dict[str, str]]:
     """Device name -> the variables of its CDI device beyond those that describe it: the agent's
-    (`visible_env`, `share_env`) and the configurations' (`Allocation.config_env`, which holds no
-    reserved name but the MPS limits: `agent.claims.allocation`). A limit both set is the lower one,
-    per CUDA ordinal: a configuration may lower a share's limit; one above it is refused (ClaimError)."""
+    (`visible_env`, `share_env`, the claim's MPS limits) and the configurations' (`Allocation.config_env`,
+    which holds no reserved name). Every GPU form of the claim (every device that sets
+    `CUDA_VISIBLE_DEVICES`) gets the claim's MPS limits, the same values (`client_limits`), and no other
+    device does: CDI applies a container's devices one after another and the last one that sets a variable
+    wins, in an order the tenant chooses (a claim's results follow its requests; the kubelet takes a pod's
+    claims in no fixed order), so a container's MPS limits always come from the claim its
+    `CUDA_VISIBLE_DEVICES` comes from, or limit GPUs that are no share (docs/security.md)."""
     visible, shares = visible_env(alloc.devices), share_env(alloc.devices)
-    out: dict[str, dict[str, str]] = {}
-    for name in set(visible) | set(shares) | set(alloc.config_env):
-        mine = {**visible.get(name, {}), **shares.get(name, {})}
-        configured = alloc.config_env.get(name, {})
-        if MPS_MEMORY_LIMIT in configured and MPS_MEMORY_LIMIT in mine:
-            given, asked = mps_memory_limits(mine[MPS_MEMORY_LIMIT]), mps_memory_limits(configured[MPS_MEMORY_LIMIT])
-            if above := sorted(i for i, mib in asked.items() if i in given and mib > given[i]):
-                raise ClaimError(f"the configuration's {MPS_MEMORY_LIMIT}={configured[MPS_MEMORY_LIMIT]} is above "
-                                 f"what the claim's shares give ({mine[MPS_MEMORY_LIMIT]}; ordinal "
-                                 f"{', '.join(map(str, above))}): a configuration may only lower it")
-        if MPS_THREAD_PERCENTAGE in configured and MPS_THREAD_PERCENTAGE in mine and \
-                int(configured[MPS_THREAD_PERCENTAGE]) > int(mine[MPS_THREAD_PERCENTAGE]):
-            raise ClaimError(f"the configuration's {MPS_THREAD_PERCENTAGE}={configured[MPS_THREAD_PERCENTAGE]} is "
-                             f"above what the claim's compute shares give ({mine[MPS_THREAD_PERCENTAGE]}): a "
-                             "configuration may only lower it")
-        limits = {k: lower_limit(k, mine.get(k), v) for k, v in configured.items() if k in MPS_LIMITS}
-        out[name] = {**configured, **mine, **limits}
+    limits = client_limits(alloc).env()
+    return {name: {**alloc.config_env.get(name, {}), **visible.get(name, {}), **shares.get(name, {}),
+                   **(limits if name in visible else {})}
+            for name in set(visible) | set(shares) | set(alloc.config_env)}
+
+
+def client_limits(alloc: Allocation) -> MpsLimits:
+    """The MPS limits of the claim's clients: the agent's (`share_limits`), lowered by each configuration's
+    (which apply to shares only: `agent.claims.allocation`). A configuration above the agent's is refused
+    (ClaimError naming it): it may lower a limit, never raise it."""
+    given = share_limits(alloc.devices)
+    out = given
+    for configured in alloc.mps_limits:
+        if above := configured.limits.above(given):
+            raise ClaimError(f"{configured.where}.env: {'; '.join(above)}: a configuration may only lower the "
+                             "MPS limits")
+        out = out.lowered(configured.limits)
     return out
 
 
@@ -148,33 +146,43 @@ def visible_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str
     return {name: {CUDA_VISIBLE_DEVICES: ",".join(uuids)} for name in names}
 
 
-def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
-    """Device name -> the variables of a shared GPU's share (see the module docstring). The MPS limit is
-    keyed by the device's ordinal as the container's CUDA numbers it: its place in the claim's
-    `CUDA_VISIBLE_DEVICES` (`visible_env`). MPS does not apply a limit keyed by UUID (docs/partitions.md)."""
-    limits: dict[str, int] = {}
+def _shares(allocated: list[metadata.AllocatedDevice]) -> tuple[dict[str, int], dict[str, int]]:
+    """Share device name -> the bytes of memory the claim's shares of it consumed, and -> the percentage of
+    its compute they consumed (those that name compute)."""
+    memory: dict[str, int] = {}
     compute: dict[str, int] = {}
-    uuids: dict[str, str] = {}
     for a in allocated:
-        if a.device.kind.shared:
+        if is_share(a):
             # allocation.parse_claim has checked that the amount is there and an integer quantity, and that
             # a compute share is a whole percentage.
-            limits[a.device.name] = limits.get(a.device.name, 0) + quantity.parse_int(a.consumed["memory"])
+            memory[a.device.name] = memory.get(a.device.name, 0) + quantity.parse_int(a.consumed["memory"])
             if (percent := thread_percentage(a.consumed)) is not None:
                 compute[a.device.name] = min(100, compute.get(a.device.name, 0) + percent)
-            uuids[a.device.name] = a.device.gpu.uuid if a.device.gpu is not None else ""
+    return memory, compute
+
+
+def share_env(allocated: list[metadata.AllocatedDevice]) -> dict[str, dict[str, str]]:
+    """Device name -> the variables that describe a shared GPU's share (see the module docstring): its
+    GPU's UUID, the memory and compute the claim's shares of it consumed."""
+    memory, compute = _shares(allocated)
+    uuids = {a.device.name: a.device.gpu.uuid if a.device.gpu is not None else "" for a in allocated if is_share(a)}
+    return {n: {f"{cdispecs.env_prefix(n)}_UUID": uuids[n], f"{cdispecs.env_prefix(n)}_MEMORY_LIMIT": str(memory[n]),
+                **({f"{cdispecs.env_prefix(n)}_COMPUTE_PERCENT": str(compute[n])} if n in compute else {})}
+            for n in memory}
+
+
+def share_limits(allocated: list[metadata.AllocatedDevice]) -> MpsLimits:
+    """The MPS limits the claim's shares give its clients: each shared GPU's memory, keyed by the device's
+    ordinal as the container's CUDA numbers it (its place in the claim's `CUDA_VISIBLE_DEVICES`:
+    `visible_env`; MPS does not apply a limit keyed by UUID, docs/partitions.md), and the smallest of the
+    compute shares: MPS takes one thread percentage per client, for every GPU it uses, so that no share is
+    exceeded."""
+    memory, compute = _shares(allocated)
+    uuids = {a.device.name: a.cuda_uuid for a in allocated if is_share(a)}
     visible, _ = _visible_uuids(allocated)
-    ordinal = {uuid: str(i) for i, uuid in enumerate(visible)}
-    keyed = sorted((int(ordinal[uuids[n]]), n) for n in limits if uuids[n] in ordinal)
-    mps = ",".join(f"{i}={limits[n] // MIB}M" for i, n in keyed)
-    # MPS takes one thread percentage per client, for every GPU it uses: the smallest of the claim's shares,
-    # so that no share is exceeded.
-    threads = {MPS_THREAD_PERCENTAGE: str(min(compute.values()))} if compute else {}
-    return {n: {f"{cdispecs.env_prefix(n)}_UUID": uuids[n],
-                f"{cdispecs.env_prefix(n)}_MEMORY_LIMIT": str(limits[n]), MPS_MEMORY_LIMIT: mps,
-                **({f"{cdispecs.env_prefix(n)}_COMPUTE_PERCENT": str(compute[n])} if n in compute else {}),
-                **threads}
-            for n in limits}
+    ordinal = {uuid: i for i, uuid in enumerate(visible)}
+    return MpsLimits({ordinal[uuids[n]]: mib // MIB for n, mib in memory.items() if uuids[n] in ordinal},
+                     min(compute.values()) if compute else None)
 
 
 def _recorded_consumption(record: ClaimRecord) -> dict[tuple[str, str, str], dict[str, str]]:

@@ -77,6 +77,10 @@ class RecordState(StrEnum):
 
 
 PREPARED = RecordState.PREPARED
+# The mode of every file of a claim (CDI specs, metadata files: read by the runtime and, mounted, by the
+# claim's containers, written by the agent alone). Written from here, never from a record: a record names
+# it only so that an older agent reads the record (`agent.claims.recordcheck` refuses any other).
+FILE_MODE = 0o644
 
 
 class RecordError(ValueError):
@@ -238,7 +242,7 @@ class FileRecord:
     role: FileRole  # what the file is
     request: str  # the base request of a metadata file or spec; "" for the claim spec
 
-    def __init__(self, path: str, content: bytes, mode: int = 0o644, role: FileRole | None = None,
+    def __init__(self, path: str, content: bytes, mode: int = FILE_MODE, role: FileRole | None = None,
                  request: str = "") -> None:
         """Without a role (a record written before files carried one), role and request come from the
         path's name (`role_of`)."""
@@ -334,6 +338,9 @@ class ClaimRecord:
                     if not isinstance(parts, list) or not parts:
                         raise TypeError("partitions must be a non-empty list")
                     partitions = [DevicePartition.from_wire(p) for p in parts]
+            names = (d["uid"], d["namespace"], d["name"], d.get("podClaimName", ""), *d.get("dirs", []))
+            if not all(isinstance(v, str) for v in names):
+                raise TypeError("uid, namespace, name, podClaimName and dirs must be strings")
             return cls(
                 uid=d["uid"],
                 namespace=d["namespace"],

@@ -1,12 +1,14 @@
-"""What a prepared claim's CDI spec says of each of its devices, and the spec rewritten to say what the
+"""What a prepared claim's CDI spec says of each of its devices, and the spec derived again from what the
 devices are now (`agent.engine.recheck`: after a reboot the host renumbers VFIO device files and IOMMU
 groups, and a MIG instance made again has a new UUID).
 
 A device's entry in the claim spec (`agent.claims.cdispecs.claim_spec`) is its device nodes and its
 variables: first those that describe the device (`device_env`: `DRA_<DEVICE>_NAME`, `_UUID`, `_PCI_BUS_ID`,
-...), then the claim's own (its opaque configuration, a share's limits), sorted. Rewriting an entry
-replaces the nodes and the describing variables and keeps the rest as the claim's prepare wrote them:
-the record holds no other copy of the claim's configuration, and none is needed.
+...), then the claim's own (its opaque configuration, a share's limits), sorted. The spec is derived again
+whole, as prepare derives it, from the devices as they are now and the claim's own variables as prepare
+wrote them (the record holds no other copy of the claim's configuration, and none is needed), but for
+`CUDA_VISIBLE_DEVICES`, which names the devices and is derived again with them: nothing else of the
+recorded spec (an edit prepare never writes) reaches the host (docs/security.md, "Claim records").
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from typing import Any
 
 import orjson
 
-from agent.claims.cdispecs import DEVICE_VARIABLES, device_env, env_prefix
+from agent.claims.cdispecs import DEVICE_VARIABLES, claim_spec, env_prefix
 from agent.claims.metadata import AllocatedDevice
+from agent.claims.plan import CUDA_VISIBLE_DEVICES, visible_env
 from agent.claims.records import ClaimRecord, FileRole
 from agent.errors import ClaimFailure
-from cdi.spec import minimum_version
 from cdi.store import encode_spec
 
 
@@ -72,7 +74,13 @@ def _entry(name: str, raw: dict[str, Any]) -> SpecEntry:
     env = [e for e in edits.get("env") or [] if isinstance(e, str)]
     nodes = tuple((str(n.get("path")), str(n.get("hostPath"))) for n in edits.get("deviceNodes") or []
                   if isinstance(n, dict))
-    # The describing variables come first, each once (`device_env`); the claim's own follow.
+    described, own = split_env(name, env)
+    return SpecEntry(described, own, nodes)
+
+
+def split_env(name: str, env: Sequence[str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """A device's variables as its entry lists them: those that describe it (first, each once:
+    `device_env`), name -> value, and the claim's own after them, as written."""
     keys = {f"{env_prefix(name)}_{v}" for v in DEVICE_VARIABLES}
     described: dict[str, str] = {}
     n = 0
@@ -82,34 +90,27 @@ def _entry(name: str, raw: dict[str, Any]) -> SpecEntry:
             break
         described[key] = value
         n += 1
-    return SpecEntry(described, tuple(env[n:]), nodes)
+    return described, tuple(env[n:])
 
 
-def respecified(record: ClaimRecord, now: Sequence[AllocatedDevice]) -> bytes | None:
-    """The claim spec's content with each device's entry saying what `now` says of it (its device nodes,
-    its describing variables), the claim's own variables kept; None when the record's spec says it
-    already. SpecUnknown when the record's spec cannot be read so."""
-    i, spec = claim_spec_of(record)
-    have = entries(record)
-    changed = False
-    for a in now:
-        name = a.device.name
-        raw = next(d for d in spec["devices"] if isinstance(d, dict) and d.get("name") == f"{record.uid}-{name}")
-        old = have[name]
-        described = device_env(a)
-        nodes = tuple((n.path, n.host_path) for n in a.device.device_nodes)
-        if [f"{k}={v}" for k, v in old.described.items()] == described and old.nodes == nodes:
-            continue
-        changed = True
-        edits = dict(raw.get("containerEdits") or {})
-        edits["env"] = described + list(old.own)
-        if nodes:
-            edits["deviceNodes"] = [{"path": p, "hostPath": h} for p, h in nodes]
-        else:
-            edits.pop("deviceNodes", None)
-        raw["containerEdits"] = edits
-    if not changed:
-        return None
-    spec["cdiVersion"] = minimum_version(spec)
-    content = encode_spec(spec)
+def respecified(vendor: str, record: ClaimRecord, now: Sequence[AllocatedDevice]) -> bytes | None:
+    """The claim spec's content derived again (`derived`); None when the record's spec says it already.
+    SpecUnknown when the record's spec cannot be read so."""
+    i, _ = claim_spec_of(record)
+    content = derived(vendor, record, now)
     return None if content == record.files[i].content else content
+
+
+def derived(vendor: str, record: ClaimRecord, now: Sequence[AllocatedDevice]) -> bytes:
+    """The claim spec as prepare writes it for the devices as they are now (`now`: the record's allocation,
+    with what its host effects give them): each device's nodes and describing variables from the device,
+    `CUDA_VISIBLE_DEVICES` from the claim's GPU forms, the claim's other variables from the record's spec.
+    SpecUnknown when the record's spec cannot be read so."""
+    have = entries(record)
+    visible = visible_env(list(now))
+    own: dict[str, dict[str, str]] = {}
+    for name, entry in have.items():
+        pairs = (item.partition("=") for item in entry.own)
+        kept = {key: value for key, _, value in pairs if key != CUDA_VISIBLE_DEVICES}
+        own[name] = {**kept, **visible.get(name, {})}
+    return encode_spec(claim_spec(vendor, record.uid, now, own))

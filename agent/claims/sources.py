@@ -55,16 +55,6 @@ class LocalClaimSource(ClaimSource, Protocol):
     def read(self, namespace: str, name: str) -> Mapping[str, Any]: ...
 
 
-@runtime_checkable
-class ClaimLister(ClaimSource, Protocol):
-    """A source that also answers, in one request, which claims a namespace holds: garbage collection asks
-    it once per namespace per sweep instead of once per prepared claim."""
-
-    async def uids(self, namespace: str) -> dict[str, str]:
-        """name -> UID of every ResourceClaim in `namespace`; ClaimSourceError when it cannot be read now."""
-        ...
-
-
 class ApiClaimSource:
     def __init__(self, client: lightkube.AsyncClient, concurrency: int = 16,
                  deadline: float = DEFAULT_DEADLINE, *, backoff: Backoff | None = None) -> None:
@@ -81,16 +71,6 @@ class ApiClaimSource:
             return kube.plain(await self.client.get(ResourceClaim, name, namespace=namespace))
 
         return await self._call(f"ResourceClaim {namespace}/{name}", read)
-
-    async def uids(self, namespace: str) -> dict[str, str]:
-        """One metadata-only LIST of the namespace's claims (`kube.list_metadata`)."""
-        from lightkube.resources.resource_v1 import ResourceClaim
-
-        async def read() -> dict[str, str]:
-            found = await kube.list_metadata(self.client, ResourceClaim, namespace)
-            return {str(m["name"]): str(m["uid"]) for m in found if m.get("name") and m.get("uid")}
-
-        return await self._call(f"the ResourceClaims of namespace {namespace}", read)
 
     async def _call(self, what: str, read: Callable[[], Awaitable[T]]) -> T:
         """`read()`, retried on what may heal until the deadline; ClaimNotFound for a 404."""

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Protocol
 
 from agent import failpoints
 from agent.claims import cpuset
-from agent.claims.allocation import Allocation, parse_claim
+from agent.claims.allocation import NETWORK_KIND, Allocation, parse_claim
 from agent.claims.book import ClaimBook
 from agent.claims.files import ClaimFiles
 from agent.claims.metadata import AllocatedDevice
@@ -34,8 +34,10 @@ from agent.claims.records import ClaimRecord, DeviceBinding, FileRole
 from agent.claims.toolkit import ToolkitSpecs
 from agent.config import Settings
 from agent.errors import ClaimFailure
+from agent.facts import NicFacts
 from agent.hostprep.effects import HostEffects
 from agent.inventory import Inventory
+from agent.inventory.uplinks import Leaving, node_addresses, refuse_uplinks
 from agent.kinds import preparable_kinds
 from agent.names import ClaimRef
 
@@ -165,6 +167,7 @@ def _apply(engine: ClaimEngine, alloc: Allocation, ahead: bool) -> ClaimRecord:
     # Admin access (monitoring) gets a device as it is, beside whoever holds it: no exclusivity check and no
     # host side effect (no vfio-pci binding, MIG instance or mediated device made), as the API defines it.
     effects.check(alloc.ref.uid, [a for a in alloc.devices if not a.admin_access])
+    _refuse_moving_uplinks(engine, alloc)
     alloc.devices = _with_cpus(engine, alloc)
     for a in alloc.devices:
         for node in a.device.device_nodes:
@@ -191,6 +194,17 @@ def _apply(engine: ClaimEngine, alloc: Allocation, ahead: bool) -> ClaimRecord:
         raise
     failpoints.hit("after-record")
     return record
+
+
+def _refuse_moving_uplinks(engine: ClaimEngine, alloc: Allocation) -> None:
+    """UplinkRefused for a NIC the claim moves into its pod that is the node's uplink, as the links are now
+    or as the last scan found them (`agent.inventory.uplinks`; a passthrough device's function is checked
+    where its binding is planned, `agent.hostprep.vfio`)."""
+    fate = (f"Moved into a pod it would cut the node off, so it is never moved (a {NETWORK_KIND} with move: "
+            "false leaves it on the host, for a host-network pod)")
+    refuse_uplinks([Leaving(a.device.name, facts.interface, fate, facts.uplink_reason) for a in alloc.devices
+                    if a.pod_interface and isinstance(facts := a.device.node, NicFacts)],
+                   node_addresses(tuple(engine.settings.node_ips)))
 
 
 def _with_cpus(engine: ClaimEngine, alloc: Allocation) -> list[AllocatedDevice]:

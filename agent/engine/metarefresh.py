@@ -8,7 +8,9 @@ The files are those the record holds as metadata files, rewritten where the reco
 (`agent.claims.plan.refreshed`): the claim's metadata CDI specs mount them from there. An agent started
 with another metadata directory (another --kubelet-dir) than a claim was prepared under therefore
 still refreshes that claim's files in the directory they were prepared in, as long as it exists;
-start-up repair and unprepare reach only files below today's directories."""
+start-up repair and unprepare reach only files below today's directories. The paths are the claim's own
+(`agent.claims.recordcheck` refuses a record naming any other: `<a metadata directory>/<uid>/<request>`),
+the content is rendered from the devices, the mode is the agent's."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from agent import failpoints
 from agent.claims.book import ClaimBook
 from agent.claims.files import ClaimFiles
 from agent.claims.plan import refreshed
-from agent.claims.records import ClaimRecord
+from agent.claims.records import FILE_MODE, ClaimRecord
 from agent.config import Settings
 from agent.inventory import Inventory
 
@@ -60,6 +62,6 @@ def _refresh(engine: RefreshEngine, record: ClaimRecord) -> ClaimRecord | None:
     engine.book.write(new)
     failpoints.hit("refresh-after-record")
     for root, f in writes:
-        root.write(f.path, f.content, f.mode)
+        root.write(f.path, f.content, FILE_MODE)
         failpoints.hit("refresh-after-metadata-file")
     return new

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from agent.claims.book import ClaimSummary
-from agent.claims.watch import ClaimEvent, watch_claims
+from agent.claims.watch import ClaimEvent, ClaimHead, watch_claims
 from agent.engine.prepare import PrepareEngine
 from agent.health.bindingstatus import BindingFailure
 from agent.names import ClaimRef
@@ -102,28 +102,26 @@ class PreBinder:
             await self.stop()
 
     def observe(self, event: ClaimEvent) -> None:
-        """Queue the claim's latest event; its handler takes it when the one before is done. An event of
-        a claim that concerns this node in no way is dropped here, before any task or lookup: the watch
-        sends every claim of the cluster, and almost all of them are allocated elsewhere."""
+        """Queue the claim's latest event; its handler takes it when the one before is done."""
         uid = str((event.claim.get("metadata") or {}).get("uid", ""))
         if not uid:
-            return
-        if uid not in self._tasks and not self._concerns(uid, event.claim):
             return
         self._latest[uid] = event
         if uid not in self._tasks:
             self._tasks[uid] = asyncio.get_running_loop().create_task(self._claim(uid), name=f"prebind-{uid}")
 
-    def _concerns(self, uid: str, claim: Mapping[str, Any]) -> bool:
-        """Whether a claim's event can change anything here: it is allocated a device of this driver on
-        this node, or it is one this agent holds a record of (prepared ahead: it may have lost its
+    def wants(self, head: ClaimHead) -> bool:
+        """Whether a claim's event can change anything here, from its head alone (the watch's filter: the
+        watch sends every claim of the cluster, almost all of them allocated elsewhere, and drops those this
+        refuses before their configuration is decoded): it is allocated a device of this driver on this
+        node, or it is one this agent is handling, holds a record of (prepared ahead: it may have lost its
         allocation) or tried an allocation of (seen without it, the next allocation is tried anew)."""
-        if uid in self._tried or self.engine.book.record_of(uid) is not None:
+        uid = head.metadata.uid
+        if not uid:
+            return False
+        if uid in self._tasks or uid in self._tried or self.engine.book.record_of(uid) is not None:
             return True
-        allocation = (claim.get("status") or {}).get("allocation") or {}
-        results = (allocation.get("devices") or {}).get("results") or ()
-        return any(isinstance(r, Mapping) and r.get("pool") == self.node and r.get("driver") == self.driver
-                   for r in results)
+        return head.allocated_on(self.driver, self.node)
 
     async def idle(self) -> None:
         """Until every event observed so far is handled (tests)."""
@@ -176,4 +174,5 @@ class PreBinder:
 
 async def prebind_claims(engine: PrepareEngine, status: BindingStatus, client: lightkube.AsyncClient) -> None:
     """The daemon's task (`--binding-conditions` in a cluster): every claim watched, for ever."""
-    await PreBinder(engine, status).run(watch_claims(client))
+    binder = PreBinder(engine, status)
+    await binder.run(watch_claims(client, wanted=binder.wants))

@@ -35,6 +35,7 @@ from agent.claims.book import ClaimBook, ClaimSummary
 from agent.claims.files import ClaimFiles
 from agent.claims.leftovers import Leftovers, leftovers_dir
 from agent.claims.locks import CLAIMS_LOCK_FILE, DEVICES_LOCK_FILE, ClaimFileLock, KeyFileLock, LockTable
+from agent.claims.recordcheck import RecordCheck
 from agent.claims.records import ClaimRecord, PreparedDevice, RecordError
 from agent.claims.sources import ClaimSource, LocalClaimSource
 from agent.claims.store import ClaimStore
@@ -95,11 +96,12 @@ class PrepareResult:
 
 @dataclass(frozen=True, slots=True)
 class Quarantined:
-    """An unreadable claim record, set aside (`current_or_purge`)."""
+    """A claim record set aside (`set_aside`): unreadable, refused (it says what this agent never writes), or
+    its check failed."""
 
     uid: str
     path: str  # where it lies now (`<uid>.rec.corrupt`)
-    reason: str  # why it could not be read
+    reason: str  # why it could not be used
 
 
 class ClaimListener(Protocol):
@@ -138,8 +140,10 @@ class PrepareEngine:
         # This engine writes claim records here: registered, for the book's syncs (`agent.claims.writers`).
         self.writers = RecordWriters(settings.state_dir / WRITERS_LOCK_FILE)
         self.writers.open()
-        self.book = ClaimBook(store, writers=self.writers)
-        self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book, links=vf_links)
+        # Every record read from disk is checked to say only what this agent derives (`agent.claims.recordcheck`).
+        self.book = ClaimBook(store, writers=self.writers, check=RecordCheck.of(settings))
+        self.passthrough = Passthrough(VfioHost.of(settings), inventory, self.book, links=vf_links,
+                                       node_ips=tuple(settings.node_ips))
         # Partitions created at prepare, one partitioner per `Kind.partition_kind` (`agent.hostprep.partitions`).
         # Host changes an unprepare could not undo (`agent.claims.leftovers`): the daemon sets `on_change`.
         self.leftovers = Leftovers(leftovers_dir(settings.state_dir))
@@ -148,7 +152,7 @@ class PrepareEngine:
                            MigModeMarks(settings.state_dir / "mig-mode")),
             VgpuPartitioner(self.passthrough.host),
         ], self.leftovers)
-        self.quarantines: list[Quarantined] = []  # unreadable records set aside (`*.corrupt`), for reports
+        self.quarantines: list[Quarantined] = []  # records set aside (`*.corrupt`), for reports
         # Told of each, from the worker thread that set it aside (the daemon: an Event on the Node).
         self.on_quarantine: Callable[[Quarantined], None] | None = None
         self.listeners: list[ClaimListener] = []
@@ -418,20 +422,31 @@ class PrepareEngine:
         self.effects.settle(record, self.files)
 
     def current_or_purge(self, uid: str) -> ClaimRecord | None:
-        """The current record; an unreadable one is set aside and the claim's files removed, so the
-        claim is cleanly not prepared (its UID names every file, so nothing else is touched)."""
+        """The current record; one that is unreadable or refused (`agent.claims.recordcheck`) is set aside
+        (`set_aside`), so the claim is cleanly not prepared."""
         try:
             return self.book.current(uid)
         except RecordError as exc:
-            log.error("claim record of %s is unreadable (%s): setting it aside, removing its files", uid, exc)
-            self.book.forget(uid)
-            found = Quarantined(uid, str(self.store.quarantine(self.store.path(uid).name)), str(exc))
-            self.quarantines.append(found)
-            self.metrics.records_quarantined.inc()
-            self.files.remove_claim_files(uid)
-            if (tell := self.on_quarantine) is not None:
-                try:
-                    tell(found)
-                except Exception:
-                    log.exception("reporting the unreadable record of claim %s failed", uid)
+            self.set_aside(uid, str(exc))
             return None
+
+    def set_aside(self, uid: str, reason: str) -> None:
+        """The one way a record is set aside (call with the claim locked): renamed `<uid>.rec.corrupt`, kept
+        for a person to look at and never read again, the claim's files removed (by its UID, below the
+        agent's directories: nothing the record names is trusted), counted, told (`on_quarantine`). Its
+        host effects, if it held any, stay as they are: the record that named them is not trusted either."""
+        log.error("claim record of %s cannot be used (%s): setting it aside, removing its files", uid, reason)
+        self.book.forget(uid)
+        try:
+            path = str(self.store.quarantine(self.store.path(uid).name))
+        except FileNotFoundError:
+            return  # removed meanwhile by another agent's operation on the claim: nothing to set aside
+        found = Quarantined(uid, path, reason)
+        self.quarantines.append(found)
+        self.metrics.records_quarantined.inc()
+        self.files.remove_claim_files(uid)
+        if (tell := self.on_quarantine) is not None:
+            try:
+                tell(found)
+            except Exception:
+                log.exception("reporting the record set aside of claim %s failed", uid)

@@ -17,11 +17,15 @@ The check, holding the claim's lock and its devices' locks, in order:
 2. Host effects for this boot (`HostEffects.reassert`): functions bound to vfio-pci again (in a
    renumbered IOMMU group with the same members), mediated devices made again under their recorded
    UUID, MIG instances made again (with a new MIG UUID). One that cannot be made is the same roll back.
-3. What the files say: each device's entry in the claim's CDI spec (device nodes, the variables that
-   describe the device; the claim's own variables kept, `agent.claims.respec`) and, with it, the
-   metadata files (a partition's UUID); when anything differs, a new record (fsync'd) first, then the
-   files.
-4. Every file the record names, with the recorded content: missing or different ones written again.
+3. What the files say: the claim's CDI spec derived again from the devices as they are now (device
+   nodes, the variables that describe the devices, `CUDA_VISIBLE_DEVICES`; the claim's own variables
+   kept, `agent.claims.respec`) and, with it, the metadata files (a partition's UUID); when anything
+   differs, a new record (fsync'd) first, then the files.
+4. Every file the record names, with the recorded content: missing or different ones written again, with
+   the agent's mode (`FILE_MODE`), never the record's.
+
+The record was read through `agent.claims.recordcheck` (its paths the claim's own, its spec nothing but
+device nodes and variables): what is written here is derived from the devices and the agent's own paths.
 
 When everything holds nothing is written: after a kubelet restart alone the answer comes from the
 record as it is.
@@ -35,8 +39,8 @@ import logging
 from agent import failpoints
 from agent.claims.cdispecs import env_prefix
 from agent.claims.plan import recorded_allocation, refreshed
-from agent.claims.records import ClaimRecord, FileRecord, RecordState
-from agent.claims.respec import claim_spec_of, entries, respecified
+from agent.claims.records import FILE_MODE, ClaimRecord, FileRecord, FileRole, RecordState
+from agent.claims.respec import claim_spec_of, derived, entries, respecified
 from agent.engine.claimops import ClaimEngine
 from agent.errors import ClaimFailure
 from agent.fsutil import UnsafePath
@@ -108,7 +112,7 @@ def _rewritten(engine: ClaimEngine, record: ClaimRecord) -> ClaimRecord:
     allocated = recorded_allocation(record, lookup)
     if allocated is None:
         return record  # a device discovery cannot tell of now (step 1): nothing to compare it with
-    spec = respecified(record, engine.effects.devices(allocated, record))
+    spec = respecified(engine.settings.cdi_vendor, record, engine.effects.devices(allocated, record))
     if spec is None:
         return record
     i, _ = claim_spec_of(record)
@@ -146,8 +150,11 @@ def roll_back(engine: ClaimEngine, record: ClaimRecord, why: str) -> None:
 
 def repair_claim(engine: ClaimEngine, record: ClaimRecord) -> list[str]:
     """Rewrite exactly the claim's files whose content differs from its record (missing ones
-    included); returns their paths. Call with the claim locked. Used by the check above and by
-    `agent.engine.selfheal` while running."""
+    included), with the agent's mode; returns their paths. Call with the claim locked. Used by the check
+    above and by `agent.engine.selfheal` while running. A claim spec is written only when it is what the
+    devices give now (`agent.claims.respec.derived`; the check above made the record say so): one
+    changed on disk since that check (by anyone but this agent) is left to the claim's next check, never
+    written as it says."""
     repaired = []
     for f in record.files:
         try:
@@ -160,10 +167,27 @@ def repair_claim(engine: ClaimEngine, record: ClaimRecord) -> list[str]:
         except OSError:
             ok = False
         if not ok:
+            if f.role is FileRole.CLAIM_SPEC and not _derived_spec(engine, record, f.content):
+                log.error("claim %s/%s: not repairing %s: its record's CDI spec is not what the claim's devices "
+                          "give now; the claim's next check derives it again", record.namespace, record.name,
+                          f.path)
+                continue
             try:
-                root.write(f.path, f.content, f.mode)
+                root.write(f.path, f.content, FILE_MODE)
             except UnsafePath as exc:
                 log.error("claim %s/%s: cannot repair %s: %s", record.namespace, record.name, f.path, exc)
                 continue
             repaired.append(f.path)
     return repaired
+
+
+def _derived_spec(engine: ClaimEngine, record: ClaimRecord, content: bytes) -> bool:
+    """Whether `content` is the claim spec the record's devices give now; also true when discovery cannot
+    tell of a device now (the record, checked as it was read, is all there is to go by)."""
+    allocated = recorded_allocation(record, engine.inventory.get)
+    if allocated is None:
+        return True
+    try:
+        return derived(engine.settings.cdi_vendor, record, engine.effects.devices(allocated, record)) == content
+    except (ClaimFailure, OSError):
+        return False

@@ -6,7 +6,10 @@ are stale (re-derived from the record), and files of a claim that has no record
 but not yet the files: removed). Every agent-owned file carries the claim UID in
 its name or lives in a directory named by it, so what is ours and what is
 orphaned is never a guess. An unreadable record is set aside as `*.corrupt` and
-its claim's files are removed. A record with host side effects (PCI functions bound to vfio-pci,
+its claim's files are removed; so is a readable one that says what this agent never
+writes (`agent.claims.recordcheck`: a file outside the claim's own paths, an edit or a
+mode prepare never writes), and one whose check fails in any other way: the others are
+checked all the same. A record with host side effects (PCI functions bound to vfio-pci,
 GPU partitions such as MIG instances) is settled first (`agent.hostprep.effects`): a prepare that
 stopped halfway is rolled back (no orphan GPU instance left), an unprepare finished, a prepared
 claim's bindings made true again (a reboot forgets them), and a prepared claim whose partition is
@@ -50,14 +53,14 @@ class RecoveryReport:
     records: dict[str, ClaimSummary] = field(default_factory=dict)  # the claims prepared after recovery
     repaired: list[str] = field(default_factory=list)  # file paths rewritten from their records
     removed: list[str] = field(default_factory=list)  # orphaned files and directories
-    quarantined: list[str] = field(default_factory=list)  # unreadable records set aside
+    quarantined: list[str] = field(default_factory=list)  # records set aside: unreadable, refused, check failed
     settled: list[str] = field(default_factory=list)  # passthrough/partition operations finished or rolled back
     dropped: list[str] = field(default_factory=list)  # prepared claims rolled back: a device is another one now
     undone: list[str] = field(default_factory=list)  # claims whose leftover host changes are undone now
 
     def summary(self) -> str:
         return (f"{len(self.records)} prepared claims, {len(self.repaired)} files repaired, "
-                f"{len(self.removed)} orphans removed, {len(self.quarantined)} unreadable records set aside, "
+                f"{len(self.removed)} orphans removed, {len(self.quarantined)} records set aside, "
                 f"{len(self.settled)} interrupted host side effects settled, "
                 f"{len(self.dropped)} claims rolled back, {len(self.undone)} leftover host changes undone")
 
@@ -127,9 +130,22 @@ def finish_recovery(engine: PrepareEngine, report: RecoveryReport) -> RecoveryRe
 
 
 def _check_claim(engine: PrepareEngine, uid: str, report: RecoveryReport) -> None:
-    """The full check of one record (with the claim locked): decoded (or set aside when unreadable),
-    interrupted work on its host side effects settled, and a prepared claim checked against the host as
-    it is in this boot (`agent.engine.recheck`: its devices, its host effects, its files)."""
+    """The full check of one record (with the claim locked): decoded (or set aside when unreadable, or
+    refused: `agent.claims.recordcheck`), interrupted work on its host side effects settled, and a prepared
+    claim checked against the host as it is in this boot (`agent.engine.recheck`: its devices, its host
+    effects, its files). A record whose check fails in any other way is set aside too: one record never
+    stops the checks of the others, nor leaves its claim served unchecked."""
+    try:
+        _check_record(engine, uid, report)
+    except Exception as exc:
+        log.exception("the check of claim record %s failed", uid)
+        try:
+            engine.set_aside(uid, f"its check failed: {exc!r}"[:300])
+        except OSError:
+            log.exception("claim record %s could not be set aside either", uid)
+
+
+def _check_record(engine: PrepareEngine, uid: str, report: RecoveryReport) -> None:
     record = engine.current_or_purge(uid)
     if record is not None and not record.prepared:
         _settle(engine, record, report)

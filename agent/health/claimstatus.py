@@ -40,26 +40,39 @@ start writes every prepared claim (the API may have missed writes while the agen
 A resync is fed to the queue a window at a time in the background: with 10,000 prepared
 claims, neither the start nor the API server takes them all at once, and a prepare's
 write is never stuck behind thousands of old ones.
+
+What a restart asks of the API server does not grow with the claims. The writer knows, for each claim,
+what it last wrote (a digest of the entries, `WrittenStatus`) and the Ready transitions those entries
+date; an agent that stops in order leaves that for the next start (`written`, kept by
+`agent.health.statuswritten` while no other agent could write after it), which hands it back
+(`restore_written`) before its resync. A claim whose entries now are the ones written then costs no
+request at all; one whose entries changed is written without reading (what the API server holds is
+known). Only a claim the last run did not leave (it was killed, it was another agent's, its last write
+was in flight when it stopped) is read back first (`StatusSink.read`, a GET of that claim): the agent
+never lists claims, since it may read only those it prepared (docs/security.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from agent import apirules
 from agent.claims.book import ClaimBook, ClaimSummary, DeviceSummary
 from agent.claims.records import ClaimRecord
 from agent.health.bindingstatus import BindingFailure, binding_condition, failure_entries
 from agent.health.conditions import Readiness
-from agent.health.readytimes import ReadyTransitions
+from agent.health.readytimes import ReadyTransitions, Transition
 from agent.health.statusentry import AlwaysReady, DeviceLookup, DeviceReadiness, device_data
-from agent.health.statussinks import ClaimGone, StatusLister, StatusSink, StatusWriteFailed, same_entries
+from agent.health.statussinks import ClaimGone, StatusSink, StatusWriteFailed, same_entries
 from agent.kinds import Kind
 from agent.kube import Backoff
 from agent.metrics import Metrics
@@ -87,6 +100,20 @@ class _Pending:
     failures: int = 0
     due: float = 0.0  # monotonic time before which it is not sent
     failure: BindingFailure | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenStatus:
+    """What this driver's entries of one claim are in the API server, as this agent last wrote (or read) them:
+    their digest, and the Ready transitions they date that differ from the prepare's time."""
+
+    digest: str
+    kept: tuple[tuple[str, str, Transition], ...]  # (device, share ID, transition)
+
+
+def digest_of(entries: Sequence[Mapping[str, Any]]) -> str:
+    """The same for the same entries, whatever order their keys were built in."""
+    return hashlib.sha256(orjson.dumps(list(entries), option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 def _target(record: ClaimView) -> ClaimRef:
@@ -132,8 +159,9 @@ class ClaimStatusWriter:
         self._idle.set()
         self._worker: asyncio.Task[None] | None = None
         self._resync: asyncio.Task[None] | None = None
-        # Per claim UID: its stored status entries, read with its namespace's at a resync (`_read_ahead`).
-        self._read: dict[str, list[dict[str, Any]]] = {}
+        # Per claim UID: the digest of the entries the API server holds, as last written (or read) by this agent
+        # or the run before it (`restore_written`); a claim whose state a write in flight leaves unknown has none.
+        self._written: dict[str, str] = {}
         self._drained = asyncio.Event()  # the queue is shorter than a resync window
         self._closed = False
 
@@ -183,35 +211,51 @@ class ClaimStatusWriter:
 
     async def _feed(self, records: list[ClaimView]) -> None:
         told = set(self._told)  # prepared or refreshed since: already written fresh
-        by_namespace: dict[str, list[ClaimView]] = {}
-        for record in records:
-            by_namespace.setdefault(record.namespace, []).append(record)
         try:
-            for namespace, group in by_namespace.items():
-                if isinstance(self.sink, StatusLister) and len(group) > 1:
-                    await self._read_ahead(self.sink, namespace, group)
-                for record in group:
-                    while self.queued >= RESYNC_WINDOW:
-                        self._drained.clear()
-                        await self._drained.wait()
-                    if record.uid in told or record.uid in self._told or self.book.record_of(record.uid) is None:
-                        self._read.pop(record.uid, None)  # written fresh since, or unprepared meanwhile
-                        continue
+            for record in records:
+                while self.queued >= RESYNC_WINDOW:
+                    self._drained.clear()
+                    await self._drained.wait()
+                if record.uid in told or record.uid in self._told or self.book.record_of(record.uid) is None:
+                    continue  # written fresh since, or unprepared meanwhile
+                if self._holds_already(_summary(record)):
+                    self._count("unchanged")
+                else:
                     self.claim_prepared(record)
-                    await asyncio.sleep(0)  # a long loop on the event loop: let the kubelet in
+                await asyncio.sleep(0)  # a long loop on the event loop: let the kubelet in
         finally:
             self._resync = None
             self._update_queue()
 
-    async def _read_ahead(self, lister: StatusLister, namespace: str, group: list[ClaimView]) -> None:
-        """The stored entries of a namespace's claims, one LIST for them all, where each would be read by
-        itself before its write (`_after_reading`): what an agent's restart costs the API server then
-        grows with its namespaces, not its claims. A failure leaves each claim to its own read."""
+    def _holds_already(self, record: ClaimSummary) -> bool:
+        """Whether the API server holds the claim's entries as they are now, by what was written (no request)."""
+        digest = self._written.get(record.uid)
+        if digest is None:
+            return False
         try:
-            self._read.update(await lister.read_namespace(namespace, {r.uid for r in group}))
-        except StatusWriteFailed as exc:
-            log.info("status of the claims of namespace %s not read in one list (%s): each is read by itself",
-                     namespace, exc)
+            return digest_of(self.entries(record)) == digest
+        except Exception:  # built again by the write, which logs it
+            return False
+
+    # -- across restarts ------------------------------------------------------------------------------
+
+    def written(self) -> dict[str, WrittenStatus]:
+        """Each prepared claim whose entries in the API server this agent knows (after `stop`: none in flight),
+        for the next start (`restore_written`)."""
+        out = {}
+        for uid, digest in self._written.items():
+            record = self.book.record_of(uid)
+            if record is not None and uid not in self._gone:
+                out[uid] = WrittenStatus(digest, self.transitions.kept_of(record))
+        return out
+
+    def restore_written(self, known: Mapping[str, WrittenStatus]) -> None:
+        """What the run before this one left (`written`): the resync writes those claims only where their
+        entries changed, and reads none of them."""
+        for uid, status in known.items():
+            if uid not in self._written:
+                self._written[uid] = status.digest
+                self.transitions.restore(uid, status.kept)
 
     def start(self) -> None:
         if self._worker is None and not self._closed:
@@ -220,6 +264,8 @@ class ClaimStatusWriter:
     async def stop(self) -> None:
         """Stop writing; what is queued is dropped (the next start's resync writes it)."""
         self._closed = True
+        for uid in self._in_flight:  # sent or not: what the API server holds of these is not known
+            self._written.pop(uid, None)
         tasks = [t for t in (self._resync, self._worker, *self._in_flight.values()) if t is not None]
         for task in tasks:
             task.cancel()
@@ -351,7 +397,10 @@ class ClaimStatusWriter:
                 if entries is None:
                     self._count("unchanged")
                     return
+            self._written.pop(uid, None)  # until the answer says what the API server holds
             await self.sink.write(item.target, entries)
+            if item.record is not None and item.failure is None:
+                self._written[uid] = digest_of(entries)
         except ClaimGone as exc:
             if entries is None or entries:
                 # Unprepared while this write was in flight (its record is gone from the book), or never
@@ -375,7 +424,6 @@ class ClaimStatusWriter:
             self._count("ok")
             log.debug("status of %s written (%d entries)", item.target, len(entries))
         finally:
-            self._read.pop(uid, None)  # read ahead, not needed: the entries were built without it
             self._in_flight.pop(uid, None)
             self._update_queue()
             self._wake.set()
@@ -387,10 +435,7 @@ class ClaimStatusWriter:
         record = item.record
         assert record is not None
         try:
-            read = self._read.pop(record.uid, None)
-            if read is None:
-                read = await self.sink.read(item.target)
-            stored = [e for e in read if e.get("driver") == self.driver]
+            stored = [e for e in await self.sink.read(item.target) if e.get("driver") == self.driver]
         except StatusWriteFailed as exc:
             if exc.retryable or isinstance(exc, ClaimGone):
                 raise
@@ -400,7 +445,10 @@ class ClaimStatusWriter:
             return None
         self.transitions.learn(record, stored)
         entries = self.entries(record)
-        return None if same_entries(entries, stored) else entries
+        if same_entries(entries, stored):
+            self._written[record.uid] = digest_of(entries)
+            return None
+        return entries
 
     def _retry(self, item: _Pending, why: str) -> None:
         self._count("retry")

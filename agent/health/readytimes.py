@@ -5,9 +5,11 @@ memory: each (claim, device, share) whose Ready status changed since the prepare
 and time. A first Ready=True dates from the prepare (the record's `prepared_at`) and is not kept:
 it is the same on every write until a change, and 10,000 prepared claims would hold 10,000 of them.
 
-Across a restart the memory is gone, but the API server still holds what was written. So the
-conditions of a claim prepared before this process started are read back (`StatusSink.read`)
-before its first write, and a stored time is kept while the status stays the same. Without that,
+Across a restart the memory is gone, but the API server still holds what was written. An agent that
+stopped in order left what it wrote and the transitions it kept (`agent.health.statuswritten`), and the
+next start restores them (`restore`). The conditions of any other claim prepared before this process
+started are read back (`StatusSink.read`) before its first write, and a stored time is kept while the
+status stays the same. Without that,
 a restart dated a Ready that had gone False and back again from the prepare (backwards in time),
 and a Ready still False from the restart (forwards). A claim prepared by this process needs no
 reading: nothing but this process wrote its status.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +63,18 @@ class ReadyTransitions:
             status, when = str(ready.get("status", "")), str(ready.get("lastTransitionTime") or "")
             if when and not (status == "True" and when == first):  # (what a first True gets anyway)
                 self._kept[key] = Transition(status, when)
+
+    def kept_of(self, record: ClaimSummary) -> tuple[tuple[str, str, Transition], ...]:
+        """The claim's kept transitions, (device, share, transition) each: what the next start restores."""
+        return tuple((d.device, d.share_id, t) for d in record.devices
+                     if (t := self._kept.get((record.uid, d.device, d.share_id))) is not None)
+
+    def restore(self, uid: str, kept: Iterable[tuple[str, str, Transition]]) -> None:
+        """The transitions a run before this one kept of a claim whose entries it wrote (so the API server holds
+        what they date): its stored conditions need no reading then."""
+        self._read.add(uid)
+        for device, share, transition in kept:
+            self._kept[(uid, device, share)] = transition
 
     def forget(self, record: ClaimSummary) -> None:
         """The claim was unprepared. The keys are its devices: O(devices), not a scan of every claim's."""

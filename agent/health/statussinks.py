@@ -34,9 +34,9 @@ import asyncio
 import hashlib
 import logging
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import orjson
 import yaml
@@ -78,17 +78,6 @@ class StatusSink(Protocol):
 
     async def read(self, claim: ClaimRef) -> list[dict[str, Any]]:
         """The claim's status.devices entries as they are now, every driver's; ClaimGone as `write`."""
-        ...
-
-
-@runtime_checkable
-class StatusLister(Protocol):
-    """A sink that reads many claims' entries at once: the API server, one LIST of a namespace where a
-    restarted agent would GET each of its claims there."""
-
-    async def read_namespace(self, namespace: str, uids: Collection[str]) -> dict[str, list[dict[str, Any]]]:
-        """The status.devices entries (every driver's) of each claim of `namespace` whose UID is in `uids`;
-        a claim not there is not in the answer. Raises StatusWriteFailed as `read` does."""
         ...
 
 
@@ -165,23 +154,6 @@ class ApiStatusSink:
             raise StatusWriteFailed(f"reading the status of {claim}: {why}", retryable=kube.is_retryable(exc)) from exc
         return _entries_of(kube.plain(obj), claim)
 
-
-    async def read_namespace(self, namespace: str, uids: Collection[str]) -> dict[str, list[dict[str, Any]]]:
-        from lightkube.resources.resource_v1 import ResourceClaim
-
-        found: dict[str, list[dict[str, Any]]] = {}
-        try:
-            async for obj in self.client.list(ResourceClaim, namespace=namespace, chunk_size=kube.LIST_PAGE):
-                meta = obj.metadata
-                if meta is not None and meta.uid is not None and meta.uid in uids:
-                    found[meta.uid] = _entries_of(kube.plain(obj), ClaimRef(namespace, meta.name or "", meta.uid))
-        except Exception as exc:
-            why = kube.describe(exc)
-            if kube.status_code(exc) is None and not kube.is_retryable(exc):
-                raise
-            raise StatusWriteFailed(f"listing the claims of namespace {namespace}: {why}",
-                                    retryable=kube.is_retryable(exc)) from exc
-        return found
 
 
 def _entries_of(obj: Mapping[str, Any], claim: ClaimRef) -> list[dict[str, Any]]:

@@ -36,8 +36,9 @@ from agent.claims.book import ClaimBook
 from agent.claims.metadata import AllocatedDevice
 from agent.claims.records import ClaimRecord, DeviceBinding
 from agent.errors import ClaimFailure
+from agent.facts import NicFacts
 from agent.host.pci import nvidia_display_functions
-from agent.host.vfio.bind import DEFAULT_TIMEOUT, BindStep, StepKind, apply_step, plan_bind
+from agent.host.vfio.bind import DEFAULT_TIMEOUT, BindStep, FunctionBinding, StepKind, apply_step, plan_bind
 from agent.host.vfio.errors import StepFailed, UsageUnknown, VfioError
 from agent.host.vfio.host import VfioHost
 from agent.host.vfio.inuse import check_no_vfs, check_not_open, open_holders
@@ -49,6 +50,8 @@ from agent.hostprep.hosteffect import WriteRecord
 from agent.hostprep.mig import nvml_of
 from agent.inventory import Inventory
 from agent.inventory.gpuminors import driver_minors
+from agent.inventory.passthrough import netdevs
+from agent.inventory.uplinks import Leaving, node_addresses, refuse_uplinks
 from agent.kinds import Kind
 from agent.model import Device, DeviceNode
 
@@ -83,9 +86,11 @@ class Passthrough:
     name = "PCI functions bound to vfio-pci"
 
     def __init__(self, host: VfioHost, inventory: Inventory, book: ClaimBook, *, links: VfLinks,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
-        """`links`: where the PF's driver keeps its VFs' MAC and VLAN (`agent.app.assembly.vf_links` chooses)."""
+                 timeout: float = DEFAULT_TIMEOUT, node_ips: tuple[str, ...] = ()) -> None:
+        """`links`: where the PF's driver keeps its VFs' MAC and VLAN (`agent.app.assembly.vf_links` chooses);
+        `node_ips`: the Node's addresses (`--node-ips`), whose interfaces are never passed through."""
         self.host = host
+        self.node_ips = node_addresses(node_ips)
         self.links = links
         self.inventory = inventory
         self.book = book
@@ -173,12 +178,23 @@ class Passthrough:
             if dev.gpu_function is not None:
                 self._check_gpu_free(bdf)
             plan = plan_bind(self.host.sysfs, bdf)
+            self._refuse_uplinks(dev.name, plan.functions)
             if boot is None:
                 boot = self.host.boot_id()
             # What the VF has now (a previous tenant's MAC and VLAN), in the intent record before it changes.
             previous = read_vf(self.host.sysfs, self.links, bdf) if cfg.mac or cfg.vlan is not None else None
             out.append(DeviceBinding(dev.name, plan, 0, boot, cfg.iommu, cfg.mac, cfg.vlan, previous))
         return out
+
+    def _refuse_uplinks(self, device: str, functions: Iterable[FunctionBinding]) -> None:
+        """UplinkRefused when an interface of a function the binding would move is the node's uplink, as the
+        links are now or as the last scan found them (`agent.inventory.uplinks`): bound to vfio-pci, the
+        function's interfaces leave the host."""
+        known = {(f.pci_bus_id, f.interface): f.uplink_reason for d in self.inventory.devices()
+                 if isinstance(f := d.node, NicFacts)}
+        refuse_uplinks([Leaving(device, name, f"Passed through with PCI function {fn.bdf} it would cut the node off, "
+                                "so that function is never bound to vfio-pci", known.get((fn.bdf, name), ""))
+                        for fn in functions for name in netdevs(self.host.sysfs, fn.bdf)], self.node_ips)
 
     def _check_gpu_free(self, bdf: str) -> None:
         """DeviceBusy when GPU `bdf` is in use on the host (SR-IOV VFs enabled, NVML persistence mode on,

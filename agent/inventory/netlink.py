@@ -1,9 +1,12 @@
-"""Links and addresses of a network namespace as plain records, read over rtnetlink with pyroute2.
+"""Links, addresses and default routes of a network namespace as plain records, read over rtnetlink
+with pyroute2.
 
 Both the NIC scan (a dump) and the event watcher (`agent.inventory.netwatch`, multicast messages)
-read the same message types, so the decoding lives here once. pyroute2 encodes the requests and
+read the same message types, so the decoding lives here once. The default routes are dumped from every
+routing table (a route dump without a table filter): `/proc/net/route` lists the main table only, and a
+node may reach the cluster through another (policy routing, a VRF). pyroute2 encodes the requests and
 decodes the replies; its messages (dict-like, typed `Any`) go no further than this module and the
-watcher: everything else reads `Link` and `Address`.
+watcher: everything else reads `Link`, `Address` and `DefaultRoute`.
 
 What stays ours, and why:
 - the retry of a dump the kernel flagged as interrupted (NLM_F_DUMP_INTR): pyroute2 yields such a
@@ -30,9 +33,10 @@ from typing import Any
 
 from pyroute2 import AsyncIPRoute
 from pyroute2.netlink import NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST
-from pyroute2.netlink.rtnl import RTM_GETADDR, RTM_GETLINK
+from pyroute2.netlink.rtnl import RTM_GETADDR, RTM_GETLINK, RTM_GETROUTE
 from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
 from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+from pyroute2.netlink.rtnl.rtmsg import rtmsg
 
 from agent.inventory import ScanError
 
@@ -43,6 +47,8 @@ IFF_LOWER_UP = 0x10000
 IFA_F_DADFAILED = 0x08
 IFA_F_TENTATIVE = 0x40
 RT_SCOPE_UNIVERSE = 0
+RTN_UNICAST = 1  # a route's type: a blackhole, unreachable or prohibit default route leads nowhere
+RT_TABLE_MAIN = 254
 # ifi_change of a link the kernel has just registered (rtmsg_ifinfo(..., ~0U, ...)).
 CHANGE_NEW_LINK = 0xFFFFFFFF
 
@@ -69,6 +75,11 @@ class Link:
     admin_up: bool
     carrier: bool
     kind: str  # IFLA_INFO_KIND: set by software links (veth, bridge, ...), "" for hardware
+    # IFLA_MASTER: the link this one is a port of (a bridge, bond, team, VRF), 0 for none.
+    master: int = 0
+    # IFLA_LINK: the link this one is stacked on (a VLAN's, macvlan's or ipvlan's lower link; a veth's
+    # peer), 0 for none or for a link of another namespace (IFLA_LINK_NETNSID: its index is that one's).
+    lower: int = 0
 
     @property
     def link_up(self) -> bool:
@@ -87,6 +98,29 @@ class Address:
     def usable_global(self) -> bool:
         """Global scope, and not an IPv6 address still in (or failed) duplicate address detection."""
         return self.scope == RT_SCOPE_UNIVERSE and not self.flags & (IFA_F_TENTATIVE | IFA_F_DADFAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultRoute:
+    """A unicast default route (0.0.0.0/0, ::/0) of any routing table."""
+
+    family: int  # socket.AF_INET or socket.AF_INET6
+    table: int
+    interfaces: tuple[int, ...]  # the indexes of the links it leaves by: its own, or its nexthops'
+
+    @property
+    def described(self) -> str:
+        table = "main" if self.table == RT_TABLE_MAIN else str(self.table)
+        return f"the default route {'0.0.0.0/0' if self.family == socket.AF_INET else '::/0'} (table {table})"
+
+
+@dataclass(frozen=True, slots=True)
+class NetState:
+    """One namespace's links (by index), their addresses (by link index) and its default routes."""
+
+    links: list[Link]
+    addresses: dict[int, list[Address]]
+    routes: list[DefaultRoute]
 
 
 def _attr_bytes(msg: Message, name: str) -> bytes | None:
@@ -112,6 +146,7 @@ def link_of(msg: Message) -> Link:
     carrier = msg.get_attr("IFLA_CARRIER")
     info = msg.get_attr("IFLA_LINKINFO")
     kind = info.get_attr("IFLA_INFO_KIND") if info is not None else None
+    lower = msg.get_attr("IFLA_LINK") if msg.get_attr("IFLA_LINK_NETNSID") is None else None
     return Link(
         index=int(msg["index"]),
         ifname=msg.get_attr("IFLA_IFNAME") or "",
@@ -122,6 +157,8 @@ def link_of(msg: Message) -> Link:
         # Kernels without IFLA_CARRIER still report carrier as IFF_LOWER_UP.
         carrier=bool(carrier) if carrier is not None else bool(flags & IFF_LOWER_UP),
         kind=kind if isinstance(kind, str) else "",
+        master=int(msg.get_attr("IFLA_MASTER") or 0),
+        lower=int(lower or 0),
     )
 
 
@@ -148,6 +185,19 @@ def address_of(msg: Message) -> Address | None:
         scope=int(msg["scope"]),
         flags=int(flags if flags is not None else msg["flags"]),
     )
+
+
+def default_route_of(msg: Message) -> DefaultRoute | None:
+    """A DefaultRoute from an RTM_NEWROUTE message; None for any other route."""
+    family = int(msg["family"])
+    if family not in (socket.AF_INET, socket.AF_INET6) or int(msg["dst_len"]) != 0 \
+            or int(msg["type"]) != RTN_UNICAST:
+        return None
+    table = msg.get_attr("RTA_TABLE")  # the header's field holds only 8 bits
+    interfaces = [int(oif)] if (oif := msg.get_attr("RTA_OIF")) else []
+    interfaces += [int(hop["oif"]) for hop in msg.get_attr("RTA_MULTIPATH") or () if int(hop["oif"]) > 0]
+    return DefaultRoute(family=family, table=int(table if table is not None else msg["table"]),
+                        interfaces=tuple(dict.fromkeys(interfaces)))
 
 
 def label_of(msg: Message) -> str:
@@ -213,7 +263,7 @@ async def dump_messages(ipr: Any, request_type: int, request: Message) -> list[M
     return out
 
 
-async def _dump_once(netns: str | None, addresses: bool) -> tuple[list[Link], dict[int, list[Address]]]:
+async def _dump_once(netns: str | None, addresses: bool, routes: bool) -> NetState:
     sock = route_socket(netns)
     ipr = AsyncIPRoute(use_socket=sock, groups=0)
     try:
@@ -223,30 +273,46 @@ async def _dump_once(netns: str | None, addresses: bool) -> tuple[list[Link], di
             for m in await dump_messages(ipr, RTM_GETADDR, ifaddrmsg()):
                 if (a := address_of(m)) is not None:
                     found[a.index].append(a)
+        defaults: list[DefaultRoute] = []
+        for family in (socket.AF_INET, socket.AF_INET6) if routes else ():
+            request = rtmsg()
+            request["family"] = family  # table 0 in the request: every table is dumped
+            defaults += [r for m in await dump_messages(ipr, RTM_GETROUTE, request)
+                         if (r := default_route_of(m)) is not None and r.family == family]
     finally:
         ipr.close()
         sock.close()  # given to pyroute2 (use_socket), so it is ours to close
     links.sort(key=lambda link: link.index)
-    return links, dict(found)
+    return NetState(links, dict(found), defaults)
 
 
 def dump(netns: str | None = None, *, addresses: bool = True) -> tuple[list[Link], dict[int, list[Address]]]:
     """All links of this network namespace (or of the one `ip netns` names `netns`), by index, and
     their addresses by link index (none asked: `addresses=False`). Blocking: run it off the event
-    loop (it runs one of its own).
+    loop (it runs one of its own)."""
+    state = _dump(netns, addresses=addresses, routes=False)
+    return state.links, state.addresses
 
-    The kernel interrupts a dump when the table changes under it; a fresh dump
+
+def net_state(netns: str | None = None) -> NetState:
+    """The links, addresses and default routes (of every routing table) of this network namespace, or of
+    the one `ip netns` names `netns`. Blocking, as `dump`."""
+    return _dump(netns, addresses=True, routes=True)
+
+
+def _dump(netns: str | None, *, addresses: bool, routes: bool) -> NetState:
+    """The kernel interrupts a dump when the table changes under it; a fresh dump
     is then the only consistent answer. ScanError when every attempt was
     interrupted: the inventory then keeps the NICs of its last good scan.
     """
     attempt = 1
     while True:
         try:
-            return asyncio.run(_dump_once(netns, addresses))
+            return asyncio.run(_dump_once(netns, addresses, routes))
         except DumpInterrupted as exc:
             if attempt == _DUMP_ATTEMPTS:
-                raise ScanError(f"the netlink dump was interrupted {attempt} times in a row (links or "
-                                "addresses changing faster than they can be listed)") from exc
+                raise ScanError(f"the netlink dump was interrupted {attempt} times in a row (links, "
+                                "addresses or routes changing faster than they can be listed)") from exc
             log.debug("netlink dump interrupted (attempt %d), retrying", attempt)
             # A burst of changes is usually over in milliseconds: let it pass before dumping again.
             time.sleep(_DUMP_PAUSE * attempt)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import ipaddress
 import logging
 import os
 import socket
@@ -24,11 +23,11 @@ from agent.apirules import attribute_value_errors
 from agent.config import Settings
 from agent.facts import NicFacts
 from agent.host.pci import PciFunction, pci_function_of
-from agent.host.routes import default_route_interfaces
 from agent.inventory import DeviceFailure, ScanResult, SourceProblem
-from agent.inventory.netlink import Address, Link, dump
+from agent.inventory.netlink import Address, Link, net_state
 from agent.inventory.passthrough import NicVariants, Variants
 from agent.inventory.published import attributes
+from agent.inventory.uplinks import node_addresses, uplink_reasons
 from agent.kinds import Kind
 from agent.model import AttrValue, Device
 
@@ -123,12 +122,7 @@ class NicSource:
         # (`agent.app.assembly.build_sources` adds it), and what is said here is of the host's own.
         self._variants = NicVariants(passthrough=tuple(passthrough), exclude=tuple(settings.nic_exclude),
                                      variants=Variants("NIC function of this host"))
-        self._node_ips: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
-        for ip in settings.node_ips:
-            try:
-                self._node_ips.add(ipaddress.ip_address(ip))
-            except ValueError:
-                log.warning("--node-ips: %r is not an IP address: left out", ip[:80])
+        self._node_ips = node_addresses(tuple(settings.node_ips))
 
     def open(self) -> None:
         pass
@@ -137,15 +131,15 @@ class NicSource:
         pass
 
     def scan(self) -> ScanResult:
-        links, addresses = dump()
+        state = net_state()
         picked = _Picked()
-        uplinks = default_route_interfaces()
-        for link in links:  # by index: on a name collision the older link keeps the name
-            self._consider(link, addresses.get(link.index, []), picked, link.ifname in uplinks)
+        uplinks = uplink_reasons(state, self._node_ips)
+        for link in state.links:  # by index: on a name collision the older link keeps the name
+            self._consider(link, state.addresses.get(link.index, []), picked, uplinks.get(link.index, ""))
         devices = self._variants.apply(self.settings.sysfs_root, picked.devices)
         return ScanResult(devices=devices, failed_devices=picked.failed_devices, problems=picked.problems)
 
-    def _consider(self, link: Link, addresses: list[Address], picked: _Picked, uplink: bool) -> None:
+    def _consider(self, link: Link, addresses: list[Address], picked: _Picked, uplink: str) -> None:
         try:
             ident = self._identify(link)
         except NicUnreadable as exc:
@@ -203,16 +197,14 @@ class NicSource:
             raise NicUnreadable(f"{netdir} is now interface index {index}, not {link.index} "
                                 "(renamed during the scan?)")
 
-    def _device(self, link: Link, ident: _Identity, addresses: list[Address], uplink: bool) -> Device:
+    def _device(self, link: Link, ident: _Identity, addresses: list[Address], uplink: str) -> Device:
+        """`uplink`: why the link is the node's uplink (`agent.inventory.uplinks`), "" when it is not."""
         netdir, pci = ident.netdir, ident.pci
         usable = [a for a in addresses if a.usable_global]
         v4 = [a.cidr for a in usable if a.family == socket.AF_INET]
         v6 = [a.cidr for a in usable if a.family == socket.AF_INET6]
-        # The NIC of the default route, or the one holding an address of the Node, is how the node is
-        # reached: its uplink.
-        uplink = uplink or any(ipaddress.ip_interface(a.cidr).ip in self._node_ips for a in addresses)
         facts = NicFacts(interface=link.ifname, mac=link.mac, ips=tuple(v4 + v6), link_up=link.link_up,
-                         pci_bus_id=pci.bus_id if pci is not None else "", uplink=uplink)
+                         pci_bus_id=pci.bus_id if pci is not None else "", uplink_reason=uplink)
         attrs = attributes(facts)
         attrs["mtu"] = link.mtu
         speed = _read_int(netdir / "speed")

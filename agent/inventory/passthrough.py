@@ -201,13 +201,13 @@ class NicVariants:
         for dev in natives:
             if (bus := _bus_of(dev)) is not None:
                 by_bus.setdefault(bus, []).append(dev)
-        uplinks: set[str] = set()  # functions whose port carries the default route: never passed through
+        uplinks: dict[str, str] = {}  # functions with a port that is the node's uplink, and why: never passed through
         for bus, devs in by_bus.items():
             self._ports[bus] = max(self._ports.get(bus, 0), len(devs))
             ports = [d.node for d in sorted(devs, key=lambda d: d.name) if isinstance(d.node, NicFacts)]
             self._learn(bus, [p.interface for p in ports if p.interface], ports[0].mac if ports else "")
-            if any(p.uplink for p in ports):
-                uplinks.add(bus)
+            if why := next((p.uplink_reason for p in ports if p.uplink), ""):
+                uplinks[bus] = why
         out = [d if (bus := _bus_of(d)) is None
                else dataclasses.replace(d, consumes_counters=(counters.one_port(self._counter_set(bus)),))
                for d in natives]
@@ -215,7 +215,7 @@ class NicVariants:
             return out
         for bus in self._candidates(sysfs):
             if bus in uplinks:
-                log.debug("NIC function %s carries the default route: no passthrough variant", bus)
+                log.debug("NIC function %s is the node's uplink (%s): no passthrough variant", bus, uplinks[bus])
                 continue
             fn = self.variants.passable(sysfs, bus)
             if fn is None:
@@ -248,8 +248,8 @@ class NicVariants:
                 continue
             if not (read_text(base / entry / "class") or "").startswith(f"0x{_NETWORK_CLASS:02x}"):
                 continue
-            netdevs = _netdevs(base / entry)
-            self._learn(bus, netdevs, _mac(base / entry, netdevs))
+            found = netdevs(sysfs, entry)
+            self._learn(bus, found, _mac(base / entry, found))
             names = self._names.get(bus, ())
             if any(fnmatchcase(n, g) for n in names for g in self.exclude):
                 continue
@@ -260,9 +260,10 @@ class NicVariants:
         return out
 
 
-def _netdevs(function: Path) -> list[str]:
+def netdevs(sysfs: Path, bus: str) -> list[str]:
+    """The network interfaces of PCI function `bus` now."""
     try:
-        return sorted(os.listdir(function / "net"))
+        return sorted(os.listdir(sysfs / "bus" / "pci" / "devices" / bus / "net"))
     except OSError:
         return []  # no netdev: bound to vfio-pci, or to no driver
 

@@ -47,7 +47,7 @@ from typing import Any, TypeVar, cast
 import lightkube
 from lightkube.resources.resource_v1 import ResourceSlice
 
-from agent import kube
+from agent import kube, kubewatch
 from agent.computeshare import COMPUTE, COMPUTE_PERCENT
 from agent.config import Settings
 from agent.inventory import gpushare
@@ -341,14 +341,15 @@ class ApiPublisher:
 
     async def changes(self) -> AsyncIterator[tuple[str, str | None]]:
         """(name, resourceVersion, None once deleted) of every change to this node's slices of this driver:
-        one field-selected watch, resumed from the last version seen when the API server ends it (lightkube),
-        started again after a backoff when it fails. A new watch first sends every slice as it is."""
-        async for kind, obj in kube.watch_forever(
-                self.client, ResourceSlice, "ResourceSlices",
+        one field-selected watch of their metadata alone (`kubewatch.watch_forever`: an event that does not
+        decode is skipped), resumed from the last version seen when the API server ends it or it fails (after
+        a backoff). The first watch sends every slice as it is, and so does one started over after a 410."""
+        async for event in kubewatch.watch_forever(
+                self.client, ResourceSlice, "ResourceSlices", head=kubewatch.Head,
                 fields={"spec.nodeName": self.node.name, "spec.driver": self.driver}, server_timeout=WATCH_TIMEOUT):
-            meta = obj.metadata
-            if kind in ("ADDED", "MODIFIED", "DELETED") and meta is not None and meta.name:
-                yield meta.name, (None if kind == "DELETED" else str(meta.resourceVersion or ""))
+            meta = event.head.metadata
+            if meta.name:
+                yield meta.name, (None if event.type == "DELETED" else meta.resourceVersion)
 
     def _sent_before(self, write: slices.SliceWrite, existing: Mapping[str, Mapping[str, Any]]) -> bool:
         """Whether this rewrite would send what was sent before, to a slice still stored as the server

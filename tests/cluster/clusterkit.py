@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx2
 import yaml
+from podresources import PodResourcesStandIn, socket_of
 
 from .controlplane import ControlPlane, kubeconfig, tail
 
@@ -249,6 +250,9 @@ class AgentProcess:
     log: Path
     metrics_port: int
     root: Path
+    # The stand-in of the kubelet's pod resources service the agent's garbage collection asks (None: a real
+    # kubelet serves it); a test sets which claims the node's pods use.
+    kubelet: PodResourcesStandIn | None = None
 
     def metrics(self) -> dict[str, float]:
         """The agent's metrics, `name{labels}` -> value."""
@@ -305,13 +309,27 @@ class AgentProcess:
 
 @contextlib.contextmanager
 def agent(root: Path, kubeconfig_path: Path, *args: str, node: str = NODE, nvml: str = "sim:dgx-h100",
-          env: Mapping[str, str] | None = None) -> Iterator[AgentProcess]:
+          env: Mapping[str, str] | None = None, own_kubelet: bool = True) -> Iterator[AgentProcess]:
     """`dra-agent run` against the cluster in `kubeconfig_path`, its roots under `root` (kept across
     runs, as on a node: a second run with the same root is a restart), metrics on a free port, JSON
-    logs appended to `root/agent.log`. Stopped with SIGTERM when the block ends."""
-    from .controlplane import free_port
+    logs appended to `root/agent.log`. Stopped with SIGTERM when the block ends. With `own_kubelet`, a
+    stand-in of the kubelet's pod resources service runs on its kubelet directory for the agent's life,
+    with no pod on the node until a test says otherwise (`AgentProcess.kubelet`); without, a real kubelet
+    (or the caller's stand-in) serves it."""
 
     root.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        standin = stack.enter_context(PodResourcesStandIn(socket_of(root / "kubelet"))) if own_kubelet else None
+        with _agent(root, kubeconfig_path, args, node, nvml, env) as running:
+            running.kubelet = standin
+            yield running
+
+
+@contextlib.contextmanager
+def _agent(root: Path, kubeconfig_path: Path, args: tuple[str, ...], node: str, nvml: str,
+           env: Mapping[str, str] | None) -> Iterator[AgentProcess]:
+    from .controlplane import free_port
+
     port = free_port()
     log = root / "agent.log"
     cmd = [str(VENV_BIN / "dra-agent"), "run", f"--kubeconfig={kubeconfig_path}", f"--node-name={node}",

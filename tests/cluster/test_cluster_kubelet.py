@@ -16,6 +16,7 @@ Marker `kubelet` (docs/tests.md, "A real kubelet"): `make test-kubelet` runs the
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import shutil
@@ -28,6 +29,9 @@ from typing import Any
 
 import pytest
 import yaml
+
+from agent.kubelet import client as kc
+from agent.names import ClaimRef
 
 from .clusterkit import (
     DRIVER,
@@ -170,7 +174,7 @@ def node_agent(node_cluster: Cluster, real_node: Node, node_runs: AgentRuns) -> 
     """The agent of the node, with a token bound to its own pod, which the kubelet runs (a sleeper in
     place of the DaemonSet's image); registered with the kubelet."""
     kubeconfig = node_cluster.agent_kubeconfig(NODE_NAME, container=SLEEPER)
-    with node_runs.run("kn", kubeconfig, *AGENT_FLAGS, node=NODE_NAME) as agent:
+    with node_runs.run("kn", kubeconfig, *AGENT_FLAGS, node=NODE_NAME, own_kubelet=False) as agent:
         agent.wait_published()
         # The kubelet's plugin watcher found the registration socket and told the agent it took it.
         eventually(lambda: agent.metric("dra_agent_kubelet_registered") == 1.0, "the kubelet registers the plugin")
@@ -761,6 +765,67 @@ def test_a_podgroups_claim_is_prepared_once_for_its_pods_and_unprepared_after_th
         # The group first: its claim is reserved for it while it exists, and cannot go before.
         api.request("DELETE", f"/apis/scheduling.k8s.io/v1beta1/namespaces/{ns.name}/podgroups")
         ns.clean()
+
+
+# -- garbage collection from the node's own view ---------------------------------------------------------------
+
+def test_a_claim_no_pod_on_the_node_uses_is_collected_with_one_read_once_its_resourceclaim_is_gone(
+        node_cluster: Cluster, real_node: Node, node_agent: AgentProcess) -> None:
+    """The kubelet's pod resources service (its socket in the kubelet's directory, which the agent's pod
+    mounts) says which claims the node's pods use: a claim prepared here that no pod uses (the kubelet never
+    asked for it: its unprepare is what never reaches the agent) is read by itself once the grace period is
+    over, left prepared while its ResourceClaim exists, and unprepared once that is gone. The agent never
+    lists claims for it: its token could not (deploy/base grants `get` alone)."""
+    ns = Namespace(node_cluster, "gc-orphan").create()
+    api = node_cluster.admin
+    # The agent is the module's: a sweep while an earlier test restarted the kubelet found it silent.
+    skipped_before = node_agent.metric("dra_agent_gc_skipped_total")
+    try:
+        made = api.post(ns.path("resourceclaims"), {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "orphan"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": f"gpu.{DRIVER}"}}]}}})
+        made["status"] = {"allocation": {
+            "devices": {"results": [{"request": "gpu", "driver": DRIVER, "pool": NODE_NAME, "device": "gpu-7"}]},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [NODE_NAME]}]}]}}}
+        api.put(ns.path("resourceclaims", "orphan") + "/status", made)
+        uid = made["metadata"]["uid"]
+        ref = f"{ns.name}/orphan ({uid})"
+        socket = node_agent.root / "kubelet" / "plugins" / DRIVER / "dra.sock"
+
+        async def prepare() -> str:
+            async with kc.DRAClient(socket) as client:
+                answer = await client.prepare([ClaimRef(ns.name, "orphan", uid)])
+            return str(answer.claims[uid].error)
+
+        assert asyncio.run(prepare()) == ""
+        assert said(node_agent, f"prepared claim {ref}") == 1
+        # Used by no pod: looked up after the grace period (a second), found, and left prepared.
+        eventually(lambda: any(m == f"claim {ref} is used by no pod on this node, but its ResourceClaim exists: "
+                               "left prepared" for m in node_agent.messages()), "the claim looked up and kept")
+        assert list((node_agent.root / "cdi").glob(f"*{uid}*"))
+        api.delete(ns.path("resourceclaims", "orphan"))
+        eventually(lambda: not list((node_agent.root / "cdi").glob(f"*{uid}*")), "the claim is collected")
+        eventually(lambda: any(m.startswith(f"garbage-collected claim {ref}: no pod on this node has used it")
+                               for m in node_agent.messages()), "the collection logged")
+        # Every sweep of this test asked the real kubelet, and none found it silent.
+        assert node_agent.metric("dra_agent_gc_skipped_total") == skipped_before
+        assert node_agent.metric("dra_agent_gc_sweeps_total") >= 3
+        assert node_agent.metric('dra_agent_api_requests_total{resource="resourceclaims",verb="LIST"}') == 0
+        assert node_agent.messages("error") == []
+    finally:
+        ns.clean()
+
+
+def test_the_kubelet_records_its_nodes_events_in_default(node_cluster: Cluster, real_node: Node) -> None:
+    """Where a cluster-scoped object's Events live, which is where the agent creates its Node's (agent/events.py)
+    and the only namespace deploy/ lets it create Events in: the real kubelet's about its Node are there."""
+    items = node_cluster.admin.get("/api/v1/events")["items"]
+    about_node = [e for e in items if e["involvedObject"].get("kind") == "Node"
+                  and e["involvedObject"].get("name") == NODE_NAME]
+    assert about_node, "the kubelet recorded no Event about its Node"
+    assert {e["metadata"]["namespace"] for e in about_node} == {"default"}
+    assert "kubelet" in {(e.get("source") or {}).get("component") or e.get("reportingComponent") for e in about_node}
 
 
 def test_a_claimed_nic_moves_into_the_pod_under_the_name_the_claim_gives(

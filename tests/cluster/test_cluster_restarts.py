@@ -2,9 +2,11 @@
 
 - A claim's `Ready` condition changes its `lastTransitionTime` only when its status changes: an XID
   that makes the GPU not ready, a restart while it is not ready, the GPU reset, a restart after it.
-- Garbage collection: a prepared claim deleted in the API is unprepared once `--gc-grace-period` is
-  over; one deleted and re-created under the same name while the agent was down is unprepared, and
-  the new claim of that name, prepared since, stays prepared.
+- Garbage collection: a prepared claim no pod on the node uses any more (the stand-in of the kubelet's pod
+  resources service says) and that is deleted in the API is unprepared once `--gc-grace-period` is over;
+  one deleted and re-created under the same name while the agent was down is unprepared, and the new
+  claim of that name, prepared since, stays prepared; an idle agent whose claims pods use asks the API
+  server nothing about them, and a restart after an orderly stop reads none of them back.
 """
 
 from __future__ import annotations
@@ -135,11 +137,17 @@ def test_claims_gone_from_the_api_are_unprepared_after_the_grace_period(schedule
     assert new_uid in scheduled.prepared()
     assert log_has(scheduled, f"garbage-collected claim {ns.name}/renamed ({old_uid})", f"now has UID {new_uid}")
 
-    # A claim deleted while the agent runs: unprepared once the grace period is over. Meanwhile the
-    # re-created claim is looked up by every sweep, and stays.
-    uid = prepare(scheduled, gpu_claim(ns, scheduled, "deleted"))
+    # A claim deleted while the agent runs: unprepared once no pod has used it for the grace period. Meanwhile
+    # the re-created claim, which no pod uses either (the stand-in kubelet runs none), is looked up, and stays.
+    deleted = gpu_claim(ns, scheduled, "deleted")
+    uid = prepare(scheduled, deleted)
+    kubelet = scheduled.kubelet
+    assert kubelet is not None
+    kubelet.use(ref_of(deleted), pod="deleted")
+    eventually(lambda: kubelet.calls >= 2, "a sweep that sees the pod use the claim")
     ns.remove_pod("deleted")
-    gone_at = time.monotonic()  # before the call: the agent may see the claim gone before the call returns
+    gone_at = time.monotonic()  # before the pod goes from the kubelet's list: the agent may see it at once
+    kubelet.use(pod="deleted")
     ns.cluster.admin.delete(ns.path("resourceclaims", "deleted"))
     eventually(lambda: uid not in scheduled.prepared(), "the deleted claim's garbage collection")
     assert time.monotonic() - gone_at >= 1.0  # --gc-grace-period=1 (conftest)
@@ -152,13 +160,17 @@ def test_what_an_idle_agent_asks_of_the_api_server_does_not_grow_with_its_claims
                                                                                    ns: Namespace) -> None:
     # Read from the agent's own count of its requests (dra_agent_api_requests_total, named as the API
     # server's apiserver_request_total). Garbage collection sweeps every second here (--gc-grace-period=1):
-    # each sweep is one metadata-only LIST per namespace holding prepared claims, never a GET per claim
-    # (it was four GETs a sweep for these four claims); the node's slices are watched, not LISTed.
+    # each sweep asks the kubelet which claims its pods use, and reads no claim a pod uses (it was a LIST of
+    # the namespace's claims a sweep, and four GETs before that); the node's slices are watched, not LISTed.
+    # A restart after an orderly stop reads none of the claims' status back (it was a LIST too).
     claims = [gpu_claim(ns, scheduled, f"idle-{i}") for i in range(4)]
     for c in claims:
         prepare(scheduled, c)
     for c in claims:
         ready(ns, c["metadata"]["name"], "True")  # the status writes (a GET each) are done
+    kubelet = scheduled.kubelet
+    assert kubelet is not None
+    kubelet.use(*(ref_of(c) for c in claims), pod="idle")
     assert scheduled.proc is not None
     proc = scheduled.proc
 
@@ -175,10 +187,17 @@ def test_what_an_idle_agent_asks_of_the_api_server_does_not_grow_with_its_claims
     swept = sweeps() - first
     after = {k: count(*k) for k in before}
     delta = {k: after[k] - before[k] for k in before}
-    assert delta[("GET", "resourceclaims")] < len(claims), delta  # not one a claim, let alone a sweep
-    assert delta[("LIST", "resourceclaims")] >= swept - 1, delta  # every sweep listed (one may be under way)
+    assert delta[("GET", "resourceclaims")] == 0 and delta[("LIST", "resourceclaims")] == 0, delta
+    assert kubelet.calls >= swept, swept  # each sweep asked the kubelet instead
     assert delta[("LIST", "resourceslices")] == 0, delta
     assert after[("WATCH", "resourceslices")] >= 1, after  # the watch that replaced them
+
+    restarted(scheduled)
+    assert scheduled.proc is not None and scheduled.proc is not proc
+    eventually(lambda: scheduled.proc is not None and scheduled.proc.metric(
+        'dra_agent_claim_status_writes_total{result="unchanged"}') == len(claims), "every claim's status found current")
+    assert {k: scheduled.proc.metric(f'dra_agent_api_requests_total{{resource="resourceclaims",verb="{k}"}}')
+            for k in ("GET", "LIST", "WATCH")} == {"GET": 0, "LIST": 0, "WATCH": 0}
     for c in claims:
         assert scheduled.unprepare(c)[c["metadata"]["uid"]].get("error", "") == ""
 

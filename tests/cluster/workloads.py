@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from podresources import PodResourcesStandIn, socket_of
+
 from agent.kubelet import client as kc
 from agent.names import ClaimRef
 
@@ -256,6 +258,9 @@ class NodeAgent:
     nvml: str = "sim:dgx-h100"
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     proc: AgentProcess | None = None
+    # The stand-in of the kubelet's pod resources service on the node, for the NodeAgent's life (across the
+    # agent's restarts): which claims the node's pods use, as a test sets them (none at first).
+    kubelet: PodResourcesStandIn | None = None
 
     @property
     def socket(self) -> Path:
@@ -267,8 +272,11 @@ class NodeAgent:
 
     def start(self) -> AgentProcess:
         assert self.proc is None and self.kubeconfig is not None
+        if self.kubelet is None:
+            self.kubelet = PodResourcesStandIn(socket_of(self.root / "kubelet")).start()
         self.proc = self._stack.enter_context(
-            self.runs.run(self.root.name, self.kubeconfig, *self.args, node=self.node, nvml=self.nvml))
+            self.runs.run(self.root.name, self.kubeconfig, *self.args, node=self.node, nvml=self.nvml,
+                          own_kubelet=False))
         self.proc.wait_published()
         eventually(self.socket.exists, "the DRA socket")
         return self.proc
@@ -325,3 +333,5 @@ def node_agent(cluster: Cluster, node: str, base: Path, *args: str,
         yield running
     finally:
         running.stop()
+        if running.kubelet is not None:
+            running.kubelet.stop()

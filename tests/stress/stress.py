@@ -28,7 +28,8 @@ ledger is empty, each entry was readable, and no claim with an entry has a recor
 Fuzzing (hypothesis). Claim objects, opaque configuration, names and UIDs go
 through the engine; lists of claims through the real gRPC socket. No input may
 give an internal error, leave a file of a claim that was refused or unprepared,
-or write anything outside the agent's roots.
+or write anything outside the agent's roots. Claim records rewritten to say what
+the agent never writes, checksum valid, go through a restart (`recordfuzz.py`).
 
 Figures go to `.stress/results.json`: kills, inconsistencies, fuzz_inputs,
 fuzz_failures, seconds (and the details).
@@ -735,6 +736,7 @@ def _daemon_rounds(work: Path, rounds: int, rng: random.Random, report: CrashRep
 @dataclass
 class FuzzReport:
     inputs: int = 0
+    records: int = 0  # of the inputs, claim records rewritten and recovered (`recordfuzz`)
     failures: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -768,7 +770,7 @@ class _MemoryClaims:
             raise ClaimNotFound(f"ResourceClaim {namespace}/{name} not found") from None
 
 
-def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzReport:
+def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int, record_inputs: int = 0) -> FuzzReport:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -890,6 +892,14 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
                         for d in orjson.loads(f.content)["devices"] for e in d["containerEdits"].get("env", [])}
             assert not {e for e in _configured_env(configs) if e in spec_env and _reserved(e.split("=", 1)[0])}, \
                 spec_env
+            # Only a share gets MPS limits, and never more memory than it consumed (docs/claims.md).
+            limits = [dict(entry.split("=", 1) for entry in e.split("=", 1)[1].split(","))
+                      for e in spec_env if e.startswith("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=")]
+            if device.endswith("-shared"):
+                share_mib = int(memory.removesuffix("Gi")) << 10
+                assert limits and all(int(lim["0"].removesuffix("M")) <= share_mib for lim in limits), spec_env
+            else:
+                assert not [e for e in spec_env if e.startswith("CUDA_MPS_")], spec_env
         else:
             assert files_of(uid) == [], (res.error, files_of(uid))
         assert "internal error" not in loop.run_until_complete(node.engine.unprepare([ref]))[uid]
@@ -901,6 +911,14 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
     except Exception as exc:
         report.failures += 1
         report.problems.append(f"engine: {exc!r}"[:2000])
+    if record_inputs:
+        import recordfuzz
+
+        try:
+            recordfuzz.fuzz_records(node, source, loop, record_inputs, report, work)
+        except Exception as exc:
+            report.failures += 1
+            report.problems.append(f"records: {exc!r}"[:2000])
     if grpc_inputs:
         try:
             _fuzz_grpc(node, grpc_inputs, names, uids, report, loop)
@@ -920,16 +938,17 @@ def fuzz(work: Path, engine_inputs: int, grpc_inputs: int, seed: int) -> FuzzRep
 # Environment a tenant's configuration tries (tests/test_reserved_env.py has each family by hand).
 RESERVED_NAMES = ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "LD_PRELOAD",
                   "LD_LIBRARY_PATH", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
-                  "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "DRA_GPU_0_UUID"]
-TENANT_VALUES = ["all", "0=999999M", "0=1M", "/tmp/x.so", "50", "150", "void"]
+                  "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "DRA_GPU_0_UUID", "GLIBC_TUNABLES", "GCONV_PATH",
+                  "CUDA_INJECTION64_PATH", "NVTX_INJECTION64_PATH"]
+TENANT_VALUES = ["all", "0=999999M", "0=999999999G", "0=1M", "/tmp/x.so", "50", "150", "void"]
 
 
 def _reserved(name: str) -> bool:
-    """The agent's variables, as docs/claims.md lists them, but for the MPS limits a configuration may lower
-    (the oracle is the page, not the agent's own predicate)."""
+    """The agent's variables and those that load code into every process, as docs/claims.md lists them, but
+    for the MPS limits a configuration may lower (the oracle is the page, not the agent's own predicate)."""
     limits = ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    return name not in limits and (name == "CUDA_VISIBLE_DEVICES" or name.startswith(("NVIDIA_", "CUDA_MPS_",
-                                                                                       "LD_", "DRA_")))
+    return name not in limits and (name in ("CUDA_VISIBLE_DEVICES", "GLIBC_TUNABLES", "GCONV_PATH") or name.startswith(
+        ("NVIDIA_", "CUDA_MPS_", "LD_", "DRA_", "CUDA_INJECTION", "NVTX_INJECTION")))
 
 
 def _configured_env(configs: list[Any]) -> set[str]:
@@ -993,7 +1012,8 @@ def _fuzz_grpc(node: Any, n: int, names: Any, uids: Any, report: FuzzReport, loo
 # -- main ---------------------------------------------------------------------------------------------------
 
 def run(kills: int, daemon_kills: int, engine_inputs: int, grpc_inputs: int, seed: int,
-        max_seconds: float, work: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+        max_seconds: float, work: Path | None = None, log: Callable[[str], None] = print,
+        record_inputs: int = 0) -> dict[str, Any]:
     started = time.monotonic()
     own = work is None
     base = Path(tempfile.mkdtemp(prefix="dra-stress-")) if work is None else work
@@ -1002,8 +1022,9 @@ def run(kills: int, daemon_kills: int, engine_inputs: int, grpc_inputs: int, see
         crash = crash_rounds(base / "crash", kills - daemon_kills, seed, started + max_seconds * 0.75,
                              daemon_kills=daemon_kills, log=log)
         crash_seconds = time.monotonic() - started
-        log(f"fuzzing: {engine_inputs} claims through the engine, {grpc_inputs} calls over the socket")
-        fz = fuzz(base / "fuzz", engine_inputs, grpc_inputs, seed)
+        log(f"fuzzing: {engine_inputs} claims through the engine, {grpc_inputs} calls over the socket, "
+            f"{record_inputs} records rewritten")
+        fz = fuzz(base / "fuzz", engine_inputs, grpc_inputs, seed, record_inputs)
     finally:
         if own:
             shutil.rmtree(base, ignore_errors=True)
@@ -1020,6 +1041,7 @@ def run(kills: int, daemon_kills: int, engine_inputs: int, grpc_inputs: int, see
         "refused_lost": crash.refused_lost,
         "inconsistencies": crash.inconsistencies,
         "fuzz_inputs": fz.inputs,
+        "fuzz_records": fz.records,
         "fuzz_failures": fz.failures,
         "crash_seconds": round(crash_seconds, 1),
         "seconds": round(time.monotonic() - started, 1),
@@ -1033,6 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--daemon-kills", type=int, default=20)
     ap.add_argument("--fuzz", type=int, default=8000, help="claims through the engine")
     ap.add_argument("--fuzz-grpc", type=int, default=2000, help="calls over the DRA socket")
+    ap.add_argument("--fuzz-records", type=int, default=1000, help="claim records rewritten, then recovered")
     ap.add_argument("--seed", type=int, default=20261202)
     ap.add_argument("--max-seconds", type=float, default=1100.0)
     ap.add_argument("--out", type=Path, default=ROOT / ".stress" / "results.json")
@@ -1040,7 +1063,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.CRITICAL)  # refused inputs log warnings by the thousand
     results = run(args.kills, args.daemon_kills, args.fuzz, args.fuzz_grpc, args.seed, args.max_seconds,
-                  work=args.work)
+                  work=args.work, record_inputs=args.fuzz_records)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     for key, value in results.items():

@@ -14,9 +14,10 @@ says which checks it skipped. Run it as the agent's user (root in the DaemonSet)
 ownership and permission checks are made as the user that runs doctor.
 
 The checks live by subject: `plugin` (the kubelet's directories, the agent's
-sockets and probes), `runtime` (the container runtime's CDI configuration, the CDI
-directory, the NVIDIA toolkit's CDI spec), `node` (NVML, IOMMU, vfio-pci, claim records, free space), `cluster`
-(the API server, the Node, RBAC); `results` has the result type and the report.
+sockets and probes, the kubelet's pod resources service), `runtime` (the container runtime's CDI configuration, the CDI
+directory, the NVIDIA toolkit's CDI spec), `node` (NVML, IOMMU, vfio-pci, the NIC uplinks,
+claim records, free space), `cluster` (the API server, the Node, RBAC); `results` has the
+result type and the report.
 """
 
 from __future__ import annotations
@@ -65,12 +66,14 @@ class Doctor(PluginChecks, RuntimeChecks, NodeChecks, ClusterChecks):
             ("registration socket", self.registration),
             ("DRA socket", self.dra_socket),
             ("probes (/healthz, /readyz)", self.probes),
+            ("kubelet pod resources", self.pod_resources),
             ("container runtime CDI", thread(self.runtime_cdi)),
             ("CDI directory", thread(self.cdi_dirs)),
             ("NVIDIA toolkit CDI", thread(self.toolkit)),
             ("NVML", thread(self.nvml)),
             ("IOMMU", thread(self.iommu)),
             ("vfio-pci", thread(self.vfio)),
+            ("NIC uplinks", thread(self.uplinks)),
             ("claim records", thread(self.records)),
             ("free space", thread(self.free_space)),
             ("Kubernetes API", self.cluster),

@@ -11,6 +11,8 @@ from typing import Any
 from agent import kube
 from agent.app.doctor.base import Checks
 from agent.app.doctor.results import Result, failed, passed, skipped
+from agent.config import Settings
+from agent.events import NAMESPACE as EVENTS_NAMESPACE
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +23,7 @@ class Permission:
     why: str
     namespaced: bool = False
     named: str = ""  # the object the permission is for: "node" (this Node), "driver" (the driver's name)
+    namespace: str = ""  # the one namespace it is granted in (a Role's); "": every namespace, or none
     blocking: bool = True  # False: only a command a person runs needs it, not the agent
 
     def __str__(self) -> str:
@@ -35,11 +38,6 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("get", "", "nodes", "read this Node: its UID (slice owner) and declared features", named="node"),
     Permission("get", "resource.k8s.io", "resourceclaims", "read a claim the kubelet asks to prepare",
                namespaced=True),
-    Permission("list", "resource.k8s.io", "resourceclaims",
-               "garbage collection: list the claims of a namespace holding claims prepared here (metadata only)",
-               namespaced=True),
-    Permission("watch", "resource.k8s.io", "resourceclaims",
-               "watch claims, to prepare those allocated here before their pods are bound (--binding-conditions)"),
     Permission("list", "resource.k8s.io", "resourceslices", "read this node's published slices"),
     Permission("watch", "resource.k8s.io", "resourceslices", "see at once what others change in this node's slices"),
     Permission("get", "resource.k8s.io", "resourceslices", "read back a slice whose create answer was lost"),
@@ -61,10 +59,11 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("associated-node:update", "resource.k8s.io", "resourceclaims/driver",
                "write status.devices entries of this driver for claims on this node (update)", namespaced=True,
                named="driver"),
-    # agent/events.py: Events on the Node (an unreadable claim record set aside). Best effort: the log, the metric
-    # and /readyz say it too, so the agent works without it.
+    # agent/events.py: Events on the Node (an unreadable claim record set aside), in the namespace a Node's Events
+    # live in, the only one deploy/ grants. Best effort: the log, the metric and /readyz say it too, so the agent
+    # works without it.
     Permission("create", "events.k8s.io", "events", "post Events about this node (an unreadable claim record set "
-               "aside)", namespaced=True, blocking=False),
+               "aside)", namespaced=True, blocking=False, namespace=EVENTS_NAMESPACE),
     Permission("list", "resource.k8s.io", "devicetaintrules",
                "list the DeviceTaintRules an administrator made for this node's devices (dra-agent taints)"),
     # `dra-agent pool status` (agent/app/poolstatus.py): the agent itself never asks.
@@ -75,6 +74,18 @@ PERMISSIONS: tuple[Permission, ...] = (
     Permission("delete", "resource.k8s.io", "resourcepoolstatusrequests",
                "remove the pool status request once read (dra-agent pool status)", blocking=False),
 )
+
+
+# With --binding-conditions only (deploy/overlays/binding-conditions grants it): agent/claims/watch.py.
+BINDING_CONDITIONS: tuple[Permission, ...] = (
+    Permission("watch", "resource.k8s.io", "resourceclaims",
+               "watch claims, to prepare those allocated here before their pods are bound (--binding-conditions)"),
+)
+
+
+def permissions(settings: Settings) -> tuple[Permission, ...]:
+    """The permissions the agent with these settings uses."""
+    return PERMISSIONS + (BINDING_CONDITIONS if settings.binding_conditions else ())
 
 
 class ClusterChecks(Checks):
@@ -141,7 +152,8 @@ class ClusterChecks(Checks):
             resource, _, subresource = p.resource.partition("/")
             name = {"node": self.s.node_name, "driver": self.s.driver_name}.get(p.named)
             attributes = ResourceAttributes(verb=p.verb, group=p.group, resource=resource,
-                                            subresource=subresource or None, name=name)
+                                            subresource=subresource or None, name=name,
+                                            namespace=p.namespace or None)
             try:
                 async with asyncio.timeout(self.s.api_timeout):
                     answer = await client.create(SelfSubjectAccessReview(
@@ -151,7 +163,8 @@ class ClusterChecks(Checks):
             status = answer.status
             return p, bool(status and status.allowed), (status.reason or "") if status else ""
 
-        answers = await asyncio.gather(*(review(p) for p in PERMISSIONS))
+        wanted = permissions(self.s)
+        answers = await asyncio.gather(*(review(p) for p in wanted))
         errors = [f"{p}: {why}" for p, allowed, why in answers if allowed is None]
         denied = [p for p, allowed, _ in answers if allowed is False]
         if errors:
@@ -163,8 +176,8 @@ class ClusterChecks(Checks):
                            "grant them to the agent's service account (deploy/base has the ClusterRole): "
                            "kubectl auth can-i --as=system:serviceaccount:<namespace>:<account> ...",
                            blocking=any(p.blocking for p in denied))]
-        return [passed("RBAC", f"all {len(PERMISSIONS)} permissions the agent uses are granted: "
-                       + ", ".join(map(str, PERMISSIONS)))]
+        return [passed("RBAC", f"all {len(wanted)} permissions the agent uses are granted: "
+                       + ", ".join(map(str, wanted)))]
 
 
 def _node_result(node: kube.NodeInfo, where: str) -> Result:

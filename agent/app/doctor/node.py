@@ -1,5 +1,5 @@
 """Doctor checks of the node's hardware and the agent's state on it: NVML, IOMMU and
-vfio-pci, the claim records, and free space where the agent writes."""
+vfio-pci, the node's uplinks, the claim records, and free space where the agent writes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from agent.app.doctor.base import Checks, existing_parent
 from agent.app.doctor.results import Result, failed, passed, skipped
 from agent.claims.leftovers import Leftovers, leftovers_dir
 from agent.claims.store import ClaimStore
+from agent.inventory.netlink import net_state
 from agent.inventory.nvmlopen import LibraryMissing, init_real, nvidia_hardware
+from agent.inventory.uplinks import node_addresses, uplink_reasons
 
 MIN_FREE_BYTES = 16 * 1024 * 1024  # below: blocking (a record, a CDI spec may not fit)
 LOW_FREE_BYTES = 256 * 1024 * 1024  # below: a warning
@@ -109,6 +111,23 @@ class NodeChecks(Checks):
         return [failed(name, f"not loaded, and no vfio-pci module for kernel {release} under "
                        f"{self.host('/lib/modules')}", "only VFIO passthrough needs it: install the kernel's "
                        "modules package", blocking=False)]
+
+    def uplinks(self) -> list[Result]:
+        """The links of this network namespace (the agent's: the host's) that are the node's uplink, and why:
+        what prepare never moves into a pod nor passes through (`agent.inventory.uplinks`)."""
+        name = "NIC uplinks"
+        state = net_state()
+        names = {link.index: link.ifname for link in state.links}
+        found = uplink_reasons(state, node_addresses(tuple(self.s.node_ips)))
+        if found:
+            return [passed(name, "; ".join(f"{names[i]}: {why}" for i, why in sorted(found.items()))
+                           + " (never moved into a pod nor passed through)")]
+        none = "no link carries a default route (in any routing table) or an address --node-ips names"
+        if self.s.offline is not None:
+            return [passed(name, f"{none}: no NIC is held back as the uplink")]
+        return [failed(name, f"{none}: nothing keeps a claim from moving the NIC the node is reached by into a pod",
+                       "run the agent with the host's network and --node-ips from the Node's status.hostIPs, as "
+                       "deploy/base/daemonset.yaml does", blocking=False)]
 
     # state ---------------------------------------------------------------------------------------
 

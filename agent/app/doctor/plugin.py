@@ -1,5 +1,6 @@
 """Doctor checks of the agent as the kubelet sees it: the kubelet's plugin directories, the
-agent's own directories, its registration and DRA sockets, and its probes."""
+agent's own directories, its registration and DRA sockets, its probes, and the kubelet's pod resources
+service the agent reads."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from agent.app.doctor.results import Result, failed, passed, skipped
 from agent.app.httpserver import DRIVER_HEADER, NODE_HEADER, POD_UID_HEADER, VERSION_HEADER
 from agent.fsutil import UnsafeRoot, check_root
 from agent.kubelet import client as kc
+from agent.kubelet.podresources import PodResourcesClient, PodResourcesUnavailable
 
 
 class PluginChecks(Checks):
@@ -173,6 +175,25 @@ class PluginChecks(Checks):
                           "holds the port until it exits; else give doctor the agent's --rolling-update-pod-uid",
                           blocking=False)
         return None
+
+
+    async def pod_resources(self) -> list[Result]:
+        """The kubelet's pod resources service answers: garbage collection reads which claims pods here use."""
+        s = self.s
+        name = "kubelet pod resources"
+        if s.offline is not None:
+            return [skipped(name, f"offline (--offline {s.offline}): garbage collection reads the claim files")]
+        kubelet = PodResourcesClient(s.pod_resources_socket, timeout=2.0)
+        try:
+            pods = await kubelet.list()
+        except PodResourcesUnavailable as exc:
+            return [failed(name, f"{exc}", "until it answers, garbage collection collects nothing (a claim whose "
+                           "pod went without an unprepare stays prepared); the agent serves the kubelet all the same",
+                           blocking=False)]
+        finally:
+            await kubelet.close()
+        return [passed(name, f"{s.pod_resources_socket} answers: {len(pods.pods)} pods, "
+                       f"{len(pods.claims_in_use())} claims in use (what garbage collection reads)")]
 
 
 def _is_socket(path: Path) -> bool:
