@@ -36,6 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import fleet  # noqa: E402
 import idle  # noqa: E402
+import kubesched  # noqa: E402
 import measure  # noqa: E402
 import peers  # noqa: E402
 import report  # noqa: E402
@@ -69,6 +70,7 @@ class Options:
     fleet: tuple[int, int, float]  # agents (0: none), prepared claims each, idle seconds
     soak_cycles: int = soak.CYCLES
     idle_seconds: float = 300.0
+    sched: kubesched.Options | None = None  # the scheduler's part (bench/kubesched.py); None: not run
 
 
 class Run:
@@ -349,6 +351,8 @@ async def run_all(opts: Options) -> dict[str, Any]:
         await asyncio.to_thread(fleet.run, agents, claims, quiet, r, step)  # its own event loops, for the prepares
     if opts.soak_cycles:
         r.update(await soak.run(opts.soak_cycles, progress=step))
+    if opts.sched is not None:
+        r.update(await asyncio.to_thread(kubesched.run, opts.sched, step))
     fill_to = opts.fill
     r["prepare_1gpu_vs_floor"] = r["prepare_1gpu_p50_ms"] / r["floor_p50_ms"]
     r[f"p50_{fill_to}_vs_10_claims"] = r[f"p50_at_{fill_to}_claims_ms"] / r["p50_at_10_claims_ms"]
@@ -395,6 +399,24 @@ def _terminated(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def sched_only(opts: kubesched.Options | None, out: Path) -> int:
+    """`--only sched`: the scheduler's part alone, its own table and file."""
+    if opts is None:
+        print("--only sched with --sched-nodes 0: nothing to run", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        results = kubesched.run(opts, step)
+    except KeyboardInterrupt:
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
+    print(report.sched_table(results) + "\n\n" + report.every_key(results))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2) + b"\n")
+    print(f"\nwritten to {os.path.relpath(out)}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=300, help="samples per latency figure (default: 300)")
@@ -419,8 +441,29 @@ def main() -> int:
     p.add_argument("--soak-cycles", type=soak.cycles, default=soak.CYCLES, help=soak.CYCLES_HELP)
     p.add_argument("--idle-seconds", type=float, default=300.0,
                    help="how long the idle agent's CPU and wake-ups are measured (default: 300)")
-    p.add_argument("--out", type=Path, default=ROOT / ".bench" / "results.json")
+    p.add_argument("--sched-nodes", type=int, default=100,
+                   help="fake Nodes for the scheduler's part (bench/kubesched.py); 0: not run (default: 100)")
+    p.add_argument("--sched-pods", type=int, default=30,
+                   help="pods per round of the scheduler's part, a round per kind and inventory (default: 30)")
+    p.add_argument("--sched-gates", type=kubesched.gate_sets, default=("default", "alpha"),
+                   help="the scheduler's part with 1.37's default gates, with the DRA alpha gates on, or both "
+                   "(default: default,alpha)")
+    p.add_argument("--sched-profile", type=kubesched.kinds, default=("gpu", "passthrough"),
+                   help="kinds whose extra round on the richest inventory is profiled (CPU, pprof) into "
+                   ".bench/sched-profile-<kind>.pb.gz; empty: none (default: gpu,passthrough)")
+    p.add_argument("--sched-what-if", action="store_true",
+                   help="also the scheduler's rounds on the what-if inventories of bench/kubesched.py (WHAT_IF)")
+    p.add_argument("--only", choices=("all", "sched"), default="all",
+                   help="sched: the scheduler's part alone, written to .bench/sched.json unless --out says "
+                   "otherwise (default: all)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: .bench/results.json (--only sched: .bench/sched.json)")
     args = p.parse_args()
+    schedule = kubesched.Options(args.sched_nodes, args.sched_pods, args.sched_gates, args.sched_profile,
+                                 what_if=args.sched_what_if) if args.sched_nodes else None
+    if args.only == "sched":
+        return sched_only(schedule, args.out or ROOT / ".bench" / "sched.json")
+    args.out = args.out or ROOT / ".bench" / "results.json"
     if not 10 < args.mid < args.fill:
         p.error("--mid must be more than 10 and less than --fill")
     # SIGTERM ends the run as Ctrl-C does: the drivers and servers it started are stopped on the way out.
@@ -432,7 +475,7 @@ def main() -> int:
     print("\n".join(log))
     opts = Options(args.samples, args.rounds, args.node_fill_rounds, args.starts, args.mid, args.fill, binaries,
                    args.peer_metadata == "on", (args.fleet_agents, args.fleet_claims, args.fleet_idle_seconds),
-                   args.soak_cycles, args.idle_seconds)
+                   args.soak_cycles, args.idle_seconds, schedule)
     if binaries is not None:
         print("claims: the agent reads the offline directory's YAML files; the peer reads the same claims "
               "with client-go (GET, JSON over HTTP on loopback) from the bench's claims API")
@@ -444,6 +487,8 @@ def main() -> int:
     if binaries is not None:
         print("\n" + report.side_by_side(results, args.mid))
         print("\nthe agent alone\n" + report.agent_targets(results))
+    if schedule is not None:
+        print("\nthe scheduler (bench/kubesched.py)\n" + report.sched_table(results))
     print("\n" + report.every_key(results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2) + b"\n")

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# The request kinds and inventories of bench/kubesched.py, in its order (repeated here: the report reads
+# results files without importing the bench).
+SCHED_KINDS = ("gpu", "mig", "share", "compute", "passthrough", "nic", "cpu")
+SCHED_INVENTORIES = ("plain", "least", "default", "rich", "rich-ordered")  # the last a what-if (--sched-what-if)
+
 # key -> (comparison, bound): what the project aims for; printed beside the figure, not enforced.
 # Reported, no longer targets (they measured the interpreter against Go, and chasing them brought
 # hand-made protocol stacks): peer_ratio_start_to_getinfo, rss_idle_mib, peer_ratio_rss_1000,
@@ -30,6 +35,12 @@ TARGETS: dict[str, tuple[str, float]] = {
     "fleet_writes_per_agent_restart": ("<=", 0),
     "fleet_watches_per_agent": ("<=", 2),
     "fleet_cluster_wide_watches_per_agent": ("<=", 0),
+    # What the agent's slices cost the real kube-scheduler (bench/kubesched.py): its CPU per pod over the plain
+    # inventory's whole GPU, 1.37's default gates. Whole GPU on the agent's default inventory; every kind on
+    # the richest (dynamic MIG + sharing + passthrough); the costliest kind over the cheapest there.
+    "sched_cpu_ratio_default_gpu": ("<=", 2.0),
+    **{f"sched_cpu_ratio_{kind}": ("<=", 4.0) for kind in SCHED_KINDS},
+    "sched_cpu_kind_spread": ("<=", 2.0),
 }
 
 # (what, our key, the peer's key, the ratio's key); ratios are ours / peer.
@@ -64,7 +75,7 @@ SIDE_BY_SIDE: list[tuple[str, str, str, str]] = [
 def agent_targets(results: dict[str, Any]) -> str:
     """The agent's figures with a target that the side-by-side table does not show."""
     shown = {k for row in SIDE_BY_SIDE for k in row[1:]}
-    keys = [k for k in TARGETS if k not in shown and not k.startswith("peer_")]
+    keys = [k for k in TARGETS if k not in shown and not k.startswith(("peer_", "sched_"))]
     width = max(len(k) for k in keys)
     return "\n".join(f"{k.ljust(width)}  {fmt(results.get(k)).rjust(9)}  {target(k, results.get(k))}" for k in keys)
 
@@ -98,6 +109,46 @@ def side_by_side(results: dict[str, Any], mid: int) -> str:
     return "\n".join(
         f"{r[0].ljust(widths[0])}  {r[1].rjust(widths[1])}  {r[2].rjust(widths[2])}  {r[3].rjust(widths[3])}  {r[4]}"
         .rstrip() for r in rows)
+
+
+def sched_table(results: dict[str, Any]) -> str:
+    """bench/kubesched.py's rounds as a Markdown table, per set of gates: each kind on each inventory beside
+    the plain inventory's whole GPU (every kind's baseline), the CPU ratio with its target."""
+    lines = []
+    for gates in (results.get("sched_gates") or "").split(","):
+        prefix = "sched_" if gates == "default" else f"sched_{gates}_"
+        base = f"{prefix}plain_gpu"
+        if f"{base}_pods_per_s" not in results:
+            continue
+        lines += [f"{gates} gates, {results.get('sched_nodes')} Nodes, {results.get('sched_pods_per_round')} pods "
+                  f"a round; plain: {fmt(results.get(base + '_pods_per_s'))} pods/s, "
+                  f"{fmt(results.get(base + '_cpu_ms_per_pod'))} CPU ms/pod, "
+                  f"p99 {fmt(results.get(base + '_p99_ms'))} ms",
+                  "", "| inventory (devices/slices a node) | kind | pods/s | plain pods/s | sched CPU ms/pod | "
+                  "plain CPU ms/pod | p99 bound ms | plain p99 ms | attempts/pod | CPU ratio | target |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for inventory in SCHED_INVENTORIES[1:]:
+            shape = f"{inventory} ({fmt(results.get(f'sched_devices_per_node_{inventory}'))}/" \
+                    f"{fmt(results.get(f'sched_slices_per_node_{inventory}'))})"
+            for kind in SCHED_KINDS:
+                key = f"{prefix}{inventory}_{kind}"
+                if f"{key}_pods_per_s" not in results:
+                    continue
+                ratio = f"{prefix}cpu_ratio_{inventory}_{kind}"
+                judged = f"{prefix}cpu_ratio_{kind}" if inventory == "rich" else ratio
+                mark = target(judged, results.get(ratio)) if gates == "default" else ""
+                unbound = results.get(f"{key}_unbound")
+                lines.append("| " + " | ".join((
+                    shape, kind + (f" ({unbound} unbound)" if unbound else ""),
+                    fmt(results.get(f"{key}_pods_per_s")), fmt(results.get(f"{base}_pods_per_s")),
+                    fmt(results.get(f"{key}_cpu_ms_per_pod")), fmt(results.get(f"{base}_cpu_ms_per_pod")),
+                    fmt(results.get(f"{key}_p99_ms")), fmt(results.get(f"{base}_p99_ms")),
+                    fmt(results.get(f"{key}_attempts_per_pod")),
+                    fmt(results.get(ratio)), mark.replace("target ", ""))) + " |")
+        spread = f"{prefix}cpu_kind_spread"
+        lines += ["", f"costliest kind / cheapest on the rich inventory: {fmt(results.get(spread))}  "
+                  f"{target(spread, results.get(spread)) if gates == 'default' else ''}".rstrip(), ""]
+    return "\n".join(lines).rstrip()
 
 
 def every_key(results: dict[str, Any]) -> str:
@@ -175,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+", type=Path)
     p.add_argument("--mid", type=int, default=1_000)
     p.add_argument("--fill", type=int, default=10_000)
+    p.add_argument("--sched", action="store_true",
+                   help="the scheduler's tables (bench/kubesched.py) of the first file instead")
     args = p.parse_args(argv)
-    print(markdown([json.loads(path.read_text()) for path in args.results], args.mid, args.fill))
+    runs = [json.loads(path.read_text()) for path in args.results]
+    print(sched_table(runs[0]) if args.sched else markdown(runs, args.mid, args.fill))
     return 0
 
 
