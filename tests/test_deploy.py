@@ -106,8 +106,8 @@ EVERY = kustomizations()
 
 
 def test_the_promised_overlays_exist() -> None:
-    assert {"base", "overlays/binding-conditions", "overlays/dev", "overlays/driver-container", "overlays/kubevirt",
-            "overlays/node-allocatable"} <= set(EVERY)
+    assert {"base", "overlays/binding-conditions", "overlays/dev", "overlays/device-plugin-migration",
+            "overlays/driver-container", "overlays/kubevirt", "overlays/node-allocatable"} <= set(EVERY)
 
 
 @pytest.mark.parametrize("which", EVERY)
@@ -201,6 +201,53 @@ def test_driver_name_and_image_are_one_edit_each(tmp_path: Path) -> None:
             assert values and set(values) == {"gpus.acme.io"}, (which, place, values)
         assert set(class_driver_literals(objs)) == {"gpus.acme.io"}
         assert agent_container(objs)["image"] == "registry.acme.io/dra-agent:v9"
+
+
+# -- one edit: the extended resource names -------------------------------------------------------------
+
+BASE_GPU_RESOURCE = "example.com/gpu"
+MIGRATION = "overlays/device-plugin-migration"
+DEVICE_PLUGIN_GPU = "nvidia.com/gpu"
+
+
+def extended_names(objs: list[dict[str, Any]]) -> dict[str, str]:
+    """DeviceClass name without ".<driver>" -> the extended resource name it serves."""
+    return {c["metadata"]["name"].partition(".")[0]: c["spec"]["extendedResourceName"]
+            for c in all_of(objs, "DeviceClass") if c["spec"].get("extendedResourceName")}
+
+
+def tolerated_keys(objs: list[dict[str, Any]]) -> list[str]:
+    return [t.get("key", "") for t in one(objs, "DaemonSet")["spec"]["template"]["spec"]["tolerations"]]
+
+
+def test_the_gpu_extended_resource_name_is_one_edit_in_the_base_and_one_in_the_migration_overlay(
+        tmp_path: Path) -> None:
+    tree = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, tree)
+    source = tree / "base" / "extended-resources.yaml"
+    text = source.read_text()
+    assert text.count(f"gpu: {BASE_GPU_RESOURCE}") == 1
+    source.write_text(text.replace(f"gpu: {BASE_GPU_RESOURCE}", "gpu: acme.io/accelerator"))
+    for which in kustomizations(tree):
+        objs = kustomize(tree / which)
+        assert BASE_GPU_RESOURCE not in yaml.safe_dump_all(objs), f"{which}: left after changing the source"
+        keys = tolerated_keys(objs)
+        if which == MIGRATION:  # the overlay's own setting wins (its toleration: the base's first, again)
+            assert extended_names(objs)["gpu"] == DEVICE_PLUGIN_GPU and keys == [DEVICE_PLUGIN_GPU] * 2
+            assert "acme.io/accelerator" not in yaml.safe_dump_all(objs)
+        else:
+            assert extended_names(objs) == {"gpu": "acme.io/accelerator"}, which
+            assert "acme.io/accelerator" in keys, which
+
+    # The overlay's setting: one edit too, and it moves the gpu class alone (the MIG names are the plugin's).
+    overlay = tree / MIGRATION / "kustomization.yaml"
+    text = overlay.read_text()
+    assert text.count(f"gpu: {DEVICE_PLUGIN_GPU}") == 1
+    before = extended_names(kustomize(tree / MIGRATION))
+    overlay.write_text(text.replace(f"gpu: {DEVICE_PLUGIN_GPU}", "gpu: acme.io/gpu"))
+    objs = kustomize(tree / MIGRATION)
+    assert extended_names(objs) == {**before, "gpu": "acme.io/gpu"}
+    assert tolerated_keys(objs) == [DEVICE_PLUGIN_GPU, "acme.io/gpu"]
 
 
 # -- the DaemonSet against the agent's settings ------------------------------------------------------
@@ -811,6 +858,9 @@ MEANT: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool]]] = {
     "nic-passthrough": ("vfio-nic", lambda d: _kind("vfio")(d) and _attr(d, "nativeType") == "nic"
                         and _attr(d, f"{STD}/pciBusID") is not None),
     "mig": ("mig", _kind("mig")),
+    # deploy/overlays/device-plugin-migration: one class per MIG profile (the device plugin's names).
+    **{f"mig-{re.sub('[^a-z0-9]', '', p)}": ("mig", lambda d, p=p: _kind("mig")(d) and _attr(d, "profile") == p)
+       for p in ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")},
     "gpu-shared": ("shared", _kind("shared")),
     "vgpu": ("vgpu", _kind("vgpu")),
     # KubeVirt's CPUsWithDRA names this class itself: CPU devices counted in its capacity's name.
@@ -929,9 +979,42 @@ def test_a_class_that_selects_nothing_as_deployed_says_which_setting_it_needs(wh
 
 def test_the_gpu_class_serves_unchanged_pods_asking_for_example_com_gpu() -> None:
     for which in EVERY:
-        classes = {c["metadata"]["name"]: c["spec"] for c in all_of(rendered(which), "DeviceClass")}
-        with_extended = {n: s["extendedResourceName"] for n, s in classes.items() if s.get("extendedResourceName")}
-        assert with_extended == {f"gpu.{DRIVER}": "example.com/gpu"}, which
+        if which == MIGRATION:
+            continue  # the device plugin's names: the test below
+        assert extended_names(rendered(which)) == {"gpu": BASE_GPU_RESOURCE}, which
+
+
+def device_plugin_mig_resource(profile: str) -> str:
+    """The NVIDIA device plugin's resource name for a MIG profile under its "mixed" strategy: `mig-` and the
+    profile, a `+` (not allowed in a resource name) written `.`: 1g.10gb+me -> nvidia.com/mig-1g.10gb.me."""
+    return "nvidia.com/mig-" + profile.replace("+", ".")
+
+
+def test_the_migration_overlay_serves_the_device_plugins_names_each_with_its_own_devices() -> None:
+    """Whole GPUs as nvidia.com/gpu; each MIG class's CEL selects exactly the MIG devices of one profile on the
+    simulated machine's slices and serves that profile's name; every profile published has its class."""
+    objs = rendered(MIGRATION)
+    names = extended_names(objs)
+    assert names.pop("gpu") == DEVICE_PLUGIN_GPU
+    assert len(set(names.values())) == len(names), "one class per extended resource name"
+    devices = node_devices(node_allocatable=False)
+    mig = [(drv, d) for drv, d in devices if _kind("mig")(d)]
+    published = {_attr(d, "profile") for _, d in mig}
+    assert {"1g.10gb", "1g.10gb+me", "3g.40gb", "7g.80gb"} <= published
+    served = {}
+    for device_class in all_of(objs, "DeviceClass"):
+        short = device_class["metadata"]["name"].partition(".")[0]
+        if short not in names:
+            continue
+        got = [d for drv, d in devices if selects(device_class, drv, d)]
+        profiles = {_attr(d, "profile") for d in got}
+        assert got and all(_kind("mig")(d) for d in got) and len(profiles) == 1, (short, sorted(profiles))
+        [profile] = profiles
+        assert {d["name"] for d in got} == {d["name"] for _, d in mig if _attr(d, "profile") == profile}, short
+        assert names[short] == device_plugin_mig_resource(profile), short
+        served[profile] = names[short]
+    assert set(served) == published, "a MIG profile the agent publishes that no class serves"
+    assert "nvidia.com/mig-1g.10gb.me" in served.values()
 
 
 # -- the ValidatingAdmissionPolicy ------------------------------------------------------------------

@@ -50,8 +50,8 @@ def test_every_dra_feature_gate_of_the_release_is_on(cluster: Cluster) -> None:
 def test_every_kustomization_was_stored_as_rendered(cluster: Cluster) -> None:
     # The fixture applied each overlay and then the base with --server-side --validate=strict (an
     # unknown or duplicate field, a CEL selector that does not compile, a bad value: kubectl fails).
-    assert set(cluster.applied) == {"base", "binding-conditions", "dev", "driver-container", "kubevirt",
-                                    "node-allocatable"}
+    assert set(cluster.applied) == {"base", "binding-conditions", "dev", "device-plugin-migration", "driver-container",
+                                    "kubevirt", "node-allocatable"}
     # The driver-container overlay, taken by the server: the driver root is the GPU Operator's.
     (daemonset,) = [o for o in cluster.applied["driver-container"] if o["kind"] == "DaemonSet"]
     roots = {v["name"]: v["hostPath"]["path"] for v in daemonset["spec"]["template"]["spec"]["volumes"]
@@ -67,7 +67,12 @@ def test_every_kustomization_was_stored_as_rendered(cluster: Cluster) -> None:
             kinds.add(obj["kind"])
             assert stored["metadata"]["name"] == obj["metadata"]["name"]
     assert {"DaemonSet", "ClusterRole", "DeviceClass", "ValidatingAdmissionPolicy"} <= kinds
-    # The base was applied last: the node-allocatable overlay's extra selector is gone again.
+    # The device-plugin-migration overlay's MIG classes, taken by the server with the device plugin's names.
+    mig = cluster.admin.get(f"{CLASSES}/mig-1g10gbme.dra.example.com")
+    assert mig["spec"]["extendedResourceName"] == "nvidia.com/mig-1g.10gb.me"
+    # The base was applied last: its gpu class serves its own name again, and the node-allocatable overlay's
+    # extra selector is gone.
+    assert cluster.admin.get(f"{CLASSES}/gpu.dra.example.com")["spec"]["extendedResourceName"] == "example.com/gpu"
     cpu = cluster.admin.get(f"{CLASSES}/cpu.dra.example.com")
     assert [s["cel"]["expression"] for s in cpu["spec"]["selectors"]] == [
         next(o for o in cluster.applied["base"] if o["metadata"]["name"] == "cpu.dra.example.com")
@@ -76,7 +81,8 @@ def test_every_kustomization_was_stored_as_rendered(cluster: Cluster) -> None:
 
 def test_device_class_selectors_are_compiled_by_the_server(cluster: Cluster) -> None:
     classes = [o for objs in cluster.applied.values() for o in objs if o["kind"] == "DeviceClass"]
-    assert len({c["metadata"]["name"] for c in classes}) == 10  # dra.cpu: KubeVirt's, in the kubevirt overlay
+    # dra.cpu: KubeVirt's, in the kubevirt overlay; 7 MIG classes in the device-plugin-migration overlay.
+    assert len({c["metadata"]["name"] for c in classes}) == 17
     for cls in classes:
         # A server-side dry run of each class as rendered: accepted.
         probe = copy.deepcopy(cls)

@@ -178,6 +178,26 @@ def test_allocations_of_every_kind_are_prepared_as_allocated(scheduled: NodeAgen
     assert scheduled.prepared().isdisjoint(c["metadata"]["uid"] for c in claims.values())
 
 
+def test_unchanged_pods_asking_for_the_device_plugins_mig_names_get_mig_devices_of_that_profile(
+        scheduled: NodeAgent, ns: Namespace) -> None:
+    """deploy/overlays/device-plugin-migration, which the session applied too (the base, applied last, leaves
+    its MIG classes): a pod written for the NVIDIA device plugin's "mixed" strategy, on a node with no device
+    plugin, gets a MIG device of the profile its resource names, through the scheduler's claim."""
+    devices = published(scheduled)
+    wanted = {"mig-3g": ("nvidia.com/mig-3g.40gb", "3g.40gb"), "mig-me": ("nvidia.com/mig-1g.10gb.me", "1g.10gb+me")}
+    for pod, (resource, _) in wanted.items():
+        ns.pod(pod, scheduled.node, limits={resource: "1"})
+    for pod, (_, profile) in wanted.items():
+        ns.scheduled(pod)
+        claim = ns.extended_claim(pod)
+        (result,) = results_of(claim)
+        device = devices[result["device"]]
+        assert (string(device, "type"), string(device, "profile")) == ("mig", profile), (pod, result)
+        answer = scheduled.prepare(claim)[claim["metadata"]["uid"]]
+        assert prepared(answer) == allocated(claim), pod
+        assert scheduled.unprepare(claim)[claim["metadata"]["uid"]].get("error", "") == "", pod
+
+
 def test_all_eight_gpus_in_one_claim(scheduled: NodeAgent, ns: Namespace) -> None:
     ns.template("eight", claim_spec(request("gpus", "gpu", count=8)))
     ns.pod("eight", scheduled.node, templates={"gpus": "eight"})
