@@ -148,10 +148,10 @@ class Packed:
 
 
 def pack(devices: Iterable[tuple[Device, dict[str, Any]]]) -> Packed:
-    """The counter slices for `devices` (each with its sanitized API form, in name order).
+    """The counter slices for `devices` (each with its sanitized API form, in the pool's order).
 
     A device is kept only when every set it consumes can be published: a set that breaks a rule, or
-    whose definition differs from the one an earlier device (by name) brought, drops the devices
+    whose definition differs from the one an earlier device (in that order) brought, drops the devices
     that consume it, since publishing them without it would let the scheduler hand out the hardware
     twice (or not at all)."""
     out = Packed()

@@ -359,7 +359,9 @@ def test_long_names_are_cut_to_distinct_stable_labels() -> None:
 # -- the publish plan ---------------------------------------------------------------------------------
 
 def served(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {f"s{i}": {**o, "metadata": {**o["metadata"], "name": f"s{i}"}} for i, o in enumerate(objs)}
+    """The objects named as the API server names them: generateName (the slice's place) and 5 characters."""
+    named = [f"{o['metadata']['generateName']}s{i:04d}" for i, o in enumerate(objs)]
+    return {name: {**o, "metadata": {**o["metadata"], "name": name}} for name, o in zip(named, objs, strict=True)}
 
 
 def test_plan_an_unchanged_pool_with_counter_slices_writes_nothing(tmp_path: Path) -> None:

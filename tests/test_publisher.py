@@ -260,19 +260,19 @@ async def test_a_name_taken_by_someone_else_is_not_mistaken_for_ours(
         kube_api: KubeApi, publisher: ApiPublisher, monkeypatch: pytest.MonkeyPatch) -> None:
     # Not of this pool, though named like it: nothing but the name ties it to us.
     taken = build_slices(nics(1), driver=DRIVER, node="node-b")[0]
-    taken["metadata"]["name"] = f"{DRIVER}-{NODE}-bbbbb"
+    taken["metadata"]["name"] = f"{DRIVER}-{NODE}-00-bbbbb"
     kube_api.add(taken)
-    drawn = iter([f"{DRIVER}-{NODE}-bbbbb", f"{DRIVER}-{NODE}-bbbbb", f"{DRIVER}-{NODE}-ccccc"])
-    monkeypatch.setattr("agent.publish.slices.new_slice_name", lambda driver, node: next(drawn))
+    drawn = iter([f"{DRIVER}-{NODE}-00-bbbbb", f"{DRIVER}-{NODE}-00-bbbbb", f"{DRIVER}-{NODE}-00-ccccc"])
+    monkeypatch.setattr("agent.publish.slices.new_slice_name", lambda generate: next(drawn))
     kube_api.fail("POST", SLICES, status=503)  # stored or not? The client cannot tell
     kube_api.mark()
     result = await publisher.sync(nics(3))
-    assert result.created == [f"{DRIVER}-{NODE}-ccccc"]
+    assert result.created == [f"{DRIVER}-{NODE}-00-ccccc"]
     # A 409 after an unanswered try: the stored object is read, and it is not what we sent. A 409 on
     # a first try is a clash by itself. Either way another name is drawn.
     assert methods(kube_api) == ["GET 200", "POST 503", "POST 409", "GET 200", "POST 409", "POST 201"]
     assert generations(kube_api) == {1} and kube_api.get(RESOURCE_SLICES, taken["metadata"]["name"]) is not None
-    stored = kube_api.get(RESOURCE_SLICES, f"{DRIVER}-{NODE}-ccccc")
+    stored = kube_api.get(RESOURCE_SLICES, f"{DRIVER}-{NODE}-00-ccccc")
     assert stored is not None and [d["name"] for d in stored["spec"]["devices"]] == [
         "nic-000", "nic-001", "nic-002"]
 

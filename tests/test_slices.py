@@ -25,6 +25,7 @@ from agent.publish.slices import (
     NodeRef,
     build_slices,
     chunk_devices,
+    device_order,
     generate_name,
     new_slice_name,
     plan_pool,
@@ -110,13 +111,14 @@ def test_a_whole_node_renders_as_valid_slices() -> None:
     valid(obj)
     assert obj["apiVersion"] == "resource.k8s.io/v1" and obj["kind"] == "ResourceSlice"
     assert obj["metadata"] == {
-        "generateName": f"{DRIVER}-{NODE}-",
+        "generateName": f"{DRIVER}-{NODE}-00-",
         "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": OWNER.uid,
                              "controller": True}]}
     spec = obj["spec"]
     assert (spec["driver"], spec["nodeName"]) == (DRIVER, NODE)
     assert spec["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
-    assert names(obj) == sorted(d.name for d in devices)
+    # In the pool's order: by kind, the forms asked for most first (`slices.KIND_ORDER`), then by name.
+    assert names(obj) == [d.name for d in sorted(devices, key=device_order)]
     by_name = {d["name"]: d for d in spec["devices"]}
     assert by_name["cpu-numa1"]["nodeAllocatableResources"] == cpu_node_allocatable()
     assert by_name["cpu-numa1"]["capacity"]["cpus"] == {"value": "48", "requestPolicy": cpu_request_policy()}
@@ -404,11 +406,13 @@ def test_plan_a_device_in_two_different_slices_is_a_new_generation() -> None:
 
 def test_new_slice_names_look_like_generated_ones() -> None:
     node = ("n" * 60 + ".") * 4 + "x"
-    drawn = {new_slice_name(DRIVER, node) for _ in range(50)}
-    assert len(drawn) == 50
-    for name in drawn:
-        assert name.startswith(generate_name(DRIVER, node)) and len(name) <= 63
-        assert apirules.dns_subdomain_errors(name) == []
+    for place, count in ((0, 1), (7, 12), (99, 100), (100, 101)):
+        generate = generate_name(DRIVER, node, place, count)
+        drawn = {new_slice_name(generate) for _ in range(50)}
+        assert len(drawn) == 50
+        for name in drawn:
+            assert name.startswith(generate) and len(name) <= 63
+            assert apirules.dns_subdomain_errors(name) == []
 
 
 def test_same_slice_ignores_what_the_server_adds() -> None:

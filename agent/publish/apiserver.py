@@ -9,8 +9,9 @@ API server does meanwhile.
 Creating a slice is idempotent. A create whose answer never came (a timeout, a
 dropped connection, a 5xx) may still have been stored, and with `generateName` a
 retry would store a second copy of the same devices. So the agent picks the name
-itself, in the shape generateName would give it (`<driver>-<node>-` and five
-random characters, `slices.new_slice_name`), and a retry sends the same name:
+itself, in the shape generateName would give it (`<driver>-<node>-<NN>-`, NN the
+slice's place in the pool, and five random characters, `slices.new_slice_name`),
+and a retry sends the same name:
 the API server's name uniqueness makes the retry a no-op (409 AlreadyExists) if
 the first try was stored, however late that happened. Re-listing before the
 retry would not do: a first try still in flight at the server is not listed yet
@@ -248,7 +249,10 @@ class ApiPublisher:
         """Create one slice under a name chosen here (see the module docstring); its name and the slice
         as stored."""
         what = "creating a ResourceSlice"
-        name = slices.new_slice_name(self.driver, self.node.name)
+        # The slice's generateName holds its place in the pool (`slices.generate_name`): the name drawn
+        # keeps it, so the pool's slices sort by name in the order they were split in.
+        generate = str(desired["metadata"]["generateName"])
+        name = slices.new_slice_name(generate)
         maybe_stored = False  # an earlier try under `name` got no clear answer
         failures = 0
         while True:
@@ -269,7 +273,7 @@ class ApiPublisher:
                 if failures >= self.backoff.attempts:
                     raise self._failed(f"{what}: name {name} taken ({failures} tries)") from exc
                 log.debug("ResourceSlice name %s is taken; drawing another", name)
-                name, maybe_stored = slices.new_slice_name(self.driver, self.node.name), False
+                name, maybe_stored = slices.new_slice_name(generate), False
                 continue
             stored = kube.plain(created)
             return str((stored.get("metadata") or {}).get("name") or name), stored

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.publish.render import Chunk, CounterChunk, NodeRef, render_slice
+from agent.publish.render import Chunk, CounterChunk, NodeRef, generate_name, render_slice
 
 
 @dataclass(slots=True)
@@ -75,6 +75,10 @@ def _keep_taint_times(desired: dict[str, Any], existing: Mapping[str, Any]) -> N
                 t["timeAdded"] = stamp
 
 
+def _generate_name(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("generateName") or "")
+
+
 def same_slice(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
     """Whether `existing` already says what `desired` says (server-stamped taint times aside)."""
     wanted = copy.deepcopy(dict(desired))
@@ -88,8 +92,11 @@ def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk]
     """Decide how to turn the `existing` slices of this pool (by key) into `chunks`.
 
     `slots` pins chunk i to key slots[i] (the directory publisher's file names);
-    without it existing objects are reused wherever they fit (API objects, whose
-    names mean nothing). An update in place keeps the generation; anything that changes
+    without it (API objects) chunk i goes only to an object whose name starts with
+    its place (`generate_name(driver, node, i, count)`): the allocator walks the
+    pool's slices by name, and a name cannot change, so an object named for another
+    place (or by an older agent, with no place) is never rewritten with chunk i but
+    replaced, in a new generation. An update in place keeps the generation; anything that changes
     the set of slices or which slice holds which device writes a new generation
     everywhere, and only then deletes what is left of the old one.
 
@@ -107,21 +114,26 @@ def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk]
 
     def render(i: int, generation: int) -> dict[str, Any]:
         return render_slice(chunks[i], driver=driver, node=node, owner=owner, generation=generation,
-                            count=count)
+                            count=count, place=i)
 
+    # Which keys may hold chunk i: its file, or an object named for its place.
+    places = [generate_name(driver, node, i, count) for i in range(count)] if slots is None else None
     top = {k: o for k, o in existing.items() if pool_generation(o) == current}
-    pairing = _pair_in_place(top, chunks, slots) if current else None
+    pairing = _pair_in_place(top, chunks, slots, places) if current else None
     if pairing is not None and all(_slice_count(o) == count for o in top.values()):
         deletes = set(existing) - set(top)
         plan = PoolPlan(generation=current)
         for i, candidates in enumerate(pairing):
             desired = render(i, current)
             # The copy that already matches stays (no write); else the first by name is rewritten.
-            key = next((k for k in candidates if len(candidates) > 1 and same_slice(existing[k], desired)),
-                       candidates[0])
+            # Only a copy named for the chunk's place may stay (`_pair_in_place` puts those first).
+            fit = [k for k in candidates if places is None or k.startswith(places[i])]
+            key = next((k for k in fit if len(candidates) > 1 and same_slice(existing[k], desired)), fit[0])
             deletes.update(k for k in candidates if k != key)
             _keep_taint_times(desired, existing[key])
-            if comparable(desired) == comparable(existing[key]):
+            # A file is what someone creates the slice from: its generateName (the place) counts too.
+            if comparable(desired) == comparable(existing[key]) and \
+                    (slots is None or _generate_name(desired) == _generate_name(existing[key])):
                 plan.unchanged.append(key)
             else:
                 plan.writes.append(SliceWrite(desired, key))
@@ -130,7 +142,7 @@ def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk]
 
     generation = current + 1
     plan = PoolPlan(generation=generation)
-    reuse = _reuse(existing, chunks, slots)
+    reuse = _reuse(existing, chunks, slots, places)
     for i in range(count):
         desired = render(i, generation)
         target = reuse.get(i)
@@ -145,9 +157,10 @@ def plan_pool(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk]
 
 
 def _pair_in_place(top: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk],
-                   slots: Sequence[str] | None) -> list[list[str]] | None:
+                   slots: Sequence[str] | None, places: Sequence[str] | None) -> list[list[str]] | None:
     """For each chunk, the existing keys holding exactly its devices or counter sets (copies included, in name
-    order), when the current generation holds exactly the chunks' device sets; else None."""
+    order, those named for the chunk's place first), when the current generation holds exactly the chunks'
+    device sets and each chunk has one named for its place; else None."""
     if slots is not None:
         # Files have fixed names: one file per chunk, nothing else in the generation.
         if len(top) != len(chunks):
@@ -167,14 +180,26 @@ def _pair_in_place(top: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk]
     # other set of devices means the split changed, and that takes a new generation.
     if set(by_names) != set(wanted):
         return None
-    return [by_names[names] for names in wanted]
+    assert places is not None
+    pairing: list[list[str]] = []
+    for names, prefix in zip(wanted, places, strict=True):
+        keys = by_names[names]
+        # A copy named for another place is deleted; none named for this one: the slice must be
+        # replaced by one that sorts in its place, and that changes which slice holds the devices.
+        fit = [k for k in keys if k.startswith(prefix)]
+        if not fit:
+            return None
+        pairing.append(fit + [k for k in keys if not k.startswith(prefix)])
+    return pairing
 
 
 def _reuse(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk],
-           slots: Sequence[str] | None) -> dict[int, str]:
-    """Chunk index -> existing key to overwrite; objects left over are deleted."""
+           slots: Sequence[str] | None, places: Sequence[str] | None) -> dict[int, str]:
+    """Chunk index -> existing key to overwrite; objects left over are deleted. An object is only ever
+    given the chunk its name has the place of (`places`)."""
     if slots is not None:
         return {i: slots[i] for i in range(len(chunks)) if slots[i] in existing}
+    assert places is not None
     # Prefer the object that already holds the same devices (a consumer holding it sees the least
     # churn), newest generation first, then hand out the rest in name order.
     free = sorted(existing, key=lambda k: (-pool_generation(existing[k]), k))
@@ -182,13 +207,14 @@ def _reuse(existing: Mapping[str, Mapping[str, Any]], chunks: Sequence[Chunk],
     for i, chunk in enumerate(chunks):
         names = _content(chunk)
         for key in free:
-            if _held(existing[key]) == names:
+            if key.startswith(places[i]) and _held(existing[key]) == names:
                 reuse[i] = key
                 free.remove(key)
                 break
     for i in range(len(chunks)):
-        if i not in reuse and free:
-            reuse[i] = free.pop(0)
+        if i not in reuse and (fits := next((k for k in free if k.startswith(places[i])), None)) is not None:
+            reuse[i] = fits
+            free.remove(fits)
     return reuse
 
 

@@ -1,6 +1,11 @@
 """Slices as API objects: what one slice carries (devices or counter sets, and what a device slice
 says of its devices), its owner, its name (`generateName`, or one drawn here the same way) and the
-rendered ResourceSlice. Pure."""
+rendered ResourceSlice. Pure.
+
+A slice's name starts with its place in the pool (`<driver>-<node>-<NN>-`, `generate_name`): the
+scheduler's allocator walks a pool's slices sorted by name and takes the first free device that
+matches, so the names, not the random characters after them, must give the order the agent chose
+(`slices.chunk_devices`), the same on every node."""
 
 from __future__ import annotations
 
@@ -65,17 +70,29 @@ class DeviceChunk(Sequence[Mapping[str, Any]]):
 Chunk = Sequence[Mapping[str, Any]] | CounterChunk
 
 
-def generate_name(driver: str, node: str) -> str:
+def place_label(place: int, count: int) -> str:
+    """A slice's place in a pool of `count` slices, zero-padded so that the names sort as the places do
+    (at least two digits; more only for a pool of over 100 slices, whose width then holds for all of it)."""
+    return f"{place:0{max(2, len(str(max(count - 1, 0))))}d}"
+
+
+def generate_name(driver: str, node: str, place: int = 0, count: int = 1) -> str:
+    """`<driver>-<node>-<NN>-`: the slice at `place` of a pool of `count` slices. Within one pool every
+    such prefix has the same length and differs only in NN, so any name that starts with it sorts
+    after every slice before it and before every slice after it, whatever follows."""
+    label = f"{place_label(place, count)}-"
     base = f"{driver}-{node}-"
-    if len(base) <= MAX_GENERATE_NAME:
-        return base
-    # The server would cut it anyway; cutting here keeps the name a valid DNS subdomain.
-    return base[: MAX_GENERATE_NAME - 1].rstrip(".-") + "-"
+    if len(base) + len(label) > MAX_GENERATE_NAME:
+        # The server would cut it anyway, and cut the place off; cutting the node here keeps the place and
+        # the name a valid DNS subdomain (a label may not end in "." or "-").
+        base = base[: MAX_GENERATE_NAME - len(label) - 1].rstrip(".-") + "-"
+    return base + label
 
 
-def new_slice_name(driver: str, node: str) -> str:
-    """A name as generateName would give it, chosen here so that a retried create names the same object."""
-    return generate_name(driver, node) + "".join(secrets.choice(NAME_ALPHABET) for _ in range(NAME_SUFFIX))
+def new_slice_name(generate: str) -> str:
+    """A name as the API server would give one for `generate` (a `generate_name`), chosen here so that a
+    retried create names the same object."""
+    return generate + "".join(secrets.choice(NAME_ALPHABET) for _ in range(NAME_SUFFIX))
 
 
 def owner_references(owner: NodeRef | None) -> list[dict[str, Any]]:
@@ -85,8 +102,9 @@ def owner_references(owner: NodeRef | None) -> list[dict[str, Any]]:
 
 
 def render_slice(chunk: Chunk, *, driver: str, node: str, owner: NodeRef | None,
-                 generation: int, count: int) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"generateName": generate_name(driver, node)}
+                 generation: int, count: int, place: int = 0) -> dict[str, Any]:
+    """The ResourceSlice for `chunk`, the slice at `place` of the pool's `count`."""
+    metadata: dict[str, Any] = {"generateName": generate_name(driver, node, place, count)}
     if refs := owner_references(owner):
         metadata["ownerReferences"] = refs
     spec: dict[str, Any] = {

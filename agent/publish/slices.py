@@ -56,11 +56,11 @@ from agent.publish.render import (
 from agent.publish.sanitize import STANDARD_DOMAIN, sanitize_device
 
 __all__ = [
-    "API_VERSION", "KIND", "MAX_GENERATE_NAME", "NAME_ALPHABET", "NAME_SUFFIX", "SKIP_NODE_OPERATIONS",
+    "API_VERSION", "KIND", "KIND_ORDER", "MAX_GENERATE_NAME", "NAME_ALPHABET", "NAME_SUFFIX", "SKIP_NODE_OPERATIONS",
     "STANDARD_DOMAIN", "Chunk", "Chunks", "CounterChunk", "DeviceChunk", "NodeRef", "PoolPlan", "SliceLayout",
-    "SliceWrite", "build_slices", "chunk_devices", "comparable", "generate_name", "is_ours", "new_slice_name",
-    "owner_references", "plan_pool", "pool_generation", "pool_rule_errors", "render_slice", "same_slice",
-    "sanitize_device",
+    "SliceWrite", "build_slices", "chunk_devices", "comparable", "device_order", "generate_name", "is_ours",
+    "new_slice_name", "owner_references", "plan_pool", "pool_generation", "pool_rule_errors", "render_slice",
+    "same_slice", "sanitize_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,26 @@ SKIP_NODE_OPERATIONS = ("NodePrepareResources", "NodeUnprepareResources")
 # A ResourcePoolStatusRequest summarises at most 32 partition types per pool (the status list's limit):
 # a pool with more gets no summary but an error, so the agent names no partition type attribute then.
 MAX_PARTITION_TYPES = 32
+
+
+# The order of the pool's devices, by kind. The scheduler's allocator walks a pool's slices by name and
+# each slice's devices in order, evaluating the class's selectors on every device until one matches and is
+# free, for every pod and every node: a device's place is what every request for a form after it pays.
+# So the forms asked for most, each a single device whose selector is decided by its `type`, come first:
+# whole GPUs, their passthrough variants (and NICs'), shares of a GPU; then NICs, CPUs and memory (a
+# handful per node); then the partitions, vGPUs and MIG placements last: they are the many (25 dynamic
+# MIG placements per GPU). A MIG request then walks past the few dozen devices in front of them, where a
+# request for any other form behind them walked past every placement (docs/benchmarks.md, "The scheduler").
+# Every kind must be named here (tests/test_slice_order.py): a new kind has its place decided, not left
+# at the end by default.
+KIND_ORDER: tuple[Kind, ...] = (Kind.GPU, Kind.VFIO, Kind.GPUSHARE, Kind.NIC, Kind.CPU, Kind.MEMORY,
+                                Kind.VGPU, Kind.MIG)
+_RANK = {kind: i for i, kind in enumerate(KIND_ORDER)}
+
+
+def device_order(dev: Device) -> tuple[int, str]:
+    """Where a device goes in the pool: by kind (`KIND_ORDER`), then by name."""
+    return _RANK.get(dev.kind, len(KIND_ORDER)), dev.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,15 +131,16 @@ class Chunks:
 def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None,
                   compatibility_groups: bool = False, layout: SliceLayout | None = None) -> Chunks:
     """The pool's slices: the counter sets the devices consume (at most 8 per slice, `counters.pack`),
-    then the validated devices sorted by name and packed greedily into as few slices as the limits
-    allow (64 per slice once one of them consumes counters or has taints).
+    then the validated devices in the pool's order (`device_order`: by kind, then name) packed greedily
+    into as few slices as the limits allow (64 per slice once one of them consumes counters or has
+    taints). Each slice is rendered with a name that sorts in its place (`render.generate_name`).
 
     `compatibility_groups`: the cluster has `DRADeviceCompatibilityGroups` on; each device's counter
     consumption then carries the groups of its kind (`counters.with_compatibility_groups`). Off, none
     is sent: the API server would drop them, and the stored slices would never match what is sent.
 
-    `layout` says what the device slices say of their devices (`SliceLayout`): devices of each kind of
-    slice are packed on their own, plain ones first.
+    `layout` says what the device slices say of their devices (`SliceLayout`): a slice holds devices of
+    one kind of slice only, so a new slice starts where the kind of slice changes along the order.
 
     Every problem is logged; pass `reported` (kept by the caller between calls) to log only the
     ones that are new since the last call, so a periodic republish does not repeat itself.
@@ -128,7 +149,7 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
     out = Chunks()
     seen: set[str] = set()
     valid: list[tuple[Device, dict[str, Any]]] = []
-    for dev in sorted(devices, key=lambda d: d.name):
+    for dev in sorted(devices, key=device_order):
         if dev.name in seen:
             out.dropped.append(f"device {dev.name!r} dropped: duplicate name")
             continue
@@ -146,16 +167,16 @@ def chunk_devices(devices: Iterable[Device], *, reported: set[str] | None = None
     packed = counters.pack(valid)
     out.dropped += packed.dropped
     out.slices += [CounterChunk(tuple(sets)) for sets in packed.slices]
-    groups = _groups(packed.devices, layout, out.dropped)
-    for (partition_attr, skip), wires in groups.items():
-        current: list[dict[str, Any]] = []
-        for wire in wires:
-            if current and len(current) + 1 > apirules.device_limit([*current, wire]):
-                out.slices.append(_chunk(current, partition_attr, skip))
-                current = []
-            current.append(wire)
-        if current:
-            out.slices.append(_chunk(current, partition_attr, skip))
+    current: list[dict[str, Any]] = []
+    says: tuple[str, tuple[str, ...]] = ("", ())
+    for wire, key in _slice_kinds(packed.devices, layout, out.dropped):
+        if current and (key != says or len(current) + 1 > apirules.device_limit([*current, wire])):
+            out.slices.append(_chunk(current, *says))
+            current = []
+        says = key
+        current.append(wire)
+    if current:
+        out.slices.append(_chunk(current, *says))
     out.errors = pool_rule_errors(out.slices)
     for message in out.dropped:
         if reported is None or message not in reported:
@@ -190,21 +211,14 @@ def _cost(wire: dict[str, Any]) -> str:
     return json.dumps(wire.get("consumesCounters") or [], sort_keys=True)
 
 
-def _groups(packed: list[tuple[Device, dict[str, Any]]], layout: SliceLayout,
-            dropped: list[str]) -> dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]]:
-    """The devices by what their slice says (partition type attribute, skipped calls), plain first, each
-    group in the order given."""
+def _slice_kinds(packed: list[tuple[Device, dict[str, Any]]], layout: SliceLayout,
+                 dropped: list[str]) -> list[tuple[dict[str, Any], tuple[str, tuple[str, ...]]]]:
+    """Each device (in the order given) with what its slice says: the partition type attribute, the
+    skipped calls."""
     skip_kinds, partition_attr = layout.skip_kinds, layout.partition_type_attribute
-    groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {("", ()): []}
-    partitions: list[dict[str, Any]] = []
-    for dev, wire in packed:
-        if dev.kind in skip_kinds:
-            groups.setdefault(("", SKIP_NODE_OPERATIONS), []).append(wire)
-        elif partition_attr and wire.get("consumesCounters") and \
-                "string" in ((wire.get("attributes") or {}).get(PARTITION_TYPE) or {}):
-            partitions.append(wire)
-        else:
-            groups[("", ())].append(wire)
+    partitions = [wire for dev, wire in packed if dev.kind not in skip_kinds and partition_attr
+                  and wire.get("consumesCounters")
+                  and "string" in ((wire.get("attributes") or {}).get(PARTITION_TYPE) or {})]
     if partitions:
         costs: dict[str, set[str]] = {}
         for wire in partitions:
@@ -214,15 +228,17 @@ def _groups(packed: list[tuple[Device, dict[str, Any]]], layout: SliceLayout,
             why = (f"devices of partition type {mixed[0]!r} take different counters" if mixed else
                    f"{len(costs)} partition types, more than the {MAX_PARTITION_TYPES} a pool status summarises")
             dropped.append(f"partitionTypeAttribute {partition_attr!r} of the MIG and vGPU slices: {why}")
-            groups[("", ())] += partitions
+            partitions = []
+    named = {id(wire) for wire in partitions}
+    out: list[tuple[dict[str, Any], tuple[str, tuple[str, ...]]]] = []
+    for dev, wire in packed:
+        if dev.kind in skip_kinds:
+            out.append((wire, ("", SKIP_NODE_OPERATIONS)))
+        elif id(wire) in named:
+            out.append((wire, (partition_attr, ())))
         else:
-            groups[(partition_attr, ())] = partitions
-    skipped = groups.pop(("", SKIP_NODE_OPERATIONS), None)
-    if skipped:
-        groups[("", SKIP_NODE_OPERATIONS)] = skipped
-    if not groups[("", ())]:
-        del groups[("", ())]
-    return groups
+            out.append((wire, ("", ())))
+    return out
 
 
 # Placeholders for the rendering that `pool_rule_errors` checks: the split does not depend on them,
@@ -242,7 +258,7 @@ def pool_rule_errors(chunks: Sequence[Chunk]) -> list[str]:
     driver = next((c.partition_type_attribute.partition("/")[0] for c in chunks
                    if isinstance(c, DeviceChunk) and c.partition_type_attribute), _CHECK_DRIVER)
     return apirules.pool_errors([render_slice(c, driver=driver, node=_CHECK_NODE, owner=None, generation=1,
-                                              count=count) for c in chunks])
+                                              count=count, place=i) for i, c in enumerate(chunks)])
 
 
 def build_slices(devices: Iterable[Device], *, driver: str, node: str, owner: NodeRef | None = None,
@@ -250,5 +266,5 @@ def build_slices(devices: Iterable[Device], *, driver: str, node: str, owner: No
                  layout: SliceLayout | None = None) -> list[dict[str, Any]]:
     """The slices for `devices` as one fresh pool (what `dra-agent slices` shows)."""
     chunks = chunk_devices(devices, compatibility_groups=compatibility_groups, layout=layout).slices
-    return [render_slice(c, driver=driver, node=node, owner=owner, generation=generation, count=len(chunks))
-            for c in chunks]
+    return [render_slice(c, driver=driver, node=node, owner=owner, generation=generation, count=len(chunks),
+                         place=i) for i, c in enumerate(chunks)]

@@ -18,6 +18,8 @@ from .clusterkit import NODE_ALLOCATABLE, VENV_BIN, AgentRuns, Cluster, devices_
 
 pytestmark = pytest.mark.cluster
 
+# The published `type` of each kind in the pool's order (`slices.KIND_ORDER`).
+WALK_ORDER = ["gpu", "vfio", "shared", "nic", "cpu", "memory", "vgpu", "mig"]
 EVERY_FORM = ("--dynamic-mig=true", "--vgpu-types=auto", "--gpu-sharing=true", "--compatibility-groups=true")
 
 
@@ -64,6 +66,11 @@ def test_every_form_is_accepted_and_a_restart_writes_nothing(cluster: Cluster, a
     assert devices["cpu-numa0"]["nodeAllocatableResources"]["cpu"]["mapping"]["capacityKey"]
     assert devices["gpu-0"]["nodeAllocatableResources"]["memory"]["overhead"]["perContainer"]
     assert devices["gpu-0-shared"]["allowMultipleAllocations"] is True
+    # As the scheduler's allocator walks the pool (slices by name, devices in order): the forms asked for
+    # most first, the partitions last, whatever the names' random characters.
+    walked = [d["attributes"]["type"]["string"] for s in sorted(stored, key=lambda s: s["metadata"]["name"])
+              for d in s["spec"].get("devices") or []]
+    assert walked == sorted(walked, key=WALK_ORDER.index)
     before = snapshot(stored)
 
     with agent_runs.run(node, kubeconfig, *EVERY_FORM, node=node, nvml=f"sim:{profile}") as agent:

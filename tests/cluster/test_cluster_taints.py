@@ -60,8 +60,10 @@ def test_an_xid_taint_evicts_the_pods_that_do_not_tolerate_it(scheduled: NodeAge
     scheduled.cli("sim", "xid", GPU, "79")
     (taint,) = eventually(lambda: published(scheduled)[GPU].get("taints"), f"the XID taint on {GPU}")
     assert (taint["key"], taint["value"], taint["effect"]) == (XID, "79", "NoExecute")
-    devices = published(scheduled)
-    assert all(devices[d].get("taints") == [taint] for d in held.values()), "every form of the GPU is tainted"
+    # A GPU's forms are in different slices (whole GPUs first, MIG placements last: the order the scheduler
+    # walks), written one after another by the same publish: the MIG slices may land a moment after.
+    eventually(lambda: all(published(scheduled)[d].get("taints") == [taint] for d in held.values()),
+               "every form of the GPU tainted")
     ours = [t for t in taints(scheduled) if t["device"] == GPU]
     assert [(t["key"], t["value"], t["effect"], t["source"]) for t in ours] == [(XID, "79", "NoExecute", "agent")]
 
@@ -72,7 +74,8 @@ def test_an_xid_taint_evicts_the_pods_that_do_not_tolerate_it(scheduled: NodeAge
 
     scheduled.cli("sim", "recover", GPU)
     eventually(lambda: not published(scheduled)[GPU].get("taints"), f"the taint on {GPU} removed")
-    assert not any(published(scheduled)[d].get("taints") for d in held.values())
+    eventually(lambda: not any(published(scheduled)[d].get("taints") for d in held.values()),
+               "the taint on every form of the GPU removed")
     assert [t for t in taints(scheduled) if t["device"] == GPU] == []
 
 
