@@ -8,6 +8,7 @@ the metadata file of a prepared NIC claim.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -108,6 +109,29 @@ def flags_of(values: dict[str, Any]) -> list[str]:
     return [part for dest, value in values.items() for part in (by_dest[dest], str(value))]
 
 
+@contextlib.contextmanager
+def agent_in_namespace(ns: NetNS, values: dict[str, Any], short_tmp: Path) -> Iterator[RunningAgent]:
+    """`dra-agent run` with these settings inside `ns`, once it watches netlink; stopped on the way out."""
+    flags = flags_of(values)
+    log_path = short_tmp / "agent.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(["ip", "netns", "exec", ns.name, sys.executable, "-m", "agent", "run", *flags],
+                                stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=dict(os.environ, PYTHONPATH=str(REPO)))
+    running = RunningAgent(ns, build_settings(values), flags, proc, log_path)
+    try:
+        # Changes made before the watcher is subscribed would be seen by a scan, not by an event.
+        running.until(lambda: READY_LINE in running.log(), "the agent watching netlink")
+        yield running
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 @pytest.fixture
 def ns() -> Iterator[NetNS]:
     """A namespace with one veth pair the agent publishes and one it is not asked to."""
@@ -132,25 +156,9 @@ def agent(ns: NetNS, short_tmp: Path) -> Iterator[RunningAgent]:
         "dev_root": short_tmp / "dev", "offline": short_tmp / "offline",
         "rescan_interval": 3600, "netlink_debounce": 0.2, "log_format": "json", "taint_policy": policy,
     }
-    flags = flags_of(values)
-    log_path = short_tmp / "agent.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(["ip", "netns", "exec", ns.name, sys.executable, "-m", "agent", "run", *flags],
-                                stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=dict(os.environ, PYTHONPATH=str(REPO)))
-    running = RunningAgent(ns, build_settings(values), flags, proc, log_path)
-    try:
-        # Changes made before the watcher is subscribed would be seen by a scan, not by an event.
-        running.until(lambda: READY_LINE in running.log(), "the agent watching netlink")
+    with agent_in_namespace(ns, values, short_tmp) as running:
         running.until(lambda: {DEV_A0, DEV_A1} <= set(running.nics()), "the veth pair published")
         yield running
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 # -- slices follow the links -----------------------------------------------------------------------

@@ -23,9 +23,8 @@ import pytest
 from agentkit import DRIVER, NODE, claim, result, write_claim
 from conftest import need_command, need_root
 from netns import REPO, network_namespace
-from test_agent_netlink import READY_LINE, RunningAgent, flags_of
+from test_agent_netlink import RunningAgent, agent_in_namespace
 
-from agent.config import build_settings
 from agent.host.vfio.pci import current_driver
 
 FUNCTION = "0000:8b:00.0"  # the simulated NIC function whose interface is named up0
@@ -49,7 +48,6 @@ def agent(short_tmp: Path) -> Iterator[RunningAgent]:
         "dev_root": short_tmp / "dev", "offline": short_tmp / "offline", "rescan_interval": 3600,
         "netlink_debounce": 0.2, "log_format": "json", "metrics_address": "",
     }
-    flags = flags_of(values)
     with network_namespace("dra-upl") as ns:
         ns.veth("up0", "wire0")
         ns.veth("c0", "c1")
@@ -57,24 +55,10 @@ def agent(short_tmp: Path) -> Iterator[RunningAgent]:
         ns.ip("link", "set", "up0", "master", "br0")
         ns.ip("link", "set", "br0", "up")
         ns.ip("addr", "add", "10.9.0.2/24", "dev", "br0")
-        log_path = short_tmp / "agent.log"
-        with log_path.open("wb") as log_file:
-            proc = subprocess.Popen(["ip", "netns", "exec", ns.name, sys.executable, "-m", "agent", "run", *flags],
-                                    stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env=dict(os.environ, PYTHONPATH=str(REPO)))
-        running = RunningAgent(ns, build_settings(values), flags, proc, log_path)
-        try:
-            running.until(lambda: READY_LINE in running.log(), "the agent watching netlink")
+        with agent_in_namespace(ns, values, short_tmp) as running:
             running.until(lambda: VARIANT in running.published() and len(running.nics()) == 2,
                           "up0, c0 and the function's passthrough variant published")
             yield running
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
 
 
 def inside(agent: RunningAgent, *args: str) -> subprocess.CompletedProcess[str]:
