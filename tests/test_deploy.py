@@ -426,7 +426,7 @@ OTHER_CLIENT_CALLS = {"request", "log", "exec", "set"}  # not to be used without
 # `agent.kube.raw_call(client, "<client method>", <resource class>, ...)`: a request whose body or answer is
 # not a lightkube model, named by the client method it stands for.
 RAW_CALL = "raw_call"
-# `agent.kube.watch_forever(client, <resource class>, ...)`: a watch, started again when it ends.
+# `agent.kubewatch.watch_forever(client, <resource class>, ...)`: a watch, started again when it ends.
 WATCH_FOREVER = "watch_forever"
 # Helpers that take the resource class from their caller: their own client calls name none, and each call
 # of one is recorded where it is made.
