@@ -135,7 +135,8 @@ def test_claims_gone_from_the_api_are_unprepared_after_the_grace_period(schedule
     new_uid = prepare(scheduled, new)
     eventually(lambda: old_uid not in scheduled.prepared(), "the old claim's garbage collection")
     assert new_uid in scheduled.prepared()
-    assert log_has(scheduled, f"garbage-collected claim {ns.name}/renamed ({old_uid})", f"now has UID {new_uid}")
+    eventually(lambda: log_has(scheduled, f"garbage-collected claim {ns.name}/renamed ({old_uid})",
+                               f"now has UID {new_uid}"), "the collection logged")
 
     # A claim deleted while the agent runs: unprepared once no pod has used it for the grace period. Meanwhile
     # the re-created claim, which no pod uses either (the stand-in kubelet runs none), is looked up, and stays.
@@ -155,7 +156,9 @@ def test_claims_gone_from_the_api_are_unprepared_after_the_grace_period(schedule
     eventually(lambda: uid not in scheduled.prepared(), "the deleted claim's garbage collection")
     assert time.monotonic() - gone_at >= 1.0  # --gc-grace-period=1 (conftest)
     assert new_uid in scheduled.prepared()
-    assert log_has(scheduled, f"garbage-collected claim {ns.name}/deleted ({uid})")
+    # Logged before the record goes, but the agent's log reaches its file when the line is flushed.
+    eventually(lambda: log_has(scheduled, f"garbage-collected claim {ns.name}/deleted ({uid})"),
+               "the collection logged")
     assert scheduled.unprepare(new)[new_uid].get("error", "") == ""
 
 
