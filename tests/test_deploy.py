@@ -180,13 +180,17 @@ def test_default_driver_name_is_the_agents() -> None:
         assert set(class_driver_literals(objs)) == {DRIVER}
 
 
+def edit_once(path: Path, old: str, new: str) -> None:
+    """The one edit a setting takes: `old` stands in `path` exactly once, and becomes `new`."""
+    text = path.read_text()
+    assert text.count(old) == 1, (path, old)
+    path.write_text(text.replace(old, new))
+
+
 def test_driver_name_and_image_are_one_edit_each(tmp_path: Path) -> None:
     tree = tmp_path / "deploy"
     shutil.copytree(DEPLOY, tree)
-    driver_yaml = tree / "base" / "driver.yaml"
-    text = driver_yaml.read_text()
-    assert text.count(f"name: {DRIVER}") == 1
-    driver_yaml.write_text(text.replace(f"name: {DRIVER}", "name: gpus.acme.io"))
+    edit_once(tree / "base" / "driver.yaml", f"name: {DRIVER}", "name: gpus.acme.io")
     kz = tree / "base" / "kustomization.yaml"
     doc = yaml.safe_load(kz.read_text())
     [image] = doc["images"]
@@ -224,10 +228,7 @@ def test_the_gpu_extended_resource_name_is_one_edit_in_the_base_and_one_in_the_m
         tmp_path: Path) -> None:
     tree = tmp_path / "deploy"
     shutil.copytree(DEPLOY, tree)
-    source = tree / "base" / "extended-resources.yaml"
-    text = source.read_text()
-    assert text.count(f"gpu: {BASE_GPU_RESOURCE}") == 1
-    source.write_text(text.replace(f"gpu: {BASE_GPU_RESOURCE}", "gpu: acme.io/accelerator"))
+    edit_once(tree / "base" / "extended-resources.yaml", f"gpu: {BASE_GPU_RESOURCE}", "gpu: acme.io/accelerator")
     for which in kustomizations(tree):
         objs = kustomize(tree / which)
         assert BASE_GPU_RESOURCE not in yaml.safe_dump_all(objs), f"{which}: left after changing the source"
@@ -240,11 +241,8 @@ def test_the_gpu_extended_resource_name_is_one_edit_in_the_base_and_one_in_the_m
             assert "acme.io/accelerator" in keys, which
 
     # The overlay's setting: one edit too, and it moves the gpu class alone (the MIG names are the plugin's).
-    overlay = tree / MIGRATION / "kustomization.yaml"
-    text = overlay.read_text()
-    assert text.count(f"gpu: {DEVICE_PLUGIN_GPU}") == 1
     before = extended_names(kustomize(tree / MIGRATION))
-    overlay.write_text(text.replace(f"gpu: {DEVICE_PLUGIN_GPU}", "gpu: acme.io/gpu"))
+    edit_once(tree / MIGRATION / "kustomization.yaml", f"gpu: {DEVICE_PLUGIN_GPU}", "gpu: acme.io/gpu")
     objs = kustomize(tree / MIGRATION)
     assert extended_names(objs) == {**before, "gpu": "acme.io/gpu"}
     assert tolerated_keys(objs) == [DEVICE_PLUGIN_GPU, "acme.io/gpu"]
