@@ -1,4 +1,4 @@
-"""The agent's watches of the API server (agent/kubewatch.py) against the API emulator over real HTTP: a
+"""The agent's watches of the API server (agent/kube/watch.py) against the API emulator over real HTTP: a
 claim whose opaque parameters nest 1,500 levels deep (3 KB, what the API server 1.37.2 stores and sends) is
 skipped, said once, and the claims after it are delivered by the same watch request; another node's such
 claim is dropped unsaid, before its configuration is decoded; a watch that fails after delivering an event
@@ -24,7 +24,7 @@ from lightkube.resources.resource_v1 import ResourceClaim
 
 from agent.claims.watch import ClaimEvent, ClaimHead, watch_claims
 from agent.kube import Backoff, NodeInfo
-from agent.kubewatch import _flattened
+from agent.kube.watch import _flattened
 from agent.publish.apiserver import ApiPublisher
 
 CLAIMS = "/apis/resource.k8s.io/v1/resourceclaims"

@@ -1,7 +1,7 @@
 """ResourceClaims as they change: a watch of every namespace's claims on the API server, for the claims
 prepared before their pods are bound (`agent.engine.prebind`, with `--binding-conditions`).
 
-The watch (`agent.kubewatch`) starts without a resource version, so the API server first sends every claim it
+The watch (`agent.kube.watch`) starts without a resource version, so the API server first sends every claim it
 holds as ADDED, then each change. It reads each event's head first (`ClaimHead`: the claim's metadata and
 its allocation's driver and pool per result) and hands it to the consumer's filter: the claims of other
 nodes, nearly all of them on a large cluster, are dropped there, their configuration never decoded. A claim
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from agent import kubewatch
 from agent.kube import Backoff
-from agent.kubewatch import EventType
+from agent.kube import watch as kubewatch
+from agent.kube.watch import EventType
 
 if TYPE_CHECKING:  # the API client is imported when the watch starts (a cluster only)
     import lightkube

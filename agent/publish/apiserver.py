@@ -48,11 +48,12 @@ from typing import Any, TypeVar, cast
 import lightkube
 from lightkube.resources.resource_v1 import ResourceSlice
 
-from agent import kube, kubewatch
+from agent import kube
 from agent.computeshare import COMPUTE, COMPUTE_PERCENT
 from agent.config import Settings
 from agent.inventory import gpushare
 from agent.kube import Backoff, NodeInfo
+from agent.kube import watch as kubewatch
 from agent.model import Device
 from agent.publish import dropped, slices
 from agent.publish.directory import DirectoryPublisher

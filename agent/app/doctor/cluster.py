@@ -30,7 +30,7 @@ class Permission:
         return f"{self.verb} {self.resource}{'.' + self.group if self.group else ''}"
 
 
-# Every API call the agent makes: agent/kube.py (the Node), agent/claims/sources.py and watch.py (claims),
+# Every API call the agent makes: agent/kube/__init__.py (the Node), agent/claims/sources.py and watch.py (claims),
 # agent/publish/apiserver.py (slices), agent/health/statussinks.py and statusupdate.py (claim status),
 # agent/health/taintrules.py (`dra-agent taints`), agent/events.py (Events). A permission the agent does not use
 # is not asked for.
