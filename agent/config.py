@@ -25,6 +25,7 @@ from agent.options import default_state_dir
 if TYPE_CHECKING:
     from agent.computeshare import ComputeShares
     from agent.kinds import Kind
+    from agent.names import PluginResources
 
 UNIX_PATH_MAX = 108  # sun_path, including the terminating NUL
 # Device kinds whose claims may skip the kubelet's prepare and unprepare (`--skip-node-operations`): what
@@ -88,7 +89,9 @@ class Settings:
     claim_fetch_concurrency: int = 16
     api_timeout: float = 10.0
     gc_grace_period: float = 600.0
+    device_plugin_resources: str = "nvidia.com/gpu,nvidia.com/mig-*"
     dynamic_mig: bool = True
+    mig_profiles: str = "1g,2g,3g,7g"  # the plainest profile of each common compute size (facts.MigChoice)
     vgpu_types: str = "auto"
     gpu_sharing: bool = False
     gpu_compute_shares: str = "0.1/0.05/1/0.05"
@@ -125,6 +128,12 @@ class Settings:
             raise ConfigError("--claim-fetch-concurrency must be >= 1")
         if not self.gc_grace_period >= 0:  # also NaN
             raise ConfigError(f"--gc-grace-period must be >= 0, not {self.gc_grace_period!r}")
+        from agent.names import PluginResources, ResourceNameError
+
+        try:
+            PluginResources.parse(self.device_plugin_resources)
+        except ResourceNameError as exc:
+            raise ConfigError(str(exc)) from None
         if self.metrics_address:
             parse_address(self.metrics_address)
         if self.probe_address:
@@ -136,7 +145,13 @@ class Settings:
             if longest >= UNIX_PATH_MAX:
                 raise ConfigError(f"--probe-socket {self.probe_socket}: too long for a unix socket (its directory "
                                   f"at most {UNIX_PATH_MAX - 16} bytes, the path at most {UNIX_PATH_MAX - 1})")
+        from agent.facts import MigChoice
         from agent.vgpupolicy import VgpuPolicy
+
+        try:
+            MigChoice.parse(self.mig_profiles)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
         try:
             VgpuPolicy.of(self.vgpu_types, self.compatibility_groups)
@@ -166,6 +181,14 @@ class Settings:
         return ComputeShares.parse(self.gpu_compute_shares)
 
     @functools.cached_property
+    def plugin_resources(self) -> PluginResources:
+        """The extended resource names a device plugin may serve this node's GPUs under
+        (`--device-plugin-resources`, `agent.health.pluginholds`)."""
+        from agent.names import PluginResources
+
+        return PluginResources.parse(self.device_plugin_resources)
+
+    @functools.cached_property
     def binding_kinds(self) -> frozenset[Kind]:
         """The device kinds published with binding conditions (`--binding-conditions`)."""
         from agent.kinds import Kind
@@ -183,7 +206,7 @@ class Settings:
 
     @functools.cached_property
     def pod_resources_socket(self) -> Path:
-        """The kubelet's pod resources service (`agent.kubelet.podresources`): where the kubelet makes it, in
+        """The kubelet's pod resources service (`agent.kube.podresources`): where the kubelet makes it, in
         its root directory."""
         return self.kubelet_dir / "pod-resources" / "kubelet.sock"
 

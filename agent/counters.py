@@ -11,8 +11,9 @@ Counters, named so that later partitioning only adds counters and never renames 
   publishes MIG placements (`agent.inventory.mig`) also has one `memory-slice-<i>` = 1 per memory
   slice, its engines (`multiprocessors`, `copy-engines`, `decoders`, `encoders`, `jpeg-engines`,
   `ofa-engines`, those it has), and `instances-<profile>` for a profile NVML allows fewer instances of
-  than it has placements (`1g.10gb+me`: one). A MIG device takes its memory, engines, the slices its
-  placement covers and one instance; the full GPU and its variant still take all of the set.
+  than it has placements (`1g.10gb+me`: one); the engines only where they bind. A MIG device takes its
+  memory, engines, the slices its placement covers and one instance; the full GPU, its variant and its
+  shared form take `gpu` and all of `memory` (`whole_gpu`), which every partial form takes some of.
 - NIC function, set `nic-<bus id>-counters`: `ports` = the network ports of the function (1 for a
   VF). Each native port device takes 1, the passthrough variant all of them, so two ports of one
   function still go to two claims, and a function passed through takes both.
@@ -28,7 +29,7 @@ groups. `with_compatibility_groups` marks, by kind, MIG placements `mig` and vGP
 `vgpu-<type id>` (one group per type), so the scheduler never mixes the two on one GPU, nor two vGPU
 types (the driver refuses both mixes; the counters alone would let a small vGPU sit beside a small MIG
 instance, or a small vGPU of one type beside one of another). The full GPU,
-its passthrough variant and its shared form (`gpushare`) get no group: each takes the whole set, so
+its passthrough variant and its shared form (`gpushare`) get no group: each takes the whole GPU, so
 the counters already keep everything else off the GPU while one of them is allocated, and "no group"
 says the same a second time (never co-allocatable with a grouped device). The slice builder applies
 it only when the cluster has the gate on: with the gate off the API server drops the field and the
@@ -96,6 +97,17 @@ def gpu_counter_set(bus_id: str, memory: int | None) -> CounterSet:
     if memory is not None and memory > 0:
         counters[MEMORY_COUNTER] = quantity.binary(memory)
     return CounterSet(gpu_counter_set_name(bus_id), counters)
+
+
+def whole_gpu(counter_set: CounterSet) -> CounterConsumption:
+    """What a form that takes the whole GPU (the GPU itself, its passthrough variant, its shared form)
+    consumes from the GPU's set: `gpu` and all of `memory`, not the counters MIG adds. Every partial form
+    (a MIG placement, a vGPU) takes some of `memory`, so that keeps them off a GPU a whole form holds, and
+    `gpu` keeps the whole forms apart. Taking every counter of the set would say the same with 14 more on
+    an H100, each converted and checked by the scheduler for every pod (docs/benchmarks.md, "The
+    scheduler")."""
+    return CounterConsumption(counter_set, {k: v for k, v in counter_set.counters.items()
+                                            if k in (GPU_COUNTER, MEMORY_COUNTER)})
 
 
 def memory_slice(index: int) -> str:

@@ -18,7 +18,10 @@ fact.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from agent.kinds import Kind
 
@@ -41,6 +44,65 @@ class MigPlacement:
     profile: str  # 1g.10gb
     start: int  # the first memory slice
     size: int  # memory slices
+
+
+class MigProfileShape(Protocol):
+    """What `MigChoice.pick` reads of a MIG profile (`agent.inventory.mig.MigProfile`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def compute_slices(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def memory(self) -> int: ...
+
+
+_P = TypeVar("_P", bound=MigProfileShape)
+
+
+@dataclass(frozen=True, slots=True)
+class MigChoice:
+    """Which MIG profiles have their placements published (`--mig-profiles`): `all`, or a comma list of
+    profile names (`1g.10gb+me`) and compute sizes (`3g`: the GPU's plainest profile of 3 compute slices,
+    the one without media extensions and with the fewest memory slices: 3g.40gb on an H100, 3g.20gb on an
+    A100 40GB). A GPU offering none of them gets no MIG devices."""
+
+    names: frozenset[str] = frozenset()
+    sizes: frozenset[int] = frozenset()
+    every: bool = False
+
+    @classmethod
+    def parse(cls, setting: str) -> MigChoice:
+        words = [w.strip() for w in setting.split(",") if w.strip()]
+        if words == ["all"]:
+            return cls(every=True)
+        if not words or "all" in words:
+            raise ValueError(f"--mig-profiles {setting!r}: all (alone), or a comma list of profile names "
+                             "(1g.10gb) and compute sizes (1g); --dynamic-mig=false publishes none")
+        sizes = {int(w[:-1]) for w in words if _SIZE.fullmatch(w)}
+        names = {w for w in words if not _SIZE.fullmatch(w)}
+        if bad := sorted(n for n in names if not _PROFILE.fullmatch(n)):
+            raise ValueError(f"--mig-profiles {setting!r}: {', '.join(bad)} is neither a MIG profile name "
+                             "(1g.10gb, 1g.10gb+me) nor a compute size (1g)")
+        return cls(frozenset(names), frozenset(sizes))
+
+    def pick(self, profiles: Sequence[_P]) -> tuple[_P, ...]:
+        """The profiles chosen among a GPU's (`agent.inventory.mig.MigProfile`), in their order."""
+        if self.every:
+            return tuple(profiles)
+        plainest: dict[int, _P] = {}
+        for p in profiles:
+            known = plainest.get(p.compute_slices)
+            if "+" not in p.name and (known is None or (p.size, p.memory) < (known.size, known.memory)):
+                plainest[p.compute_slices] = p
+        return tuple(p for p in profiles if p.name in self.names
+                     or (p.compute_slices in self.sizes and plainest.get(p.compute_slices) is p))
+
+
+_SIZE = re.compile(r"[1-9][0-9]?g")
+_PROFILE = re.compile(r"[1-9][0-9]?g\.[0-9]+gb(\+[a-z0-9]+)*")
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,3 +85,47 @@ def check_device_name(device: str) -> None:
     """A device name as published (`gpu-3`, `nic-...`): a DNS label."""
     if errs := dns_label_errors(device):
         raise InvalidName(f"device name {_show(device)} {errs[-1]}")
+
+
+# An extended resource name: a domain-prefixed name (RFC 1123 subdomain, `/`, a qualified name's name part).
+_EXTENDED_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_EXTENDED_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]*$")
+
+
+class ResourceNameError(ValueError):
+    """A `--device-plugin-resources` entry that is not an extended resource name or a prefix of one."""
+
+
+@dataclass(frozen=True, slots=True)
+class PluginResources:
+    """The extended resource names a device plugin serves GPUs under: exact names, and prefixes (`nvidia.com/mig-*`:
+    the MIG names of the NVIDIA device plugin's mixed strategy, one per profile)."""
+
+    exact: frozenset[str] = frozenset()
+    prefixes: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> PluginResources:
+        exact: set[str] = set()
+        prefixes: list[str] = []
+        for entry in (e.strip() for e in text.split(",")):
+            if not entry:
+                continue
+            if entry.endswith("*") and _EXTENDED_PREFIX.match(entry[:-1]):
+                prefixes.append(entry[:-1])
+            elif _EXTENDED_NAME.match(entry) and len(entry) <= 253:
+                exact.add(entry)
+            else:
+                raise ResourceNameError(
+                    f"--device-plugin-resources: {entry!r} is not an extended resource name (nvidia.com/gpu) or a "
+                    "prefix of one ending in * (nvidia.com/mig-*)")
+        return cls(frozenset(exact), tuple(prefixes))
+
+    def __bool__(self) -> bool:
+        return bool(self.exact or self.prefixes)
+
+    def matches(self, name: str) -> bool:
+        return name in self.exact or any(name.startswith(p) for p in self.prefixes)
+
+    def __str__(self) -> str:
+        return ",".join([*sorted(self.exact), *(f"{p}*" for p in self.prefixes)])

@@ -103,9 +103,21 @@ OPTIONS: tuple[Option, ...] = (
            "(deleted, or re-created with another UID), unprepared here; checked at start and then once a grace "
            "period",
            kind=float, metavar="SECONDS"),
+    Option("device_plugin_resources", "--device-plugin-resources", "DRA_DEVICE_PLUGIN_RESOURCES",
+           "nvidia.com/gpu,nvidia.com/mig-*",
+           "comma list of the extended resource names (a trailing * for a prefix) a device plugin may serve this "
+           "node's GPUs under: while one serves them, and while its pods hold GPUs, those GPUs are published with "
+           "a NoSchedule taint <driver>/device-plugin so no claim gets a GPU a device plugin gives out; empty: "
+           "no device plugin is looked for (docs/migration.md)", metavar="NAMES", empty=True),
     Option("dynamic_mig", "--dynamic-mig", "DRA_DYNAMIC_MIG", True,
-           "publish every MIG placement of MIG-capable GPUs as a device on the GPU's counter set; prepare "
+           "publish every MIG placement of the profiles --mig-profiles names on MIG-capable GPUs as a device on "
+           "the GPU's counter set; prepare "
            "creates the GPU and compute instance (true/false)", kind=bool, metavar="BOOL"),
+    Option("mig_profiles", "--mig-profiles", "DRA_MIG_PROFILES", "1g,2g,3g,7g",
+           "the MIG profiles whose placements --dynamic-mig publishes: all, or a comma list of profile names "
+           "(1g.10gb, 1g.10gb+me) and compute sizes (3g: the GPU's profile of 3 compute slices without media "
+           "extensions and with the least memory, 3g.40gb on an H100); every placement is a device the "
+           "scheduler reads for every pod (docs/benchmarks.md)", metavar="PROFILES"),
     Option("vgpu_types", "--vgpu-types", "DRA_VGPU_TYPES", "auto",
            "vGPU (mediated device) types to publish where a GPU's host driver offers them, one device per "
            "instance: auto (every type with --compatibility-groups, none without), none, or a comma list of "

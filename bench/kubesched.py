@@ -88,10 +88,12 @@ class Inventory:
     what: str
     settings: Mapping[str, Any]  # the agent's settings over the bench's (simulated dgx-h100)
     plain: bool = False  # the GPUs alone: whole devices, no counters, one slice
-    # A what-if, not what the agent renders (--what-if): the same devices, whole devices first and the
-    # MIG placements after, in slices whose names sort in that order (the allocator orders a pool's
-    # slices by name and takes the first free matching device).
-    ordered: bool = False
+    # What-ifs, not what the agent renders (--what-if): `lean`, the MIG placements with only the attributes
+    # and capacity a MIG request selects by (what each attribute a placement carries costs); `by_gpu`, the
+    # devices of no GPU first, then each GPU's forms together (whole, passthrough, shared, its placements),
+    # in slices named in that order (what the walk to the first free device costs each kind).
+    lean: bool = False
+    by_gpu: bool = False
 
 
 INVENTORIES = (
@@ -100,10 +102,18 @@ INVENTORIES = (
     Inventory("default", "the agent's defaults: dynamic MIG, passthrough forms", {}),
     Inventory("rich", "--gpu-sharing=true over the defaults: dynamic MIG + sharing + passthrough",
               {"gpu_sharing": True}),
+    Inventory("all", "--mig-profiles=all over rich: every placement of every MIG profile",
+              {"gpu_sharing": True, "mig_profiles": "all"}),
 )
 RICHEST = "rich"
-WHAT_IF = (Inventory("rich-ordered", "what-if: the rich inventory, whole devices first, slices named in order",
-                     {"gpu_sharing": True}, ordered=True),)
+WHAT_IF = (Inventory("rich-lean", "what-if: the rich inventory, its MIG placements with only type, profile, "
+                     "parentUUID and memory", {"gpu_sharing": True}, lean=True),
+           Inventory("rich-by-gpu", "what-if: the rich inventory, the devices of no GPU first, then GPU by GPU",
+                     {"gpu_sharing": True}, by_gpu=True))
+GPU_FORMS = {"gpu": 0, "vfio": 1, "shared": 2, "mig": 3}  # a GPU's forms in the by_gpu what-if, in its order
+# What the lean what-if keeps of a MIG placement.
+LEAN_ATTRIBUTES = ("type", "profile", "parentUUID")
+LEAN_CAPACITY = ("memory",)
 
 
 @dataclass(frozen=True)
@@ -211,8 +221,10 @@ def render(inventory: Inventory, nodes: Mapping[str, str], work: Path) -> dict[s
                                         layout=dropped.layout(settings, node))
         if inventory.plain:
             out[name] = [plain(out[name])]
-        elif inventory.ordered:
-            out[name] = ordered(out[name], name)
+        elif inventory.lean:
+            out[name] = [lean(s) for s in out[name]]
+        elif inventory.by_gpu:
+            out[name] = by_gpu(out[name], name)
     return out
 
 
@@ -228,24 +240,44 @@ def plain(rendered: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {**first, "spec": spec}
 
 
-def ordered(rendered: Sequence[Mapping[str, Any]], node: str) -> list[dict[str, Any]]:
-    """The what-if: the same slices' devices, those not MIG placements first (in the agent's order), cut
-    into slices of the same sizes, each named `<driver>-<node>-<index>` so that the allocator's order
-    by name is this one; the counter slices after them."""
-    devices = [d for s in rendered for d in s["spec"].get("devices") or []]
-    devices.sort(key=lambda d: (d.get("attributes") or {}).get("type", {}).get("string") == "mig")
-    sizes = [len(s["spec"]["devices"]) for s in rendered if s["spec"].get("devices")]
+def lean(rendered: Mapping[str, Any]) -> dict[str, Any]:
+    """The slice with its MIG placements' attributes and capacity cut to LEAN_ATTRIBUTES and LEAN_CAPACITY."""
+    def cut(d: Mapping[str, Any]) -> dict[str, Any]:
+        if (d.get("attributes") or {}).get("type", {}).get("string") != "mig":
+            return dict(d)
+        return {**d, "attributes": {k: v for k, v in d["attributes"].items() if k in LEAN_ATTRIBUTES},
+                "capacity": {k: v for k, v in (d.get("capacity") or {}).items() if k in LEAN_CAPACITY}}
+
+    devices = rendered["spec"].get("devices")
+    if not devices:
+        return dict(rendered)
+    return {**rendered, "spec": {**rendered["spec"], "devices": [cut(d) for d in devices]}}
+
+
+def by_gpu(rendered: Sequence[Mapping[str, Any]], node: str) -> list[dict[str, Any]]:
+    """The by_gpu what-if: the counter slices as they are, then the devices of no GPU (in the agent's order),
+    then each GPU's forms (by bus ID; whole, passthrough, shared, placements), cut into slices of at most 64,
+    named `<driver>-<node>-<NN>-w` so that the allocator's order by name is this one."""
+    def key(item: tuple[int, Mapping[str, Any]]) -> tuple[int, str, int, int]:
+        i, d = item
+        attrs = d.get("attributes") or {}
+        kind = attrs.get("type", {}).get("string", "")
+        gpu = kind in GPU_FORMS and (kind != "vfio" or attrs.get("nativeType", {}).get("string") == "gpu")
+        if not gpu:
+            return 0, "", 0, i
+        bus = attrs.get("resource.kubernetes.io/pciBusID", {}).get("string", "")
+        return 1, bus, GPU_FORMS[kind], i
+
     counters = [s for s in rendered if not s["spec"].get("devices")]
-    out: list[dict[str, Any]] = []
-    start = 0
-    for i, size in enumerate(sizes):
-        spec = {**rendered[0]["spec"], "devices": devices[start:start + size]}
-        spec.pop("sharedCounters", None)
-        out.append({**rendered[0], "metadata": named(rendered[0], f"{DRIVER}-{node}-{i:02d}"), "spec": spec})
-        start += size
-    for j, c in enumerate(counters):
-        out.append({**c, "metadata": named(c, f"{DRIVER}-{node}-z{j:02d}")})
-    return out
+    devices = [d for _, d in sorted(enumerate(d for s in rendered for d in s["spec"].get("devices") or []), key=key)]
+    first = next(s for s in rendered if s["spec"].get("devices"))
+    chunks = [devices[i:i + 64] for i in range(0, len(devices), 64)]
+    out = [{**c, "metadata": named(c, f"{DRIVER}-{node}-{i:02d}-w")} for i, c in enumerate(counters)]
+    for j, chunk in enumerate(chunks):
+        spec = {**first["spec"], "devices": chunk}
+        out.append({**first, "metadata": named(first, f"{DRIVER}-{node}-{len(counters) + j:02d}-w"), "spec": spec})
+    count = len(out)
+    return [{**s, "spec": {**s["spec"], "pool": {**s["spec"]["pool"], "resourceSliceCount": count}}} for s in out]
 
 
 def named(rendered: Mapping[str, Any], name: str) -> dict[str, Any]:

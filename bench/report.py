@@ -8,7 +8,7 @@ from typing import Any
 # The request kinds and inventories of bench/kubesched.py, in its order (repeated here: the report reads
 # results files without importing the bench).
 SCHED_KINDS = ("gpu", "mig", "share", "compute", "passthrough", "nic", "cpu")
-SCHED_INVENTORIES = ("plain", "least", "default", "rich", "rich-ordered")  # the last a what-if (--sched-what-if)
+SCHED_INVENTORIES = ("plain", "least", "default", "rich", "all", "rich-lean", "rich-by-gpu")  # the last two what-ifs
 
 # key -> (comparison, bound): what the project aims for; printed beside the figure, not enforced.
 # Reported, no longer targets (they measured the interpreter against Go, and chasing them brought

@@ -56,7 +56,7 @@ def scan(tmp_path: Path, profile: str = "dgx-h100", *, sharing: bool = True, nod
 
 # -- the published form -----------------------------------------------------------------------------
 
-def test_each_gpu_has_a_shared_form_taking_its_whole_counter_set(tmp_path: Path) -> None:
+def test_each_gpu_has_a_shared_form_taking_the_whole_gpu(tmp_path: Path) -> None:
     devices = scan(tmp_path)
     gpus = sorted(n for n, d in devices.items() if d.kind == "gpu")
     shares = sorted(n for n, d in devices.items() if d.kind == Kind.GPUSHARE)
@@ -64,7 +64,11 @@ def test_each_gpu_has_a_shared_form_taking_its_whole_counter_set(tmp_path: Path)
     gpu, share = devices["gpu-0"], devices["gpu-0-shared"]
     assert share.allow_multiple_allocations and not gpu.allow_multiple_allocations
     assert share.attributes == {**gpu.attributes, "type": "shared"}
-    assert share.consumes_counters == gpu.consumes_counters  # all of the set, MIG counters included
+    # What the whole GPU takes: `gpu` and all of `memory`, which every MIG placement takes some of.
+    assert share.consumes_counters == gpu.consumes_counters
+    [use] = share.consumes_counters
+    assert use.counters == {"gpu": "1", "memory": use.counter_set.counters["memory"]}
+    assert any(k.startswith("memory-slice-") for k in use.counter_set.counters)  # the set has MIG's counters
     memory = quantity.parse_int(gpu.capacity["memory"].value)
     cap = share.capacity["memory"]
     assert cap.value == gpu.capacity["memory"].value

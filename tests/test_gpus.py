@@ -74,8 +74,8 @@ def test_dgx_h100_publishes_every_fact(dgx: GpuSource, tmp_path: Path) -> None:
     assert result.failed_devices == [] and result.problems == []
     assert [d.name for d in gpus(result)] == [f"gpu-{i}" for i in range(8)]
     # Besides them, one passthrough variant per GPU (tests/test_passthrough_slices.py checks them) and
-    # 25 MIG placements per GPU (tests/test_mig.py checks them).
-    assert sum(d.kind == "mig" for d in result.devices) == 8 * 25
+    # 13 MIG placements per GPU, of the profiles --mig-profiles names by default (tests/test_mig.py checks them).
+    assert sum(d.kind == "mig" for d in result.devices) == 8 * 13
     assert sorted(d.name for d in result.devices if d not in gpus(result) and d.kind != "mig") == sorted(
         f"gpu-{bus.replace(':', '-').replace('.', '-')}-vfio" for bus in DGX_LAYOUT)
     sim_root = tmp_path / "state" / "nvml-sim"

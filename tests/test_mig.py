@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from mig_facts import GPUS
 
 from agent import apirules, counters, quantity
-from agent.config import NvmlMode, Settings
+from agent.config import ConfigError, NvmlMode, Settings
 from agent.facts import GpuFacts, MigPlacement
 from agent.inventory import mig
 from agent.inventory.gpus import GpuSource
@@ -71,9 +71,12 @@ def code(call: Any, *args: Any) -> int:
     return int(err.value.value)
 
 
-def scan(tmp_path: Path, profile: str, dynamic_mig: bool | None = True) -> list[Device]:
-    source = GpuSource(Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=tmp_path / "state"),
-                       dynamic_mig=dynamic_mig, opener=open_sim_nvml)
+def scan(tmp_path: Path, profile: str, dynamic_mig: bool | None = True, mig_profiles: str = "all") -> list[Device]:
+    """The GPUs' devices as discovery gives them; every profile's placements unless `mig_profiles` says
+    otherwise (the counter model is proved on all of them: a choice publishes a subset of them)."""
+    settings = Settings(node_name=NODE, nvml=NvmlMode("sim", profile), state_dir=tmp_path / "state",
+                        mig_profiles=mig_profiles)
+    source = GpuSource(settings, dynamic_mig=dynamic_mig, opener=open_sim_nvml)
     source.open()
     try:
         return source.scan().devices
@@ -214,10 +217,13 @@ def test_every_placement_is_published_within_the_api_limits(tmp_path: Path, prof
     [use] = me.consumes_counters
     assert use.counter_set == whole and use.counters["memory-slice-3"] == "1"
     assert not any(k.startswith("memory-slice-") and k != "memory-slice-3" for k in use.counters)
-    # The full GPU and its variant take the whole set.
+    # The full GPU and its variant take the whole GPU: `gpu` and all of `memory`, which every placement
+    # takes some of (not the memory slices, engines and instances the placements share out).
     variant = next(d for d in devices if d.kind == "vfio" and d.attributes[
         "resource.kubernetes.io/pciBusID"] == parent.attributes["resource.kubernetes.io/pciBusID"])
-    assert parent.consumes_counters[0].counters == variant.consumes_counters[0].counters == whole.counters
+    assert parent.consumes_counters[0].counters == variant.consumes_counters[0].counters == {
+        "gpu": "1", "memory": whole.counters["memory"]}
+    assert all(quantity.parse_int(d.consumes_counters[0].counters["memory"]) > 0 for d in migs)
     assert all(len(n) <= 63 and not apirules.dns_label_errors(n) for n in published)
     assert me.node == GpuFacts(parent.node.gpu, MigPlacement("1g.10gb+me", 3, 1))
     assert me.node.gpu.uuid == parent.attributes["uuid"]
@@ -331,6 +337,69 @@ def test_every_full_packing_the_counters_allow_nvidia_allows(forms, data: st.Dat
     assert facts_allow(model, chosen)
     leftovers = [d for d in forms[model] if d not in chosen]
     assert all(not fits([*chosen, d]) and not facts_allow(model, [*chosen, d]) for d in leftovers)
+
+
+# -- which profiles are published (--mig-profiles) ---------------------------------------------------------
+
+def test_the_default_publishes_the_plainest_profile_of_the_common_sizes(tmp_path: Path) -> None:
+    # What a cluster asks for most (1, 2, 3 and 7 compute slices, no media extensions): 13 placements an
+    # H100 instead of 25, each a device the scheduler reads for every pod.
+    devices = scan(tmp_path, "dgx-h100", mig_profiles=Settings(node_name=NODE).mig_profiles)
+    migs = [d for d in devices if d.kind == "mig"]
+    assert {d.attributes["profile"] for d in migs} == {"1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb"}
+    assert len(migs) == 8 * 13 and len([d for d in migs if d.name.startswith("gpu-0-")]) == 13
+    assert len(valid_pool(devices)) == 1 + 2  # a counter slice, then 120 devices in two
+
+
+@pytest.mark.parametrize(("model", "setting", "wanted"), [
+    ("a100-40gb", "1g,2g,3g,7g", {"1g.5gb", "2g.10gb", "3g.20gb", "7g.40gb"}),
+    ("a30-24gb", "1g,2g,3g,7g", {"1g.6gb", "2g.12gb"}),
+    ("a30-24gb", "1g.6gb+me,4g", {"1g.6gb+me", "4g.24gb"}),
+    ("h100-80gb", "1g.20gb,1g", {"1g.20gb", "1g.10gb"}),
+    ("h100-80gb", "all", {"1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"}),
+])
+def test_an_operator_chooses_the_profiles_by_name_or_compute_size(tmp_path: Path, model: str, setting: str,
+                                                                    wanted: set[str]) -> None:
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(machine(model)))
+    devices = scan(tmp_path, str(path), mig_profiles=setting)
+    migs = [d for d in devices if d.kind == "mig"]
+    assert {d.attributes["profile"] for d in migs} == wanted
+    assert sorted(where(d) for d in migs) == sorted((p.name, s) for p in GPUS[model].profiles if p.name in wanted
+                                                    for s in p.starts)
+
+
+def test_a_gpu_offering_none_of_the_chosen_profiles_is_published_without_mig_counters(tmp_path: Path) -> None:
+    devices = scan(tmp_path, "dgx-h100", mig_profiles="1g.5gb")
+    assert [d for d in devices if d.kind == "mig"] == []
+    assert all(set(d.consumes_counters[0].counter_set.counters) == {"gpu", "memory"} for d in devices)
+
+
+@pytest.mark.parametrize("setting", ["", "all,1g", "1g,bogus", "1g.10"])
+def test_a_bad_choice_stops_the_start(setting: str) -> None:
+    with pytest.raises(ConfigError, match="--mig-profiles"):
+        Settings(node_name=NODE, mig_profiles=setting)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_any_choice_of_profiles_fits_the_counters_exactly_when_nvidia_allows_it(tmp_path_factory, data) -> None:
+    # A choice may leave an engine counter without a set that needs it (it is left out then), or keep one
+    # that binds (an A30's two media profiles): either way the counters allow exactly what NVIDIA allows.
+    model = data.draw(st.sampled_from(MODELS))
+    names = data.draw(st.lists(st.sampled_from([p.name for p in GPUS[model].profiles]), min_size=1, unique=True))
+    root = tmp_path_factory.mktemp("choice")
+    path = root / "one.json"
+    path.write_text(json.dumps(machine(model)))
+    devices = scan(root, str(path), mig_profiles=",".join(names))
+    assert {str(d.attributes["profile"]) for d in devices if d.kind == "mig"} == set(names)
+    for a in devices:
+        for b in devices:
+            if a is not b:
+                assert fits([a, b]) == facts_allow(model, [a, b]), (a.name, b.name)
+    for _ in range(5):
+        picked = data.draw(st.lists(st.sampled_from(devices), min_size=1, max_size=8, unique_by=lambda d: d.name))
+        assert fits(picked) == facts_allow(model, picked)
 
 
 # -- the simulated NVML creates what NVIDIA allows ----------------------------------------------------------

@@ -15,7 +15,8 @@ leaves the GPU shareable (say how much you need); the maximum rounded down becau
 be a multiple of step (81559Mi on an H100 -> 79Gi).
 A GPU with less than 2Gi gets no shared form (the API wants min + step within the capacity).
 
-The shared form consumes the GPU's whole counter set, like the full GPU and its passthrough variant.
+The shared form takes the whole GPU from its counter set (`counters.whole_gpu`), like the full GPU and its
+passthrough variant.
 With allowMultipleAllocations the scheduler charges a device's counters once, when its first allocation
 is made, and skips the counter check for further allocations of the same device (kubernetes/kubernetes
 #134100, fixed by #134103): so the first share takes the GPU away from the full device,
@@ -51,7 +52,7 @@ from agent.computeshare import COMPUTE, COMPUTE_PERCENT, ComputeShares
 from agent.facts import GpuFacts, GpuShare
 from agent.inventory.published import form_attributes
 from agent.kinds import Kind
-from agent.model import Capacity, CounterConsumption, Device
+from agent.model import Capacity, Device
 
 SHARE_SUFFIX = "-shared"
 SHARE_GRAIN = 1 << 30  # 1Gi: the request policy's min, step and default
@@ -103,8 +104,8 @@ def shared_form(gpu: Device, compute: ComputeShares | None = None) -> Device | N
         allow_multiple_allocations=True,
         node=facts,
         device_nodes=gpu.device_nodes,
-        # The whole set, as it is now: nothing may extend the set after this (see GpuExtras).
-        consumes_counters=tuple(CounterConsumption.all_of(c.counter_set) for c in gpu.consumes_counters))
+        # The whole GPU, of its set as it is now: nothing may extend the set after this (see GpuExtras).
+        consumes_counters=tuple(counters.whole_gpu(c.counter_set) for c in gpu.consumes_counters))
 
 
 def compute_capacity(compute: ComputeShares | None) -> dict[str, Capacity]:

@@ -19,7 +19,8 @@ The counter model (the GPU's set, `agent.counters`; nothing is added to it): eac
 consumes `memory` = the set's memory divided by the type's instance limit (rounded down to MiB), so
 
 - at most the limit of one type fit together (and its devices are only that many anyway);
-- the whole GPU and its passthrough variant, which consume all of the set, never go with a vGPU.
+- the whole GPU, its passthrough variant and its shared form, which take all of `memory`
+  (`counters.whole_gpu`), never go with a vGPU.
 
 What counters cannot say: "one type per GPU at a time" (NVIDIA's time-sliced vGPU), nor "no MIG
 with vGPU". Counters are sums, and any two kinds of device of which two or more fit alone also fit

@@ -75,15 +75,18 @@ MAX_PARTITION_TYPES = 32
 
 # The order of the pool's devices, by kind. The scheduler's allocator walks a pool's slices by name and
 # each slice's devices in order, evaluating the class's selectors on every device until one matches and is
-# free, for every pod and every node: a device's place is what every request for a form after it pays.
-# So the forms asked for most, each a single device whose selector is decided by its `type`, come first:
-# whole GPUs, their passthrough variants (and NICs'), shares of a GPU; then NICs, CPUs and memory (a
-# handful per node); then the partitions, vGPUs and MIG placements last: they are the many (25 dynamic
-# MIG placements per GPU). A MIG request then walks past the few dozen devices in front of them, where a
-# request for any other form behind them walked past every placement (docs/benchmarks.md, "The scheduler").
-# Every kind must be named here (tests/test_slice_order.py): a new kind has its place decided, not left
-# at the end by default.
-KIND_ORDER: tuple[Kind, ...] = (Kind.GPU, Kind.VFIO, Kind.GPUSHARE, Kind.NIC, Kind.CPU, Kind.MEMORY,
+# free, for every pod and every node: a device's place is what every request for a form after it pays,
+# and each device walked past costs by its size (attributes, capacities, counters: the device is
+# converted for every selector evaluated on it). So CPUs and memory come first: one or two a NUMA node,
+# a handful of attributes each, no counters, so a request for any other form pays little for them,
+# where a CPU request behind the GPU forms paid for every one of them. Then the forms asked for most,
+# each a single device whose selector is decided by its `type`: whole GPUs, their passthrough variants
+# (and NICs'), shares of a GPU; then NICs; then the partitions, vGPUs and MIG placements last: they are
+# the many (13 dynamic MIG placements per GPU by default). A MIG request then walks past the few dozen
+# devices in front of them, where a request for any other form behind them walked past every placement
+# (docs/benchmarks.md, "The scheduler"). Every kind must be named here (tests/test_slice_order.py): a new
+# kind has its place decided, not left at the end by default.
+KIND_ORDER: tuple[Kind, ...] = (Kind.CPU, Kind.MEMORY, Kind.GPU, Kind.VFIO, Kind.GPUSHARE, Kind.NIC,
                                 Kind.VGPU, Kind.MIG)
 _RANK = {kind: i for i, kind in enumerate(KIND_ORDER)}
 
