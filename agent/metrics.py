@@ -62,6 +62,7 @@ class AgentState:
     publish_up_to_date: bool = False
     publish_failures: int = 0  # in a row
     taints: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (cause kind, effect) -> devices
+    nvml_up: bool | None = None  # whether NVML answers the GPU probe (None: no NVML on this node)
 
 
 # gRPC status codes as Go spells them (codes.Code.String()), the values of `grpc_code` wherever it is scraped.
@@ -115,10 +116,15 @@ def _state_families(s: AgentState | None) -> list[Metric]:
     failing = GaugeMetricFamily(PREFIX + "discovery_source_failing", "1 while a discovery source's scans "
                                 "fail (its last good devices stay published)", labels=["kind"])
     taints = GaugeMetricFamily(PREFIX + "device_taints", "Device taints the agent publishes now, by cause "
-                               "(xid, gpu-lost, link-down) and effect (None, NoSchedule, NoExecute)",
-                               labels=["cause", "effect"])
-    out: list[Metric] = [devices, failing, taints]
+                               "(xid, gpu-lost, link-down, undo-failed, nvml-lost) and effect (None, NoSchedule, "
+                               "NoExecute)", labels=["cause", "effect"])
+    nvml = GaugeMetricFamily(PREFIX + "nvml_up", "1 while NVML answers the agent's GPU probe, 0 while it is lost "
+                             "(the NVIDIA driver unloaded: the GPUs are tainted nvml-lost); no sample on a node "
+                             "without NVML")
+    out: list[Metric] = [devices, failing, taints, nvml]
     if s is not None:
+        if s.nvml_up is not None:
+            nvml.add_metric([], 1 if s.nvml_up else 0)
         for (cause, effect), n in sorted(s.taints.items()):
             taints.add_metric([cause, effect], n)
         for kind in sorted({kind for kind, _ in s.devices}):
@@ -171,6 +177,9 @@ class Metrics:
         self.last_publish = Gauge(
             PREFIX + "publish_last_success_timestamp_seconds", "When the slices were last found or made up "
             "to date (unix time)", registry=r)
+        self.device_plugin_held = Gauge(
+            PREFIX + "device_plugin_held_gpus", "GPUs published with the device-plugin taint now: a device plugin "
+            "serves them here, or a pod it gave one to still runs (docs/migration.md)", registry=r)
         for result in ("success", "failure"):
             self.publish_syncs.labels(result)
         for action in SLICE_ACTIONS:

@@ -97,6 +97,8 @@ def test_docs_state_the_default_policy() -> None:
             assert effect == p.link_down.effect
         elif "left undone" in cause:
             assert effect == p.undo_failed.effect
+        elif "NVML lost" in cause:
+            assert effect == p.nvml_lost.effect
         else:
             raise AssertionError(f"docs/health.md's taint table has a row this test does not know: {cause}")
     assert documented == set(p.xid)  # every XID with a rule of its own is in the table
@@ -430,3 +432,33 @@ def test_a_clear_request_names_a_device() -> None:
 
     with pytest.raises(InvalidName):
         submit_clear(roots(Path("/nonexistent")), "../gpu-0")
+
+
+def test_nvml_lost_taints_every_gpu_until_it_answers_and_its_xids_wait_for_the_gpus_answer(
+        clock: Clock, tmp_path: Path) -> None:
+    c = conditions(clock, tmp_path)
+    c.xid("gpu-1", 48, "gpu-reset")
+    c.xid("gpu-2", 48, "gpu-reset")
+    assert c.nvml_lost(["gpu-0", "gpu-1"], "Driver Not Loaded")
+    assert not c.nvml_lost(["gpu-0", "gpu-1"], "Driver Not Loaded")  # one cause per GPU, as long as it lasts
+    assert wire(c, "gpu-0") == [{"key": f"{DRIVER}/nvml-lost", "effect": "NoSchedule",
+                                 "timeAdded": "2027-01-15T08:00:00Z"}]
+    healthy, message = c.health("gpu-0") or (True, "")
+    assert not healthy and message.startswith("NVML lost since 2027-01-15T08:00:00Z: Driver Not Loaded")
+    assert c.readiness("gpu-0").reason == "NvmlLost" and not c.readiness("gpu-0").ready
+    assert c.taint_counts()[("nvml-lost", "NoSchedule")] == 2
+    assert [x.kind for x in read_saved(tmp_path)[0] if x.device == "gpu-0"] == ["nvml-lost"]  # `dra-agent taints`
+
+    assert c.nvml_back()
+    assert c.taints("gpu-0") == [] and [t.key for t in c.taints("gpu-1")] == [f"{DRIVER}/xid"]
+    # A new session: the driver's load reset the GPUs. Each XID goes at its GPU's answer that says so.
+    assert c.baseline("gpu-1", "GPU-1", NONE)
+    assert c.taints("gpu-1") == []
+    assert not c.baseline("gpu-2", "GPU-2", "gpu-reset")  # still needs its reset
+    assert [t.key for t in c.taints("gpu-2")] == [f"{DRIVER}/xid"]
+
+
+def test_the_policy_may_change_or_ignore_nvml_lost(clock: Clock) -> None:
+    assert parse_policy({"nvmlLost": {"effect": "NoExecute"}}).nvml_lost.effect == "NoExecute"
+    c = conditions(clock, policy=parse_policy({"nvmlLost": {"effect": "ignore"}}))
+    assert not c.nvml_lost(["gpu-0"], "Driver Not Loaded") and c.taints("gpu-0") == []

@@ -447,6 +447,57 @@ def test_real_pynvml_through_the_standin_library(short_tmp: Path, build: str) ->
     assert out["stopped"]
 
 
+DRIVER_RELOAD_SCRIPT = textwrap.dedent("""
+    import json, os, sys, pathlib, pynvml
+    from agent.inventory.gpu_events import GpuEventWatcher
+    control = pathlib.Path(sys.argv[1])
+
+    def say(*lines):  # the control file, replaced at once: the library reads it on every call
+        control.with_suffix(".tmp").write_text("".join(line + "\\n" for line in lines))
+        os.replace(control.with_suffix(".tmp"), control)
+        watcher.probed()  # seen and reported by now
+
+    pynvml.nvmlInit()
+    seen = []
+    watcher = GpuEventWatcher(pynvml, seen.append, probe_interval=0.1)
+    watcher.start()
+    watcher.probed()
+    up = [watcher.nvml_up]
+    say("unloaded")  # the driver goes: the session is over
+    up.append(watcher.nvml_up)
+    try:
+        pynvml.nvmlInit()
+        init = "initialized"
+    except pynvml.NVMLError as exc:
+        init = str(exc)
+    say()  # back: a new initialization answers
+    up.append(watcher.nvml_up)
+    say("action 2 1", "xid 2 79")  # and its events reach the watcher
+    watcher.stop(timeout=5)
+    print(json.dumps({"events": [[type(e).__name__, getattr(e, "device", None), getattr(e, "reason", None)]
+                                 for e in seen], "up": up, "init": init, "registered": watcher.stats.registered}))
+""")
+
+
+def test_the_driver_unloaded_under_the_watcher_through_the_standin_library(short_tmp: Path) -> None:
+    # The real pynvml path: NVML lost once (the session let go of, nvmlShutdown), initialized again once the
+    # driver is back, every GPU registered afresh, events delivered again.
+    need_command("make", "gcc")
+    built = subprocess.run(["make", "-s", "nvml-standin"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stdout + built.stderr
+    env = {**os.environ, "LD_LIBRARY_PATH": str(ROOT / "tests" / "nvml_standin" / "build"),
+           "NVML_STANDIN_CONTROL": str(short_tmp / "control")}
+    proc = subprocess.run([sys.executable, "-c", DRIVER_RELOAD_SCRIPT, str(short_tmp / "control")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["up"] == [True, False, True]
+    assert out["init"] == "Driver Not Loaded"
+    assert [e[0] for e in out["events"]] == ["NvmlLost", "NvmlBack", "XidError"], out
+    assert out["events"][0][2].startswith("Uninitialized") and out["events"][2][1] == "gpu-3"
+    assert out["registered"] == ["gpu-0", "gpu-1", "gpu-3"] * 2
+
+
 def test_recovery_codes_are_nvmls() -> None:
     # The agent keeps nvmlGpuRecoveryAction_t's numbers itself; where the installed bindings name them,
     # they must agree.

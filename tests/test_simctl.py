@@ -201,3 +201,49 @@ def test_command_files_sort_in_the_order_written(tmp_path: Path) -> None:
     assert sorted(written) == written
     assert all(p.suffix == ".json" and p.stat().st_mode & 0o777 == 0o644 for p in written)
     assert not [n for n in os.listdir(written[0].parent) if not n.endswith(".json")]  # no temp files left
+
+
+def test_cli_unloads_and_loads_the_driver_under_a_running_nvml(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    state = str(tmp_path / "state")
+    args, settings = parse(["sim", "driver", "unload", "--nvml", "sim", "--state-dir", state])
+    root = settings.sim_root
+    running = SimulatedNvml.from_profile("dgx-h100")
+    running.materialize(root)
+    running.nvmlInit()
+    nodes = sorted(n for n in os.listdir(root / "dev") if n.startswith("nvidia"))
+    assert "nvidia3" in nodes and "nvidiactl" in nodes
+    assert running.nvmlDeviceGetCount() == 8
+
+    assert args.fn(args, settings) == 0
+    assert capsys.readouterr().out.startswith("NVIDIA driver unloaded")
+    # The driver's nodes and GPU list are gone, and NVML answers nothing, in this process or a new one.
+    assert not [n for n in os.listdir(root / "dev") if n.startswith("nvidia")]
+    assert not (root / "proc" / "driver" / "nvidia").exists()
+    with pytest.raises(pynvml.NVMLError_DriverNotLoaded):
+        running.nvmlDeviceGetCount()
+    fresh = SimulatedNvml.from_profile("dgx-h100")
+    fresh.materialize(root)  # (as an agent starting now writes the machine: the nodes stay away)
+    with pytest.raises(pynvml.NVMLError_DriverNotLoaded):
+        fresh.nvmlInit()
+    assert not [n for n in os.listdir(root / "dev") if n.startswith("nvidia")]
+    assert args.fn(args, settings) == 0
+    assert capsys.readouterr().out == "NVIDIA driver: already unloaded\n"
+
+    args, settings = parse(["sim", "driver", "load", "--nvml", "sim", "--state-dir", state])
+    assert args.fn(args, settings) == 0
+    assert capsys.readouterr().out.startswith("NVIDIA driver loaded")
+    assert sorted(n for n in os.listdir(root / "dev") if n.startswith("nvidia")) == nodes
+    # A session of the load before is over; a new initialization answers.
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        running.nvmlDeviceGetCount()
+    running.nvmlShutdown()
+    running.nvmlInit()
+    assert running.nvmlDeviceGetCount() == 8
+    running.nvmlShutdown()
+
+    args, settings = parse(["sim", "driver", "unload", "--nvml", "real", "--state-dir", state])
+    assert args.fn(args, settings) == 2
+    assert "--nvml is real" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["sim", "driver", "reload"])

@@ -72,6 +72,7 @@ class DevicesView:
     health_watchers: int
     prepared_devices: int = 0  # the devices of the claims prepared, one per allocation result
     quarantined: tuple[str, ...] = ()  # claim records set aside since the start (their paths)
+    nvml_up: bool | None = None  # whether NVML answers the GPU probe (None: no NVML on this node)
 
 
 class Observed(Protocol):
@@ -154,7 +155,7 @@ def metrics_state(agent: Observed) -> AgentState:
     devices = collections.Counter((d.kinds.get(name) or name.split("-", 1)[0], status) for name, status in d.health)
     state = AgentState(devices=dict(devices), failing_sources=list(d.failing_sources), taints=dict(d.taints),
                        prepared_claims=d.prepared_claims, prepared_devices=d.prepared_devices,
-                       health_watchers=d.health_watchers)
+                       health_watchers=d.health_watchers, nvml_up=d.nvml_up)
     state.registered = agent.sockets_view().registered
     if (publish := agent.publish_view()) is not None:
         state.publish_up_to_date = publish.up_to_date

@@ -1,5 +1,6 @@
 """`dra-agent sim xid|lose|recover DEVICE`: tell the simulated machine, from outside the agent, to
-raise an XID on a GPU, to lose it, or to reset it.
+raise an XID on a GPU, to lose it, or to reset it; `dra-agent sim driver unload|load`: take its NVIDIA
+driver away and bring it back, as the GPU Operator's driver container does to reload it.
 
 The command is a file in the simulated machine's control directory
 (`<state dir>/nvml-sim/control/`, see `agent.sim.control`), written atomically and
@@ -8,6 +9,11 @@ running with `--nvml sim` applies it within moments and deletes the file; the CL
 seconds for that, then for the agent's saved device conditions to show it (`dra-agent taints`), and
 says "applied" (or that the taints do not show it yet), else that it is queued for the next agent.
 The same settings as `run` (`--state-dir`, `--nvml`) locate the machine.
+
+The driver is the machine's, not NVML's (`agent.sim.driver`, `agent.sim.hardware.unload_driver`): the CLI
+changes the machine on disk itself, with or without an agent running. Every simulated NVML of the machine
+sees it at its next call (an agent, at its next GPU probe): unloaded, `/dev/nvidia*` and the driver's GPU
+list are gone and NVML answers nothing; loaded again, they are back and NVML answers a new initialization.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from agent.sim.control import (
     control_dir,
     device_index,
 )
+from agent.sim.hardware import load_driver, unload_driver
 from agent.sim.profiles import ProfileError, load_profile
 
 WAIT = 3.0  # seconds the CLI waits for a running agent to apply the command
@@ -164,13 +171,42 @@ def cmd_sim(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_sim_driver(args: argparse.Namespace, settings: Settings) -> int:
+    """`dra-agent sim driver unload|load`."""
+    if settings.nvml.kind != "sim":
+        print(f"dra-agent sim: the NVIDIA driver of the simulated machine, but --nvml is {settings.nvml} (DRA_NVML); "
+              "pass the same --nvml sim[:PROFILE] and --state-dir as the agent's run", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        profile = load_profile(settings.nvml.profile)
+    except ProfileError as exc:
+        print(f"dra-agent sim: --nvml {settings.nvml}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    root = settings.sim_root
+    try:
+        makedirs(root, 0o700)  # as the machine itself makes it, if no agent has yet
+        changed = unload_driver(root) if args.state == "unload" else load_driver(profile, root)
+    except OSError as exc:
+        print(f"dra-agent sim: cannot change the simulated machine in {root}: {exc}", file=sys.stderr)
+        return 1
+    if not changed:
+        print(f"NVIDIA driver: already {args.state}ed")
+    elif args.state == "unload":
+        print("NVIDIA driver unloaded: /dev/nvidia* gone, NVML does not answer (a running agent taints its GPUs "
+              "nvml-lost at its next GPU probe)")
+    else:
+        print("NVIDIA driver loaded: /dev/nvidia* back, NVML answers once initialized again (a running agent "
+              "does so at its next GPU probe)")
+    return 0
+
+
 def add_sim_parser(subparsers: argparse._SubParsersAction[Any],
                    add_arguments: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
     """`dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE`; each takes the run settings."""
     sp: argparse.ArgumentParser = subparsers.add_parser(
-        "sim", help="drive the simulated NVML: raise an XID, lose or reset a GPU",
-        description="Tell the simulated machine (--nvml sim) to raise an XID on a GPU, lose it, or reset it. "
-                    "DEVICE is the published name (gpu-3).")
+        "sim", help="drive the simulated NVML: raise an XID, lose or reset a GPU, unload or load the driver",
+        description="Tell the simulated machine (--nvml sim) to raise an XID on a GPU, lose it, or reset it, or "
+                    "unload or load its NVIDIA driver. DEVICE is the published name (gpu-3).")
     actions = sp.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, help in (("xid", "raise XID on DEVICE (13, 31, 43, 45, 68, 109 are application errors)"),
                          ("lose", "DEVICE falls off the bus: every NVML call about it fails (GPU_IS_LOST)"),
@@ -183,4 +219,10 @@ def add_sim_parser(subparsers: argparse._SubParsersAction[Any],
         ap.add_argument("--wait", type=float, default=WAIT, metavar="SECONDS",
                         help=f"how long to wait for a running agent to apply it (default: {WAIT:g})")
         add_arguments(ap)
+    help = ("unload the NVIDIA driver (its device nodes go, NVML stops answering) or load it again, as the GPU "
+            "Operator's driver container does to reload it")
+    ap = actions.add_parser("driver", help=help, description=help)
+    ap.set_defaults(fn=cmd_sim_driver)
+    ap.add_argument("state", choices=("unload", "load"), metavar="unload|load")
+    add_arguments(ap)
     return sp

@@ -28,7 +28,8 @@ XID = "xid"
 GPU_LOST = "gpu-lost"
 LINK_DOWN = "link-down"
 UNDO_FAILED = "undo-failed"  # a claim's unprepare could not undo its host changes (`agent.claims.leftovers`)
-KINDS = (XID, GPU_LOST, LINK_DOWN, UNDO_FAILED)
+NVML_LOST = "nvml-lost"  # NVML does not answer as a whole (the NVIDIA driver unloaded): on every GPU NVML had
+KINDS = (XID, GPU_LOST, LINK_DOWN, UNDO_FAILED, NVML_LOST)
 
 CAUSES_FILE = "causes.json"
 FORMAT_VERSION = 1

@@ -35,12 +35,23 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agent.fsutil import atomic_write, makedirs
-from agent.health.causes import CAUSES_FILE, GPU_LOST, LINK_DOWN, UNDO_FAILED, XID, Cause, encode, read_saved, rfc3339
+from agent.health.causes import (
+    CAUSES_FILE,
+    GPU_LOST,
+    LINK_DOWN,
+    NVML_LOST,
+    UNDO_FAILED,
+    XID,
+    Cause,
+    encode,
+    read_saved,
+    rfc3339,
+)
 from agent.health.policy import EFFECT_RANK, IGNORE, TaintPolicy, xid_meaning
 from agent.model import Taint
 
-__all__ = ["CAUSES_FILE", "GPU_LOST", "LINK_DOWN", "NONE", "READY", "UNDO_FAILED", "UNKNOWN_ACTION", "XID",
-           "Cause", "DeviceConditions", "Readiness", "read_saved", "rfc3339"]
+__all__ = ["CAUSES_FILE", "GPU_LOST", "LINK_DOWN", "NONE", "NVML_LOST", "READY", "UNDO_FAILED", "UNKNOWN_ACTION",
+           "XID", "Cause", "DeviceConditions", "Readiness", "read_saved", "rfc3339"]
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +80,16 @@ class _Device:
     link_down: Cause | None = None
     link_up_since: float | None = None  # up again, the link taint held until the hold time passed
     undone: Cause | None = None  # host changes of a gone claim not undone (`agent.claims.leftovers`)
+    nvml: Cause | None = None  # NVML does not answer as a whole (the driver unloaded)
 
     def causes(self) -> list[Cause]:
         out = sorted(self.xids.values(), key=lambda c: c.since)
-        out += [c for c in (self.lost, self.link_down, self.undone) if c is not None]
+        out += [c for c in (self.lost, self.link_down, self.undone, self.nvml) if c is not None]
         return out
 
     def empty(self) -> bool:
-        return not self.xids and self.lost is None and self.link_down is None and self.undone is None
+        return (not self.xids and self.lost is None and self.link_down is None and self.undone is None
+                and self.nvml is None)
 
 
 class DeviceConditions:
@@ -213,6 +226,38 @@ class DeviceConditions:
                 changed.add(name)
         return bool(changed) and self._changed(changed)
 
+    def nvml_lost(self, devices: Iterable[str], reason: str) -> bool:
+        """NVML stopped answering as a whole: `devices` (the GPUs it had) can be neither read nor watched."""
+        rule = self.policy.nvml_lost
+        if not rule.taints:
+            log.warning("NVML lost (%s): GPUs not tainted (policy: ignore)", reason)
+            return False
+        now, changed = self.clock(), set()
+        for name in devices:
+            state = self._devices.setdefault(name, _Device())
+            if state.nvml is None:
+                state.nvml = Cause(name, NVML_LOST, rule.effect, "",
+                                   f"NVML lost since {rfc3339(now)}: {reason}", now)
+                changed.add(name)
+        if not changed:
+            return False
+        log.warning("NVML lost (%s): taint %s/nvml-lost:%s on %s", reason, self.driver, rule.effect,
+                    ", ".join(sorted(changed)))
+        return self._changed(changed)
+
+    def nvml_back(self) -> bool:
+        """NVML answers again: the nvml-lost causes go. It is a new session, after a driver that loaded again
+        initialized every GPU (as a reset does): each GPU's XID causes wait for its next first answer, as those
+        restored at a start do (`baseline`: gone when the recovery action reads none)."""
+        self._restored |= {name for name, state in self._devices.items() if state.xids}
+        changed = {name for name, state in self._devices.items() if state.nvml is not None}
+        for name in changed:
+            self._devices[name].nvml = None
+        if not changed:
+            return False
+        log.info("NVML answers again: nvml-lost taint cleared on %s", ", ".join(sorted(changed)))
+        return self._changed(changed)
+
     def clear(self, device: str, before: float | None = None) -> list[Cause]:
         """An operator clears the device's XID causes and its undo-failed cause (`dra-agent taints clear`);
         the causes cleared (`on_cleared` is told, to drop what the undo-failed one stood for). `before`:
@@ -312,6 +357,8 @@ class DeviceConditions:
                              rfc3339(state.link_down.since)))
         if state.undone is not None:
             out.append(Taint(f"{self.driver}/undo-failed", state.undone.effect, "", rfc3339(state.undone.since)))
+        if state.nvml is not None:
+            out.append(Taint(f"{self.driver}/nvml-lost", state.nvml.effect, "", rfc3339(state.nvml.since)))
         return out
 
     def taint_counts(self) -> dict[tuple[str, str], int]:
@@ -341,6 +388,8 @@ class DeviceConditions:
             return Readiness(False, "GpuLost", state.lost.detail)
         if state.link_down is not None:
             return Readiness(False, "LinkDown", state.link_down.detail)
+        if state.nvml is not None:
+            return Readiness(False, "NvmlLost", state.nvml.detail)
         evicting = [c for c in state.xids.values() if c.effect == "NoExecute"]
         if evicting:
             return Readiness(False, "XidError", "; ".join(c.detail for c in evicting))

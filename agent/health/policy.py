@@ -11,6 +11,7 @@ given with `--taint-policy FILE`:
     gpuLost: {effect: NoExecute}
     linkDown: {effect: NoSchedule, upHold: 10}
     undoFailed: {effect: NoSchedule}
+    nvmlLost: {effect: NoSchedule}
 
 A rule's `effect` is a device taint effect (`None`, `NoSchedule`, `NoExecute`) or `ignore`.
 An XID taint stays until its cause is gone: the GPU was reset (the recovery action NVML
@@ -32,7 +33,13 @@ A link down is NoSchedule too: links come back, and a blip must not evict. So is
 host changes a claim's unprepare could not undo (`undoFailed`: a lost GPU's MIG instance, a function
 left on vfio-pci): its state is not what a new claim expects, and the claim that made the change is
 gone already, so nothing is left to evict; the taint goes once the changes are undone (a reset, a
-reboot) or an operator clears it.
+reboot) or an operator clears it. NVML lost as a whole (`nvmlLost`: the NVIDIA driver unloaded, as the GPU
+Operator's driver container does to reload it) is NoSchedule on every GPU NVML had, and their forms: nothing
+new is scheduled onto GPUs no one can see, while the pods that use them are left alone: a driver that
+unloads has had them evicted already (the module does not unload while a process holds a GPU), and one
+that did not unload (NVML's library gone from under the agent alone) still runs them. The GPUs stay
+published as last seen rather than withheld, so their allocations, health stream entries and claim
+status keep naming them; the taint goes when NVML answers again.
 """
 
 from __future__ import annotations
@@ -112,6 +119,7 @@ class TaintPolicy:
     gpu_lost: Rule = Rule("NoExecute")
     link_down: LinkRule = LinkRule()
     undo_failed: Rule = Rule("NoSchedule")
+    nvml_lost: Rule = Rule("NoSchedule")
 
     def for_xid(self, xid: int) -> Rule:
         return self.xid.get(xid, self.default_xid)
@@ -143,8 +151,9 @@ def parse_policy(doc: Any, *, source: str = "policy") -> TaintPolicy:
     if doc is None:
         return policy
     if not isinstance(doc, Mapping):
-        raise PolicyError(f"{source}: must be a mapping with xid, defaultXid, gpuLost, linkDown and undoFailed")
-    unknown = set(doc) - {"xid", "defaultXid", "gpuLost", "linkDown", "undoFailed"}
+        raise PolicyError(f"{source}: must be a mapping with xid, defaultXid, gpuLost, linkDown, undoFailed and "
+                          "nvmlLost")
+    unknown = set(doc) - {"xid", "defaultXid", "gpuLost", "linkDown", "undoFailed", "nvmlLost"}
     if unknown:
         raise PolicyError(f"{source}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     xids = dict(policy.xid)
@@ -168,6 +177,8 @@ def parse_policy(doc: Any, *, source: str = "policy") -> TaintPolicy:
     if "undoFailed" in doc:
         policy = replace(policy, undo_failed=_rule(f"{source}.undoFailed", doc["undoFailed"],
                                                    base=policy.undo_failed))
+    if "nvmlLost" in doc:
+        policy = replace(policy, nvml_lost=_rule(f"{source}.nvmlLost", doc["nvmlLost"], base=policy.nvml_lost))
     if "linkDown" in doc:
         raw = doc["linkDown"]
         if not isinstance(raw, Mapping) or set(raw) - {"effect", "upHold"}:

@@ -78,4 +78,20 @@ class GpuBaseline:
     at: datetime
 
 
-GpuEvent = XidError | DoubleBitEcc | GpuLost | GpuAnswering | GpuBaseline
+@dataclass(frozen=True)
+class NvmlLost:
+    """NVML stopped answering as a whole (the NVIDIA driver unloaded, its library gone): no GPU can be read
+    or watched until `NvmlBack`. Names no device: the consumer knows which GPUs were NVML's."""
+
+    reason: str
+    at: datetime
+
+
+@dataclass(frozen=True)
+class NvmlBack:
+    """NVML answers again after `NvmlLost` (initialized again: a new session, the GPUs learnt afresh)."""
+
+    at: datetime
+
+
+GpuEvent = XidError | DoubleBitEcc | GpuLost | GpuAnswering | GpuBaseline | NvmlLost | NvmlBack

@@ -13,6 +13,12 @@ source opened (`agent.inventory.nvmlapi.Nvml`):
   answers again, or whose recovery action changes, is reported answering with its action. GPUs
   that appear later are registered on the next probe, and so is a lost GPU once it answers again
   (a GPU that fell off the bus lost its registrations).
+- NVML as a whole: a probe whose `nvmlDeviceGetCount` (or event set) fails says nothing about any one GPU
+  but that NVML no longer answers (the NVIDIA driver unloaded: the GPU Operator's driver container
+  reloading it). It is reported once (`NvmlLost`), the event set and every GPU let go of, and NVML shut
+  down through the gate (`NvmlGate.lost`), which initializes it again at every later probe until that
+  succeeds; the first probe that counts the GPUs again reports `NvmlBack` and learns them afresh (with
+  `baseline=True`, each GPU's first answer is reported again: a driver loaded again reset them).
 
 Each finding goes to `on_event(event)` as a frozen dataclass, called on the watcher's thread
 (wrap it with `loop.call_soon_threadsafe` to get it onto the loop). Devices are named as
@@ -48,6 +54,8 @@ from agent.inventory.gpu_event_types import (
     GpuBaseline,
     GpuEvent,
     GpuLost,
+    NvmlBack,
+    NvmlLost,
     RecoveryAction,
     XidError,
 )
@@ -59,8 +67,8 @@ from agent.inventory.nvmlvalues import describe_error, field_int, handle_address
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DoubleBitEcc", "GpuAnswering", "GpuBaseline", "GpuEvent", "GpuEventWatcher", "GpuLost", "RecoveryAction",
-           "WatcherStats", "XidError"]
+__all__ = ["DoubleBitEcc", "GpuAnswering", "GpuBaseline", "GpuEvent", "GpuEventWatcher", "GpuLost", "NvmlBack",
+           "NvmlLost", "RecoveryAction", "WatcherStats", "XidError"]
 
 PROBE_INTERVAL = 1.0  # seconds between probes
 WAIT_MS = 500  # the longest one nvmlEventSetWait_v2 blocks: how long stop() may take
@@ -120,6 +128,7 @@ class GpuEventWatcher:
         self._probing = threading.Condition()
         self._probes_begun = 0
         self._commanded = False  # `commands` started (after the first probe)
+        self.nvml_up: bool | None = None  # whether NVML answered the latest probe (None: not probed yet)
 
     def start(self) -> None:
         self.gate.on_release(self._release)
@@ -244,8 +253,16 @@ class GpuEventWatcher:
     # -- the probe ------------------------------------------------------------------------------
 
     def _probe(self) -> None:
-        self._events.ensure()
-        count = int(self.nvml.nvmlDeviceGetCount())
+        try:
+            self._events.ensure()
+            count = int(self.nvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError as exc:
+            self._nvml_lost(describe_error(exc))
+            return
+        if self.nvml_up is False:
+            log.info("NVML answers again: %d GPUs", count)
+            self._emit(NvmlBack(datetime.now(UTC)))
+        self.nvml_up = True
         for index in range(count):
             gpu = self._gpus.setdefault(index, _Gpu(index))
             try:
@@ -254,6 +271,16 @@ class GpuEventWatcher:
                 self._error(f"<gpu {index}>", f"{self._label(gpu)}: probe failed: {describe_error(exc)}", exc)
         for index in sorted(set(self._gpus) - set(range(count))):
             self._lost(self._gpus[index], f"NVML no longer lists it (index {index} of {count} GPUs)")
+
+    def _nvml_lost(self, reason: str) -> None:
+        """NVML failed as a whole: reported once, its session let go of (the gate initializes it again)."""
+        self.stats.errors += 1
+        if self.nvml_up is False:
+            return  # still lost
+        self.nvml_up = False
+        self._release()  # the event set and every handle belong to the session that is over
+        self.gate.lost(reason)
+        self._emit(NvmlLost(reason, datetime.now(UTC)))
 
     def _probe_gpu(self, gpu: _Gpu) -> None:
         try:

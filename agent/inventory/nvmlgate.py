@@ -17,6 +17,13 @@ every binding step's bound limits. NVML indexes and handles from an earlier gene
 driver is no longer listed and the ones after it moved down an index, so the users drop what they
 kept by index when the generation changes. A re-initialization that fails is tried again by the next
 user. Blocking; `released` must not be entered from inside `use` (it would wait for itself).
+
+NVML can also go from under the agent: the NVIDIA driver unloaded (the GPU Operator's driver container
+reloading it, docs/health.md "NVML lost"), its session over. The user that finds NVML failing as a whole
+(the GPU event watcher's probe) calls `lost`, from inside its use: NVML is shut down (whatever the
+library says to that), and every later use initializes it again until an initialization succeeds, which
+counts a new generation (the handles and indexes of the session before mean nothing), as a release does.
+The shutdown waits (a bounded while) for the other users in flight to leave, new ones waiting behind it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from agent.inventory.nvmlapi import Nvml
 
 log = logging.getLogger(__name__)
 
+LOST_WAIT = 5.0  # seconds `lost` waits for the other users in flight before it shuts NVML down
+
 
 class NvmlGate:
     def __init__(self, nvml: Nvml) -> None:
@@ -40,7 +49,8 @@ class NvmlGate:
         self._users = 0
         self._releasers = 0  # callers inside `released`: NVML is down for all of them at once
         self._wanting = 0  # callers waiting to release: new users wait behind them
-        self._shut = False  # NVML is shut down (released, or its initialization failed)
+        self._shut = False  # NVML is shut down (released, lost, or its initialization failed)
+        self._init_failed: str | None = None  # why the last initialization failed (logged when it changes)
         self._letting_go = False  # the first caller of a release is shutting NVML down
         self.generation = 0
         self._hooks: list[Callable[[], None]] = []
@@ -78,8 +88,8 @@ class NvmlGate:
             if self._releasers or self._wanting:
                 generation = None
             else:
-                if self._shut:
-                    self._init()
+                if self._shut and self._init():
+                    self.generation += 1  # a session after a lost one, or after a failed initialization
                 self._users += 1
                 generation = self.generation
         if generation is None:
@@ -125,6 +135,32 @@ class NvmlGate:
                     self.generation += 1
                 self._cond.notify_all()
 
+    def lost(self, why: str) -> bool:
+        """NVML stopped answering as a whole (`why`): shut it down now, initialized again by a later use.
+        Callable from inside a use; the caller has let go of its own handles and event sets. False when it
+        was shut down already."""
+        with self._cond:
+            if self._shut or self._releasers:
+                return False
+            # Not under another user's call: their calls fail by now anyway, and end (LOST_WAIT bounds it).
+            self._wanting += 1
+            try:
+                self._cond.wait_for(lambda: self._users <= 1, LOST_WAIT)
+            finally:
+                self._wanting -= 1
+                self._cond.notify_all()  # (those waiting behind see NVML shut down once this lock is let go)
+            if self._shut:
+                return False
+            try:
+                self.nvml.nvmlShutdown()
+            except pynvml.NVMLError as exc:  # the session is over already: nothing held to let go of
+                log.debug("NVML lost: nvmlShutdown: %s", exc)
+            self._shut = True
+            self._init_failed = ""  # (its first failure to initialize, and its success, are logged)
+            self._cond.notify_all()
+        log.warning("NVML lost: %s; initialized again until it answers", why)
+        return True
+
     def _let_go(self, hooks: list[Callable[[], None]], why: str) -> None:
         try:
             for hook in hooks:
@@ -144,11 +180,18 @@ class NvmlGate:
                 self._letting_go = False
                 self._cond.notify_all()
 
-    def _init(self) -> None:
+    def _init(self) -> bool:
+        """Initialize NVML again (holding `_cond`); whether it succeeded."""
         try:
             self.nvml.nvmlInit()
         except pynvml.NVMLError as exc:
-            log.warning("NVML did not initialize again: %s (tried again at its next use)", exc)
+            if str(exc) != self._init_failed:
+                log.warning("NVML did not initialize again: %s (tried again at its next use)", exc)
+            self._init_failed = str(exc)
             self._shut = True
-        else:
-            self._shut = False
+            return False
+        if self._init_failed is not None:
+            log.info("NVML initialized again")
+        self._init_failed = None
+        self._shut = False
+        return True

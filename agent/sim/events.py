@@ -35,6 +35,7 @@ from agent.inventory.nvmlcodes import FI_DEV_GET_GPU_RECOVERY_ACTION, NvmlRecove
 log = logging.getLogger(__name__)
 
 # XIDs NVIDIA documents as caused by the application (the contract's list): the GPU needs nothing.
+RECOVERY_ACTIONS = "gpu-recovery.json"  # below the machine's directory (`keep_actions`)
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 
 # What the simulated GPUs say they can report (nvmlDeviceGetSupportedEventTypes), as a datacenter

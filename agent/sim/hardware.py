@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.fsutil import makedirs
+from agent.sim.driver import Driver, read_driver, write_driver
+from agent.sim.events import RECOVERY_ACTIONS
 from agent.sim.kernel import mdev as simmdev
 from agent.sim.kernel.tree import (
     COMMAND_FILES,
@@ -104,9 +106,14 @@ def materialize(profile: SimProfile, root: Path, *, boot: bool = False, missing:
         where.mkdir(parents=True, exist_ok=True)
         for entry in set(os.listdir(where)) - set(members):
             (where / entry).unlink()
-    _driver_gpus(profile, root / "proc" / "driver" / "nvidia" / "gpus")
+    nvidia = read_driver(root)
+    if boot and not nvidia.loaded:  # a boot loads the driver
+        nvidia = Driver(True, nvidia.load + 1)
+        write_driver(root, nvidia)
+    if nvidia.loaded:  # (unloaded: `load_driver` writes them)
+        _driver_gpus(profile, root / "proc" / "driver" / "nvidia" / "gpus")
     _proc_devices(root / "proc")
-    _device_nodes(profile, tree.dev, boot)
+    _device_nodes(profile, tree.dev, boot, nvidia=nvidia.loaded)
     simmdev.materialize(profile, root, boot=boot)
     if boot:
         SimVfLinks(root).forget()  # the PF's driver starts with no VF settings
@@ -295,16 +302,12 @@ def _proc_devices(proc: Path) -> None:
     function_dir(proc, {"devices": text.rstrip("\n")})
 
 
-def _device_nodes(profile: SimProfile, dev: Path, boot: bool) -> None:
+def _device_nodes(profile: SimProfile, dev: Path, boot: bool, *, nvidia: bool = True) -> None:
     dev.mkdir(parents=True, exist_ok=True)
-    nodes = {f"nvidia{g.minor}": (NVIDIA_MAJOR, g.minor) for g in profile.gpus}
-    nodes |= {"nvidiactl": (NVIDIA_MAJOR, NVIDIACTL_MINOR), "nvidia-uvm": (UVM_MAJOR, 0),
-              "nvidia-uvm-tools": (UVM_MAJOR, 1)}
-    for name, (major, minor) in nodes.items():
-        device_node(dev / name, major, minor)
-    for stale in os.listdir(dev):
-        if re.fullmatch(r"nvidia\d+", stale) and stale not in nodes:
-            (dev / stale).unlink(missing_ok=True)
+    if nvidia:
+        _nvidia_nodes(profile, dev)
+    else:
+        _remove_nvidia_nodes(dev)
     device_node(dev / "vfio" / "vfio", *VFIO_MISC)
     if profile.iommufd:
         device_node(dev / "iommu", *IOMMUFD_MISC)
@@ -317,3 +320,59 @@ def _device_nodes(profile: SimProfile, dev: Path, boot: bool) -> None:
             if name.isdigit():
                 (dev / "vfio" / name).unlink()
         shutil.rmtree(dev / "vfio" / "devices", ignore_errors=True)
+
+
+def _nvidia_nodes(profile: SimProfile, dev: Path) -> None:
+    """The NVIDIA driver's device nodes: one per GPU, its control node and UVM's."""
+    nodes = {f"nvidia{g.minor}": (NVIDIA_MAJOR, g.minor) for g in profile.gpus}
+    nodes |= {"nvidiactl": (NVIDIA_MAJOR, NVIDIACTL_MINOR), "nvidia-uvm": (UVM_MAJOR, 0),
+              "nvidia-uvm-tools": (UVM_MAJOR, 1)}
+    for name, (major, minor) in nodes.items():
+        device_node(dev / name, major, minor)
+    for stale in os.listdir(dev):
+        if re.fullmatch(r"nvidia\d+", stale) and stale not in nodes:
+            (dev / stale).unlink(missing_ok=True)
+
+
+def _remove_nvidia_nodes(dev: Path) -> None:
+    """Every node the NVIDIA driver made (`nvidia*`, and the MIG capability nodes in `nvidia-caps/`)."""
+    for name in os.listdir(dev):
+        path = dev / name
+        if not name.startswith("nvidia"):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def unload_driver(root: Path) -> bool:
+    """The NVIDIA driver unloaded, as its container does when it stops (`agent.sim.driver`): every simulated
+    NVML on the machine stops answering, its device nodes and its GPU list in procfs go. False: it was not
+    loaded."""
+    driver = read_driver(root)
+    if not driver.loaded:
+        return False
+    write_driver(root, Driver(False, driver.load))  # first: NVML fails before a node is seen missing
+    tree = SimTree(root)
+    if tree.dev.is_dir():
+        _remove_nvidia_nodes(tree.dev)
+    shutil.rmtree(root / "proc" / "driver" / "nvidia", ignore_errors=True)
+    return True
+
+
+def load_driver(profile: SimProfile, root: Path) -> bool:
+    """The NVIDIA driver loaded again (a new load): its GPU list and device nodes back, then NVML answers
+    (a session opened before the unload is over: it must be initialized again). False: it was loaded."""
+    driver = read_driver(root)
+    if driver.loaded:
+        return False
+    profile = machine_profile(profile, root)
+    tree = SimTree(root)
+    # A load initializes every GPU, as a reset does: none needs a recovery action (`agent.sim.events`).
+    (root / RECOVERY_ACTIONS).unlink(missing_ok=True)
+    _driver_gpus(profile, root / "proc" / "driver" / "nvidia" / "gpus")
+    tree.dev.mkdir(parents=True, exist_ok=True)
+    _nvidia_nodes(profile, tree.dev)
+    write_driver(root, Driver(True, driver.load + 1))
+    return True

@@ -70,7 +70,8 @@ import pynvml
 from agent.host.pci import normalize_bus_id
 from agent.inventory.nvmlcodes import NvmlRecoveryCode
 from agent.sim.control import ControlWatcher
-from agent.sim.events import SimEvents
+from agent.sim.driver import DriverState
+from agent.sim.events import RECOVERY_ACTIONS, SimEvents
 from agent.sim.hardware import machine_profile, materialize
 from agent.sim.kernel.tree import SimTree
 from agent.sim.mig import SimMig
@@ -115,6 +116,10 @@ class SimulatedNvml(SimHealth):
         # Which GPUs an initialized session lists, and the files its handles hold open (agent.sim.nvmlview).
         self._view = NvmlView(profile.gpus)
         self._control: ControlWatcher | None = None
+        # The NVIDIA driver of the machine on disk (None: no machine written, always loaded), and the load
+        # this session was initialized under (agent.sim.driver).
+        self._driver: DriverState | None = None
+        self._session_load: int | None = None  # (None: not initialized yet)
         # MIG (nvml_sim_mig): profiles, placements, GPU and compute instances, MIG devices.
         self._mig = SimMig([MIG_TABLES.get(g.mig_profiles, ()) for g in profile.gpus],
                            [None if g.mig_mode is None else g.mig_mode[0] for g in profile.gpus],
@@ -162,8 +167,22 @@ class SimulatedNvml(SimHealth):
         with self._lock:
             self._raise_system("nvmlInitWithFlags", initialized=False)
             self._raise_system("nvmlInit", initialized=False)
+            driver = self._driver.current() if self._driver is not None else None
+            if driver is not None and not driver.loaded:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+            reloaded = driver is not None and self._session_load is not None and driver.load != self._session_load
+            if reloaded and self._refcount > 0:
+                # The session was opened under an earlier load of the driver, which took its handles and
+                # event sets with it: this initialization starts a new one.
+                self._refcount = 0
+                self._view.close_all()
+                self._events.shutdown()
             if self._refcount <= 0:
                 self._view.enumerate()
+                if reloaded:  # the driver loaded since the last session initialized every GPU, as a reset does
+                    for index in range(len(self.profile.gpus)):
+                        self._events.set_action(index, NvmlRecoveryCode.NONE)
+                self._session_load = driver.load if driver is not None else 0
             self._refcount += 1
         self._events.open()
 
@@ -172,7 +191,7 @@ class SimulatedNvml(SimHealth):
 
     def nvmlShutdown(self) -> None:
         with self._lock:
-            self._raise_system("nvmlShutdown")
+            self._raise_system("nvmlShutdown", driver=False)
             self._refcount -= 1
             last = self._refcount <= 0
         if last:
@@ -192,8 +211,9 @@ class SimulatedNvml(SimHealth):
         if booted != self.profile:  # GPUs that did not come back in this boot: NVML does not list them
             self._use(booted)
         self._mig.attach(root, [g.minor for g in self.profile.gpus], [g.uuid for g in self.profile.gpus])
-        self._events.keep_actions(root / "gpu-recovery.json", SimTree(root).read_boot_id)
+        self._events.keep_actions(root / RECOVERY_ACTIONS, SimTree(root).read_boot_id)
         self._view.attach(root)
+        self._driver = DriverState(root)
 
     # System queries.
     def nvmlSystemGetDriverVersion(self) -> str:
@@ -319,9 +339,15 @@ class SimulatedNvml(SimHealth):
             raise IndexError(f"profile {self.profile.name} has no GPU {index}")
         return index
 
-    def _raise_system(self, function: str, initialized: bool = True) -> None:
+    def _raise_system(self, function: str, initialized: bool = True, *, driver: bool = True) -> None:
         if initialized and self._refcount <= 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        if initialized and driver and self._driver is not None:
+            now = self._driver.current()
+            if not now.loaded:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+            if self._session_load is not None and now.load != self._session_load:  # loaded again: it is over
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         if function in self._system_errors:
             raise pynvml.NVMLError(self._system_errors[function])
 

@@ -17,6 +17,11 @@
  *   xid INDEX XID, dbe INDEX        an NVML event (XID critical error, double-bit ECC), delivered
  *                                   once to each event set registered for it (see "events" below)
  *   action INDEX CODE               the GPU's recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION)
+ *   unloaded                        the NVIDIA driver is unloaded (its container reloading it):
+ *                                   nvmlInit answers NVML_ERROR_DRIVER_NOT_LOADED, and a session
+ *                                   opened before is over, every call of it answering
+ *                                   NVML_ERROR_UNINITIALIZED, also once the line is gone, until
+ *                                   the last nvmlShutdown and a new nvmlInit
  *
  * Built twice (see the Makefile): the current driver's library, and with -DSTANDIN_LEGACY
  * an older driver's, which lacks nvmlDeviceGetNumaNodeId and nvmlDeviceGetMemoryInfo_v2, so
@@ -267,7 +272,32 @@ static nvmlReturn_t fault(unsigned int index, const char *function, int *garble)
     return ret;
 }
 
-int initialized(void) { return __atomic_load_n(&refcount, __ATOMIC_SEQ_CST) > 0; }
+/* Whether the control file says `unloaded`: the driver is gone. */
+static int unloaded(void) {
+    const char *path = getenv("NVML_STANDIN_CONTROL");
+    if (!path || !*path)
+        return 0;
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    char line[256], word[32];
+    int found = 0;
+    while (!found && fgets(line, sizeof line, f))
+        found = sscanf(line, "%31s", word) == 1 && strcmp(word, "unloaded") == 0;
+    fclose(f);
+    return found;
+}
+
+/* The driver was unloaded under the current session: its handles and event sets mean nothing now. */
+static int session_over;
+
+int initialized(void) {
+    if (__atomic_load_n(&refcount, __ATOMIC_SEQ_CST) <= 0)
+        return 0;
+    if (unloaded())
+        __atomic_store_n(&session_over, 1, __ATOMIC_SEQ_CST);
+    return !__atomic_load_n(&session_over, __ATOMIC_SEQ_CST);
+}
 
 /* The GPU behind a handle, checked: *ret says why not. A GPU this initialization does not list (it
  * left the NVIDIA driver) has no valid handle. */
@@ -364,9 +394,12 @@ EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
     /* The machine is read, and its GPUs listed, by the first initialization (not under a caller that
      * holds handles); MIG instances of an earlier one are gone with it. */
+    if (unloaded())
+        return NVML_ERROR_DRIVER_NOT_LOADED;
     if (__atomic_load_n(&refcount, __ATOMIC_SEQ_CST) <= 0) {
         if (load_machine() != 0)
             return NVML_ERROR_DRIVER_NOT_LOADED;
+        __atomic_store_n(&session_over, 0, __ATOMIC_SEQ_CST);
         enumerate();
         for (unsigned int i = 0; i < gpu_count; i++)
             mig_reset(i);
