@@ -18,6 +18,7 @@ from kubeapi import KubeApi
 
 from agent.app import doctor
 from agent.app.daemon import Agent
+from agent.app.doctor.cluster import permissions
 from agent.config import Settings
 from agent.kube import NODE_ALLOCATABLE_FEATURE
 from agent.kubelet import client as kc
@@ -93,7 +94,9 @@ async def test_a_healthy_node(short_tmp, agents):
     assert line(text, "RBAC") == "- RBAC: skipped: offline: no API server to ask"
     # Offline garbage collection reads the claim files, not the kubelet's pod resources service.
     assert line(text, "kubelet pod resources").startswith("- kubelet pod resources: skipped: offline (--offline ")
-    assert text.splitlines()[-1].endswith("0 failed (0 blocking), 3 skipped")
+    # Offline there is no Node and no kubelet to tell whether a device plugin serves the GPUs.
+    assert line(text, "device plugin").startswith("- device plugin: skipped: offline (--offline ")
+    assert text.splitlines()[-1].endswith("0 failed (0 blocking), 4 skipped")
 
 
 def broken_layout(tmp: Path) -> tuple[Settings, Path]:
@@ -201,12 +204,15 @@ async def test_cluster_checks_node_and_every_permission(cluster_settings, kube_a
     assert checks["Node"].ok
     assert f"declared features: {NODE_ALLOCATABLE_FEATURE}" in checks["Node"].detail
     assert "CPU and memory are published as node-allocatable" in checks["Node"].detail
-    assert checks["RBAC"].ok and checks["RBAC"].detail.startswith(f"all {len(doctor.PERMISSIONS)} permissions")
+    # The agent's default settings watch its Node for a device plugin's resources: that permission too.
+    used = permissions(settings)
+    assert ("watch", "nodes") in {(p.verb, p.resource) for p in used}
+    assert checks["RBAC"].ok and checks["RBAC"].detail.startswith(f"all {len(used)} permissions")
     reviews = [r for r in kube_api.since_mark() if r.method == "POST"]
     # A subresource is asked as the API server expects it: resource and subresource apart.
     asked = {(a["verb"], a["resource"] + (f"/{a['subresource']}" if a.get("subresource") else ""))
              for a in (r.body["spec"]["resourceAttributes"] for r in reviews)}
-    assert asked == {(p.verb, p.resource) for p in doctor.PERMISSIONS}
+    assert asked == {(p.verb, p.resource) for p in used}
     # Doctor only reads: every write it sent is a SelfSubjectAccessReview.
     assert all(r.path.endswith("/selfsubjectaccessreviews") for r in kube_api.writes())
 

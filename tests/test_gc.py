@@ -24,8 +24,8 @@ from agent.app import doctor
 from agent.claims.sources import ClaimSourceError
 from agent.config import ConfigError, build_settings
 from agent.engine.gc import SWEEP_WINDOW, ClaimCollector, gc_interval
+from agent.kube.podresources import PodResourcesClient
 from agent.kubelet import client as kc
-from agent.kubelet.podresources import PodResourcesClient
 from agent.metrics import Metrics
 from agent.names import ClaimName, ClaimRef
 

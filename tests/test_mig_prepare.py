@@ -167,7 +167,7 @@ async def test_mig_mode_the_operator_turned_on_stays_on(node: Node) -> None:
 
 
 async def test_an_overlapping_placement_is_refused_before_any_change(node: Node) -> None:
-    assert await prepare(node, "a", UID, "gpu-0-mig-4g40gb-0") == ""
+    assert await prepare(node, "a", UID, "gpu-0-mig-3g40gb-0") == ""
     error = await prepare(node, "b", UID2, "gpu-0-mig-1g10gb-2")
     assert "overlap GPU instance" in error and node.engine.whole_record(UID2) is None
     assert len(gpu0(node)["gis"]) == 1
@@ -371,3 +371,20 @@ def test_the_shared_form_of_a_gpu_in_mig_mode_is_withheld_too(tmp_path: Path) ->
     assert "gpu-0" not in names and "gpu-0-shared" not in names and "gpu-1-shared" in names
     assert sorted(w.device for w in result.withheld) == ["gpu-0", "gpu-0-shared"]
     assert all(isinstance(w.failure(), WholeGpuInMigMode) for w in result.withheld)
+
+
+async def test_a_mig_device_names_its_gpu_for_the_device_plugin_holds(node: Node) -> None:
+    # A device plugin names the MIG devices it gives out by their UUIDs (agent/health/pluginholds.py): NVML
+    # says which GPU each one is on while it exists.
+    from agent.inventory.gpus import GpuSource
+
+    (gpus,) = [s for s in node.inventory.sources if isinstance(s, GpuSource)]
+    assert gpus.mig_parents() == {}
+    assert await prepare(node, "m", UID, MIG) == ""
+    record = node.engine.whole_record(UID)
+    assert record is not None
+    (part,) = record.partitions
+    gpu0_uuid = node.inventory.get("gpu-0").node.gpu.uuid  # type: ignore[union-attr]
+    assert gpus.mig_parents() == {part.uuid: gpu0_uuid}
+    assert await unprepare(node, "m", UID) == ""
+    assert gpus.mig_parents() == {}

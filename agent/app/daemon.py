@@ -39,8 +39,9 @@ if TYPE_CHECKING:
     from agent.engine.recovery import RecoveryReport
     from agent.engine.selfheal import SelfHealer
     from agent.health.claimstatus import ClaimStatusWriter
+    from agent.health.pluginholds import PluginHolds
     from agent.inventory.netwatch import NetEvent
-    from agent.kubelet.podresources import PodResourcesClient
+    from agent.kube.podresources import PodResourcesClient
     from agent.metrics import AgentState
     from agent.model import Device
     from agent.publish.loop import PublishLoop
@@ -63,6 +64,8 @@ class Running:
     selfheal: SelfHealer | None  # None: self-healing is off (no inotify instance or watch to be had)
     quarantines: QuarantineReporter  # unreadable records set aside, reported (an Event on the Node)
     publish: PublishLoop | None = None  # from when the Node is known
+    pods: PodResourcesClient | None = None  # the kubelet's pod resources service (None: offline)
+    holds: PluginHolds | None = None  # GPUs a device plugin holds (None: none looked for, or offline)
 
 
 class Agent:
@@ -105,6 +108,7 @@ class Agent:
         self._running: Running | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._devices: dict[str, Device] = {}
+        self._mig_rescan = asyncio.Event()  # a claim's MIG device came or went: the GPUs are rescanned
         self.recovered = asyncio.Event()  # every record listed at start-up is checked, orphans removed
         self.refreshed = asyncio.Event()  # the start-up refresh of prepared claims is done
         self._summaries_saved = -1  # the book's change count the summaries on disk were saved at
@@ -190,6 +194,9 @@ class Agent:
                 engine.book, readiness=self.health, metrics=self.metrics, binding_kinds=s.binding_kinds)
             undo.push_async_callback(claim_status.stop)
             engine.listeners.append(claim_status)
+            from agent.hostprep.migmode import MigModeRescans
+
+            engine.listeners.append(MigModeRescans(self._mig_rescan))
             servers.attach(engine, self.tracker)
             await servers.start_dra()
             # Only now does the kubelet learn of the plugin: right after registering it, it calls the
@@ -197,6 +204,9 @@ class Agent:
             # driver), and a call refused there failed a pod's start that kubelet 1.37 did not retry.
             await servers.start_registration()
             running = Running(conn, engine, claim_status, kernel, await self._self_healing(engine), reporter)
+            running.pods = self._pod_claims(conn)
+            undo.push_async_callback(self._close_pods, running)
+            running.holds = self.health.holds = self._plugin_holds(running)
             self._running = running
             undo.pop_all()
         log.info("ready in %.2fs: %d devices, %d claim records (checked in the background)",
@@ -204,10 +214,11 @@ class Agent:
         self._spawn(self._recover(running, report), "recover")
         self._spawn(self._publishing(running), "publish")
         self._spawn(self._rescans(), "rescan")
+        self._spawn(self._mig_mode_rescans(), "rescan after MIG mode changes")
         self._spawn(self._netlink_events(), "netlink")
         if (off := collection_off(s, conn.offline)) is None:
             self._spawn(self._collecting(ClaimCollector(engine, s.gc_grace_period, metrics=self.metrics,
-                                                        pods=self._pod_claims(conn))), "gc")
+                                                        pods=running.pods)), "gc")
         else:
             log.info("garbage collection is off: %s", off)
 
@@ -283,19 +294,51 @@ class Agent:
     def _pod_claims(self, conn: Connection) -> PodResourcesClient | None:
         """In a cluster, the kubelet's pod resources service says which claims pods here use (garbage
         collection); offline every claim comes from the directory, and is read from there."""
-        from agent.kubelet.podresources import PodResourcesClient
+        from agent.kube.podresources import PodResourcesClient
 
         return None if conn.offline is not None else PodResourcesClient(self.settings.pod_resources_socket)
 
     @staticmethod
     async def _collecting(collector: ClaimCollector) -> None:
-        from agent.kubelet.podresources import PodResourcesClient
+        await collector.run()
 
-        try:
-            await collector.run()
-        finally:
-            if isinstance(pods := collector.pods, PodResourcesClient):
-                await pods.close()
+    @staticmethod
+    async def _close_pods(running: Running) -> None:
+        if running.pods is not None:
+            await running.pods.close()
+
+    def _plugin_holds(self, running: Running) -> PluginHolds | None:
+        """Who holds the GPUs a device plugin serves (`agent.health.pluginholds`): in a cluster, unless
+        `--device-plugin-resources` is empty."""
+        from agent.events import NodeEvents
+        from agent.health.pluginholds import PluginHolds, gpus_of
+        from agent.health.requests import health_dir
+
+        conn, names = running.conn, self.settings.plugin_resources
+        if conn.client is None or running.pods is None or not names:
+            return None
+        events = NodeEvents(conn.client, self.settings.node_name, conn.node.uid if conn.node is not None else "",
+                            self.settings.driver_name)
+        return PluginHolds(names, self.settings.driver_name, running.pods,
+                           lambda: gpus_of(self.inventory.snapshot().devices.values()), self._holds_changed,
+                           mig_parents=self._mig_parents, events=events,
+                           directory=health_dir(self.settings))
+
+    def _mig_parents(self) -> dict[str, str]:
+        """MIG device UUID -> its GPU's UUID, of every GPU source (`GpuSource.mig_parents`). Blocking."""
+        from agent.inventory.gpus import GpuSource
+
+        out: dict[str, str] = {}
+        for source in self.inventory.sources:
+            if isinstance(source, GpuSource):
+                out.update(source.mig_parents())
+        return out
+
+    async def _holds_changed(self) -> None:
+        """The GPUs a device plugin holds changed: the slices follow."""
+        if (publish := self.publish) is not None:
+            publish.update(self.health.published(self.inventory.snapshot()))
+        self.metrics.device_plugin_held.set(len(self.health.holds.held) if self.health.holds else 0)
 
     async def _restore_status(self, running: Running) -> None:
         """The claim status the last orderly stop left (`agent.health.statuswritten`), for the resync."""
@@ -342,10 +385,19 @@ class Agent:
         publish = PublishLoop(conn.publisher(self.settings, node),
                               verify_interval=max(self.settings.rescan_interval, 60.0), metrics=self.metrics)
         publish.on_published = lambda devices: self.tracker.pool_published([d.name for d in devices])
+        if (holds := running.holds) is not None:
+            # Known before the first publish: a GPU a device-plugin pod has is never published free, not even once.
+            holds.node_seen(node.allocatable, node.capacity)
+            await holds.read_pods()
+            await holds.refresh()
+            self._spawn(holds.run(conn.client, self.settings.node_name), "device plugin holds")
         running.publish = publish
         # A kubelet deletes every ResourceSlice of its node when it starts, and registers the plugin
         # again a little later: the slices are checked, and published again, at each registration.
         self.servers.registration_state.on_registered = publish.verify_now
+        # A pool someone else changed is verified against the devices as they are now (another agent's writes
+        # are of its own scan: `PublishLoop.before_verify`).
+        publish.before_verify = self.rescan
         publish.update(self.health.published(self.inventory.snapshot()))
         await publish.run()
 
@@ -357,6 +409,12 @@ class Agent:
                 if retry := await self.inventory.wait_retry(left):
                     await self.rescan(retry)
             await self.rescan()
+
+    async def _mig_mode_rescans(self) -> None:
+        while True:
+            await self._mig_rescan.wait()
+            self._mig_rescan.clear()
+            await self.rescan(["gpu"])
 
     async def _netlink_events(self) -> None:
         from agent.inventory.netwatch import NetlinkWatcher, debounced
@@ -396,6 +454,8 @@ class Agent:
         changed |= set(self._devices) - set(snapshot.devices)  # gone: its claims say DeviceMissing now
         self._devices = snapshot.devices
         self.health.observe(snapshot)
+        if (holds := self.health.holds) is not None:  # a GPU found while a device plugin serves is held too
+            await holds.refresh(notify=False)
         if (publish := self.publish) is not None:
             publish.update(self.health.published(snapshot))
         await self.tracker.update(snapshot, self.health.conditions, self.health.aliases(snapshot))
@@ -429,6 +489,8 @@ class Agent:
         for server in (self.probe_socket, self.http, self.metrics_http):
             if server is not None:
                 await server.stop()
+        if running is not None:
+            await self._close_pods(running)
         if running is not None:  # what is still queued is written again by the next start's resync
             await running.claim_status.stop()
             await self._keep_status(running)
@@ -485,4 +547,4 @@ class Agent:
                            taints=self.health.conditions.taint_counts(),
                            health_watchers=self.tracker.watchers, prepared_claims=len(engine.book) if engine else 0,
                            prepared_devices=engine.book.device_count() if engine else 0,
-                           quarantined=tuple(engine.quarantined) if engine else ())
+                           quarantined=tuple(engine.quarantined) if engine else (), nvml_up=self.health.nvml_up)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,7 @@ def node_view(settings: Settings) -> NodeView:
     """Discovery, the claim records and the saved taints (blocking: runs discovery)."""
     from agent.app import oneshot
     from agent.claims.store import ClaimStore
+    from agent.health import pluginholds
     from agent.health.conditions import read_saved
     from agent.health.requests import health_dir
 
@@ -98,8 +99,20 @@ def node_view(settings: Settings) -> NodeView:
         problems.append(("causes.json", f"unreadable: {exc}"))
     taints = [{"device": c.device, "key": f"{settings.driver_name}/{c.kind}", "value": c.value,
                "effect": c.effect, "cause": c.detail} for c in causes]
-    # A GPU's taints are its forms' too (`Kind.form`): the same hardware.
     caused = {c.device for c in causes if c.effect in BLOCKING_EFFECTS}
+    # The GPUs held for a device plugin (agent.health.pluginholds): tainted NoSchedule too.
+    plugin_holds: Collection[pluginholds.Hold]
+    try:
+        plugin_holds = list(pluginholds.read_saved(health_dir(settings)).held.values())
+    except FileNotFoundError:
+        plugin_holds = ()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        plugin_holds = ()
+        problems.append((pluginholds.HOLDS_FILE, f"unreadable: {exc}"))
+    taints += [{"device": h.device, "key": f"{settings.driver_name}/{pluginholds.KEY}", "value": h.reason,
+                "effect": pluginholds.EFFECT, "cause": h.detail} for h in plugin_holds]
+    caused |= {h.device for h in plugin_holds}
+    # A GPU's taints are its forms' too (`Kind.form`): the same hardware.
     hardware = {_hardware(d) for d in devices if d.name in caused}
     tainted = caused | {d.name for d in devices if d.kind.form and _hardware(d) in hardware}
     return NodeView(devices, prepared, taints, free_devices(devices, held, tainted),

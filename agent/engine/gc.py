@@ -6,7 +6,7 @@ forever. `ClaimCollector` sweeps the prepared claims at start and then every `in
 grace period, at least 0.1 s).
 
 In a cluster a sweep asks the node, not the API server: the kubelet's pod resources service
-(`PodClaims`, `agent.kubelet.podresources`) says which claims the pods on this node use now, by
+(`PodClaims`, `agent.kube.podresources`) says which claims the pods on this node use now, by
 namespace and name. A prepared claim a pod uses is left alone and costs no request. One that no pod
 has used for the whole grace period is looked up by itself, one GET of that claim, just before it
 would be collected: gone (not found, or that name now holds another UID: deleted and re-created) it is
@@ -76,7 +76,7 @@ PRESENT, GONE, UNKNOWN = "present", "gone", "unknown"
 
 
 class PodClaims(Protocol):
-    """Which claims the pods on this node use now (`agent.kubelet.podresources.PodResourcesClient`)."""
+    """Which claims the pods on this node use now (`agent.kube.podresources.PodResourcesClient`)."""
 
     async def claims_in_use(self) -> Collection[ClaimName]:
         """Every claim some pod on the node uses; raises, saying why, when that cannot be known now."""

@@ -23,6 +23,12 @@ discovery derives from it. While its `gpu-lost` cause lasts, the GPU and those f
 published as they were last seen, tainted (NoExecute by default), so the scheduler and the
 eviction controller see them; a restarted agent that never saw the GPU answer cannot publish
 it and reports it UNHEALTHY only.
+
+NVML lost as a whole (`NvmlLost`: the NVIDIA driver unloaded, as the GPU Operator's driver container does
+to reload it) puts an `nvml-lost` cause on every GPU discovery has (and so on their forms): they stay
+published as the last good scan saw them (the GPU scans fail meanwhile, and the inventory keeps their last
+good result), tainted, UNHEALTHY on the health stream. `NvmlBack` takes the causes away and rescans the
+GPUs. `nvml_up` says which, for the metrics.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from collections.abc import Awaitable, Callable
 
 from agent.claims.leftovers import Leftover, Leftovers, leftovers_dir
 from agent.config import Settings
-from agent.facts import NicFacts
+from agent.facts import GpuFacts, NicFacts, PassthroughFacts
 from agent.health.conditions import GPU_LOST, UNDO_FAILED, Cause, DeviceConditions, Readiness
+from agent.health.pluginholds import PluginHolds
 from agent.health.policy import TaintPolicy, load_policy
 from agent.health.requests import RequestWatcher, health_dir, requests_dir
 from agent.host.vfio.host import VfioHost
@@ -49,9 +56,12 @@ from agent.inventory.gpu_events import (
     GpuEvent,
     GpuEventWatcher,
     GpuLost,
+    NvmlBack,
+    NvmlLost,
     XidError,
 )
 from agent.inventory.gpus import GpuSource
+from agent.kinds import Kind
 from agent.model import Device
 
 log = logging.getLogger(__name__)
@@ -89,6 +99,9 @@ class DeviceHealthService:
         self._leftovers: list[Leftover] = []
         self._leftovers_due = True
         self.conditions.on_cleared = self._cleared
+        # GPUs a device plugin holds (`agent.health.pluginholds`): their taint is laid over a GPU and its forms
+        # as the health taints are, beside them; None: no device plugin is looked for.
+        self.holds: PluginHolds | None = None
 
     async def start(self) -> None:
         # The kernel's boot ID (the simulated machine's with --nvml sim): XID causes of another boot
@@ -225,6 +238,26 @@ class DeviceHealthService:
             self._wake.set()
         elif isinstance(event, GpuBaseline):
             self.conditions.baseline(event.device, event.uuid, event.recovery_action.value)
+        elif isinstance(event, NvmlLost):
+            self.conditions.nvml_lost(self._gpus(), event.reason)
+        elif isinstance(event, NvmlBack):
+            self._rescan.add("gpu")  # the scans failed meanwhile: the GPUs as NVML says them now
+            self.conditions.nvml_back()
+            self._wake.set()
+
+    @property
+    def nvml_up(self) -> bool | None:
+        """Whether NVML answered the GPU event watcher's latest probe (None: no NVML, or not probed yet)."""
+        return None if self.gpu_events is None else self.gpu_events.nvml_up
+
+    def _gpus(self) -> set[str]:
+        """The GPUs discovery has, each named by its native device (a form whose whole GPU is not published,
+        as in MIG mode, by its own name)."""
+        snapshot = self.inventory.snapshot()
+        natives = self._natives(snapshot)
+        return {_native_of(dev, natives) for dev in snapshot.devices.values()
+                if isinstance(dev.node, GpuFacts)
+                or (isinstance(dev.node, PassthroughFacts) and dev.node.native is Kind.GPU)}
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -236,7 +269,10 @@ class DeviceHealthService:
         aliases = self.aliases(snapshot)
         for name in sorted({*snapshot.devices, *remembered}):
             dev = snapshot.devices.get(name) or remembered[name]
-            taints = self.conditions.taints(aliases.get(name, name))
+            native = aliases.get(name, name)
+            taints = self.conditions.taints(native)
+            if self.holds is not None:
+                taints += self.holds.taints(native)
             out.append(dataclasses.replace(dev, taints=[*dev.taints, *taints]) if taints else dev)
         return out
 

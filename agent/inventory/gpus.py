@@ -36,7 +36,7 @@ from agent import quantity
 from agent.apirules import normalize_version
 from agent.config import Settings
 from agent.errors import WholeGpuInMigMode
-from agent.facts import GpuFacts, GpuIdentity, GpuShare
+from agent.facts import GpuFacts, GpuIdentity, GpuShare, MigChoice
 from agent.host.pci import normalize_bus_id, pci_function
 from agent.inventory import DeviceFailure, ScanError, ScanResult, Withheld
 from agent.inventory.gpumemory import GpuMemory
@@ -84,7 +84,7 @@ class GpuSource:
         self.opener = opener
         # Publish MIG placements (`--dynamic-mig`); the argument overrides the setting (tests).
         self.dynamic_mig = dynamic_mig if dynamic_mig is not None else settings.dynamic_mig
-        self._mig = MigDevices()
+        self._mig = MigDevices(MigChoice.parse(settings.mig_profiles))
         # vGPU types the host driver offers (`--vgpu-types`, checked by Settings).
         self._vgpu = VgpuDevices(VgpuPolicy.of(settings.vgpu_types, settings.compatibility_groups))
         # Shared forms (`--gpu-sharing`) and the host-memory overhead (`--gpu-host-memory-overhead`).
@@ -178,6 +178,31 @@ class GpuSource:
         # Last: every form of the GPU was made from the whole GPU (counter set, MIG placements, variant).
         result.devices, result.withheld = withhold_in_mig_mode(result.devices, mig_on)
         return result
+
+    def mig_parents(self) -> dict[str, str]:
+        """MIG device UUID -> its GPU's UUID, for every MIG device NVML lists now: a device plugin names the
+        MIG devices it gives out by these (`agent.health.pluginholds`). Blocking."""
+        nvml, gate, out = self.nvml, self.gate, dict[str, str]()
+        if nvml is None or gate is None:
+            return out
+        with gate.use():
+            try:
+                count = nvml.nvmlDeviceGetCount()
+            except pynvml.NVMLError:
+                return out
+            for index in range(count):
+                try:
+                    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                    uuid = nvml.nvmlDeviceGetUUID(handle)
+                    slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+                except pynvml.NVMLError:
+                    continue
+                for slot in range(slots):
+                    try:
+                        out[nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))] = uuid
+                    except pynvml.NVMLError:
+                        continue  # no MIG device in this slot
+        return out
 
     def _scan_nvml(self, nvml: Nvml) -> tuple[ScanResult, set[str]]:
         """The GPUs NVML lists now, as native devices, and the ones that fail; the bus IDs of those in MIG

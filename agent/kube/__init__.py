@@ -13,7 +13,7 @@ import os
 import random
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -52,6 +52,10 @@ class NodeInfo:
     name: str
     uid: str = ""
     declared_features: frozenset[str] = frozenset()
+    # status.allocatable and status.capacity, name -> quantity: the extended resources a device plugin
+    # serves here (`agent.health.pluginholds`)
+    allocatable: Mapping[str, str] = field(default_factory=dict, hash=False)
+    capacity: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def node_allocatable(self) -> bool:
@@ -140,7 +144,11 @@ async def read_node(client: lightkube.AsyncClient, name: str) -> NodeInfo:
         raise
     uid = (node.metadata.uid if node.metadata else None) or ""
     features = (node.status.declaredFeatures if node.status else None) or []
-    return NodeInfo(name=name, uid=uid, declared_features=frozenset(features))
+    allocatable = (node.status.allocatable if node.status else None) or {}
+    capacity = (node.status.capacity if node.status else None) or {}
+    return NodeInfo(name=name, uid=uid, declared_features=frozenset(features),
+                    allocatable={str(k): str(v) for k, v in allocatable.items()},
+                    capacity={str(k): str(v) for k, v in capacity.items()})
 
 
 def read_offline_node(directory: Path, name: str) -> NodeInfo:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -114,6 +114,14 @@ class PublishLoop:
         self._syncing = False
         self._seen: dict[str, str | None] = {}  # slice changes seen during a sync, judged after it
         self._watch: asyncio.Task[None] | None = None
+        # Run before a pool someone else changed is verified: the daemon rescans the devices. Another agent of
+        # the node (a rolling update, docs/architecture.md "Overlapping agents") wrote what it scanned; were
+        # this agent's inventory older (a GPU's MIG mode changed by the other's prepare since it scanned), the
+        # verification would write it back over the other's, each would take the other's write for someone
+        # else's, and the two would rewrite the pool for as long as they overlap. Both read the same devices.
+        self.before_verify: Callable[[], Awaitable[object]] | None = None
+        self._refresh: asyncio.Task[None] | None = None
+        self._refresh_again = False
 
     def update(self, devices: Sequence[Device]) -> None:
         self._devices = list(devices)
@@ -140,8 +148,28 @@ class PublishLoop:
         ours = self.publisher.versions()
         if any(ours.get(name) != version for name, version in self._seen.items()):
             log.info("the pool's ResourceSlices were changed by someone else: verifying them")
-            self.verify_now()
+            self._verify_foreign()
         self._seen.clear()
+
+    def _verify_foreign(self) -> None:
+        if self.before_verify is None:
+            self.verify_now()
+        elif self._refresh is not None and not self._refresh.done():
+            self._refresh_again = True  # a change seen during a refresh may postdate its scan
+        else:
+            self._refresh = asyncio.get_running_loop().create_task(self._refreshed(self.before_verify),
+                                                                   name="slice-refresh")
+
+    async def _refreshed(self, before: Callable[[], Awaitable[object]]) -> None:
+        while True:
+            self._refresh_again = False
+            try:
+                await before()
+            except Exception:  # the verification still runs, with the inventory as it is
+                log.exception("refreshing the inventory before verifying the pool failed")
+            self.verify_now()
+            if not self._refresh_again:
+                return
 
     async def _watching(self, publisher: WatchedPublisher) -> None:
         async for name, version in publisher.changes():
@@ -162,11 +190,12 @@ class PublishLoop:
         try:
             await self._run()
         finally:
-            if self._watch is not None:
-                self._watch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._watch
-                self._watch = None
+            for task in (self._watch, self._refresh):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+            self._watch = self._refresh = None
 
     async def _run(self) -> None:
         delay: float | None = None

@@ -71,6 +71,11 @@ HOST_LOCK_WAIT = 1200.0  # a bound, not an expectation: another run's kubelet te
 START_LIMIT = 120.0  # a bound, not an expectation
 
 
+# Where the kubelet's device manager listens for device plugins (k8s.io/kubelet's deviceplugin/v1beta1
+# DevicePluginPath): not below --root-dir.
+DEVICE_PLUGIN_PATH = "/var/lib/kubelet/device-plugins"
+
+
 class NodeError(RuntimeError):
     """The node could not start; the message says which program and carries its log."""
 
@@ -285,6 +290,11 @@ class Node:
             f = values / key.replace("/", ".")
             f.write_text(f"{value}\n")
             binds.append(f"mount --bind {f} /proc/sys/{key}")
+        # The kubelet's device manager serves device plugins at a fixed path, whatever its root directory: the
+        # node's own directory there, so the host's is never used and each node's device plugins are its own.
+        plugins = self.kubelet_dir / "device-plugins"
+        plugins.mkdir(parents=True, exist_ok=True)
+        binds.append(f"mkdir -p {DEVICE_PLUGIN_PATH} && mount --bind {plugins} {DEVICE_PLUGIN_PATH}")
         ready = self.root / "namespace-ready"
         script = " && ".join([*binds, f"touch {ready}", "exec sleep 2147483647"])
         self.holder = Component("namespace", ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",

@@ -60,7 +60,7 @@ def cache_root() -> Path:
     return Path(base) / "dra-agent"
 
 
-PROGRAMS = {"gocheck": ".", "kubeletreg": "./kubeletreg"}  # binary name -> package
+PROGRAMS = {"gocheck": ".", "kubeletreg": "./kubeletreg", "deviceplugin": "./deviceplugin"}  # binary name -> package
 
 
 def binary(program: str = "gocheck") -> Path:

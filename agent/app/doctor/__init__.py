@@ -67,6 +67,7 @@ class Doctor(PluginChecks, RuntimeChecks, NodeChecks, ClusterChecks):
             ("DRA socket", self.dra_socket),
             ("probes (/healthz, /readyz)", self.probes),
             ("kubelet pod resources", self.pod_resources),
+            ("device plugin", thread(self.device_plugin)),
             ("container runtime CDI", thread(self.runtime_cdi)),
             ("CDI directory", thread(self.cdi_dirs)),
             ("NVIDIA toolkit CDI", thread(self.toolkit)),

@@ -30,10 +30,10 @@ class Permission:
         return f"{self.verb} {self.resource}{'.' + self.group if self.group else ''}"
 
 
-# Every API call the agent makes: agent/kube/__init__.py (the Node), agent/claims/sources.py and watch.py (claims),
-# agent/publish/apiserver.py (slices), agent/health/statussinks.py and statusupdate.py (claim status),
-# agent/health/taintrules.py (`dra-agent taints`), agent/events.py (Events). A permission the agent does not use
-# is not asked for.
+# Every API call the agent makes: agent/kube/__init__.py and agent/health/pluginholds.py (the Node),
+# agent/claims/sources.py and watch.py (claims), agent/publish/apiserver.py (slices), agent/health/statussinks.py
+# and statusupdate.py (claim status), agent/health/taintrules.py (`dra-agent taints`), agent/events.py (Events).
+# A permission the agent does not use is not asked for.
 PERMISSIONS: tuple[Permission, ...] = (
     Permission("get", "", "nodes", "read this Node: its UID (slice owner) and declared features", named="node"),
     Permission("get", "resource.k8s.io", "resourceclaims", "read a claim the kubelet asks to prepare",
@@ -83,9 +83,17 @@ BINDING_CONDITIONS: tuple[Permission, ...] = (
 )
 
 
+# Unless --device-plugin-resources is empty: agent/health/pluginholds.py.
+DEVICE_PLUGIN: tuple[Permission, ...] = (
+    Permission("watch", "", "nodes", "follow this Node's extended resources, which a device plugin serving the GPUs "
+               "shows (--device-plugin-resources)", named="node"),
+)
+
+
 def permissions(settings: Settings) -> tuple[Permission, ...]:
     """The permissions the agent with these settings uses."""
-    return PERMISSIONS + (BINDING_CONDITIONS if settings.binding_conditions else ())
+    return (PERMISSIONS + (BINDING_CONDITIONS if settings.binding_conditions else ())
+            + (DEVICE_PLUGIN if settings.plugin_resources else ()))
 
 
 class ClusterChecks(Checks):

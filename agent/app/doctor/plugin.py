@@ -16,8 +16,8 @@ from agent.app.doctor.base import Checks
 from agent.app.doctor.results import Result, failed, passed, skipped
 from agent.app.httpserver import DRIVER_HEADER, NODE_HEADER, POD_UID_HEADER, VERSION_HEADER
 from agent.fsutil import UnsafeRoot, check_root
+from agent.kube.podresources import PodResourcesClient, PodResourcesUnavailable
 from agent.kubelet import client as kc
-from agent.kubelet.podresources import PodResourcesClient, PodResourcesUnavailable
 
 
 class PluginChecks(Checks):
@@ -194,6 +194,38 @@ class PluginChecks(Checks):
             await kubelet.close()
         return [passed(name, f"{s.pod_resources_socket} answers: {len(pods.pods)} pods, "
                        f"{len(pods.claims_in_use())} claims in use (what garbage collection reads)")]
+
+
+    def device_plugin(self) -> list[Result]:
+        """What the running agent holds for a device plugin serving the GPUs (`agent.health.pluginholds`)."""
+        from agent.health.pluginholds import KEY, SERVING, read_saved
+        from agent.health.requests import health_dir
+
+        s = self.s
+        name = "device plugin"
+        if not s.plugin_resources:
+            return [skipped(name, "--device-plugin-resources is empty: no device plugin is looked for")]
+        if s.offline is not None:
+            return [skipped(name, f"offline (--offline {s.offline}): no Node and no kubelet to ask")]
+        try:
+            view = read_saved(health_dir(s))
+        except FileNotFoundError:
+            return [skipped(name, "the agent has saved no device plugin holds here (not running yet)")]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return [failed(name, f"the saved holds are unreadable: {exc}", "the running agent writes them again at "
+                           "its next change; restart it to write them now", blocking=False)]
+        if not view.held:
+            return [passed(name, f"no GPU held: no device plugin serves {view.names} here and no pod has a GPU "
+                           "from one")]
+        reasons = sorted({h.detail for h in view.held.values()})
+        serving = any(h.reason == SERVING for h in view.held.values())
+        detail = (f"{len(view.held)} GPUs held, published with taint {s.driver_name}/{KEY} (NoSchedule): "
+                  + "; ".join(reasons) + (f"; the kubelet's pod resources service: {view.pods_error}"
+                                          if view.pods_error else ""))
+        fix = ("turn the device plugin off on this node (docs/migration.md): each GPU no device-plugin pod has comes "
+               "free at once, the others when their pods end") if serving else (
+               "they come free when the device plugin's pods on them end (docs/migration.md)")
+        return [failed(name, detail, fix, blocking=False)]
 
 
 def _is_socket(path: Path) -> bool:
