@@ -313,6 +313,9 @@ async def prepare_in_rounds(quick: Quickstart, settings: Settings, claims: list[
     async with kc.DRAClient(settings.dra_socket) as client:
         remaining = list(claims)
         while remaining:
+            # The devices as published before the round and after its prepares: a MIG device's GPU in MIG mode is
+            # no longer published whole once the round made its instance (the GPUs are rescanned after it).
+            published = published_devices(settings.offline)
             prepared, errors = [], {}
             for claim in remaining:
                 entry = (await client.prepare([claim.ref])).claims[claim.uid]
@@ -323,7 +326,7 @@ async def prepare_in_rounds(quick: Quickstart, settings: Settings, claims: list[
                     prepared.append(claim)
             assert prepared, f"claims that cannot be prepared even alone: {errors}"
             try:
-                published = published_devices(settings.offline)
+                published |= published_devices(settings.offline)
                 files = sorted(settings.metadata_dir.rglob("metadata.json"))
                 report = run_checker(checker, quick.root, [settings.static_cdi_dir, settings.cdi_dir],
                                      {c.uid: c.cdi_ids() for c in prepared}, files)

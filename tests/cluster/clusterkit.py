@@ -309,10 +309,12 @@ class AgentProcess:
 
 @contextlib.contextmanager
 def agent(root: Path, kubeconfig_path: Path, *args: str, node: str = NODE, nvml: str = "sim:dgx-h100",
-          env: Mapping[str, str] | None = None, own_kubelet: bool = True) -> Iterator[AgentProcess]:
+          env: Mapping[str, str] | None = None, own_kubelet: bool = True,
+          log_name: str = "agent.log") -> Iterator[AgentProcess]:
     """`dra-agent run` against the cluster in `kubeconfig_path`, its roots under `root` (kept across
     runs, as on a node: a second run with the same root is a restart), metrics on a free port, JSON
-    logs appended to `root/agent.log`. Stopped with SIGTERM when the block ends. With `own_kubelet`, a
+    logs appended to `root/agent.log` (`log_name`: another file, for a second agent running on the same
+    roots, as in a rolling update). Stopped with SIGTERM when the block ends. With `own_kubelet`, a
     stand-in of the kubelet's pod resources service runs on its kubelet directory for the agent's life,
     with no pod on the node until a test says otherwise (`AgentProcess.kubelet`); without, a real kubelet
     (or the caller's stand-in) serves it."""
@@ -320,18 +322,18 @@ def agent(root: Path, kubeconfig_path: Path, *args: str, node: str = NODE, nvml:
     root.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         standin = stack.enter_context(PodResourcesStandIn(socket_of(root / "kubelet"))) if own_kubelet else None
-        with _agent(root, kubeconfig_path, args, node, nvml, env) as running:
+        with _agent(root, kubeconfig_path, args, node, nvml, env, log_name) as running:
             running.kubelet = standin
             yield running
 
 
 @contextlib.contextmanager
 def _agent(root: Path, kubeconfig_path: Path, args: tuple[str, ...], node: str, nvml: str,
-           env: Mapping[str, str] | None) -> Iterator[AgentProcess]:
+           env: Mapping[str, str] | None, log_name: str = "agent.log") -> Iterator[AgentProcess]:
     from .controlplane import free_port
 
     port = free_port()
-    log = root / "agent.log"
+    log = root / log_name
     cmd = [str(VENV_BIN / "dra-agent"), "run", f"--kubeconfig={kubeconfig_path}", f"--node-name={node}",
            f"--nvml={nvml}", f"--kubelet-dir={root / 'kubelet'}", f"--cdi-dir={root / 'cdi'}",
            f"--static-cdi-dir={root / 'cdi-static'}", f"--state-dir={root / 'state'}",

@@ -28,6 +28,9 @@ from .clusterkit import NODE, NODE_ALLOCATABLE, OTHER_NODE, AgentRuns, Cluster, 
 from .controlplane import ControlPlaneError, start_plane, tail
 from .nodekit import NodeReport
 from .pki import Pki
+
+# The real node's module-scoped fixtures (a node and a control plane for each module that asks for them).
+from .realnode import node_cluster, node_report, node_runs, real_node  # noqa: F401
 from .workloads import Namespace, NodeAgent, node_agent
 
 
@@ -127,8 +130,10 @@ SCHEDULED_NODE = "dra-scheduled"
 # A NIC for the workloads' NIC claims: this machine's own NIC is its uplink, which the `nic` class never
 # offers, so the session makes a veth pair whose one end (`dratest*`) the scheduled agent publishes.
 SCHEDULED_NIC = "dratest"
-SCHEDULED_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gc-grace-period=1", "--gpu-host-memory-overhead=0",
-                   f"--nic-include={SCHEDULED_NIC}*")
+# The MIG profiles: the default's (1g, 2g, 3g, 7g) and the two the tests ask for beyond them (4g.40gb, whose
+# placement overlaps a 3g.40gb's; 1g.10gb+me, the device plugin's `mig-1g.10gb.me`), named as an operator does.
+SCHEDULED_FLAGS = ("--dynamic-mig=true", "--mig-profiles=1g,2g,3g,4g,7g,1g.10gb+me", "--gpu-sharing=true",
+                   "--gc-grace-period=1", "--gpu-host-memory-overhead=0", f"--nic-include={SCHEDULED_NIC}*")
 
 
 @pytest.fixture(scope="session")

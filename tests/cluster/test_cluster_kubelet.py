@@ -19,12 +19,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import shutil
 import subprocess
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,25 +36,20 @@ from .clusterkit import (
     VENV_BIN,
     AgentProcess,
     AgentRuns,
-    ApiFailure,
     Cluster,
     devices_of,
     eventually,
     slices_of,
 )
 from .clusterkit import NAMESPACE as AGENT_NAMESPACE
-from .controlplane import WITH_KUBELETS, ControlPlaneError, start_plane
-from .nodekit import IMAGE, POD_SUBNET, Node, NodeError, NodeReport, running
-from .pki import Pki
+from .nodekit import IMAGE, POD_SUBNET, Node, NodeReport
+from .realnode import AGENT_ROOT, NODE_NAME, SLEEPER, node_object, ready
 from .workloads import Namespace, results_of, string
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
 
-NODE_NAME = "dra-kubelet-1"
 NAMESPACE = "kubelet-e2e"
 ATTRIBUTES = "/var/run/kubernetes.io/dra-device-attributes"
-# The bound the node gets to become Ready after the kubelet answers /healthz: a bound, not an expectation.
-READY_WITHIN = 120.0
 # What every test container prints, in sections the test splits on: each metadata file the kubelet's CDI
 # mounts gave it, its environment, and the device nodes CDI made (type, hex major:minor).
 SCRIPT = f"""
@@ -76,97 +68,11 @@ sleep 2147483647 & wait
 NIC_PREFIX = "dranic"
 AGENT_FLAGS = ("--dynamic-mig=true", "--gpu-sharing=true", "--gpu-host-memory-overhead=0", "--gc-grace-period=1",
                f"--nic-include={NIC_PREFIX}*")
-SLEEPER = {"image": IMAGE, "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; "
-                                                                    "sleep 2147483647 & wait"]}
-
-
-def _busybox() -> Path:
-    from runtime import is_static_elf  # tests/runtime.py: the busybox-static check the podman tests use
-
-    found = shutil.which("busybox")
-    if found is None or not is_static_elf(Path(found).resolve()):
-        pytest.fail(f"the node's image needs a static busybox (Debian's busybox-static); found {found}",
-                    pytrace=False)
-    return Path(found).resolve()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def node_report() -> NodeReport:
-    """Filled in by the fixtures below as they come up; conftest puts it in a failing test's report."""
-    return NodeReport()
-
-
-@pytest.fixture(scope="module")
-def node_cluster(components: Path, cluster_root: Path, pki: Pki, node_report: NodeReport) -> Iterator[Cluster]:
-    """A control plane for the real node alone, with deploy/ applied (the agent's RBAC, admission policy
-    and device classes, the KubeVirt overlay's among them)."""
-    try:
-        plane = start_plane(components, cluster_root / "node-plane", pki, controllers=WITH_KUBELETS)
-    except ControlPlaneError as exc:
-        pytest.fail(f"the control plane did not start: {exc}", pytrace=False)
-    c = Cluster(plane, cluster_root / "node-plane")
-    try:
-        c.apply_deploy()
-        plane.wait_components()
-    except Exception as exc:
-        logs = plane.logs()
-        c.close()
-        plane.stop()
-        pytest.fail(f"setting up the cluster failed: {exc}\n{logs}", pytrace=False)
-    node_report.cluster = c
-    try:
-        yield c
-    finally:
-        node_report.cluster = None
-        c.close()
-        plane.stop()
-
-
-@pytest.fixture(scope="module")
-def node_runs(cluster_root: Path, node_report: NodeReport) -> Iterator[AgentRuns]:
-    runs = node_report.runs = AgentRuns(Path(tempfile.mkdtemp(prefix="agent-", dir=cluster_root)))
-    yield runs
-    for proc in runs.started:
-        proc.stop()
-
-
-def node_object(cluster: Cluster) -> dict[str, Any] | None:
-    try:
-        node: dict[str, Any] = cluster.admin.get(f"/api/v1/nodes/{NODE_NAME}")
-    except ApiFailure as exc:
-        if exc.status == 404:
-            return None
-        raise
-    return node
-
-
-def ready(node: dict[str, Any] | None) -> bool:
-    """The Node Ready and schedulable: its Ready condition True and the taints that go with not being
-    ready (the kubelet registers with one, the node lifecycle controller removes it) gone."""
-    if node is None:
-        return False
-    conditions = {c["type"]: c["status"] for c in node.get("status", {}).get("conditions") or []}
-    taints = {t["key"] for t in node.get("spec", {}).get("taints") or []}
-    return conditions.get("Ready") == "True" and not taints & {"node.kubernetes.io/not-ready",
-                                                                "node.kubernetes.io/network-unavailable"}
-
-
-@pytest.fixture(scope="module")
-def real_node(node_cluster: Cluster, node_components: Path, node_runs: AgentRuns,
-              node_report: NodeReport) -> Iterator[Node]:
-    """containerd and the kubelet for NODE_NAME, Ready; its kubelet directory and CDI directory are
-    the agent's (`node_agent`)."""
-    agent_root = node_runs.base / "kn"
-    node = node_report.node = Node(node_components, Path(tempfile.mkdtemp(prefix="node-", dir=node_runs.base)),
-                                   NODE_NAME, node_cluster.plane, agent_root / "kubelet", agent_root / "cdi",
-                                   _busybox())
-    try:
-        with running(node):
-            eventually(lambda: ready(node_object(node_cluster)), "the Node is Ready with no not-ready taint",
-                       READY_WITHIN)
-            yield node
-    except NodeError as exc:
-        pytest.fail(f"the node did not start: {exc}", pytrace=False)
+def _reported(node_report: NodeReport) -> None:
+    """Every test of the module has the node's report (conftest.py, realnode.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +80,7 @@ def node_agent(node_cluster: Cluster, real_node: Node, node_runs: AgentRuns) -> 
     """The agent of the node, with a token bound to its own pod, which the kubelet runs (a sleeper in
     place of the DaemonSet's image); registered with the kubelet."""
     kubeconfig = node_cluster.agent_kubeconfig(NODE_NAME, container=SLEEPER)
-    with node_runs.run("kn", kubeconfig, *AGENT_FLAGS, node=NODE_NAME, own_kubelet=False) as agent:
+    with node_runs.run(AGENT_ROOT, kubeconfig, *AGENT_FLAGS, node=NODE_NAME, own_kubelet=False) as agent:
         agent.wait_published()
         # The kubelet's plugin watcher found the registration socket and told the agent it took it.
         eventually(lambda: agent.metric("dra_agent_kubelet_registered") == 1.0, "the kubelet registers the plugin")
