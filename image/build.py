@@ -16,6 +16,10 @@ what `make image-offline` and the image test (tests/test_image.py, run in CI) do
 Each stage says what it does as it goes (stderr, one line a step: mmdebstrap's own stages, podman
 build's STEP lines), since the base alone takes a minute or more. Needs podman, and mmdebstrap for the
 base (Debian packages; .ci/run installs them).
+
+`make release` (image/release.py) calls build() once an architecture (`arch`): the same three steps with
+that architecture's Debian packages, wheels (.image/wheels-<machine> for a foreign one) and `--platform`.
+Without `arch`, as `make image-offline` calls it, nothing of that applies.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ import tomllib
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINERFILE = ROOT / "Containerfile"
 WHEELS = ROOT / ".image" / "wheels"
-WHEELS_IN_CONTEXT = "/src/.image/wheels"  # where the build stage sees WHEELS (COPY . /src)
+CONTEXT = "/src"  # where the build stage sees the repository (COPY . /src)
 DEFAULT_TAG = "localhost/dra-agent:latest"
 
 # The base: Debian's python3 from its essential packages, without documentation (copyrights kept).
@@ -58,14 +63,39 @@ BASE_CONFIG = (
     'CMD=["python3"]',
 )
 BASE_REPOSITORY = "localhost/dra-agent-base"
+
+
+class BuildError(RuntimeError):
+    """A step failed; the message carries the tool's own error output."""
+
 COMMAND_TIMEOUT = 900
 ERROR_LINES = 200  # the tail of a failed step's output kept for its error message
 # podman build's progress: `STEP 3/9: RUN ...` (`[1/2] STEP ...` in a multi-stage build) and `COMMIT`.
 BUILD_STEP = re.compile(r"^(\[\d+/\d+\] )?(STEP \d+/\d+: |COMMIT )")
 
 
-class BuildError(RuntimeError):
-    """A step failed; the message carries the tool's own error output."""
+class Arch(NamedTuple):
+    """One architecture by each of its names: Debian's and OCI's (`arm64`), the kernel's and the wheels'
+    (`aarch64`). `make release` builds the image for each of ARCHES (image/release.py). A NamedTuple, not a
+    dataclass: the tests load this file by its path, as a module that is not in sys.modules."""
+
+    debian: str
+    machine: str
+
+    @property
+    def platform(self) -> str:
+        return f"linux/{self.debian}"
+
+
+ARCHES = (Arch("amd64", "x86_64"), Arch("arm64", "aarch64"))
+
+
+def host_arch() -> Arch:
+    machine = platform.machine()
+    for arch in ARCHES:
+        if arch.machine == machine:
+            return arch
+    raise BuildError(f"no image is built on {machine}: the architectures are {[a.machine for a in ARCHES]}")
 
 
 def log(message: str) -> None:
@@ -110,9 +140,10 @@ def _build_step(line: str) -> str | None:
     return f"build: {line[:110]}" if BUILD_STEP.match(line) else None
 
 
-def base_tag() -> str:
-    """The local base image's name: a new recipe is a new name, so a stale base is never reused."""
-    recipe = repr((SUITE, PACKAGES, MMDEBSTRAP_OPTIONS, BASE_CONFIG, platform.machine()))
+def base_tag(arch: Arch | None = None) -> str:
+    """The local base image's name: a new recipe is a new name, so a stale base is never reused. `arch`
+    None is this machine's (the name `make image-offline` has always used)."""
+    recipe = repr((SUITE, PACKAGES, MMDEBSTRAP_OPTIONS, BASE_CONFIG, arch.machine if arch else platform.machine()))
     return f"{BASE_REPOSITORY}:{SUITE}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
 
 
@@ -121,15 +152,20 @@ def image_exists(podman: Sequence[str], name: str) -> bool:
                           capture_output=True).returncode == 0
 
 
-def ensure_base(podman: Sequence[str] = ("podman",)) -> str:
-    """The local Debian base image: reused when present, else made by mmdebstrap | podman import."""
-    tag = base_tag()
+def ensure_base(podman: Sequence[str] = ("podman",), arch: Arch | None = None) -> str:
+    """The local Debian base image: reused when present, else made by mmdebstrap | podman import. `arch`
+    another than this machine's: Debian's packages of that one, their maintainer scripts run by qemu
+    (image/release.py registers it first), and the image says that architecture."""
+    foreign = arch is not None and arch != host_arch()
+    tag = base_tag(arch if foreign else None)
     if image_exists(podman, tag):
         log(f"base {tag} (cached)")
         return tag
-    log(f"base {tag}: mmdebstrap {SUITE} {','.join(PACKAGES)} | podman import (a minute or two)")
+    log(f"base {tag}: mmdebstrap {SUITE} {','.join(PACKAGES)}{f' for {arch.debian} (under qemu)' if foreign else ''}"
+        f" | podman import ({'several minutes' if foreign else 'a minute or two'})")
     started = time.monotonic()
     changes = [a for c in BASE_CONFIG for a in ("--change", c)]
+    arch_options = [f"--arch={arch.debian}"] if foreign and arch else []
 
     def stage(line: str) -> str | None:  # mmdebstrap's own `I: downloading packages with apt...`
         return f"base: {line[3:]} ({time.monotonic() - started:.0f} s)" if line.startswith("I: ") else None
@@ -138,13 +174,13 @@ def ensure_base(podman: Sequence[str] = ("podman",)) -> str:
     # The root filesystem streams as a tar from mmdebstrap's stdout into podman import's stdin; its
     # stderr is read as it comes, by a thread of its own, so that neither output can block it.
     debootstrap = subprocess.Popen(
-        ["mmdebstrap", *MMDEBSTRAP_OPTIONS, f"--include={','.join(PACKAGES)}", SUITE, "-"],
+        ["mmdebstrap", *MMDEBSTRAP_OPTIONS, *arch_options, f"--include={','.join(PACKAGES)}", SUITE, "-"],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert debootstrap.stdout is not None and debootstrap.stderr is not None
     follower = threading.Thread(target=_follow, args=(debootstrap.stderr, tail, stage), daemon=True)
     follower.start()
     try:
-        imported = subprocess.run([*podman, "import", *changes, "-", tag], stdin=debootstrap.stdout,
+        imported = subprocess.run([*podman, "import", *arch_options, *changes, "-", tag], stdin=debootstrap.stdout,
                                   capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     finally:
         debootstrap.stdout.close()
@@ -166,47 +202,74 @@ def requirements() -> list[str]:
     return [*project["build-system"]["requires"], *project["project"]["dependencies"]]
 
 
-def platforms() -> list[str]:
+def platforms(machine: str | None = None) -> list[str]:
     """pip's --platform options for the base: glibc 2.36 (bookworm) takes every manylinux wheel up to it.
 
     pip does not widen a given platform to the older manylinux ones itself."""
-    arch = platform.machine()
+    arch = machine or platform.machine()
     tags = [f"manylinux_2_{minor}_{arch}" for minor in range(GLIBC_MINOR, 4, -1)]
     tags += [f"manylinux{legacy}_{arch}" for legacy in ("2014", "2010", "1")]
     return [a for tag in tags for a in ("--platform", tag)]
 
 
-def wheelhouse(python: str = sys.executable) -> Path:
-    """Every needed wheel (binary only, for the base's Python) in .image/wheels: what is there
-    already when it satisfies pyproject.toml (no network), else downloaded by the host's pip."""
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    log(f"wheelhouse {WHEELS.relative_to(ROOT)}: the wheels pyproject.toml needs, for CPython {PYTHON_VERSION}")
+def wheels_dir(arch: Arch | None = None) -> Path:
+    """This machine's wheelhouse is .image/wheels; another architecture's .image/wheels-<machine> (both
+    in the build context: .containerignore)."""
+    return WHEELS if arch is None or arch == host_arch() else WHEELS.with_name(f"wheels-{arch.machine}")
+
+
+def in_context(path: Path) -> str:
+    """Where the build stage sees a path of the repository."""
+    return f"{CONTEXT}/{path.relative_to(ROOT).as_posix()}"
+
+
+def wheelhouse(python: str = sys.executable, arch: Arch | None = None) -> Path:
+    """Every needed wheel (binary only, for the base's Python and `arch`, None this machine's) in
+    wheels_dir(arch): what is there already when it satisfies pyproject.toml (no network), else
+    downloaded by the host's pip."""
+    wheels = wheels_dir(arch)
+    wheels.mkdir(parents=True, exist_ok=True)
+    log(f"wheelhouse {wheels.relative_to(ROOT)}: the wheels pyproject.toml needs, for CPython {PYTHON_VERSION}"
+        f"{f' on {arch.machine}' if arch else ''}")
     started = time.monotonic()
     download = [python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--only-binary=:all:",
                 "--python-version", PYTHON_VERSION, "--implementation", "cp",
-                "--abi", f"cp{PYTHON_VERSION.replace('.', '')}", *platforms(), "--dest", str(WHEELS)]
+                "--abi", f"cp{PYTHON_VERSION.replace('.', '')}", *platforms(arch.machine if arch else None),
+                "--dest", str(wheels)]
     try:
-        _run([*download, "--no-index", "--find-links", str(WHEELS), *requirements()])
+        _run([*download, "--no-index", "--find-links", str(wheels), *requirements()])
         how = "present"
     except BuildError:
         log("wheelhouse: downloading what is missing (pip)")
         _run([*download, *requirements()])
         how = "downloaded"
-    log(f"wheelhouse {WHEELS.relative_to(ROOT)}: {len(list(WHEELS.glob('*.whl')))} wheels {how} "
+    log(f"wheelhouse {wheels.relative_to(ROOT)}: {len(list(wheels.glob('*.whl')))} wheels {how} "
         f"in {time.monotonic() - started:.0f} s")
-    return WHEELS
+    return wheels
+
+
+def agent_version() -> str:
+    """The agent's version, from its one source (agent/__init__.py), read without importing the agent: the
+    image's VERSION build argument (its OCI labels; the build refuses one that is not the agent's)."""
+    found = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "agent" / "__init__.py").read_text(), re.MULTILINE)
+    if found is None:
+        raise BuildError("agent/__init__.py sets no __version__")
+    return found.group(1)
 
 
 def build(tag: str = DEFAULT_TAG, base: str | None = None, podman: Sequence[str] = ("podman",),
-          layers: bool = True) -> str:
-    """Build the Containerfile offline; returns the image's ID."""
-    base = base or ensure_base(podman)
-    wheelhouse()
-    log(f"podman build {tag} from {base}, no network (two stages: the wheel, then the image)")
+          layers: bool = True, arch: Arch | None = None) -> str:
+    """Build the Containerfile offline; returns the image's ID. `arch` builds for that platform (None:
+    this machine's, without naming one)."""
+    base = base or ensure_base(podman, arch)
+    wheels = wheelhouse(arch=arch)
+    for_arch = f" for {arch.platform}" if arch else ""
+    log(f"podman build {tag}{for_arch} from {base}, no network (two stages: the wheel, then the image)")
     started = time.monotonic()
     argv = [*podman, "build", "--network", "none", f"--layers={str(layers).lower()}",
-            "--build-arg", f"BASE={base}",
-            "--build-arg", f"PIP_OPTIONS=--no-index --find-links {WHEELS_IN_CONTEXT}",
+            *(["--platform", arch.platform] if arch else []),
+            "--build-arg", f"BASE={base}", "--build-arg", f"VERSION={agent_version()}",
+            "--build-arg", f"PIP_OPTIONS=--no-index --find-links {in_context(wheels)}",
             "--file", str(CONTAINERFILE), "--tag", tag, str(ROOT)]
     _run_showing(argv, _build_step)
     image_id = subprocess.run([*podman, "image", "inspect", "--format", "{{.Id}}", tag], capture_output=True,

@@ -80,7 +80,7 @@ class RunningAgent:
 
     def health(self) -> dict[str, dict[str, Any]]:
         """The health stream's first answer, by device name."""
-        done = self.cli("kubelet", "health", "--once")
+        done = self.cli("kubelet", "health", "--once", "-o", "json")
         assert done.returncode == 0, done.stdout + done.stderr
         return {d["device"]["device_name"]: d for d in json.loads(done.stdout)["devices"]}
 

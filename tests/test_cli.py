@@ -96,10 +96,31 @@ def test_quickstart_prepare_inspect_unprepare(agent_process, run_env):
     assert all("NCCL_DEBUG=INFO" in d["containerEdits"]["env"] for d in spec["devices"])
     v1beta1 = json.loads(cli("kubelet", "unprepare", "default/gpu-one", "--api", "v1beta1", env=run_env).stdout)
     assert all("error" not in e for e in v1beta1["claims"].values())
-    health = json.loads(cli("kubelet", "health", "--once", env=run_env).stdout)
+    health = json.loads(cli("kubelet", "health", "--once", "-o", "json", env=run_env).stdout)
     assert {d["device"]["device_name"] for d in health["devices"]} >= {f"gpu-{i}" for i in range(8)}
     slices = list((Path(run_env["DRA_OFFLINE"]) / "resourceslices").glob("*.yaml"))
     assert slices, "the running agent publishes offline"
+
+
+def test_kubelet_health_is_a_table_of_devices_and_json_on_request(agent_process, run_env):
+    """`kubelet health --once` is a line of counts and a row a device (it printed the stream's JSON, some 7
+    lines a device: 1,400 lines on the simulated machine); `-o json` prints the answer whole, and both
+    versions of the service tell the same devices."""
+    cli("sim", "xid", "gpu-3", "48", env=run_env)  # a double-bit ECC error: gpu-3 unhealthy, with why
+    answer = json.loads(cli("kubelet", "health", "--once", "-o", "json", env=run_env).stdout)
+    health = {d["device"]["device_name"]: d for d in answer["devices"]}
+    assert health["gpu-3"]["health"] == "UNHEALTHY"
+    for api in ("v1", "v1alpha1"):
+        head, columns, *rows = cli("kubelet", "health", "--once", "--api", api, env=run_env).stdout.splitlines()
+        unhealthy = sum(d["health"] == "UNHEALTHY" for d in health.values())
+        assert head == (f"{len(health)} devices in pool node-cli: {len(health) - unhealthy} HEALTHY, "
+                        f"{unhealthy} UNHEALTHY"), head
+        assert columns.split() == ["DEVICE", "HEALTH", "UPDATED", "TIMEOUT", "MESSAGE"]
+        shown = {row.split()[0]: row.split()[1] for row in rows}
+        assert shown == {name: d["health"] for name, d in health.items()}, rows
+        (gpu3,) = [row for row in rows if row.startswith("gpu-3 ")]
+        assert health["gpu-3"]["message"] and gpu3.endswith(health["gpu-3"]["message"]), gpu3
+    assert "v1alpha1 (the one earlier kubelets call)" in " ".join(cli("kubelet", "health", "--help").stdout.split())
 
 
 def test_claims_names_one_claim_and_prints_its_metadata_paths(agent_process, run_env):
@@ -111,6 +132,14 @@ def test_claims_names_one_claim_and_prints_its_metadata_paths(agent_process, run
     (path,) = paths
     first = json.loads(Path(path).read_text().splitlines()[0])
     assert first["metadata"]["name"] == "gpu-one" and first["requests"][0]["name"] == "gpu"
+    # A JSON stream, as README and docs/claims.md say where the file is first named: json.load of it whole
+    # fails, and the one line they give reads an object per API version, the newest first.
+    with pytest.raises(json.JSONDecodeError, match="Extra data"):
+        json.loads(Path(path).read_text())
+    read = subprocess.run([sys.executable, "-m", "json.tool", "--json-lines", path], capture_output=True, text=True,
+                          check=True, timeout=60).stdout
+    assert re.findall(r'"apiVersion": "(metadata[^"]+)"', read) == [
+        "metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1"]
     (record,) = json.loads(cli("claims", "default/gpu-one", "-o", "json", env=run_env).stdout)
     assert record["name"] == "gpu-one" and path in record["files"]
     assert "trainer" not in cli("claims", "default/gpu-one", env=run_env).stdout

@@ -50,17 +50,23 @@ def test_devices_table_shows_driver_and_iommu_group(tmp_path: Path, capsys: pyte
         assert rows["gpu-0"]["DRIVER"] == "nvidia"
 
 
-def test_with_simulated_gpus_the_iommu_warning_is_about_the_hosts_own_nics(
+def test_with_simulated_gpus_one_story_of_the_iommu_from_devices_and_doctor(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
-    # The simulated machine's VF gets its passthrough device; the host's NICs (a sysfs without IOMMU
-    # groups here) get none, and the warning says whose: before, it said no NIC function got one while
-    # the listing showed the simulated VF's.
+    # The simulated machine's VF gets its passthrough device; the host (a sysfs without IOMMU groups
+    # here) has no NIC function that would get one, so `devices` says nothing of the IOMMU, and doctor
+    # tells both machines' groups. Before, every `devices` run warned that "no NIC function of this host
+    # gets a passthrough variant" while doctor said "IOMMU: on".
     state = tmp_path / "state"
     host = tmp_path / "host-sys"
     (host / "class" / "net").mkdir(parents=True)
-    assert cli.main(["devices", "--nvml", "sim", "--state-dir", str(state), "--sysfs-root", str(host),
-                     "--offline", str(state / "offline")]) == 0
+    settings = ["--nvml", "sim", "--state-dir", str(state), "--sysfs-root", str(host), "--offline",
+                str(state / "offline")]
+    assert cli.main(["devices", *settings]) == 0
     listed = capsys.readouterr().out
     assert "nic-0000-4b-00-1-vfio" in listed
-    said = [r.getMessage() for r in caplog.records if "IOMMU" in r.getMessage()]
-    assert said and all("no NIC function of this host gets a passthrough variant" in m for m in said), said
+    assert [r.getMessage() for r in caplog.records if "IOMMU" in r.getMessage()] == []
+
+    cli.main(["doctor", *settings, "--kubelet-dir", str(tmp_path / "kubelet"), "--metrics-address", ""])
+    (iommu,) = [x for x in capsys.readouterr().out.splitlines() if x[2:].startswith("IOMMU:")]
+    assert iommu.startswith("✓ IOMMU: on: ") and "groups in the simulated machine's" in iommu, iommu
+    assert f"none in this host's {host / 'kernel' / 'iommu_groups'} (its IOMMU is off)" in iommu, iommu

@@ -97,7 +97,7 @@ def ready(s: Settings) -> str | None:
 
 
 def health(s: Settings) -> dict[str, str]:
-    done = cli(s, "kubelet", "health", "--once")
+    done = cli(s, "kubelet", "health", "--once", "-o", "json")
     assert done.returncode == 0, done.stderr
     return {d["device"]["device_name"]: d["health"] for d in json.loads(done.stdout)["devices"]}
 

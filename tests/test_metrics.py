@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import os
+import platform
 import socket
 import stat
 import sys
@@ -20,6 +22,7 @@ import yaml
 from agentkit import DRIVER, REPO, claim, result, roots, write_claim
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent import __version__
 from agent.app import httpserver
 from agent.app.daemon import Agent
 from agent.config import DEFAULT_METRICS_ADDRESS, OPTIONS, ConfigError, build_settings, settings_from
@@ -155,7 +158,10 @@ async def test_metrics_after_prepare_and_probes(started, http):
     assert value(samples, "dra_agent_health_watchers") == 1
     for action in ("repaired", "removed", "quarantined"):
         assert value(samples, "dra_agent_recovery_actions_total", action=action) == 0
-    assert any(name == "dra_agent_build_info" for name, _ in samples)
+    # The version an alert or a dashboard groups nodes by: the agent's one (`dra-agent --version`, the image's
+    # org.opencontainers.image.version label, pyproject's version through importlib.metadata).
+    assert value(samples, "dra_agent_build_info", version=__version__, python=platform.python_version()) == 1
+    assert __version__ == importlib.metadata.version("dra-agent")
     assert value(samples, "process_resident_memory_bytes") > 0
 
     async with kc.DRAClient(agent.settings.dra_socket) as client:

@@ -235,8 +235,9 @@ def test_slices_from_the_real_path_are_valid(env: dict[str, str]) -> None:
         kubernetes_validate.validate(d, "1.37.0", strict=True)
     names = [dev["name"] for d in docs for dev in d["spec"].get("devices", [])]
     assert sorted(n for n in names if not n.endswith("-vfio") and "-mig-" not in n) == sorted(EXPECTED)
-    # gpu-0's MIG placements, from the library's MIG profiles (the H100 80GB's: 25 placements).
-    assert len([n for n in names if n.startswith("gpu-0-mig-")]) == 25
+    # gpu-0's MIG placements, from the library's MIG profiles (the H100 80GB's: 25 placements, 13 of them of
+    # the profiles --mig-profiles names by default).
+    assert len([n for n in names if n.startswith("gpu-0-mig-")]) == 13
     # Each GPU has one counter set; the one in sysfs (with its IOMMU group) has a passthrough variant.
     assert [n for n in names if n.endswith("-vfio")] == ["gpu-0000-18-00-0-vfio"]
     assert sum(len(d["spec"].get("sharedCounters", [])) for d in docs) == len(EXPECTED)
@@ -384,7 +385,7 @@ def _ref(uid: str) -> Any:
 
 
 def health(env: dict[str, str]) -> dict[str, tuple[str, str]]:
-    proc = cli(env, "kubelet", "health", "--once")
+    proc = cli(env, "kubelet", "health", "--once", "-o", "json")
     assert proc.returncode == 0, proc.stderr
     return {d["device"]["device_name"]: (d["health"], d.get("message", ""))
             for d in json.loads(proc.stdout)["devices"]}

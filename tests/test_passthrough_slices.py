@@ -20,7 +20,7 @@ from agent import apirules, counters
 from agent.config import NvmlMode, Settings
 from agent.facts import NicFacts
 from agent.inventory.gpus import GpuSource
-from agent.inventory.passthrough import NicVariants
+from agent.inventory.passthrough import GpuVariants, NicVariants
 from agent.kinds import Kind
 from agent.kube import Backoff, NodeInfo, read_node
 from agent.model import NUMA_NODE, PCI_BUS_ID, PCIE_ROOT, CounterConsumption, CounterSet, Device
@@ -115,15 +115,17 @@ def test_every_gpu_has_a_variant_and_one_counter_set_both_consume_whole(
     devs = by_name(objs)
     natives = {n: d for n, d in devs.items() if d["attributes"]["type"] == {"string": "gpu"}}
     migs = {n for n, d in devs.items() if d["attributes"]["type"] == {"string": "mig"}}
-    assert len(natives) == gpus and len(migs) == 25 * gpus and len(devs) == 2 * gpus + len(migs)
+    # 13 placements a GPU: the profiles --mig-profiles names by default (tests/test_mig.py has them).
+    assert len(natives) == gpus and len(migs) == 13 * gpus and len(devs) == 2 * gpus + len(migs)
     for name, native in natives.items():
         bus = native["attributes"][PCI_BUS_ID]["string"]
         variant = devs[vfio(bus)]
-        # The same set, all of it, for both forms.
+        # The same set, the whole GPU of it, for both forms: `gpu` and all of `memory` (every placement
+        # takes some memory), not the counters the placements share out.
         [mine] = consumption(devs, name)
         assert consumption(devs, vfio(bus)) == [mine]
         assert mine["counterSet"] == f"gpu-{bus.replace(':', '-').replace('.', '-')}-counters"
-        assert mine["counters"] == sets[mine["counterSet"]]
+        assert mine["counters"] == {k: sets[mine["counterSet"]][k] for k in ("gpu", "memory")}
         assert mine["counters"]["gpu"] == {"value": "1"}
         assert mine["counters"]["memory"] == native["capacity"]["memory"]
         attrs = variant["attributes"]
@@ -180,6 +182,28 @@ def test_no_iommu_groups_no_variants_said_once(mixed: GpuSource, caplog: pytest.
     assert [d for d in first if d.kind == "vfio"] == []
     assert all(d.consumes_counters for d in first)  # the natives keep their sets
     assert sum("no IOMMU groups" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_no_iommu_groups_is_said_only_of_functions_that_miss_a_variant(
+        mixed: GpuSource, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A host with SR-IOV VFs and its IOMMU off: the warning names the VFs that get no variant.
+    sys = sim_sys(mixed)
+    groups = sys / "kernel" / "iommu_groups"
+    shutil.rmtree(groups)
+    groups.mkdir()
+    with caplog.at_level(logging.WARNING, logger="agent.inventory.passthrough"):
+        assert NicVariants().apply(sys, []) == []
+    said = [r.getMessage() for r in caplog.records if "no IOMMU groups" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("no passthrough variant for NIC function 0000:4b:00.1, 0000:4b:00.2")
+    # A host without a VF (nor a GPU) has nothing to pass through: its IOMMU being off is not worth a
+    # warning on every `dra-agent devices` (doctor's IOMMU line says it).
+    caplog.clear()
+    bare = tmp_path / "bare-sys"
+    (bare / "bus" / "pci" / "devices").mkdir(parents=True)
+    with caplog.at_level(logging.INFO, logger="agent.inventory.passthrough"):
+        assert NicVariants().apply(bare, []) == []
+        assert GpuVariants().apply(bare, []) == []
+    assert caplog.records == []
 
 
 # -- NIC functions -------------------------------------------------------------------------------------

@@ -33,10 +33,12 @@ SHOWS = {
     "dra-agent kubelet info": ["v1.DRAPlugin", DRIVER],
     "dra-agent kubelet prepare default/gpu-one": ['"device_name": "gpu-0"'],
     "cat .run/cdi/dra.example.com-claim_*.json": [f'"kind": "{DRIVER}/claim"'],
-    "cat $(dra-agent claims default/gpu-one --metadata)": [
-        '"apiVersion":"metadata.resource.k8s.io/v1beta1"', '"name":"gpu-one"'],
+    # A JSON stream, an object a line per API version: read as README says, line by line.
+    "python3 -m json.tool --json-lines $(dra-agent claims default/gpu-one --metadata)": [
+        '"apiVersion": "metadata.resource.k8s.io/v1beta1"', '"apiVersion": "metadata.resource.k8s.io/v1alpha1"',
+        '"name": "gpu-one"'],
     "dra-agent claims ": ["default/gpu-one"],
-    "dra-agent kubelet health --once": ['"device_name": "gpu-3"', '"health": "HEALTHY"'],
+    "dra-agent kubelet health --once": ["devices in pool", "HEALTHY", "gpu-3 "],
     "dra-agent sim xid gpu-3 48": ["xid gpu-3 XID 48: applied"],
     "dra-agent taints": ["NoSchedule"],
     "dra-agent sim recover gpu-3": ["recover gpu-3: applied"],
@@ -154,8 +156,8 @@ def test_a_broken_block_fails_the_walkthrough(workdir: Path) -> None:
     """What the test above would say of a walk-through with a broken step (the metadata file's path as
     README once printed it, `<uid>` and all), and of one missing a step: run, not assumed."""
     agent, *blocks = walkthrough((ROOT / "README.md").read_text())
-    broken = [b.replace("cat $(dra-agent claims default/gpu-one --metadata)",
-                        f"cat .run/kubelet/plugins/{DRIVER}/dra-device-metadata/<uid>/gpu/metadata.json")
+    broken = [b.replace("$(dra-agent claims default/gpu-one --metadata)",
+                        f".run/kubelet/plugins/{DRIVER}/dra-device-metadata/<uid>/gpu/metadata.json")
               for b in blocks]
     assert broken != blocks
     with started(workdir, agent_command(agent), workdir / "make-run.log"):

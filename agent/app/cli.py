@@ -8,7 +8,7 @@
     dra-agent cdi validate [PATH...]
     dra-agent doctor [-o text|json]    check this node the way a person would when a pod is stuck
     dra-agent taints [-o table|json]   the device taints the agent holds; `taints clear DEVICE`
-    dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE   drive the simulated GPUs
+    dra-agent sim xid DEVICE XID | lose DEVICE | recover DEVICE | driver unload|load   drive the simulated GPUs
     dra-agent vfio status              what the agent bound to vfio-pci
     dra-agent pool status [-o text|json]   this node's pool as the cluster sees it, beside the node's view
     dra-agent help settings            every setting (flag and environment variable)
@@ -190,8 +190,14 @@ def parser(words: Sequence[str] | None = None) -> Parser:
             ap.add_argument("--uid", default="", help="claim UID (default: read from the claim source)")
             ap.add_argument("--api", choices=("v1", "v1beta1"), default="v1")
         if action == "health":
-            ap.add_argument("--api", choices=("v1", "v1alpha1"), default="v1")
+            ap.add_argument("--api", choices=("v1", "v1alpha1"), default="v1",
+                            help="the version of the DRAResourceHealth service to call, as a kubelet would: v1 (what "
+                                 "the kubelet of 1.37 picks, the newest the agent registers) or v1alpha1 (the one "
+                                 "earlier kubelets call); the agent serves both with the same devices (default: v1)")
             ap.add_argument("--once", action="store_true", help="print the first list and exit")
+            ap.add_argument("-o", "--output", choices=("table", "json"), default="table",
+                            help="a table of the devices and their health (default), or each answer of the "
+                                 "stream whole, as JSON")
 
     csub = group(sub, "cdi", "CDI spec tools")
     vp = leaf(csub, "validate", "strictly check CDI specs: the spec files in each directory PATH, or a spec file "

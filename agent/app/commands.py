@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import datetime
 import difflib
 import sys
 from collections.abc import Sequence
@@ -198,8 +200,13 @@ async def _kubelet(args: argparse.Namespace, settings: config.Settings, kc: Any,
               f"versions:  {', '.join(info.supported_versions)}")
         return 0
     if ref is None:
+        first = True
         async for response in kc.watch_health(settings.dra_socket, args.api or "v1"):
-            print(dump(kc.to_dict(response), "json"), flush=True)
+            if args.output == "json":
+                print(dump(kc.to_dict(response), "json"), flush=True)
+            else:
+                print(("" if first else "\n") + health_table(response), flush=True)
+            first = False
             if args.once:
                 break
         return 0
@@ -210,6 +217,27 @@ async def _kubelet(args: argparse.Namespace, settings: config.Settings, kc: Any,
     out = kc.to_dict(response)
     print(dump(out, "json"))
     return 1 if any(c.get("error") for c in out.get("claims", {}).values()) else 0
+
+
+def health_table(response: Any) -> str:
+    """One answer of the health stream (a NodeWatchResourcesResponse of either version) for a person: a line
+    of counts, then a row a device with its health, when the agent last updated it, the timeout the kubelet
+    is given, and the message (`-o json` prints the answer whole: some 7 lines a device)."""
+    counts: collections.Counter[str] = collections.Counter()
+    pools: set[str] = set()
+    rows = []
+    for d in sorted(response.devices, key=lambda d: (d.device.pool_name, d.device.device_name)):
+        status = d.DESCRIPTOR.fields_by_name["health"].enum_type.values_by_number[d.health].name
+        counts[status] += 1
+        pools.add(d.device.pool_name)
+        updated = datetime.datetime.fromtimestamp(d.last_updated_time, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ") \
+            if d.last_updated_time else ""
+        timeout = f"{d.health_check_timeout_seconds}s" if d.health_check_timeout_seconds else "default"
+        rows.append((d.device.device_name, status, updated, timeout, d.message))
+    said = ", ".join(f"{counts[s]} {s}" for s in ("HEALTHY", "UNHEALTHY", "UNKNOWN") if counts[s])
+    where = f" in pool {', '.join(sorted(pools))}" if pools else ""
+    head = f"{len(rows)} devices{where}" + (f": {said}" if said else "")
+    return (head + "\n" + table(rows, ("DEVICE", "HEALTH", "UPDATED", "TIMEOUT", "MESSAGE"))) if rows else head
 
 
 async def _claim_ref(args: argparse.Namespace, settings: config.Settings, namespace: str, name: str) -> Any:

@@ -13,7 +13,10 @@ Variants are found in sysfs, not from the native devices: a function bound to vf
 and loses its netdev, and its variant must stay published (under the same name) while a VM has it.
 
 No variant, said once in the log with why:
-- the host has no IOMMU groups (`/sys/kernel/iommu_groups` empty: the IOMMU is off);
+- the host has no IOMMU groups (`/sys/kernel/iommu_groups` empty: the IOMMU is off), said only when a
+  function would otherwise be looked at (an NVIDIA GPU, an SR-IOV VF, a PF `--nic-passthrough` names):
+  a node without one has nothing to pass through, and a warning there would only contradict
+  `dra-agent doctor`'s IOMMU line (with simulated GPUs, the simulated machine's groups);
 - the function's IOMMU group holds another endpoint that is neither a bridge nor a companion in the
   function's own slot (a GPU's audio or USB function): VFIO takes whole groups, so passing the
   function through would take its neighbour (another GPU, a NIC) away from the host too.
@@ -128,12 +131,16 @@ class Variants:
             name=counters.passthrough_name(native, fn.bdf), kind=Kind.VFIO, attributes=attrs, node=facts,
             consumes_counters=(CounterConsumption.all_of(counter_set),))
 
-    def groups_present(self, sysfs: Path) -> bool:
+    def groups_present(self, sysfs: Path, functions: Sequence[str]) -> bool:
+        """Whether `functions` (those that would get a variant with an IOMMU) can be looked at: a warning
+        naming them when the host has no IOMMU groups, nothing when there are none to miss out."""
+        if not functions:
+            return False
         if iommu_groups_present(sysfs):
             self._said.pop("<iommu>", None)
             return True
         self.note("<iommu>", f"no IOMMU groups in {sysfs / 'kernel' / 'iommu_groups'} (the IOMMU is off or "
-                  f"absent): no {self.what} gets a passthrough variant", logging.WARNING)
+                  f"absent): no passthrough variant for {self.what} {', '.join(functions)}", logging.WARNING)
         return False
 
 
@@ -162,9 +169,10 @@ class GpuVariants:
                 self._memory[bus] = memory.value
             sets[bus] = cs = self._counter_set(bus)
             out.append(dataclasses.replace(dev, consumes_counters=(CounterConsumption.all_of(cs),)))
-        if not self.variants.groups_present(sysfs):
+        functions = sorted(set(nvidia_display_functions(sysfs)) | {b for b in sets if _in_sysfs(sysfs, b)})
+        if not self.variants.groups_present(sysfs, functions):
             return out
-        for bus in sorted(set(nvidia_display_functions(sysfs)) | {b for b in sets if _in_sysfs(sysfs, b)}):
+        for bus in functions:
             fn = self.variants.passable(sysfs, bus)
             if fn is not None:
                 out.append(self.variants.variant(sysfs, fn, Kind.GPU, sets.get(bus) or self._counter_set(bus)))
@@ -211,12 +219,15 @@ class NicVariants:
         out = [d if (bus := _bus_of(d)) is None
                else dataclasses.replace(d, consumes_counters=(counters.one_port(self._counter_set(bus)),))
                for d in natives]
-        if not self.variants.groups_present(sysfs):
-            return out
+        functions = []
         for bus in self._candidates(sysfs):
             if bus in uplinks:
                 log.debug("NIC function %s is the node's uplink (%s): no passthrough variant", bus, uplinks[bus])
-                continue
+            else:
+                functions.append(bus)
+        if not self.variants.groups_present(sysfs, functions):
+            return out
+        for bus in functions:
             fn = self.variants.passable(sysfs, bus)
             if fn is None:
                 continue
