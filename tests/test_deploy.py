@@ -794,11 +794,13 @@ def devices_of(slices: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]
 
 @functools.cache
 def _node_devices(node_allocatable: bool, kubevirt_cpu: bool) -> tuple[tuple[str, dict[str, Any]], ...]:
-    """Simulated GPUs (`--nvml sim`), and this host's CPUs and memory per NUMA node."""
+    """Simulated GPUs (`--nvml sim`) with every MIG profile's placements (deploy/'s classes cover them all),
+    and this host's CPUs and memory per NUMA node."""
     root = Path(tempfile.mkdtemp(prefix="dra-deploy-"))
     try:
         settings = build_settings({"driver_name": DRIVER, "node_name": NODE, "nvml": "sim", "nic_exclude": "*",
-                                   "gpu_sharing": True, "compatibility_groups": True, "kubevirt_cpu": kubevirt_cpu,
+                                   "gpu_sharing": True, "mig_profiles": "all", "compatibility_groups": True,
+                                   "kubevirt_cpu": kubevirt_cpu,
                                    "state_dir": str(root / "state"),
                                    "offline": str(_offline_dir(root, node_allocatable))})
         return tuple(devices_of(asyncio.run(render_slices(settings))))
@@ -951,7 +953,9 @@ def _deployed_devices(which: str) -> tuple[tuple[str, dict[str, Any]], ...]:
 
 def class_source(name: str) -> str:
     """The text (comments included) of the document in deploy/ that defines DeviceClass `name`."""
-    for path in sorted(DEPLOY.rglob("*.yaml")):
+    # Not deploy/helm: the chart's templates are YAML only once rendered (tests/test_helm.py holds them
+    # to these kustomizations).
+    for path in sorted(p for p in DEPLOY.rglob("*.yaml") if p.relative_to(DEPLOY).parts[0] != "helm"):
         for doc in path.read_text().split("\n---\n"):
             obj = yaml.safe_load(doc)
             if isinstance(obj, dict) and obj.get("kind") == "DeviceClass" and obj["metadata"]["name"] == name:
