@@ -6,19 +6,24 @@ STAMP  := $(VENV)/.installed
 RUN    ?= .run
 PB     := agent/pb/__init__.py
 
-.PHONY: all setup test test-cluster test-kubelet cluster-components kubelet-components lint run bench stress hw-check nvml-standin gocheck clean
+.PHONY: all setup test test-cluster test-kubelet cluster-components kubelet-components lint run bench stress hw-check nvml-standin gocheck helm promtool clean
 
 all: setup
 
-$(STAMP): pyproject.toml setup.py
-	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is needed"'
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
-	touch $@
+# Quiet pip, so each step says what it does in one line (the first install downloads for a minute or so).
+# agent/__init__.py holds the version: installed again when it changes, so the installed metadata
+# (importlib.metadata, pip show) says the agent's version.
+$(STAMP): pyproject.toml setup.py agent/__init__.py
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is needed"'
+	@test -x $(BIN)/python || { echo "setup: making the virtual environment $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "setup: installing dra-agent and its dependencies into $(VENV) (pip; a minute or so the first time)"
+	@$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -m pip install -q -e '.[test]'
+	@touch $@
 
 $(PB): proto/*.proto proto/build.py $(STAMP)
-	$(BIN)/python proto/build.py >/dev/null
+	@echo "setup: generating the gRPC modules (agent/pb) from proto/"
+	@$(BIN)/python proto/build.py >/dev/null
 
 setup: $(STAMP) $(PB)
 
@@ -27,7 +32,7 @@ lint: setup
 	$(BIN)/mypy agent cdi
 	MYPYPATH=bench:tests $(BIN)/mypy --explicit-package-bases bench/*.py
 
-test: lint nvml-standin gocheck cluster-components kubelet-components
+test: lint nvml-standin gocheck helm promtool cluster-components kubelet-components
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The Go checker (tests/gocheck): the official CDI and device-metadata libraries read what the agent
@@ -37,6 +42,18 @@ test: lint nvml-standin gocheck cluster-components kubelet-components
 # tests then skip), unless DRA_TEST_NO_SKIP is set.
 gocheck:
 	$(PYTHON) tests/gocheck/build.py >/dev/null
+
+# promtool from Prometheus's Go module (tests/promtool), and promqlnames beside it: they check the alert
+# rules of deploy/monitoring and the metrics they and the dashboard name (tests/test_monitoring.py).
+# Built once into ~/.cache/dra-agent/promtool-<hash>/, as gocheck is.
+promtool:
+	$(PYTHON) tests/promtool/build.py >/dev/null
+
+# Helm v4 from its Go module (tests/helm): lints, renders and installs deploy/helm/dra-agent
+# (tests/test_helm.py, tests/cluster/test_cluster_helm.py). Built once into ~/.cache/dra-agent/helm-<hash>/,
+# as gocheck is.
+helm:
+	$(PYTHON) tests/helm/build.py >/dev/null
 
 # The real Kubernetes control plane the tests under tests/cluster run against (docs/tests.md):
 # kube-apiserver, kube-scheduler, kube-controller-manager and etcd, built with Go from
@@ -102,15 +119,27 @@ hw-check: setup
 # wheels from PyPI. IMAGE names it, IMAGE_BASE is the base.
 IMAGE      ?= localhost/dra-agent:latest
 IMAGE_BASE ?= docker.io/library/python:3.11-slim-bookworm
+# The agent's version, from its one source (the image's labels; the build refuses another).
+AGENT_VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' agent/__init__.py)
 
-.PHONY: image image-offline
+.PHONY: image image-offline release test-release
 image:
-	podman build --build-arg BASE=$(IMAGE_BASE) --tag $(IMAGE) --file Containerfile .
+	podman build --build-arg BASE=$(IMAGE_BASE) --build-arg VERSION=$(AGENT_VERSION) --tag $(IMAGE) --file Containerfile .
 
 # The same image with no registry, as CI builds it (image/build.py): a Debian base made here by
 # mmdebstrap, the wheels downloaded here into .image/wheels, and no network in the build.
 image-offline: $(STAMP)
 	$(BIN)/python image/build.py --tag $(IMAGE)
+
+# A release (image/release.py; docs/image.md, "A release"): the image for linux/amd64 and linux/arm64 built
+# as image-offline builds it (the arm64 one under qemu-user-static, binfmt_misc set up where it is not),
+# one multi-arch OCI archive, and the Helm chart packaged, all of the agent's version, in dist/<version>/.
+release: $(STAMP) helm
+	$(BIN)/python image/release.py
+
+# The release's test alone (tests/test_release.py; `make test` runs it with the rest).
+test-release: setup helm
+	$(BIN)/python -m pytest -q -m release tests/test_release.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(RUN) .bench .stress build dist *.egg-info agent/pb $(STANDIN)

@@ -35,6 +35,8 @@ import yaml
 from conftest import need_command, need_root
 from driverroots import make_driver_root
 
+from agent import __version__
+
 ROOT = Path(__file__).resolve().parent.parent
 STANDIN = ROOT / "tests" / "nvml_standin" / "build"  # `make nvml-standin`, a stand-in libnvidia-ml.so.1
 NODE = "image-node"
@@ -86,6 +88,11 @@ def devices(out: str) -> dict[str, dict[str, Any]]:
 def test_the_image_has_the_agent_and_neither_nvml_nor_build_leftovers(image):
     config = json.loads(runtime.podman("image", "inspect", image).stdout)[0]["Config"]
     assert config["Entrypoint"] == ["dra-agent"] and config["Cmd"] == ["run"]
+    # The version a registry and a scanner read, the agent's own (`dra-agent --version`, dra_agent_build_info).
+    labels = config.get("Labels") or {}
+    assert labels["org.opencontainers.image.version"] == __version__, labels
+    assert labels["org.opencontainers.image.title"] == "dra-agent"
+    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
     with runtime.podman_container([], None, image=image) as container:
         root = Path(runtime.podman("mount", container.id).stdout.strip())
         try:
@@ -204,6 +211,12 @@ def wait_for(path: Path, running: runtime.RunningContainer, log: Path, seconds: 
 
 
 def test_run_offline_with_host_directories_prepared_from_outside(image, host_dirs, short_tmp):
+    run_offline_and_prepare(image, host_dirs, short_tmp)
+
+
+def run_offline_and_prepare(image: str, host_dirs: dict[str, Path], short_tmp: Path, seconds: float = 120) -> None:
+    """The walk-through of docs/image.md ("Running it"); tests/test_release.py runs it on the arm64 image
+    under qemu too (`seconds`: how long the agent may take to start)."""
     # As deploy/'s DaemonSet runs it in the dev overlay: host network, the host's directories at the
     # same paths, a read-only root filesystem, no capability but CAP_MKNOD (the simulated GPUs'
     # device nodes), settings from the environment, and the image's own command (`dra-agent run`).
@@ -223,10 +236,10 @@ def test_run_offline_with_host_directories_prepared_from_outside(image, host_dir
     log = short_tmp / "agent.log"
     with runtime.podman_container([], None, image=image, options=options) as container, \
             runtime.started(container, log) as running:
-        wait_for(host_dirs["registry"] / f"{DRIVER}-reg.sock", running, log)
+        wait_for(host_dirs["registry"] / f"{DRIVER}-reg.sock", running, log, seconds)
         info = host_cli("kubelet", "info", env=env)
         assert info.returncode == 0 and "DRAPlugin" in info.stdout, info.stderr + log.read_text()
-        wait_for(host_dirs["plugin"] / "dra.sock", running, log)
+        wait_for(host_dirs["plugin"] / "dra.sock", running, log, seconds)
 
         prepared = host_cli("kubelet", "prepare", "default/gpu-one", env=env)
         assert prepared.returncode == 0, prepared.stderr + log.read_text()
