@@ -37,6 +37,15 @@ REPO = Path(__file__).resolve().parents[1]
 NODE = "node-a"
 
 
+def sim_cli(s: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    """`dra-agent ARGS` on the simulated machine of the agent `s` runs (offline, its roots, no NIC)."""
+    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={**os.environ, "DRA_NVML": "sim", "DRA_STATE_DIR": str(s.state_dir),
+                                         "DRA_OFFLINE": str(s.offline), "DRA_KUBELET_DIR": str(s.kubelet_dir),
+                                         "DRA_DRIVER_NAME": s.driver_name, "NODE_NAME": NODE,
+                                         "DRA_NIC_EXCLUDE": "*"})
+
+
 def roots(tmp: Path, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
         "driver_name": DRIVER, "node_name": NODE, "nvml": "sim", "kubelet_dir": tmp / "kubelet",

@@ -55,12 +55,7 @@ def checker() -> Path:
     """The Go checker of tests/gocheck (the official CDI and metadata libraries), built or reused once."""
     from gocheck import build
 
-    try:
-        return build.binary()
-    except build.GoMissing as e:
-        pytest.skip(str(e))
-    except build.BuildFailed as e:
-        pytest.fail(str(e))
+    return build.GOCHECK.for_test("gocheck")
 
 
 @pytest.fixture

@@ -397,7 +397,9 @@ def test_gpu_appearing_later_is_registered(sim: SimulatedNvml, watch) -> None:  
 
 # -- the real pynvml path, through the stand-in library ---------------------------------------------
 
-STANDIN_SCRIPT = textwrap.dedent("""
+# What both scripts start with: a watcher on the real pynvml over the stand-in library, and `say`, which
+# writes the library's control file and waits for the watcher to have seen it.
+STANDIN_PRELUDE = textwrap.dedent("""
     import json, os, sys, pathlib, pynvml
     from agent.inventory.gpu_events import GpuEventWatcher
     control = pathlib.Path(sys.argv[1])
@@ -412,6 +414,8 @@ STANDIN_SCRIPT = textwrap.dedent("""
     watcher = GpuEventWatcher(pynvml, seen.append, probe_interval=0.1)
     watcher.start()
     watcher.probed()
+""")
+STANDIN_SCRIPT = STANDIN_PRELUDE + textwrap.dedent("""
     say("action 2 1", "xid 2 79")
     say("action 2 1", "xid 2 79", "lost 0")
     say("action 2 0", "xid 2 79")
@@ -447,21 +451,7 @@ def test_real_pynvml_through_the_standin_library(short_tmp: Path, build: str) ->
     assert out["stopped"]
 
 
-DRIVER_RELOAD_SCRIPT = textwrap.dedent("""
-    import json, os, sys, pathlib, pynvml
-    from agent.inventory.gpu_events import GpuEventWatcher
-    control = pathlib.Path(sys.argv[1])
-
-    def say(*lines):  # the control file, replaced at once: the library reads it on every call
-        control.with_suffix(".tmp").write_text("".join(line + "\\n" for line in lines))
-        os.replace(control.with_suffix(".tmp"), control)
-        watcher.probed()  # seen and reported by now
-
-    pynvml.nvmlInit()
-    seen = []
-    watcher = GpuEventWatcher(pynvml, seen.append, probe_interval=0.1)
-    watcher.start()
-    watcher.probed()
+DRIVER_RELOAD_SCRIPT = STANDIN_PRELUDE + textwrap.dedent("""
     up = [watcher.nvml_up]
     say("unloaded")  # the driver goes: the session is over
     up.append(watcher.nvml_up)

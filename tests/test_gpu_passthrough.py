@@ -12,9 +12,6 @@ NVML for the bind (else the simulated driver's unbind waits for it for ever: the
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
-from agentkit import NODE, agent_process, claim, result, roots, write_claim
+from agentkit import NODE, agent_process, claim, result, roots, sim_cli, write_claim
 
 from agent.config import Settings
 from agent.kubelet import client as kc
@@ -44,13 +41,6 @@ def agent_args(s: Settings) -> list[str]:
             str(s.static_cdi_dir), "--state-dir", str(s.state_dir), "--nic-exclude", "*", "--metrics-address", "",
             "--rescan-interval", "0.5", "--gpu-probe-interval", "0.2"]
 
-
-def cli(s: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env={**os.environ, "DRA_NVML": "sim", "DRA_STATE_DIR": str(s.state_dir),
-                                         "DRA_OFFLINE": str(s.offline), "DRA_KUBELET_DIR": str(s.kubelet_dir),
-                                         "DRA_DRIVER_NAME": s.driver_name, "NODE_NAME": NODE,
-                                         "DRA_NIC_EXCLUDE": "*"})
 
 
 def pool(s: Settings) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
@@ -97,7 +87,7 @@ def ready(s: Settings) -> str | None:
 
 
 def health(s: Settings) -> dict[str, str]:
-    done = cli(s, "kubelet", "health", "--once", "-o", "json")
+    done = sim_cli(s, "kubelet", "health", "--once", "-o", "json")
     assert done.returncode == 0, done.stderr
     return {d["device"]["device_name"]: d["health"] for d in json.loads(done.stdout)["devices"]}
 
@@ -122,7 +112,7 @@ async def test_a_gpu_on_vfio_pci_stays_published_healthy_and_ready_and_comes_bac
         # NVML lists seven GPUs now: those after gpu-1 moved down an index, and are published so.
         until(lambda: index_of(s, "gpu-2") == 1, "gpu-2 at NVML index 1 once gpu-1 left NVML")
         # The event watcher, started afresh, names them right: an XID at NVML index 1 is gpu-2's.
-        done = cli(s, "sim", "xid", "gpu-2", "13")
+        done = sim_cli(s, "sim", "xid", "gpu-2", "13")
         assert done.returncode == 0, done.stderr
         until(lambda: bool(taints(s).get("gpu-2")), "gpu-2 tainted by its XID")
         # Nothing lost: no gpu-lost taint anywhere, gpu-1 and its forms untainted; gpu-2's forms carry its XID.

@@ -64,12 +64,7 @@ def helm() -> Path:
     """Helm, built or reused once (tests/helm/build.py)."""
     from helm import build
 
-    try:
-        return Path(build.binary())
-    except build.GoMissing as e:
-        pytest.skip(str(e))
-    except build.BuildFailed as e:
-        pytest.fail(str(e))
+    return Path(build.HELM.for_test("helm"))
 
 
 def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:

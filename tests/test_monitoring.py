@@ -58,15 +58,7 @@ UID_MISSING = "6a1e0c00-0000-4000-8000-0000000000a2"
 def gobin() -> Callable[[str], Path]:
     from promtool import build
 
-    def binary(program: str) -> Path:
-        try:
-            return build.binary(program)
-        except build.GoMissing as e:
-            pytest.skip(str(e))
-        except build.BuildFailed as e:
-            pytest.fail(str(e))
-
-    return binary
+    return build.PROMTOOL.for_test
 
 
 def rule_object() -> dict[str, Any]:

@@ -29,12 +29,7 @@ VERSIONS = ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alph
 
 @pytest.fixture(scope="module")
 def kubeletreg() -> Path:
-    try:
-        return build.binary("kubeletreg")
-    except build.GoMissing as e:
-        pytest.skip(str(e))
-    except build.BuildFailed as e:
-        pytest.fail(str(e))
+    return build.GOCHECK.for_test("kubeletreg")
 
 
 @pytest.fixture

@@ -46,12 +46,7 @@ def _reported(node_report: NodeReport) -> None:
 
 @pytest.fixture(scope="module")
 def device_plugin_program() -> Path:
-    try:
-        return build.binary("deviceplugin")
-    except build.GoMissing as e:
-        pytest.skip(str(e))
-    except build.BuildFailed as e:
-        pytest.fail(str(e))
+    return build.GOCHECK.for_test("deviceplugin")
 
 
 class DevicePlugin:

@@ -19,7 +19,7 @@ from .clusterkit import NODE_ALLOCATABLE, VENV_BIN, AgentRuns, Cluster, devices_
 pytestmark = pytest.mark.cluster
 
 # The published `type` of each kind in the pool's order (`slices.KIND_ORDER`).
-WALK_ORDER = ["gpu", "vfio", "shared", "nic", "cpu", "memory", "vgpu", "mig"]
+WALK_ORDER = ["cpu", "memory", "gpu", "vfio", "shared", "nic", "vgpu", "mig"]  # agent.publish.slices.KIND_ORDER
 EVERY_FORM = ("--dynamic-mig=true", "--vgpu-types=auto", "--gpu-sharing=true", "--compatibility-groups=true")
 
 
