@@ -319,10 +319,13 @@ class Agent:
             return None
         events = NodeEvents(conn.client, self.settings.node_name, conn.node.uid if conn.node is not None else "",
                             self.settings.driver_name)
-        return PluginHolds(names, self.settings.driver_name, running.pods,
-                           lambda: gpus_of(self.inventory.snapshot().devices.values()), self._holds_changed,
-                           mig_parents=self._mig_parents, events=events,
-                           directory=health_dir(self.settings))
+        holds = PluginHolds(names, self.settings.driver_name, running.pods,
+                            lambda: gpus_of(self.inventory.snapshot().devices.values()), self._holds_changed,
+                            mig_parents=self._mig_parents, events=events,
+                            directory=health_dir(self.settings))
+        # Read when scraped: the holds change on the Node's watch, the pods' reads and rescans alike.
+        self.metrics.device_plugin_held.set_function(lambda: len(holds.held))
+        return holds
 
     def _mig_parents(self) -> dict[str, str]:
         """MIG device UUID -> its GPU's UUID, of every GPU source (`GpuSource.mig_parents`). Blocking."""
@@ -338,7 +341,6 @@ class Agent:
         """The GPUs a device plugin holds changed: the slices follow."""
         if (publish := self.publish) is not None:
             publish.update(self.health.published(self.inventory.snapshot()))
-        self.metrics.device_plugin_held.set(len(self.health.holds.held) if self.health.holds else 0)
 
     async def _restore_status(self, running: Running) -> None:
         """The claim status the last orderly stop left (`agent.health.statuswritten`), for the resync."""

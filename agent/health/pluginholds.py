@@ -246,6 +246,7 @@ class PluginHolds:
         self.held: dict[str, Hold] = {}
         self._since: dict[str, float] = {}
         self._saved = False
+        self._parents: dict[str, str] = {}  # MIG device UUID -> its GPU's UUID, as NVML said last
         self._wake = asyncio.Event()
         self._event_tasks: set[asyncio.Task[bool]] = set()
 
@@ -283,12 +284,13 @@ class PluginHolds:
         """Work out the holds again; when they changed, log it, post a Node event and call `on_change` (unless
         not `notify`: the caller publishes). Whether they changed."""
         gpus = self.gpus()
-        parents: Mapping[str, str] = {}
-        if self.mig_parents is not None and self.assigned and any(
-                i.split("::", 1)[0].startswith("MIG-") for i in self.assigned):
-            parents = await asyncio.to_thread(self.mig_parents)
+        # NVML is asked only for a MIG UUID not placed yet: a MIG device stays on its GPU while it exists, and
+        # the pods are read every few seconds while anything is held.
+        migs = {i.split("::", 1)[0] for i in self.assigned or ()} - set(self._parents)
+        if self.mig_parents is not None and any(m.startswith("MIG-") for m in migs):
+            self._parents = dict(await asyncio.to_thread(self.mig_parents))
         # `assigned` is the last answer: a read that failed kept it (None: none yet).
-        new = holds(gpus, self.node, self.assigned, parents)
+        new = holds(gpus, self.node, self.assigned, self._parents)
         if new == self.held:
             if not self._saved:  # the first: what an earlier run saved is replaced
                 await self.save()
